@@ -1,0 +1,45 @@
+# passage: the two commands are `make demo` and `make test` (see README.md).
+SHELL := /bin/bash
+BUILD := build
+GO ?= go
+
+.PHONY: all deps build test unit qemu-test demo kernel initramfs ipxe bench fuzz clean
+
+all: build
+
+# deps installs what the commands need from Debian's archive when it is missing.
+deps:
+	@bash image/deps.sh
+
+build:
+	@mkdir -p $(BUILD)
+	$(GO) build -o $(BUILD)/passage ./cmd/passage
+
+kernel: deps
+	@bash image/kernel.sh $(BUILD)/kernel
+
+initramfs: kernel
+	@bash image/initramfs.sh $(BUILD)
+
+ipxe: initramfs
+	@bash image/ipxe.sh $(BUILD)
+
+# unit runs vet and the race-enabled unit tests (synthetic trees, lspci oracle, TPM simulator).
+unit: deps
+	$(GO) vet ./...
+	$(GO) test -race -count=1 ./...
+
+# qemu-test boots the real initramfs on Debian's kernel under QEMU (see qemu-tests/).
+qemu-test: initramfs
+	PASSAGE_BUILD=$(abspath $(BUILD)) $(GO) test -count=1 -timeout 25m -tags qemu -v ./qemu-tests/
+
+test: unit qemu-test
+
+demo: initramfs
+	@bash image/demo.sh $(BUILD)
+
+bench: deps
+	@bash bench/run.sh
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,69 @@
+// Command passage is the one binary of the project: the boot stage (the u-root uinit)
+// and the tools an operator and a hypervisor use around it. Each subcommand is flag
+// parsing and output around a package call; the logic lives in the packages.
+package main
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"sort"
+)
+
+// command is one subcommand: run gets the arguments after the subcommand's name and
+// returns the process exit status (0 ok, 1 a check failed, 2 bad usage or bad input).
+type command struct {
+	summary string
+	run     func(args []string, stdout, stderr io.Writer) int
+}
+
+func commands() map[string]command {
+	return map[string]command{
+		"boot":       {"run the boot stage (the initramfs uinit); never returns", cmdBoot},
+		"inspect":    {"show the PCIe tree with links, ACS and ATS", cmdInspect},
+		"snapshot":   {"capture the sysfs files a scan reads into a tar.gz", cmdSnapshot},
+		"plan":       {"label roles, group GPU units, plan ACS and the guest topology", cmdPlan},
+		"render":     {"print the guest topology as QEMU args, libvirt XML or NCCL XML", cmdRender},
+		"apply":      {"program ACS and bind passthrough devices to vfio-pci", cmdApply},
+		"unbind":     {"return a unit's devices to their host drivers", cmdUnbind},
+		"keygen":     {"write an ed25519 key pair for signing manifests", cmdKeygen},
+		"tpm-pubkey": {"print the public part of the TPM-resident signing key", cmdTPMPubkey},
+		"verify":     {"verify a signed manifest (the hypervisor side)", cmdVerify},
+		"perfcheck":  {"compare host and guest nccl-tests/nvbandwidth results", cmdPerfcheck},
+	}
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "usage: passage <command> [flags]\n\ncommands:")
+	cmds := commands()
+	names := make([]string, 0, len(cmds))
+	for n := range cmds {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		fmt.Fprintf(w, "  %-11s %s\n", n, cmds[n].summary)
+	}
+}
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		usage(stderr)
+		return 2
+	}
+	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		usage(stdout)
+		return 0
+	}
+	c, ok := commands()[args[0]]
+	if !ok {
+		fmt.Fprintf(stderr, "passage: unknown command %q\n", args[0])
+		usage(stderr)
+		return 2
+	}
+	return c.run(args[1:], stdout, stderr)
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs, from Debian's archive, the tools passage's build and tests use when they are
+# missing: pciutils (lspci, our decoding oracle), QEMU, swtpm. Nothing is installed when
+# everything is already there.
+set -euo pipefail
+need=()
+command -v lspci >/dev/null || need+=(pciutils)
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+command -v swtpm >/dev/null || need+=(swtpm swtpm-tools)
+command -v cpio >/dev/null || need+=(cpio)
+if ((${#need[@]})); then
+	if [[ $(id -u) != 0 ]]; then
+		echo "deps: missing ${need[*]}; run as root or install them" >&2
+		exit 1
+	fi
+	echo "deps: installing ${need[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
