@@ -1,0 +1,419 @@
+package initramfs
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+	"unicode/utf8"
+)
+
+// Handoff says what `passage boot` does once the manifest is written.
+type Handoff string
+
+const (
+	HandoffSwitchRoot Handoff = "switch_root"
+	HandoffPoweroff   Handoff = "poweroff"
+	HandoffShell      Handoff = "shell"
+	HandoffHold       Handoff = "hold"
+)
+
+// TPMMode is passage.tpm=.
+type TPMMode string
+
+const (
+	TPMAuto TPMMode = "auto" // use the TPM when /dev/tpmrm0 or /dev/tpm0 exists
+	TPMOn   TPMMode = "on"   // a missing TPM fails the manifest stage's TPM part
+	TPMOff  TPMMode = "off"
+)
+
+// ATSPolicy is passage.ats=: what a ConnectX-8 function without the ATS capability does
+// to its unit.
+type ATSPolicy string
+
+const (
+	ATSPrefer  ATSPolicy = "prefer"  // unit degraded (no DT)
+	ATSRequire ATSPolicy = "require" // unit failed
+)
+
+// Emit is passage.emit=.
+type Emit string
+
+const (
+	EmitOff     Emit = "off"
+	EmitConsole Emit = "console"
+)
+
+// NetAuto and NetOff are the special values of passage.net=; anything else names an
+// interface.
+const (
+	NetAuto = "auto"
+	NetOff  = "off"
+)
+
+// RunDir is where every boot writes its results (manifest, log.jsonl, event log).
+const RunDir = "/run/passage"
+
+// Out is passage.out=: where the manifest is kept beyond /run. Device empty means /run only.
+type Out struct {
+	Device string // block device, e.g. /dev/vda1
+	Path   string // directory inside the device's filesystem, e.g. /passage
+}
+
+func (o Out) String() string {
+	if o.Device == "" {
+		return "/run"
+	}
+	return o.Device + ":" + o.Path
+}
+
+// Config is the boot stage's configuration, from passage.* kernel arguments. The zero
+// value is not meaningful; start from Defaults.
+type Config struct {
+	Profile      string        // passage.profile=
+	Key          string        // passage.key=
+	TPM          TPMMode       // passage.tpm=
+	ATS          ATSPolicy     // passage.ats=
+	Net          string        // passage.net=
+	URL          string        // passage.url=
+	Out          Out           // passage.out=
+	Handoff      Handoff       // passage.handoff=
+	Root         string        // passage.root=
+	RootFSType   string        // passage.rootfstype=
+	Init         string        // passage.init=
+	Emit         Emit          // passage.emit=
+	StageTimeout time.Duration // passage.stage_timeout=
+	NetTimeout   time.Duration // passage.net_timeout=
+	HostModules  []string      // passage.host_modules=
+	Log          string        // passage.log=
+
+	// Cmdline is the kernel command line as read, for the manifest.
+	Cmdline string
+	// Errors holds one error per unknown or malformed passage.* argument. The boot goes on
+	// with the defaults for those; the manifest records them.
+	Errors []error
+}
+
+// Defaults is the configuration of a boot with no passage.* arguments.
+func Defaults() Config {
+	return Config{
+		Profile:      "b300",
+		Key:          "/etc/passage/key",
+		TPM:          TPMAuto,
+		ATS:          ATSPrefer,
+		Net:          NetAuto,
+		Handoff:      HandoffHold,
+		Init:         "/sbin/init",
+		Emit:         EmitOff,
+		StageTimeout: 60 * time.Second,
+		NetTimeout:   30 * time.Second,
+		// Host-kept roles on B300: management NICs (Intel igb/ixgbe/ice or
+		// ConnectX mlx5 on some boards) and the NVSwitch management interface, which the
+		// host's fabric manager drives later from the real root. The QEMU stand-in uses
+		// e1000e.
+		HostModules: []string{"e1000e", "igb"},
+		Log:         RunDir + "/log.jsonl",
+	}
+}
+
+// ArgError is an unknown or malformed passage.* kernel argument.
+type ArgError struct {
+	Arg    string // the argument as written, e.g. passage.tpm=maybe
+	Reason string
+}
+
+func (e *ArgError) Error() string { return fmt.Sprintf("cmdline %q: %s", e.Arg, e.Reason) }
+
+// Arg is one kernel command-line argument after the kernel's quote handling.
+type Arg struct {
+	Key      string
+	Value    string
+	HasValue bool
+}
+
+// SplitCmdline splits a command line the way the kernel's next_arg (lib/cmdline.c,
+// kernel/params.c) does: whitespace separates arguments except inside double quotes, a
+// quote may open anywhere, and quotes around the value (or around the whole argument)
+// are dropped. Arguments after a bare "--" belong to init and are not returned.
+func SplitCmdline(s string) []Arg {
+	var out []Arg
+	b := []byte(s)
+	i := skipSpaces(b, 0)
+	for i < len(b) {
+		start := i
+		inQuote, quoted := false, false
+		if b[i] == '"' {
+			i++
+			start = i
+			inQuote, quoted = true, true
+		}
+		equals := -1
+		j := start
+		for ; j < len(b); j++ {
+			if isSpace(b[j]) && !inQuote {
+				break
+			}
+			if equals < 0 && b[j] == '=' && j > start { // next_arg's equals==0 sentinel
+				equals = j
+			}
+			if b[j] == '"' {
+				inQuote = !inQuote
+			}
+		}
+		end := j // exclusive end of this argument
+		trimEnd := end
+		a := Arg{}
+		if equals < 0 {
+			if quoted && trimEnd > start && b[trimEnd-1] == '"' {
+				trimEnd--
+			}
+			a.Key = string(b[start:trimEnd])
+		} else {
+			a.Key = string(b[start:equals])
+			a.HasValue = true
+			vs := equals + 1
+			if vs < end && b[vs] == '"' {
+				vs++
+				if b[end-1] == '"' && end-1 >= vs {
+					trimEnd = end - 1
+				}
+			}
+			if quoted && trimEnd > vs && trimEnd == end && b[trimEnd-1] == '"' {
+				trimEnd--
+			}
+			if trimEnd < vs {
+				trimEnd = vs
+			}
+			a.Value = string(b[vs:trimEnd])
+		}
+		if a.Key == "--" && !a.HasValue {
+			break
+		}
+		out = append(out, a)
+		i = skipSpaces(b, end)
+	}
+	return out
+}
+
+func isSpace(c byte) bool {
+	return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'
+}
+
+func skipSpaces(b []byte, i int) int {
+	for i < len(b) && isSpace(b[i]) {
+		i++
+	}
+	return i
+}
+
+// paramKey folds '-' into '_' as the kernel's parameq does for parameter names.
+func paramKey(k string) string { return strings.ReplaceAll(k, "-", "_") }
+
+type setter func(c *Config, v string) error
+
+func oneOf[T ~string](dst *T, v string, allowed ...T) error {
+	for _, a := range allowed {
+		if string(a) == v {
+			*dst = a
+			return nil
+		}
+	}
+	names := make([]string, len(allowed))
+	for i, a := range allowed {
+		names[i] = string(a)
+	}
+	return fmt.Errorf("want one of %s", strings.Join(names, "|"))
+}
+
+func nonEmpty(dst *string) setter {
+	return func(_ *Config, v string) error {
+		if v == "" {
+			return fmt.Errorf("empty value")
+		}
+		*dst = v
+		return nil
+	}
+}
+
+func absPath(v string) error {
+	if !strings.HasPrefix(v, "/") {
+		return fmt.Errorf("want an absolute path")
+	}
+	return nil
+}
+
+func duration(dst *time.Duration, v string) error {
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		return fmt.Errorf("want a duration like 30s: %v", err)
+	}
+	if d <= 0 || d > 24*time.Hour {
+		return fmt.Errorf("want a duration between 0 and 24h")
+	}
+	*dst = d
+	return nil
+}
+
+// params maps each passage.* key (after the passage. prefix, '-' folded to '_') to its
+// parser. doc.go documents every one of them; TestParamsDocumented keeps the two in step.
+var params = map[string]setter{
+	"profile": func(c *Config, v string) error {
+		if v == "" || strings.ContainsAny(v, "/ ") {
+			return fmt.Errorf("want a profile name")
+		}
+		c.Profile = v
+		return nil
+	},
+	"key": func(c *Config, v string) error {
+		if err := absPath(v); err != nil {
+			return err
+		}
+		c.Key = v
+		return nil
+	},
+	"tpm": func(c *Config, v string) error { return oneOf(&c.TPM, v, TPMOn, TPMOff, TPMAuto) },
+	"ats": func(c *Config, v string) error { return oneOf(&c.ATS, v, ATSRequire, ATSPrefer) },
+	"net": func(c *Config, v string) error {
+		if v == "" || len(v) > 15 || strings.ContainsAny(v, "/ :") {
+			// IFNAMSIZ is 16 with the NUL; '/' and ':' are refused by dev_valid_name.
+			return fmt.Errorf("want auto, off or an interface name")
+		}
+		c.Net = v
+		return nil
+	},
+	"url": func(c *Config, v string) error {
+		if !strings.HasPrefix(v, "http://") && !strings.HasPrefix(v, "https://") {
+			return fmt.Errorf("want an http:// or https:// URL")
+		}
+		c.URL = v
+		return nil
+	},
+	"out": func(c *Config, v string) error {
+		if v == "/run" || v == RunDir {
+			c.Out = Out{}
+			return nil
+		}
+		dev, path, ok := strings.Cut(v, ":")
+		if !ok || !strings.HasPrefix(dev, "/dev/") || len(dev) == len("/dev/") {
+			return fmt.Errorf("want /run or <block device>:<path>, e.g. /dev/vda1:/passage")
+		}
+		if err := absPath(path); err != nil {
+			return fmt.Errorf("path %q: %v", path, err)
+		}
+		c.Out = Out{Device: dev, Path: filepath.Clean(path)}
+		return nil
+	},
+	"handoff": func(c *Config, v string) error {
+		return oneOf(&c.Handoff, v, HandoffSwitchRoot, HandoffPoweroff, HandoffShell, HandoffHold)
+	},
+	"root": func(c *Config, v string) error {
+		if !strings.HasPrefix(v, "/dev/") || len(v) == len("/dev/") {
+			return fmt.Errorf("want a block device, e.g. /dev/sda2")
+		}
+		c.Root = v
+		return nil
+	},
+	"rootfstype": func(c *Config, v string) error { return nonEmpty(&c.RootFSType)(c, v) },
+	"init": func(c *Config, v string) error {
+		if err := absPath(v); err != nil {
+			return err
+		}
+		c.Init = v
+		return nil
+	},
+	"emit":          func(c *Config, v string) error { return oneOf(&c.Emit, v, EmitConsole, EmitOff) },
+	"stage_timeout": func(c *Config, v string) error { return duration(&c.StageTimeout, v) },
+	"net_timeout":   func(c *Config, v string) error { return duration(&c.NetTimeout, v) },
+	"host_modules": func(c *Config, v string) error {
+		var mods []string
+		if v != "" {
+			for _, m := range strings.Split(v, ",") {
+				if m == "" || strings.ContainsAny(m, "/ ") {
+					return fmt.Errorf("want a comma-separated list of module names")
+				}
+				mods = append(mods, m)
+			}
+		}
+		c.HostModules = mods
+		return nil
+	},
+	"log": func(c *Config, v string) error {
+		if err := absPath(v); err != nil {
+			return err
+		}
+		c.Log = v
+		return nil
+	},
+}
+
+// ParamNames returns the passage.* keys the parser knows, sorted.
+func ParamNames() []string {
+	names := make([]string, 0, len(params))
+	for k := range params {
+		names = append(names, "passage."+k)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// ParseCmdline returns the configuration a kernel command line asks for. It never fails:
+// each unknown or malformed passage.* argument adds an ArgError to Config.Errors and leaves
+// that setting at its default. A later argument overrides an earlier one, as for the
+// kernel's own parameters.
+func ParseCmdline(cmdline string) Config {
+	c := Defaults()
+	c.Cmdline = cmdline
+	for _, a := range SplitCmdline(cmdline) {
+		name, ok := strings.CutPrefix(a.Key, "passage.")
+		if !ok {
+			continue
+		}
+		written := a.Key
+		if a.HasValue {
+			written += "=" + a.Value
+		}
+		if !utf8.ValidString(written) {
+			written = strings.ToValidUTF8(written, "\uFFFD")
+		}
+		set, known := params[paramKey(name)]
+		switch {
+		case !known:
+			c.Errors = append(c.Errors, &ArgError{Arg: written, Reason: "unknown passage argument (known: " + strings.Join(ParamNames(), ", ") + ")"})
+		case !a.HasValue:
+			c.Errors = append(c.Errors, &ArgError{Arg: written, Reason: "missing =value"})
+		default:
+			if err := set(&c, a.Value); err != nil {
+				c.Errors = append(c.Errors, &ArgError{Arg: written, Reason: err.Error()})
+			}
+		}
+	}
+	if c.Handoff == HandoffSwitchRoot && c.Root == "" {
+		c.Errors = append(c.Errors, &ArgError{Arg: "passage.handoff=switch_root", Reason: "needs passage.root=; holding instead"})
+		c.Handoff = HandoffHold
+	}
+	return c
+}
+
+// ReadConfig parses root/proc/cmdline. root is "/" on the node and a synthetic tree in
+// tests. Only an unreadable /proc/cmdline is an error; argument problems go to
+// Config.Errors.
+func ReadConfig(root string) (Config, error) {
+	p := filepath.Join(root, "proc", "cmdline")
+	b, err := os.ReadFile(p)
+	if err != nil {
+		c := Defaults()
+		return c, fmt.Errorf("cmdline %s: %w", p, err)
+	}
+	return ParseCmdline(strings.TrimRight(string(b), "\n")), nil
+}
+
+// ErrorStrings renders Config.Errors for the manifest and the log.
+func (c Config) ErrorStrings() []string {
+	out := make([]string, len(c.Errors))
+	for i, e := range c.Errors {
+		out[i] = e.Error()
+	}
+	return out
+}

@@ -1,0 +1,34 @@
+// Package initramfs is the PID-1 side of passage: the configuration read from the kernel
+// command line, and the handoff that ends every boot (switch_root, power off, a shell, or
+// holding). Network bring-up and publishing live in initramfs/netboot, the console
+// protocol in initramfs/emit, module loading in initramfs/kmod.
+//
+// # Kernel command line
+//
+// Arguments are split the way the kernel splits them (lib/cmdline.c next_arg): double
+// quotes group words, and '-' and '_' are equal in names. Arguments after a bare "--"
+// belong to init and are ignored. An unknown or malformed passage.* argument never stops
+// the boot: it is recorded in Config.Errors (and so in the manifest) and the setting keeps
+// its default. A later argument overrides an earlier one.
+//
+//	argument                  default            meaning
+//	passage.profile=NAME      b300               labelling profile (b300, b200, qemu, or an operator's)
+//	passage.key=PATH          /etc/passage/key   ed25519 private key file that signs the manifest
+//	passage.tpm=on|off|auto   auto               TPM signing + PCR extend; auto uses a TPM when one is present, on fails without one
+//	passage.ats=require|prefer prefer            a CX-8 function without ATS: prefer degrades its unit (no DT), require fails it
+//	passage.net=IFACE|auto|off auto              management NIC to bring up with DHCPv4; auto tries every link that stays on a host driver
+//	passage.net_timeout=DUR   30s                bound on link-up plus DHCP for the network stage
+//	passage.url=URL           (none)             http(s) endpoint the signed envelope is POSTed to; none skips publish
+//	passage.out=/run|DEV:PATH /run               also copy /run/passage/* into PATH on block device DEV (e.g. /dev/vda1:/passage); the generation counter lives there
+//	passage.handoff=MODE      hold               switch_root, poweroff, shell or hold, once the manifest is written
+//	passage.root=DEV          (none)             block device to switch_root into (required by handoff=switch_root)
+//	passage.rootfstype=FS     (probed)           filesystem of passage.root
+//	passage.init=PATH         /sbin/init         program exec'd after switch_root
+//	passage.emit=console|off  off                print /run/passage/* on the console after the manifest (the QEMU tests' channel)
+//	passage.stage_timeout=DUR 60s                deadline of each stage
+//	passage.host_modules=A,B  e1000e,igb         host drivers loaded by the host stage, after vfio binding (empty value: none)
+//	passage.log=PATH          /run/passage/log.jsonl  stage results as JSON lines
+//
+// DUR is a Go duration (30s, 2m). handoff=switch_root without passage.root falls back to
+// hold, with an error recorded.
+package initramfs
