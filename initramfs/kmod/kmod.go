@@ -1,0 +1,250 @@
+// Package kmod loads Linux kernel modules in dependency order without kmod's
+// modules.dep: Debian's kernel package ships plain .ko files and leaves depmod to the
+// install step, which an initramfs built from the unpacked .deb never runs. Each
+// module's own ELF .modinfo section carries its name= and depends= keys, which is all
+// the ordering needs.
+package kmod
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Module is one loadable module file found under the module directory.
+type Module struct {
+	Name    string   // canonical name ('-' folded to '_'), from .modinfo name= (file name if absent)
+	Path    string   // absolute path of the .ko, .ko.xz or .ko.zst file
+	Depends []string // canonical names, from .modinfo depends=
+}
+
+// Index is every module below one <root>/lib/modules/<release> directory.
+type Index struct {
+	dir     string
+	mods    map[string]*Module
+	builtin map[string]bool // from modules.builtin: satisfied without a file
+
+	// load is finit_module (or its fallback for compressed files); tests replace it.
+	load func(m *Module) error
+}
+
+// Result is what loading one module did.
+type Result struct {
+	Name          string
+	Path          string // empty for a built-in module
+	Duration      time.Duration
+	Err           error
+	AlreadyLoaded bool // the kernel answered EEXIST, or the module is built in
+}
+
+// Canonical folds the two spellings the kernel accepts for a module name
+// ("vfio-pci" and "vfio_pci") into the one /sys/module uses.
+func Canonical(name string) string {
+	return strings.ReplaceAll(name, "-", "_")
+}
+
+// moduleExts are the file name endings a kernel's module tree uses, longest first so
+// "x.ko.xz" is never taken for a module named "x.ko".
+var moduleExts = []string{".ko.zst", ".ko.xz", ".ko.gz", ".ko"}
+
+func moduleExt(name string) string {
+	for _, e := range moduleExts {
+		if strings.HasSuffix(name, e) && len(name) > len(e) {
+			return e
+		}
+	}
+	return ""
+}
+
+// Open reads the .modinfo of every module file below dir (a <root>/lib/modules/<release>
+// directory) and modules.builtin when it is there. A module file that cannot be read
+// is an error naming the file: a half-read index would give a wrong load order.
+func Open(dir string) (*Index, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, fmt.Errorf("kmod %s: %w", dir, err)
+	}
+	st, err := os.Stat(abs)
+	if err != nil {
+		return nil, fmt.Errorf("kmod %s: %w", dir, err)
+	}
+	if !st.IsDir() {
+		return nil, fmt.Errorf("kmod %s: not a directory", dir)
+	}
+	ix := &Index{dir: abs, mods: map[string]*Module{}, builtin: map[string]bool{}}
+	ix.load = ix.finit
+	err = filepath.WalkDir(abs, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return fmt.Errorf("kmod %s: %w", path, err)
+		}
+		if d.IsDir() || moduleExt(d.Name()) == "" {
+			return nil
+		}
+		if !d.Type().IsRegular() && d.Type()&fs.ModeSymlink == 0 {
+			return nil
+		}
+		m, err := readModuleFile(path)
+		if err != nil {
+			return err
+		}
+		if prev, ok := ix.mods[m.Name]; ok {
+			return fmt.Errorf("kmod %s: module %s also in %s", path, m.Name, prev.Path)
+		}
+		ix.mods[m.Name] = m
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := ix.readBuiltin(); err != nil {
+		return nil, err
+	}
+	return ix, nil
+}
+
+// readBuiltin reads modules.builtin (one "kernel/<path>/<name>.ko" a line), which
+// kbuild writes next to the modules: a dependency named there needs no file.
+func (ix *Index) readBuiltin() error {
+	p := filepath.Join(ix.dir, "modules.builtin")
+	b, err := os.ReadFile(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("kmod %s: %w", p, err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" {
+			continue
+		}
+		base := filepath.Base(line)
+		if e := moduleExt(base); e != "" {
+			ix.builtin[Canonical(strings.TrimSuffix(base, e))] = true
+		}
+	}
+	return nil
+}
+
+// Dir is the module directory the index was read from.
+func (ix *Index) Dir() string { return ix.dir }
+
+// Module returns the module named name (either spelling), or nil.
+func (ix *Index) Module(name string) *Module { return ix.mods[Canonical(name)] }
+
+// Names is every module file's canonical name, sorted.
+func (ix *Index) Names() []string {
+	out := make([]string, 0, len(ix.mods))
+	for n := range ix.mods {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Builtin reports whether modules.builtin names the module.
+func (ix *Index) Builtin(name string) bool { return ix.builtin[Canonical(name)] }
+
+// Order returns the canonical names of the given modules and everything they depend
+// on, dependencies first, each once. Among modules with no ordering between them the
+// request order is kept, so a caller's "vfio stack first" survives. Built-in modules
+// appear too (Load reports them as already loaded). An unknown name or a dependency
+// cycle is an error naming the module.
+func (ix *Index) Order(names ...string) ([]string, error) {
+	const (
+		unseen = iota
+		visiting
+		done
+	)
+	state := map[string]int{}
+	var out []string
+	var visit func(name string, chain []string) error
+	visit = func(name string, chain []string) error {
+		switch state[name] {
+		case done:
+			return nil
+		case visiting:
+			return fmt.Errorf("kmod %s: dependency cycle %s", name, strings.Join(append(chain, name), " -> "))
+		}
+		m, ok := ix.mods[name]
+		if !ok {
+			if ix.builtin[name] {
+				state[name] = done
+				out = append(out, name)
+				return nil
+			}
+			if len(chain) > 0 {
+				return fmt.Errorf("kmod %s: needed by %s: no such module in %s", name, chain[len(chain)-1], ix.dir)
+			}
+			return fmt.Errorf("kmod %s: no such module in %s", name, ix.dir)
+		}
+		state[name] = visiting
+		for _, d := range m.Depends {
+			if err := visit(d, append(chain, name)); err != nil {
+				return err
+			}
+		}
+		state[name] = done
+		out = append(out, name)
+		return nil
+	}
+	for _, n := range names {
+		if err := visit(Canonical(n), nil); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// Load loads the given modules and their dependencies in Order's order with
+// finit_module. A module the kernel already has (EEXIST, or built in) counts as
+// loaded. A failed module fails the modules that depend on it without trying them
+// (the kernel would refuse them for unknown symbols); the others still load. The
+// results cover every module in the order; the error joins the failures, or is the
+// Order error when nothing could be tried.
+func (ix *Index) Load(names ...string) ([]Result, error) {
+	order, err := ix.Order(names...)
+	if err != nil {
+		return nil, err
+	}
+	failed := map[string]bool{}
+	var errs []error
+	results := make([]Result, 0, len(order))
+	for _, name := range order {
+		m := ix.mods[name]
+		if m == nil { // built in
+			results = append(results, Result{Name: name, AlreadyLoaded: true})
+			continue
+		}
+		r := Result{Name: name, Path: m.Path}
+		for _, d := range m.Depends {
+			if failed[d] {
+				r.Err = fmt.Errorf("kmod %s: dependency %s failed to load", name, d)
+				break
+			}
+		}
+		if r.Err == nil {
+			start := time.Now()
+			err := ix.load(m)
+			r.Duration = time.Since(start)
+			switch {
+			case err == nil:
+			case errors.Is(err, errExist):
+				r.AlreadyLoaded = true
+			default:
+				r.Err = fmt.Errorf("kmod %s: load %s: %w", name, m.Path, err)
+			}
+		}
+		if r.Err != nil {
+			failed[name] = true
+			errs = append(errs, r.Err)
+		}
+		results = append(results, r)
+	}
+	return results, errors.Join(errs...)
+}
