@@ -1,0 +1,240 @@
+package pci
+
+import (
+	"encoding/binary"
+	"fmt"
+)
+
+// Config space layout (PCI Local Bus 3.0 ch. 6; PCIe Base 6.0 ch. 7). Names follow the
+// kernel's include/uapi/linux/pci_regs.h.
+const (
+	ConfigVendorID      = 0x00
+	ConfigDeviceID      = 0x02
+	ConfigCommand       = 0x04
+	ConfigStatus        = 0x06
+	ConfigRevision      = 0x08
+	ConfigClassProg     = 0x09
+	ConfigHeaderType    = 0x0e
+	ConfigSubsysVendor  = 0x2c // type 0 only
+	ConfigSubsysID      = 0x2e // type 0 only
+	ConfigCapPtr        = 0x34
+	ConfigCardbusCapPtr = 0x14
+	ConfigPrimaryBus    = 0x18 // type 1
+	ConfigSecondaryBus  = 0x19 // type 1
+	ConfigSubordinate   = 0x1a // type 1
+
+	// StatusCapList is PCI_STATUS_CAP_LIST: the device has a capability list.
+	StatusCapList = 0x10
+
+	HeaderTypeNormal  = 0
+	HeaderTypeBridge  = 1
+	HeaderTypeCardbus = 2
+
+	// ConventionalSize is the config space a conventional PCI function has; ExtendedSize
+	// is PCIe's. An unprivileged read of sysfs "config" returns only the first 64 bytes.
+	HeaderSize       = 0x40
+	ConventionalSize = 0x100
+	ExtendedSize     = 0x1000
+
+	// maxCaps bounds a capability walk: 48 standard capabilities fit in 192 bytes, and
+	// (4096-256)/8 = 480 extended ones in the extended space (the kernel's
+	// PCI_FIND_CAP_TTL and the 480 bound in pci_find_next_ext_capability).
+	maxStdCaps = 48
+	maxExtCaps = (ExtendedSize - ConventionalSize) / 8
+)
+
+// Standard capability IDs (PCI_CAP_ID_*).
+const (
+	CapPM      = 0x01
+	CapVPD     = 0x03
+	CapMSI     = 0x05
+	CapVendor  = 0x09
+	CapSSVID   = 0x0d
+	CapExpress = 0x10
+	CapMSIX    = 0x11
+)
+
+// Extended capability IDs (PCI_EXT_CAP_ID_*), PCI-SIG numbers.
+const (
+	ExtCapAER    = 0x0001
+	ExtCapVC     = 0x0002
+	ExtCapDSN    = 0x0003
+	ExtCapVNDR   = 0x000b
+	ExtCapACS    = 0x000d
+	ExtCapARI    = 0x000e
+	ExtCapATS    = 0x000f
+	ExtCapSRIOV  = 0x0010
+	ExtCapPRI    = 0x0013
+	ExtCapSecPCI = 0x0019
+	ExtCapPASID  = 0x001b
+	ExtCapDPC    = 0x001d
+	ExtCapL1SS   = 0x001e
+	ExtCapPL16   = 0x0026
+	ExtCapPL32   = 0x002a
+	ExtCapDOE    = 0x002e
+	ExtCapPL64   = 0x0031
+)
+
+// Config is a function's configuration space as read from sysfs or a dump: 64, 256 or
+// 4096 bytes (or anything shorter when the source was truncated).
+type Config []byte
+
+// Capability is one entry of the standard or extended capability list.
+type Capability struct {
+	ID       uint16 `json:"id"`
+	Offset   int    `json:"offset"`
+	Version  uint8  `json:"version,omitempty"` // extended capabilities only
+	Extended bool   `json:"extended"`
+}
+
+// CapError reports a malformed capability list: where the walk stopped and why.
+type CapError struct {
+	Extended bool
+	Offset   int // the bad pointer, or the offset of the header that holds it
+	Reason   string
+}
+
+func (e *CapError) Error() string {
+	kind := "capability"
+	if e.Extended {
+		kind = "extended capability"
+	}
+	return fmt.Sprintf("%s list: %s at 0x%03x", kind, e.Reason, e.Offset)
+}
+
+func (c Config) has(off, n int) bool { return off >= 0 && off+n <= len(c) }
+
+// U8, U16 and U32 read little-endian registers; an offset past the end reads as 0 and
+// ok=false, so callers that must tell "absent" from "zero" can.
+func (c Config) U8(off int) (uint8, bool) {
+	if !c.has(off, 1) {
+		return 0, false
+	}
+	return c[off], true
+}
+
+func (c Config) U16(off int) (uint16, bool) {
+	if !c.has(off, 2) {
+		return 0, false
+	}
+	return binary.LittleEndian.Uint16(c[off:]), true
+}
+
+func (c Config) U32(off int) (uint32, bool) {
+	if !c.has(off, 4) {
+		return 0, false
+	}
+	return binary.LittleEndian.Uint32(c[off:]), true
+}
+
+func (c Config) r8(off int) uint8   { v, _ := c.U8(off); return v }
+func (c Config) r16(off int) uint16 { v, _ := c.U16(off); return v }
+func (c Config) r32(off int) uint32 { v, _ := c.U32(off); return v }
+
+// HeaderType is the layout of the header (0 normal, 1 PCI-PCI bridge, 2 CardBus),
+// without the multi-function bit.
+func (c Config) HeaderType() uint8 { return c.r8(ConfigHeaderType) & 0x7f }
+
+// MultiFunction is bit 7 of the header type register.
+func (c Config) MultiFunction() bool { return c.r8(ConfigHeaderType)&0x80 != 0 }
+
+// Walk returns the standard and the extended capability lists. A malformed list is an
+// error (a *CapError) alongside the capabilities found before the fault: the walks never
+// loop, never read outside the buffer and never follow a pointer into the header.
+func (c Config) Walk() (std, ext []Capability, err error) {
+	std, err = c.walkStd()
+	if err != nil {
+		return std, nil, err
+	}
+	ext, err = c.walkExt()
+	return std, ext, err
+}
+
+func (c Config) walkStd() ([]Capability, error) {
+	if len(c) < HeaderSize {
+		return nil, nil
+	}
+	if c.r16(ConfigStatus)&StatusCapList == 0 {
+		return nil, nil
+	}
+	ptrOff := ConfigCapPtr
+	if c.HeaderType() == HeaderTypeCardbus {
+		ptrOff = ConfigCardbusCapPtr
+	}
+	var caps []Capability
+	seen := map[int]bool{}
+	where := ptrOff
+	ptr := int(c.r8(ptrOff))
+	for ptr != 0 {
+		switch {
+		case ptr&3 != 0:
+			return caps, &CapError{Offset: where, Reason: fmt.Sprintf("unaligned pointer 0x%02x", ptr)}
+		case ptr < HeaderSize:
+			return caps, &CapError{Offset: where, Reason: fmt.Sprintf("pointer 0x%02x into the header", ptr)}
+		case ptr+2 > ConventionalSize:
+			return caps, &CapError{Offset: where, Reason: fmt.Sprintf("pointer 0x%02x past 256 bytes", ptr)}
+		case !c.has(ptr, 2):
+			return caps, &CapError{Offset: where, Reason: fmt.Sprintf("pointer 0x%02x past the %d bytes read", ptr, len(c))}
+		case seen[ptr]:
+			return caps, &CapError{Offset: where, Reason: fmt.Sprintf("loop back to 0x%02x", ptr)}
+		case len(caps) >= maxStdCaps:
+			return caps, &CapError{Offset: where, Reason: "too many capabilities"}
+		}
+		seen[ptr] = true
+		caps = append(caps, Capability{ID: uint16(c[ptr]), Offset: ptr})
+		where = ptr + 1
+		ptr = int(c[ptr+1])
+	}
+	return caps, nil
+}
+
+func (c Config) walkExt() ([]Capability, error) {
+	if len(c) <= ConventionalSize {
+		return nil, nil
+	}
+	var caps []Capability
+	seen := map[int]bool{}
+	off := ConventionalSize
+	where := off
+	for {
+		switch {
+		case off&3 != 0:
+			return caps, &CapError{Extended: true, Offset: where, Reason: fmt.Sprintf("unaligned pointer 0x%03x", off)}
+		case off < ConventionalSize:
+			return caps, &CapError{Extended: true, Offset: where, Reason: fmt.Sprintf("pointer 0x%03x below 0x100", off)}
+		case !c.has(off, 4):
+			return caps, &CapError{Extended: true, Offset: where, Reason: fmt.Sprintf("pointer 0x%03x past the %d bytes read", off, len(c))}
+		case seen[off]:
+			return caps, &CapError{Extended: true, Offset: where, Reason: fmt.Sprintf("loop back to 0x%03x", off)}
+		case len(caps) >= maxExtCaps:
+			return caps, &CapError{Extended: true, Offset: where, Reason: "too many capabilities"}
+		}
+		seen[off] = true
+		h := c.r32(off)
+		// An all-zero or all-ones header at 0x100 means no extended capabilities
+		// (PCIe 6.0 7.6.3; the kernel's pci_find_next_ext_capability).
+		if h == 0 || h == 0xffffffff {
+			if off == ConventionalSize {
+				return caps, nil
+			}
+			return caps, &CapError{Extended: true, Offset: where, Reason: fmt.Sprintf("empty header at 0x%03x", off)}
+		}
+		caps = append(caps, Capability{ID: uint16(h), Version: uint8(h>>16) & 0xf, Offset: off, Extended: true})
+		next := int(h >> 20)
+		if next == 0 {
+			return caps, nil
+		}
+		where = off
+		off = next
+	}
+}
+
+// Find returns the offset of the first capability with the given ID, or 0.
+func Find(caps []Capability, id uint16) int {
+	for _, c := range caps {
+		if c.ID == id {
+			return c.Offset
+		}
+	}
+	return 0
+}

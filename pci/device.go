@@ -1,0 +1,155 @@
+package pci
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Device is one PCI function. IDs, header fields and capabilities come from config space;
+// the rest from the function's sysfs directory, named beside each field.
+type Device struct {
+	Addr    Address
+	SysPath string // resolved /sys/devices/... path relative to the scan root; empty for dumps
+
+	Parent   *Device   // the bridge whose secondary bus this function sits on; nil on a root bus
+	Children []*Device // functions on this bridge's secondary bus, in address order
+
+	VendorID        uint16 // config 0x00 (sysfs vendor)
+	DeviceID        uint16 // config 0x02 (sysfs device)
+	SubsystemVendor uint16 // config 0x2c, type 0 (sysfs subsystem_vendor)
+	SubsystemDevice uint16 // config 0x2e, type 0 (sysfs subsystem_device)
+	Class           uint32 // config 0x09..0x0b: base, sub, prog-if (sysfs class)
+	Revision        uint8  // config 0x08 (sysfs revision)
+	HeaderType      uint8  // config 0x0e bits 6:0
+	MultiFunction   bool   // config 0x0e bit 7
+
+	// Bridge bus numbers (type 1 header).
+	PrimaryBus, SecondaryBus, SubordinateBus uint8
+
+	NUMANode       int    // /sys/bus/pci/devices/<bdf>/numa_node; -1 when none
+	Driver         string // basename of the <bdf>/driver link; "" when unbound
+	DriverOverride string // <bdf>/driver_override; "" when "(null)" or absent
+	IOMMUGroup     int    // basename of the <bdf>/iommu_group link; -1 when none
+	VPD            *VPD   // <bdf>/vpd, when present and readable
+
+	Config  Config       // <bdf>/config
+	Caps    []Capability // standard capability list
+	ExtCaps []Capability // extended capability list (from 0x100)
+	Express *Express     // PCI Express capability
+	ACS     *ACS         // ACS extended capability
+	ATS     *ATS         // ATS extended capability
+	SRIOV   *SRIOV       // SR-IOV extended capability
+
+	// Problems are what could not be read or decoded for this function. The function is
+	// kept with what was read: bad input loses nothing.
+	Problems []string
+}
+
+// IsBridge says whether the function has a type 1 (PCI-PCI bridge) header.
+func (d *Device) IsBridge() bool { return d.HeaderType == HeaderTypeBridge }
+
+// PortType is the Express port type, or false for a conventional PCI function.
+func (d *Device) PortType() (PortType, bool) {
+	if d.Express == nil {
+		return 0, false
+	}
+	return d.Express.Type, true
+}
+
+// IDs renders "vvvv:dddd" as lspci -n does.
+func (d *Device) IDs() string { return fmt.Sprintf("%04x:%04x", d.VendorID, d.DeviceID) }
+
+func (d *Device) String() string { return d.Addr.String() }
+
+// Ancestors returns the bridges above the function, nearest first.
+func (d *Device) Ancestors() []*Device {
+	var out []*Device
+	for p := d.Parent; p != nil; p = p.Parent {
+		out = append(out, p)
+	}
+	return out
+}
+
+func (d *Device) problem(format string, args ...any) {
+	d.Problems = append(d.Problems, fmt.Sprintf(format, args...))
+}
+
+// Err joins the function's problems into one error naming it, or nil.
+func (d *Device) Err() error {
+	if len(d.Problems) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%s: %s", d.Addr, strings.Join(d.Problems, "; "))
+}
+
+// decodeConfig fills the fields config space determines. A short or malformed config
+// space leaves the fields it cannot reach zero and records why.
+func (d *Device) decodeConfig() {
+	c := d.Config
+	switch {
+	case len(c) == 0:
+		d.problem("config space empty")
+		return
+	case len(c) == HeaderSize:
+		// The kernel returns only the header to readers without CAP_SYS_ADMIN
+		// (pci_read_config in drivers/pci/pci-sysfs.c): capabilities are then unknown,
+		// not absent.
+		d.problem("config space truncated to 64 bytes (not root?)")
+	case len(c) < HeaderSize:
+		d.problem("config space truncated to %d bytes", len(c))
+	}
+	d.VendorID = c.r16(ConfigVendorID)
+	d.DeviceID = c.r16(ConfigDeviceID)
+	d.Revision = c.r8(ConfigRevision)
+	d.Class = uint32(c.r8(ConfigClassProg)) | uint32(c.r8(ConfigClassProg+1))<<8 | uint32(c.r8(ConfigClassProg+2))<<16
+	d.HeaderType = c.HeaderType()
+	d.MultiFunction = c.MultiFunction()
+	switch d.HeaderType {
+	case HeaderTypeNormal:
+		d.SubsystemVendor = c.r16(ConfigSubsysVendor)
+		d.SubsystemDevice = c.r16(ConfigSubsysID)
+	case HeaderTypeBridge:
+		d.PrimaryBus = c.r8(ConfigPrimaryBus)
+		d.SecondaryBus = c.r8(ConfigSecondaryBus)
+		d.SubordinateBus = c.r8(ConfigSubordinate)
+	}
+	if len(c) <= HeaderSize {
+		return
+	}
+	std, ext, err := c.Walk()
+	d.Caps, d.ExtCaps = std, ext
+	if err != nil {
+		d.problem("%v", err)
+	}
+	if off := Find(std, CapExpress); off != 0 {
+		d.Express = decodeExpress(c, off)
+		if d.Express.Type.IsDownstreamFacing() || d.Express.Type == PortUpstream {
+			if d.HeaderType != HeaderTypeBridge {
+				d.problem("express %s without a bridge header", d.Express.Type)
+			}
+		}
+	}
+	if len(c) < ExtendedSize && len(c) > ConventionalSize {
+		d.problem("extended config space truncated to %d bytes", len(c))
+	}
+	for _, ec := range ext {
+		var err error
+		switch ec.ID {
+		case ExtCapACS:
+			if d.ACS == nil {
+				d.ACS, err = decodeACS(c, ec.Offset)
+			}
+		case ExtCapATS:
+			if d.ATS == nil {
+				d.ATS, err = decodeATS(c, ec.Offset)
+			}
+		case ExtCapSRIOV:
+			if d.SRIOV == nil {
+				d.SRIOV, err = decodeSRIOV(c, ec.Offset)
+			}
+		}
+		if err != nil {
+			d.problem("%v", err)
+		}
+	}
+}
