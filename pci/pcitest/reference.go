@@ -55,7 +55,6 @@ var (
 	bcmDSACS = &ACS{Cap: pci.ACSSV | pci.ACSTB | pci.ACSRR | pci.ACSCR | pci.ACSUF | pci.ACSDT, Ctl: pci.ACSIsolation}
 )
 
-
 // B300GPUBuses are the root buses of the eight GPU complexes: four per NUMA node, the
 // last one laid out as B300.md's lspci -t excerpt ([eb-f4] below root port ea:02.0).
 var B300GPUBuses = [8]uint8{0x15, 0x2a, 0x3f, 0x54, 0x96, 0xab, 0xc0, 0xea}
@@ -175,4 +174,3 @@ func B200() Spec {
 	}
 	return s
 }
-
