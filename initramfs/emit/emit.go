@@ -162,6 +162,9 @@ func Read(r io.Reader) (*Output, error) {
 			if len(f) != 3 {
 				return nil, fmt.Errorf("emit: malformed begin line %q", line)
 			}
+			if strings.Contains(f[0], "/") {
+				return nil, fmt.Errorf("emit %q: file name with a path", f[0])
+			}
 			n, err := strconv.Atoi(f[1])
 			if err != nil || n < 0 {
 				return nil, fmt.Errorf("emit %s: bad size %q", f[0], f[1])
