@@ -1,0 +1,144 @@
+package initramfs
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"time"
+
+	"github.com/u-root/u-root/pkg/mount"
+	"golang.org/x/sys/unix"
+)
+
+// System is the handful of process- and machine-level operations a handoff needs. Tests
+// replace them; LinuxSystem is the real thing.
+type System struct {
+	Getpid     func() int
+	Sync       func()
+	PowerOff   func() error
+	MountRoot  func(dev, dir, fstype string) error
+	SwitchRoot func(newRoot, init string) error // returns only on failure
+	RunShell   func(path string) error          // runs the shell to completion
+	Stat       func(path string) error
+	Sleep      func(time.Duration)
+}
+
+// LinuxSystem returns the operations of a live boot.
+func LinuxSystem() System {
+	return System{
+		Getpid: os.Getpid,
+		Sync:   unix.Sync,
+		PowerOff: func() error {
+			return unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+		},
+		MountRoot: func(dev, dir, fstype string) error {
+			mkdir := func() error { return os.MkdirAll(dir, 0o755) }
+			var err error
+			if fstype != "" {
+				_, err = mount.Mount(dev, dir, fstype, "", 0, mkdir)
+			} else {
+				_, err = mount.TryMount(dev, dir, "", 0, mkdir)
+			}
+			return err
+		},
+		SwitchRoot: mount.SwitchRoot,
+		RunShell: func(path string) error {
+			c := exec.Command(path)
+			c.Stdin, c.Stdout, c.Stderr = os.Stdin, os.Stdout, os.Stderr
+			return c.Run()
+		},
+		Stat: func(p string) error {
+			_, err := os.Stat(p)
+			return err
+		},
+		Sleep: time.Sleep,
+	}
+}
+
+// NewRoot is where passage.root is mounted before switch_root.
+const NewRoot = "/newroot"
+
+// Shells are tried in order by the shell handoff: u-root's gosh first (the image's
+// -defaultsh), then whatever /bin/sh is.
+var Shells = []string{"/bbin/gosh", "/bin/gosh", "/bin/defaultsh", "/bin/sh", "/bbin/elvish"}
+
+// Do performs the handoff c asks for and never returns: u-root's init panics the kernel
+// when the uinit exits under console=ttyS0, which would lose the console an operator needs
+// to see why. When the handoff fails it says so on the console and holds.
+func Do(c Config, sys System, console io.Writer) {
+	err := attempt(c, sys, console)
+	if err == nil {
+		// Only hold and a shell that keeps being respawned get here, and they do not return.
+		err = errors.New("returned")
+	}
+	fmt.Fprintf(console, "passage: handoff %s failed: %v; holding (passage boot never returns)\n", c.Handoff, err)
+	Hold(sys)
+}
+
+// Hold sleeps forever. A sleeping goroutine keeps the Go runtime from declaring a deadlock,
+// which `select {}` alone would do in a process with nothing else running.
+func Hold(sys System) {
+	for {
+		sys.Sleep(time.Hour)
+	}
+}
+
+func attempt(c Config, sys System, console io.Writer) error {
+	switch c.Handoff {
+	case HandoffPoweroff:
+		sys.Sync()
+		if err := sys.PowerOff(); err != nil {
+			return fmt.Errorf("reboot(POWER_OFF): %w", err)
+		}
+		return errors.New("reboot(POWER_OFF) returned")
+	case HandoffSwitchRoot:
+		return switchRoot(c, sys)
+	case HandoffShell:
+		for {
+			sh := ""
+			for _, s := range Shells {
+				if sys.Stat(s) == nil {
+					sh = s
+					break
+				}
+			}
+			if sh == "" {
+				return fmt.Errorf("no shell among %v", Shells)
+			}
+			err := sys.RunShell(sh)
+			// Respawn: an operator typing exit must not panic the kernel.
+			fmt.Fprintf(console, "passage: shell %s exited (%v); starting it again\n", sh, err)
+			sys.Sleep(time.Second)
+		}
+	case HandoffHold, "":
+		fmt.Fprintln(console, "passage: holding (passage.handoff=hold)")
+		Hold(sys)
+	}
+	return fmt.Errorf("unknown handoff %q", c.Handoff)
+}
+
+func switchRoot(c Config, sys System) error {
+	if c.Root == "" {
+		return errors.New("passage.root not set")
+	}
+	// The new init must be PID 1: systemd and sysvinit refuse to run otherwise. Under
+	// u-root's init, passage is a child (the uinit), so a switch_root from here would leave
+	// the real init without PID 1.
+	if pid := sys.Getpid(); pid != 1 {
+		return fmt.Errorf("switch_root %s: passage runs as pid %d, not 1 (the u-root init owns pid 1; boot passage as rdinit/inito to switch_root)", c.Root, pid)
+	}
+	sys.Sync()
+	if err := sys.MountRoot(c.Root, NewRoot, c.RootFSType); err != nil {
+		return fmt.Errorf("switch_root: mount %s on %s: %w", c.Root, NewRoot, err)
+	}
+	if err := sys.Stat(filepath.Join(NewRoot, c.Init)); err != nil {
+		return fmt.Errorf("switch_root: init %s on %s: %w", c.Init, c.Root, err)
+	}
+	if err := sys.SwitchRoot(NewRoot, c.Init); err != nil {
+		return fmt.Errorf("switch_root %s: %w", c.Root, err)
+	}
+	return errors.New("switch_root returned")
+}

@@ -1,0 +1,130 @@
+package initramfs
+
+import (
+	"bytes"
+	"errors"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeSystem records calls; its Sleep ends the goroutine running Do, so a test can observe
+// that Do reached Hold (or a respawn) instead of returning.
+type fakeSystem struct {
+	mu       *sync.Mutex
+	calls    []string
+	pid      int
+	powerErr error
+	mountErr error
+	switchTo error
+	exists   map[string]bool
+	sleeps   int
+	maxSleep int
+}
+
+func (f *fakeSystem) log(s string) {
+	f.mu.Lock()
+	f.calls = append(f.calls, s)
+	f.mu.Unlock()
+}
+
+func (f *fakeSystem) sys() System {
+	return System{
+		Getpid:   func() int { return f.pid },
+		Sync:     func() { f.log("sync") },
+		PowerOff: func() error { f.log("poweroff"); return f.powerErr },
+		MountRoot: func(dev, dir, fstype string) error {
+			f.log("mount " + dev + " " + dir + " " + fstype)
+			return f.mountErr
+		},
+		SwitchRoot: func(nr, init string) error { f.log("switch_root " + nr + " " + init); return f.switchTo },
+		RunShell:   func(p string) error { f.log("shell " + p); return errors.New("exit status 0") },
+		Stat: func(p string) error {
+			if f.exists[p] {
+				return nil
+			}
+			return errors.New("no such file")
+		},
+		Sleep: func(time.Duration) {
+			f.mu.Lock()
+			f.sleeps++
+			n := f.sleeps
+			f.mu.Unlock()
+			f.log("sleep")
+			if n >= f.maxSleep {
+				runtime.Goexit()
+			}
+		},
+	}
+}
+
+func runDo(t *testing.T, c Config, f *fakeSystem) string {
+	t.Helper()
+	var con bytes.Buffer
+	returned := make(chan bool, 1)
+	go func() {
+		defer func() { returned <- false }()
+		Do(c, f.sys(), &con)
+		returned <- true
+	}()
+	select {
+	case r := <-returned:
+		if r {
+			t.Fatal("Do returned")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Do did not reach its fake sleep")
+	}
+	return con.String()
+}
+
+func TestHandoff(t *testing.T) {
+	tests := []struct {
+		name      string
+		cfg       func(*Config)
+		f         fakeSystem
+		wantCalls string
+		wantCon   string
+	}{
+		{"poweroff", func(c *Config) { c.Handoff = HandoffPoweroff }, fakeSystem{pid: 42},
+			"sync poweroff sleep", "handoff poweroff failed: reboot(POWER_OFF) returned; holding"},
+		{"poweroff refused", func(c *Config) { c.Handoff = HandoffPoweroff }, fakeSystem{powerErr: errors.New("EPERM")},
+			"sync poweroff sleep", "reboot(POWER_OFF): EPERM; holding"},
+		{"hold", func(c *Config) { c.Handoff = HandoffHold }, fakeSystem{maxSleep: 3},
+			"sleep sleep sleep", "holding (passage.handoff=hold)"},
+		{"switch_root not pid 1", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "/dev/sda2" }, fakeSystem{pid: 300},
+			"sleep", "passage runs as pid 300, not 1"},
+		{"switch_root mount fails", func(c *Config) { c.Handoff, c.Root, c.RootFSType = HandoffSwitchRoot, "/dev/sda2", "ext4" },
+			fakeSystem{pid: 1, mountErr: errors.New("ENXIO")},
+			"sync mount /dev/sda2 /newroot ext4 sleep", "mount /dev/sda2 on /newroot: ENXIO"},
+		{"switch_root no init", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "/dev/sda2" }, fakeSystem{pid: 1},
+			"sync mount /dev/sda2 /newroot  sleep", "init /sbin/init on /dev/sda2"},
+		{"switch_root exec fails", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "/dev/sda2" },
+			fakeSystem{pid: 1, exists: map[string]bool{"/newroot/sbin/init": true}, switchTo: errors.New("exec format error")},
+			"sync mount /dev/sda2 /newroot  switch_root /newroot /sbin/init sleep", "exec format error"},
+		{"shell respawns", func(c *Config) { c.Handoff = HandoffShell }, fakeSystem{maxSleep: 2, exists: map[string]bool{"/bin/sh": true}},
+			"shell /bin/sh sleep shell /bin/sh sleep", "shell /bin/sh exited"},
+		{"no shell", func(c *Config) { c.Handoff = HandoffShell }, fakeSystem{},
+			"sleep", "no shell among"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := Defaults()
+			tt.cfg(&c)
+			f := tt.f
+			f.mu = new(sync.Mutex)
+			if f.maxSleep == 0 {
+				f.maxSleep = 1
+			}
+			con := runDo(t, c, &f)
+			if got := strings.Join(f.calls, " "); got != tt.wantCalls {
+				t.Errorf("calls = %q, want %q", got, tt.wantCalls)
+			}
+			if !strings.Contains(con, tt.wantCon) {
+				t.Errorf("console = %q, want it to contain %q", con, tt.wantCon)
+			}
+		})
+	}
+}
