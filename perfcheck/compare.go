@@ -428,8 +428,9 @@ func compareCollective(name string, h, g []*NCCLRun, opt Options, add func(Sever
 		}
 	}
 	// A small message is noisy: one size losing is noise unless the size next to it
-	// loses too, which is what a real per-message cost (an extra IOMMU walk, a slower
-	// doorbell) looks like.
+	// loses about as much, which is what a real per-message cost (an extra IOMMU walk,
+	// a slower doorbell) looks like. "About as much" is at least half: an 8% dip next
+	// to a 1% one is a dip, not a trend.
 	loses := func(k int) bool {
 		if k < 0 || k >= len(cmp) {
 			return false
@@ -437,13 +438,20 @@ func compareCollective(name string, h, g []*NCCLRun, opt Options, add func(Sever
 		p := c.Points[cmp[k]]
 		return *p.DeltaPct < -th.SmallPct && *p.Host-*p.Guest > busbwResolution
 	}
+	repeats := func(k, n int) bool {
+		if !loses(k) || !loses(n) {
+			return false
+		}
+		a, b := -*c.Points[cmp[k]].DeltaPct, -*c.Points[cmp[n]].DeltaPct
+		return math.Min(a, b) >= math.Max(a, b)/2
+	}
 	for k, i := range cmp {
 		p := &c.Points[i]
 		if p.Size >= Large8MiB || !loses(k) {
 			continue
 		}
 		w := *worst(i)
-		if loses(k-1) || loses(k+1) {
+		if repeats(k, k-1) || repeats(k, k+1) {
 			p.Class = "repeated"
 			c.Repeated = append(c.Repeated, w)
 		} else {

@@ -155,6 +155,9 @@ func plotSVG(c CollectiveReport, th Thresholds) string {
 	if x1-x0 < 1 {
 		x0, x1 = x0-1, x1+1
 	}
+	// room for the end markers and delta bars inside the frame
+	pad := (x1 - x0) * 0.03
+	x0, x1 = x0-pad, x1+pad
 	ymax := 0.0
 	for _, p := range pts {
 		for _, v := range []*float64{p.Host, p.Guest} {
@@ -209,27 +212,29 @@ func plotSVG(c CollectiveReport, th Thresholds) string {
 	}
 	fmt.Fprintf(&b, `<rect x="%d" y="%d" width="%.0f" height="%d" fill="none" stroke="#888"/>`, marginL, marginT, innerW, plotH)
 
-	line := func(get func(Point) *float64, color, dash string) {
+	line := func(get func(Point) *float64, color, style string) {
 		var coords []string
 		for _, p := range pts {
 			if v := get(p); v != nil {
 				coords = append(coords, fmt.Sprintf("%.1f,%.1f", xs(p.Size), ys(*v)))
 			}
 		}
-		fmt.Fprintf(&b, `<polyline fill="none" stroke="%s" stroke-width="2" %s points="%s"/>`, color, dash, strings.Join(coords, " "))
+		fmt.Fprintf(&b, `<polyline fill="none" stroke="%s" %s points="%s"/>`, color, style, strings.Join(coords, " "))
 		for _, p := range pts {
 			if v := get(p); v != nil {
 				fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="2.5" fill="%s"><title>%s: %.2f GB/s</title></circle>`, xs(p.Size), ys(*v), color, sizeString(p.Size), *v)
 			}
 		}
 	}
-	line(func(p Point) *float64 { return p.Host }, hostColor, "")
-	line(func(p Point) *float64 { return p.Guest }, guestColor, `stroke-dasharray="6 3"`)
+	// The host is drawn wide and pale under a thin dashed guest: when they agree, as
+	// they should, both stay visible.
+	line(func(p Point) *float64 { return p.Host }, hostColor, `stroke-width="5" stroke-opacity="0.45"`)
+	line(func(p Point) *float64 { return p.Guest }, guestColor, `stroke-width="1.8" stroke-dasharray="6 3"`)
 
 	// legend
 	lx := marginL + 12
 	fmt.Fprintf(&b, `<rect x="%d" y="%d" width="150" height="40" fill="#fff" stroke="#ccc"/>`, lx, marginT+8)
-	fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2"/><text x="%d" y="%d">host (%d rounds)</text>`, lx+8, marginT+22, lx+36, marginT+22, hostColor, lx+42, marginT+26, c.HostRounds)
+	fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="5" stroke-opacity="0.45"/><text x="%d" y="%d">host (%d rounds)</text>`, lx+8, marginT+22, lx+36, marginT+22, hostColor, lx+42, marginT+26, c.HostRounds)
 	fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2" stroke-dasharray="6 3"/><text x="%d" y="%d">guest (%d rounds)</text>`, lx+8, marginT+38, lx+36, marginT+38, guestColor, lx+42, marginT+42, c.GuestRounds)
 
 	// delta strip
