@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# initramfs.sh BUILD: builds BUILD/initramfs.cpio.gz with u-root (pinned in go.mod by a
+# tool directive): `passage boot` as the uinit, gosh as the shell, a few core commands
+# for debugging at the console, and the kernel modules passage boot loads, with their
+# dependency closure (image/modsel reads each module's .modinfo; the .deb has no
+# modules.dep), under /lib/modules/<release>/kernel/... as in the .deb. Nothing is
+# downloaded but Go modules. Reproducible: the same inputs give the same bytes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:?usage: initramfs.sh BUILD}
+mkdir -p "$build"
+build=$(cd "$build" && pwd)
+kernel=$build/kernel
+[[ -s $kernel/release ]] || { echo "initramfs: no kernel in $kernel (run make kernel)" >&2; exit 1; }
+release=$(cat "$kernel/release")
+out=$build/initramfs.cpio.gz
+
+# What passage boot loads (vfio stack first, then host drivers for kept devices) plus
+# the disk the QEMU tests give it for passage.out= (virtio_blk, ext4 and the crc32c
+# that ext4's journal checksums request by alias at mount time: the initramfs has no
+# modprobe to answer request_module).
+modules=(vfio vfio_iommu_type1 vfio-pci
+	nvme virtio_pci virtio_net e1000e e1000
+	virtio_blk crc32c_generic ext4)
+
+# The busybox links these u-root commands with passage; keep the set small.
+urootcmds=(init gosh ls cat dmesg ip mount umount lsmod pci ps echo mkdir grep readlink
+	uptime poweroff)
+pkgs=()
+for c in "${urootcmds[@]}"; do pkgs+=("github.com/u-root/u-root/cmds/core/$c"); done
+pkgs+=(github.com/passage-boot/passage/cmd/passage)
+
+# Inputs: every file git knows about or would add (other engineers' work in progress
+# is built too), the Go toolchain, the kernel release and the module list.
+stamp_now() {
+	{
+		git ls-files -z --cached --others --exclude-standard -- . ':!build' ':!passage' |
+			xargs -0 -r sha256sum 2>/dev/null || true
+		go version
+		echo "$release ${modules[*]} ${urootcmds[*]}"
+	} | sha256sum | cut -d' ' -f1
+}
+stamp=$(stamp_now)
+if [[ -s $out && -f $out.stamp && $(cat "$out.stamp") == "$stamp" ]]; then
+	echo "initramfs: $out up to date ($(stat -c %s "$out") bytes)"
+	exit 0
+fi
+
+start=$(date +%s.%N)
+stage=$build/initramfs-stage
+rm -rf "$stage"
+mkdir -p "$stage"
+go run ./image/modsel -kernel "$kernel" -out "$stage" "${modules[@]}" >"$build/initramfs-modules.txt"
+tail -n1 "$build/initramfs-modules.txt" | sed 's/^/initramfs: /'
+
+export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
+# -uinitcmd="passage boot" links /bin/uinit to passage and writes "boot" to
+# /etc/uinit.flags; u-root's init puts uroot.uinitargs= from the kernel command line
+# *before* those flags, so passage's configuration comes only from passage.* arguments.
+go tool u-root -o "$build/initramfs.cpio.tmp" \
+	-uinitcmd="passage boot" -defaultsh=gosh \
+	-files "$stage/lib:lib" \
+	"${pkgs[@]}"
+gzip -9 -n -c "$build/initramfs.cpio.tmp" >"$out.tmp"
+mv "$build/initramfs.cpio.tmp" "$build/initramfs.cpio"
+mv "$out.tmp" "$out"
+echo "$stamp" >"$out.stamp"
+end=$(date +%s.%N)
+printf 'initramfs: %s: %d bytes (%.2f MiB) gzip -9, %d bytes uncompressed, built in %.1f s\n' \
+	"$out" "$(stat -c %s "$out")" "$(awk -v s="$(stat -c %s "$out")" 'BEGIN{print s/1048576}')" \
+	"$(stat -c %s "$build/initramfs.cpio")" "$(awk -v a="$start" -v b="$end" 'BEGIN{print b-a}')"
+limit=$((16 << 20))
+if (($(stat -c %s "$out") >= limit)); then
+	echo "initramfs: $out is over the 16 MiB budget" >&2
+	exit 1
+fi
