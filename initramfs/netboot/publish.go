@@ -1,0 +1,129 @@
+package netboot
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+)
+
+// EnvelopeType is the media type of a DSSE envelope (in-toto's registration).
+const EnvelopeType = "application/vnd.dsse.envelope.v1+json"
+
+// PublishPolicy bounds Publish: at most Tries requests, each within PerTry, separated by
+// waits that start at Backoff and double up to MaxBackoff.
+type PublishPolicy struct {
+	Tries      int
+	PerTry     time.Duration
+	Backoff    time.Duration
+	MaxBackoff time.Duration
+	// Sleep waits d or until ctx is done; nil is a real timer. Tests record the waits.
+	Sleep func(ctx context.Context, d time.Duration) error
+}
+
+// DefaultPublish is at most 5 tries, 10 s each, with waits of 1, 2, 4, 8 s: under a minute.
+var DefaultPublish = PublishPolicy{Tries: 5, PerTry: 10 * time.Second, Backoff: time.Second, MaxBackoff: 8 * time.Second}
+
+// Attempt is one request Publish made.
+type Attempt struct {
+	Status int    `json:"status,omitempty"` // HTTP status; 0 when no response
+	Err    string `json:"error,omitempty"`
+	Wait   string `json:"wait_before,omitempty"`
+}
+
+// Waits returns the backoff before each try after the first: what Publish would sleep.
+func (p PublishPolicy) Waits() []time.Duration {
+	var out []time.Duration
+	d := p.Backoff
+	for i := 1; i < p.Tries; i++ {
+		out = append(out, d)
+		d *= 2
+		if p.MaxBackoff > 0 && d > p.MaxBackoff {
+			d = p.MaxBackoff
+		}
+	}
+	return out
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// retryable says whether a status is worth another try: server errors, 408 and 429. Other
+// 4xx mean the server refuses this envelope, and asking again will not change its mind.
+func retryable(code int) bool {
+	return code >= 500 || code == http.StatusRequestTimeout || code == http.StatusTooManyRequests
+}
+
+// Publish POSTs body to url as a DSSE envelope, retrying within p. It returns every attempt
+// made; the error is the last failure, or nil once the server answered 2xx.
+func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, error) {
+	if hc == nil {
+		hc = http.DefaultClient
+	}
+	if p.Tries <= 0 {
+		p.Tries = 1
+	}
+	sleep := p.Sleep
+	if sleep == nil {
+		sleep = sleepCtx
+	}
+	waits := p.Waits()
+	var attempts []Attempt
+	var last error
+	for i := 0; i < p.Tries; i++ {
+		a := Attempt{}
+		if i > 0 {
+			a.Wait = waits[i-1].String()
+			if err := sleep(ctx, waits[i-1]); err != nil {
+				return attempts, fmt.Errorf("publish %s: %w (after %d tries: %v)", url, err, i, last)
+			}
+		}
+		code, err := post(ctx, hc, url, body, p.PerTry)
+		a.Status = code
+		if err == nil {
+			attempts = append(attempts, a)
+			return attempts, nil
+		}
+		a.Err = err.Error()
+		attempts = append(attempts, a)
+		last = err
+		if code != 0 && !retryable(code) {
+			break
+		}
+	}
+	return attempts, fmt.Errorf("publish %s: %d tries: %w", url, len(attempts), last)
+}
+
+func post(ctx context.Context, hc *http.Client, url string, body []byte, perTry time.Duration) (int, error) {
+	if perTry > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, perTry)
+		defer cancel()
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Content-Type", EnvelopeType)
+	resp, err := hc.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	if resp.StatusCode/100 != 2 {
+		return resp.StatusCode, errors.New(resp.Status + ": " + string(bytes.TrimSpace(msg)))
+	}
+	return resp.StatusCode, nil
+}
