@@ -30,7 +30,7 @@ func Load(fsys fs.FS, dir string) (*Side, error) {
 	var files []string
 	err := fs.WalkDir(fsys, ".", func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
-			return fmt.Errorf("perfcheck %s: %w", path.Join(dir, p), err)
+			return fmt.Errorf("%s: %w", path.Join(dir, p), err)
 		}
 		base := d.Name()
 		if p != "." && strings.HasPrefix(base, ".") {
@@ -52,14 +52,14 @@ func Load(fsys fs.FS, dir string) (*Side, error) {
 		name := path.Join(dir, p)
 		fi, err := fs.Stat(fsys, p)
 		if err != nil {
-			return nil, fmt.Errorf("perfcheck %s: %w", name, err)
+			return nil, fmt.Errorf("%s: %w", name, err)
 		}
 		if fi.Size() > maxFileSize {
-			return nil, fmt.Errorf("perfcheck %s: %d bytes is too large for a result file", name, fi.Size())
+			return nil, fmt.Errorf("%s: %d bytes is too large for a result file", name, fi.Size())
 		}
 		data, err := fs.ReadFile(fsys, p)
 		if err != nil {
-			return nil, fmt.Errorf("perfcheck %s: %w", name, err)
+			return nil, fmt.Errorf("%s: %w", name, err)
 		}
 		switch Detect(path.Base(p), data) {
 		case KindNVBandwidth:
@@ -76,19 +76,19 @@ func Load(fsys fs.FS, dir string) (*Side, error) {
 			byName := collectiveFromName(path.Base(p))
 			switch {
 			case run.Collective == "" && byName == "":
-				return nil, fmt.Errorf("perfcheck %s: nccl-tests output, but neither the file nor its name says which collective", name)
+				return nil, fmt.Errorf("%s: nccl-tests output, but neither the file nor its name says which collective", name)
 			case run.Collective == "":
 				run.Collective = byName
 			case byName != "" && byName != run.Collective:
-				return nil, fmt.Errorf("perfcheck %s: file is named for %s but holds %s_perf output", name, byName, run.Collective)
+				return nil, fmt.Errorf("%s: file is named for %s but holds %s_perf output", name, byName, run.Collective)
 			}
 			side.NCCL[run.Collective] = append(side.NCCL[run.Collective], run)
 		default:
-			return nil, fmt.Errorf("perfcheck %s: neither nccl-tests nor nvbandwidth output", name)
+			return nil, fmt.Errorf("%s: neither nccl-tests nor nvbandwidth output", name)
 		}
 	}
 	if len(side.NCCL) == 0 && len(side.NVBandwidth) == 0 {
-		return nil, fmt.Errorf("perfcheck %s: no nccl-tests or nvbandwidth results", dir)
+		return nil, fmt.Errorf("%s: no nccl-tests or nvbandwidth results", dir)
 	}
 	return side, nil
 }

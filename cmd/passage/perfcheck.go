@@ -1,11 +1,10 @@
 package main
 
 import (
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
-	"os"
+	"math"
 
 	"github.com/passage-boot/passage/perfcheck"
 )
@@ -14,20 +13,22 @@ func cmdPerfcheck(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("perfcheck", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage perfcheck --host DIR --guest DIR [--json] [--html FILE] [thresholds]")
-		fmt.Fprintln(stderr, "compares nccl-tests and nvbandwidth output of a host and a guest; exit 1 when a threshold is crossed")
+		fmt.Fprintln(stderr, "usage: passage perfcheck --host DIR --guest DIR [--json] [--html FILE] [limits]")
+		fmt.Fprintln(stderr, "compares nccl-tests and nvbandwidth output of a host and a guest; exit 1 when a limit is crossed")
 		fs.PrintDefaults()
 	}
 	def := perfcheck.DefaultThresholds
-	hostDir := fs.String("host", "", "directory of the host's nccl-tests/nvbandwidth output files")
-	guestDir := fs.String("guest", "", "directory of the guest's output files")
-	asJSON := fs.Bool("json", false, "print the full report as JSON instead of text")
-	htmlFile := fs.String("html", "", "also write an HTML report with one plot per collective to `FILE`")
-	inPlace := fs.Bool("in-place", false, "compare the in-place busbw columns instead of out-of-place")
-	largest := fs.Float64("largest", def.LargestPct, "max loss in `percent` at each collective's largest message")
-	large := fs.Float64("large", def.Large8MiBPct, "max loss in `percent` at any message >= 8 MiB")
-	nvb := fs.Float64("nvbandwidth", def.NVBandwidthPct, "max loss in `percent` for nvbandwidth host->device and device->host")
-	small := fs.Float64("small", def.SmallPct, "loss in `percent` that names a small message (< 8 MiB) as outlier or repeated; never fails")
+	var cfg perfcheck.Config
+	fs.StringVar(&cfg.HostDir, "host", "", "directory of the host's nccl-tests/nvbandwidth output files")
+	fs.StringVar(&cfg.GuestDir, "guest", "", "directory of the guest's output files")
+	fs.BoolVar(&cfg.JSON, "json", false, "print the full report as JSON instead of text")
+	fs.StringVar(&cfg.HTMLFile, "html", "", "also write an HTML report with one plot per collective to `FILE`")
+	fs.BoolVar(&cfg.Options.InPlace, "in-place", false, "compare the in-place busbw columns instead of out-of-place")
+	th := &cfg.Options.Thresholds
+	fs.Float64Var(&th.LargestPct, "largest", def.LargestPct, "max loss in `percent` at each collective's largest message")
+	fs.Float64Var(&th.Large8MiBPct, "large", def.Large8MiBPct, "max loss in `percent` at any message >= 8 MiB")
+	fs.Float64Var(&th.NVBandwidthPct, "nvbandwidth", def.NVBandwidthPct, "max loss in `percent` for nvbandwidth host->device and device->host")
+	fs.Float64Var(&th.SmallPct, "small", def.SmallPct, "loss in `percent` that names a message < 8 MiB an outlier (never fails)")
 	if err := fs.Parse(args); err != nil {
 		if err == flag.ErrHelp {
 			return 0
@@ -38,74 +39,26 @@ func cmdPerfcheck(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage perfcheck: unexpected argument %q\n", fs.Arg(0))
 		return 2
 	}
-	if *hostDir == "" || *guestDir == "" {
+	if cfg.HostDir == "" || cfg.GuestDir == "" {
 		fmt.Fprintln(stderr, "passage perfcheck: --host and --guest are required")
 		return 2
 	}
-	for name, v := range map[string]float64{"largest": *largest, "large": *large, "nvbandwidth": *nvb, "small": *small} {
-		if v < 0 || v != v {
-			fmt.Fprintf(stderr, "passage perfcheck: --%s %g: a loss limit is a percentage >= 0\n", name, v)
+	for _, l := range []struct {
+		name string
+		v    float64
+	}{{"largest", th.LargestPct}, {"large", th.Large8MiBPct}, {"nvbandwidth", th.NVBandwidthPct}, {"small", th.SmallPct}} {
+		if l.v < 0 || math.IsNaN(l.v) || math.IsInf(l.v, 0) {
+			fmt.Fprintf(stderr, "passage perfcheck: --%s %g: a loss limit is a percentage >= 0\n", l.name, l.v)
 			return 2
 		}
 	}
-	opt := perfcheck.Options{
-		Thresholds: perfcheck.Thresholds{LargestPct: *largest, Large8MiBPct: *large, NVBandwidthPct: *nvb, SmallPct: *small},
-		InPlace:    *inPlace,
-	}
-	var sides [2]*perfcheck.Side
-	for i, dir := range []string{*hostDir, *guestDir} {
-		st, err := os.Stat(dir)
-		if err != nil {
-			fmt.Fprintf(stderr, "passage perfcheck: %v\n", err)
-			return 2
-		}
-		if !st.IsDir() {
-			fmt.Fprintf(stderr, "passage perfcheck: %s: not a directory\n", dir)
-			return 2
-		}
-		s, err := perfcheck.Load(os.DirFS(dir), dir)
-		if err != nil {
-			fmt.Fprintf(stderr, "passage perfcheck: %v\n", err)
-			return 2
-		}
-		sides[i] = s
-	}
-	rep := perfcheck.CompareSides(sides[0], sides[1], opt)
-	if *htmlFile != "" {
-		if err := writeHTMLFile(*htmlFile, rep); err != nil {
-			fmt.Fprintf(stderr, "passage perfcheck: %v\n", err)
-			return 2
-		}
-	}
-	var err error
-	if *asJSON {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		err = enc.Encode(rep)
-	} else {
-		err = perfcheck.WriteText(stdout, rep)
-	}
+	rep, err := perfcheck.Run(cfg, stdout)
 	if err != nil {
-		fmt.Fprintf(stderr, "passage perfcheck: write report: %v\n", err)
+		fmt.Fprintf(stderr, "passage perfcheck: %v\n", err)
 		return 2
 	}
 	if !rep.Pass {
 		return 1
 	}
 	return 0
-}
-
-func writeHTMLFile(name string, rep *perfcheck.Report) error {
-	f, err := os.Create(name)
-	if err != nil {
-		return fmt.Errorf("html %s: %w", name, err)
-	}
-	if err := perfcheck.WriteHTML(f, rep); err != nil {
-		f.Close()
-		return fmt.Errorf("html %s: %w", name, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("html %s: %w", name, err)
-	}
-	return nil
 }
