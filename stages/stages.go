@@ -139,8 +139,17 @@ type Unit struct {
 // the labels, the plans) belongs to whoever builds the stage list (see stages/boot), not
 // here.
 type State struct {
-	mu    sync.Mutex
-	units []*Unit
+	mu      sync.Mutex
+	units   []*Unit
+	results []Result
+}
+
+// Results returns the results of the stages that have finished so far, in order: what the
+// manifest stage records.
+func (s *State) Results() []Result {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]Result(nil), s.results...)
 }
 
 // SetUnits replaces the unit list (the label stage's job). New units start ok.
@@ -274,6 +283,9 @@ func (rn *Runner) Run(ctx context.Context, st *State) ([]Result, error) {
 		r := rn.runOne(ctx, st, s, byName)
 		byName[s.Name] = r.Status
 		results = append(results, r)
+		st.mu.Lock()
+		st.results = append(st.results, r)
+		st.mu.Unlock()
 		rn.report(r)
 	}
 	return results, nil

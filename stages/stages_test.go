@@ -172,7 +172,10 @@ func TestAlwaysRunsAfterCancel(t *testing.T) {
 	rn := &Runner{Stages: []Stage{
 		{Name: "a", Run: func(context.Context, *State, *Result) error { cancel(); return nil }},
 		{Name: "b", Run: ok},
-		{Name: "manifest", Always: true, Run: func(ctx context.Context, _ *State, _ *Result) error {
+		{Name: "manifest", Always: true, Run: func(ctx context.Context, st *State, _ *Result) error {
+			if got := statuses(st.Results()); !reflect.DeepEqual(got, map[string]Status{"a": OK, "b": Skipped}) {
+				t.Errorf("results seen by manifest = %v", got)
+			}
 			sawLive = ctx.Err() == nil
 			return nil
 		}},
