@@ -1,0 +1,366 @@
+package topology
+
+import (
+	"embed"
+	"fmt"
+	"os"
+	"path"
+	"sort"
+	"strconv"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/passage-boot/passage/pci"
+)
+
+// Profile is a platform's role rules and the facts PCIe cannot show (NVLink), loaded from
+// YAML or JSON. Operators write their own for server models the embedded ones do not
+// know, and test them offline against a snapshot.
+type Profile struct {
+	Name        string `yaml:"name" json:"name"`
+	Description string `yaml:"description,omitempty" json:"description,omitempty"`
+	// UnlabeledIsError makes a function that no rule matches an error, for platforms
+	// whose every function is known.
+	UnlabeledIsError bool `yaml:"unlabeled_is_error,omitempty" json:"unlabeled_is_error,omitempty"`
+	// NVLinks is the number of NVLinks between two GPUs (18 on HGX B200/B300); 0 means
+	// GPUs talk over PCIe and the matrix shows the PCIe distance.
+	NVLinks int `yaml:"nvlinks,omitempty" json:"nvlinks,omitempty"`
+	// Slots numbers units by position instead of GPU address: the key is the address of
+	// the GPU or of any bridge above it (usually the root port), the value the unit ID.
+	Slots map[string]int `yaml:"slots,omitempty" json:"slots,omitempty"`
+	Rules []Rule         `yaml:"rules" json:"rules"`
+
+	slots map[pci.Address]int
+}
+
+// Rule gives Role to every function that Match accepts.
+type Rule struct {
+	Name  string `yaml:"name" json:"name"`
+	Role  Role   `yaml:"role" json:"role"`
+	Match Match  `yaml:"match" json:"match"`
+}
+
+// Match is a predicate on one function. Every field set must hold. IDs are hex (YAML
+// 0x10de or the string "10de"); a list means any of.
+type Match struct {
+	Vendor          IDs  `yaml:"vendor,omitempty" json:"vendor,omitempty"`
+	Device          IDs  `yaml:"device,omitempty" json:"device,omitempty"`
+	SubsystemVendor IDs  `yaml:"subsystem_vendor,omitempty" json:"subsystem_vendor,omitempty"`
+	SubsystemDevice IDs  `yaml:"subsystem_device,omitempty" json:"subsystem_device,omitempty"`
+	Class           *Hex `yaml:"class,omitempty" json:"class,omitempty"`
+	// ClassMask selects the class bits compared (default 0xffffff: base, sub, prog-if).
+	ClassMask *Hex `yaml:"class_mask,omitempty" json:"class_mask,omitempty"`
+	// PortType is the Express port type: root, upstream, downstream, endpoint,
+	// legacy-endpoint, pcie-to-pci, pci-to-pcie, rciep, rcec.
+	PortType []string `yaml:"port_type,omitempty" json:"port_type,omitempty"`
+	Bridge   *bool    `yaml:"bridge,omitempty" json:"bridge,omitempty"`
+
+	// Position. Below: every entry matches some bridge above the function. NotBelow: no
+	// entry matches any bridge above it. Parent: matches the bridge directly above.
+	// Sibling: matches another function on the same bus. Depth counts the bridges above.
+	Below     []Match `yaml:"below,omitempty" json:"below,omitempty"`
+	NotBelow  []Match `yaml:"not_below,omitempty" json:"not_below,omitempty"`
+	Parent    *Match  `yaml:"parent,omitempty" json:"parent,omitempty"`
+	Sibling   *Match  `yaml:"sibling,omitempty" json:"sibling,omitempty"`
+	NoSibling *Match  `yaml:"no_sibling,omitempty" json:"no_sibling,omitempty"`
+	DepthMin  *int    `yaml:"depth_min,omitempty" json:"depth_min,omitempty"`
+	DepthMax  *int    `yaml:"depth_max,omitempty" json:"depth_max,omitempty"`
+}
+
+// Hex is a number written in hex: 0x10de in YAML, or "10de" / "0x10de" as a string
+// (JSON has no hex literals).
+type Hex uint32
+
+func (h *Hex) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.ScalarNode {
+		return fmt.Errorf("line %d: want a hex number, got a %s", n.Line, kindName(n.Kind))
+	}
+	s := strings.TrimPrefix(strings.ToLower(strings.TrimSpace(n.Value)), "0x")
+	if n.Tag == "!!int" && !strings.HasPrefix(strings.ToLower(n.Value), "0x") {
+		// A bare decimal-looking YAML int (class 030200, device 2901) is still meant as
+		// hex: every PCI ID is written in hex, as lspci -n prints it.
+		s = n.Value
+	}
+	v, err := strconv.ParseUint(s, 16, 32)
+	if err != nil {
+		return fmt.Errorf("line %d: %q is not a hex number", n.Line, n.Value)
+	}
+	*h = Hex(v)
+	return nil
+}
+
+// IDs is one hex ID or a list of them.
+type IDs []uint16
+
+func (ids *IDs) UnmarshalYAML(n *yaml.Node) error {
+	var nodes []*yaml.Node
+	switch n.Kind {
+	case yaml.ScalarNode:
+		nodes = []*yaml.Node{n}
+	case yaml.SequenceNode:
+		nodes = n.Content
+	default:
+		return fmt.Errorf("line %d: want an ID or a list of IDs", n.Line)
+	}
+	for _, e := range nodes {
+		var h Hex
+		if err := h.UnmarshalYAML(e); err != nil {
+			return err
+		}
+		if h > 0xffff {
+			return fmt.Errorf("line %d: ID %#x is wider than 16 bits", e.Line, uint32(h))
+		}
+		*ids = append(*ids, uint16(h))
+	}
+	return nil
+}
+
+func kindName(k yaml.Kind) string {
+	switch k {
+	case yaml.SequenceNode:
+		return "list"
+	case yaml.MappingNode:
+		return "mapping"
+	}
+	return "node"
+}
+
+var portTypes = map[string]pci.PortType{
+	"endpoint":        pci.PortEndpoint,
+	"legacy-endpoint": pci.PortLegacyEndpoint,
+	"root":            pci.PortRootPort,
+	"upstream":        pci.PortUpstream,
+	"downstream":      pci.PortDownstream,
+	"pcie-to-pci":     pci.PortPCIeToPCI,
+	"pci-to-pcie":     pci.PortPCIToPCIe,
+	"rciep":           pci.PortRCiEP,
+	"rcec":            pci.PortRCEC,
+}
+
+var knownRoles = map[Role]bool{
+	RoleGPU: true, RoleGPUNIC: true, RoleDataDirect: true, RoleGPUNVMe: true, RoleMgmtNIC: true,
+	RoleNVSwitchMgmt: true, RoleSwitchPort: true, RolePlaceholder: true, RoleHostOther: true,
+}
+
+//go:embed profiles/*.yaml
+var builtin embed.FS
+
+// Builtins lists the embedded profiles' names.
+func Builtins() []string {
+	ents, _ := builtin.ReadDir("profiles")
+	var out []string
+	for _, e := range ents {
+		out = append(out, strings.TrimSuffix(e.Name(), ".yaml"))
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Builtin returns an embedded profile by name (b300, b200, qemu).
+func Builtin(name string) (*Profile, error) {
+	b, err := builtin.ReadFile(path.Join("profiles", name+".yaml"))
+	if err != nil {
+		return nil, fmt.Errorf("profile %q: no such built-in profile (have %s)", name, strings.Join(Builtins(), ", "))
+	}
+	return ParseProfile(name+".yaml", b)
+}
+
+// LoadProfile takes a built-in name or a file path (anything with a slash or a
+// .yaml/.yml/.json suffix is a path).
+func LoadProfile(nameOrFile string) (*Profile, error) {
+	if !strings.ContainsRune(nameOrFile, '/') && !strings.HasSuffix(nameOrFile, ".yaml") &&
+		!strings.HasSuffix(nameOrFile, ".yml") && !strings.HasSuffix(nameOrFile, ".json") {
+		return Builtin(nameOrFile)
+	}
+	b, err := os.ReadFile(nameOrFile)
+	if err != nil {
+		return nil, fmt.Errorf("profile %s: %w", nameOrFile, err)
+	}
+	return ParseProfile(nameOrFile, b)
+}
+
+// ParseProfile decodes YAML or JSON (JSON is read as the YAML it is a subset of) and
+// checks it: unknown fields, unknown roles and port types, duplicate rule names and bad
+// slot addresses are errors naming the source.
+func ParseProfile(source string, b []byte) (*Profile, error) {
+	var p Profile
+	dec := yaml.NewDecoder(strings.NewReader(string(b)))
+	dec.KnownFields(true)
+	if err := dec.Decode(&p); err != nil {
+		return nil, fmt.Errorf("profile %s: %w", source, err)
+	}
+	if err := p.check(); err != nil {
+		return nil, fmt.Errorf("profile %s: %w", source, err)
+	}
+	return &p, nil
+}
+
+func (p *Profile) check() error {
+	if p.Name == "" {
+		return fmt.Errorf("no name")
+	}
+	if len(p.Rules) == 0 {
+		return fmt.Errorf("no rules")
+	}
+	seen := map[string]bool{}
+	for i, r := range p.Rules {
+		if r.Name == "" {
+			return fmt.Errorf("rule %d: no name", i+1)
+		}
+		if seen[r.Name] {
+			return fmt.Errorf("rule %q: name used twice", r.Name)
+		}
+		seen[r.Name] = true
+		if !knownRoles[r.Role] {
+			return fmt.Errorf("rule %q: unknown role %q", r.Name, r.Role)
+		}
+		if err := r.Match.check(); err != nil {
+			return fmt.Errorf("rule %q: %w", r.Name, err)
+		}
+	}
+	p.slots = map[pci.Address]int{}
+	used := map[int]string{}
+	for s, id := range p.Slots {
+		a, err := pci.ParseAddress(s)
+		if err != nil {
+			return fmt.Errorf("slots: %w", err)
+		}
+		if id < 0 {
+			return fmt.Errorf("slots: %s: negative unit %d", s, id)
+		}
+		if o, dup := used[id]; dup {
+			return fmt.Errorf("slots: unit %d given to both %s and %s", id, o, s)
+		}
+		used[id] = s
+		p.slots[a] = id
+	}
+	return nil
+}
+
+func (m *Match) check() error {
+	for _, t := range m.PortType {
+		if _, ok := portTypes[t]; !ok {
+			return fmt.Errorf("unknown port_type %q", t)
+		}
+	}
+	if m.ClassMask != nil && m.Class == nil {
+		return fmt.Errorf("class_mask without class")
+	}
+	for _, sub := range m.subs() {
+		if err := sub.check(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (m *Match) subs() []*Match {
+	var out []*Match
+	for i := range m.Below {
+		out = append(out, &m.Below[i])
+	}
+	for i := range m.NotBelow {
+		out = append(out, &m.NotBelow[i])
+	}
+	for _, s := range []*Match{m.Parent, m.Sibling, m.NoSibling} {
+		if s != nil {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func anyID(ids IDs, v uint16) bool {
+	if len(ids) == 0 {
+		return true
+	}
+	for _, id := range ids {
+		if id == v {
+			return true
+		}
+	}
+	return false
+}
+
+// Matches says whether d satisfies every condition of m.
+func (m *Match) Matches(d *pci.Device) bool {
+	if !anyID(m.Vendor, d.VendorID) || !anyID(m.Device, d.DeviceID) ||
+		!anyID(m.SubsystemVendor, d.SubsystemVendor) || !anyID(m.SubsystemDevice, d.SubsystemDevice) {
+		return false
+	}
+	if m.Class != nil {
+		mask := uint32(0xffffff)
+		if m.ClassMask != nil {
+			mask = uint32(*m.ClassMask)
+		}
+		if d.Class&mask != uint32(*m.Class)&mask {
+			return false
+		}
+	}
+	if len(m.PortType) > 0 {
+		t, ok := d.PortType()
+		hit := false
+		for _, name := range m.PortType {
+			if ok && portTypes[name] == t {
+				hit = true
+			}
+		}
+		if !hit {
+			return false
+		}
+	}
+	if m.Bridge != nil && d.IsBridge() != *m.Bridge {
+		return false
+	}
+	anc := d.Ancestors()
+	if m.DepthMin != nil && len(anc) < *m.DepthMin {
+		return false
+	}
+	if m.DepthMax != nil && len(anc) > *m.DepthMax {
+		return false
+	}
+	if m.Parent != nil && (d.Parent == nil || !m.Parent.Matches(d.Parent)) {
+		return false
+	}
+	for i := range m.Below {
+		if !anyMatches(&m.Below[i], anc) {
+			return false
+		}
+	}
+	for i := range m.NotBelow {
+		if anyMatches(&m.NotBelow[i], anc) {
+			return false
+		}
+	}
+	if m.Sibling != nil && !anyMatches(m.Sibling, siblings(d)) {
+		return false
+	}
+	if m.NoSibling != nil && anyMatches(m.NoSibling, siblings(d)) {
+		return false
+	}
+	return true
+}
+
+func anyMatches(m *Match, ds []*pci.Device) bool {
+	for _, d := range ds {
+		if m.Matches(d) {
+			return true
+		}
+	}
+	return false
+}
+
+// siblings are the other functions on d's bus below the same bridge. Functions on a
+// root bus have none here: pci.Device does not link root-bus neighbours.
+func siblings(d *pci.Device) []*pci.Device {
+	var out []*pci.Device
+	if d.Parent != nil {
+		for _, s := range d.Parent.Children {
+			if s != d {
+				out = append(out, s)
+			}
+		}
+	}
+	return out
+}
