@@ -82,6 +82,9 @@ func (d *Device) Err() error {
 	return fmt.Errorf("%s: %s", d.Addr, strings.Join(d.Problems, "; "))
 }
 
+// problemNotRoot is the problem a 64-byte config read gets: operators grep for it.
+const problemNotRoot = "config space truncated to 64 bytes (not root?)"
+
 // decodeConfig fills the fields config space determines. A short or malformed config
 // space leaves the fields it cannot reach zero and records why.
 func (d *Device) decodeConfig() {
@@ -94,7 +97,7 @@ func (d *Device) decodeConfig() {
 		// The kernel returns only the header to readers without CAP_SYS_ADMIN
 		// (pci_read_config in drivers/pci/pci-sysfs.c): capabilities are then unknown,
 		// not absent.
-		d.problem("config space truncated to 64 bytes (not root?)")
+		d.problem(problemNotRoot)
 	case len(c) < HeaderSize:
 		d.problem("config space truncated to %d bytes", len(c))
 	}

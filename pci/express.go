@@ -98,7 +98,7 @@ type Express struct {
 	Slot     bool     // PCI_EXP_FLAGS_SLOT: a slot is implemented (ports only)
 	LnkCap   uint32
 	LnkSta   uint16
-	HasLink  bool // the capability is long enough to hold the link registers
+	HasLink  bool // a port type with a link, and the capability holds the link registers
 	MaxSpeed LinkSpeed
 	MaxWidth uint8
 	Speed    LinkSpeed
@@ -122,7 +122,9 @@ func decodeExpress(c Config, off int) *Express {
 	e.Version = uint8(flags & 0xf)
 	e.Type = PortType(flags >> 4 & 0xf)
 	e.Slot = flags&0x100 != 0
-	if c.has(off+ExpLnkSta, 2) {
+	// Root Complex integrated endpoints and event collectors have no link: their link
+	// registers are reserved (PCIe 6.0 7.5.3), and lspci's cap_express skips them.
+	if e.Type != PortRCiEP && e.Type != PortRCEC && c.has(off+ExpLnkSta, 2) {
 		e.HasLink = true
 		e.LnkCap = c.r32(off + ExpLnkCap)
 		e.LnkSta = c.r16(off + ExpLnkSta)

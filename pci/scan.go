@@ -58,15 +58,68 @@ const DevicesDir = "sys/bus/pci/devices"
 // missing or unreadable devices directory is an error; what cannot be read about one
 // function is recorded in its Problems and the scan goes on.
 func Scan(root string) (*Tree, error) {
-	if root == "" {
-		root = "/"
+	return scanner{root: root}.scan()
+}
+
+// readKind says what a scan read: a file's bytes, a link's target, or (for a function
+// whose files are missing) a directory's existence.
+type readKind int
+
+const (
+	readFile readKind = iota
+	readLink
+	readDir
+)
+
+// scanner reads a sysfs root. seen, when set, is told of every successful read with the
+// path relative to the root (slash-separated) and the bytes or link target it got: the
+// snapshot writer captures exactly those, and the benchmark counts them.
+type scanner struct {
+	root string
+	seen func(rel string, kind readKind, data []byte)
+}
+
+func (s scanner) note(rel string, kind readKind, data []byte) {
+	if s.seen != nil {
+		s.seen(rel, kind, data)
 	}
-	dir := filepath.Join(root, DevicesDir)
+}
+
+func (s scanner) readFile(rel string) ([]byte, error) {
+	b, err := os.ReadFile(filepath.Join(s.root, filepath.FromSlash(rel)))
+	if err == nil {
+		s.note(rel, readFile, b)
+	}
+	return b, err
+}
+
+func (s scanner) readlink(rel string) (string, error) {
+	t, err := os.Readlink(filepath.Join(s.root, filepath.FromSlash(rel)))
+	if err == nil {
+		s.note(rel, readLink, []byte(t))
+	}
+	return t, err
+}
+
+func (s scanner) statDir(rel string) error {
+	_, err := os.Stat(filepath.Join(s.root, filepath.FromSlash(rel)))
+	if err == nil {
+		s.note(rel, readDir, nil)
+	}
+	return err
+}
+
+func (s scanner) scan() (*Tree, error) {
+	if s.root == "" {
+		s.root = "/"
+	}
+	dir := filepath.Join(s.root, DevicesDir)
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("pci scan %s: %w", dir, err)
 	}
-	t := &Tree{Root: root}
+	s.note(DevicesDir, readDir, nil)
+	t := &Tree{Root: s.root}
 	parents := map[Address]Address{}
 	for _, e := range ents {
 		a, err := ParseAddress(e.Name())
@@ -74,7 +127,7 @@ func Scan(root string) (*Tree, error) {
 			t.Problems = append(t.Problems, fmt.Sprintf("%s: not a PCI address, skipped", e.Name()))
 			continue
 		}
-		d, parent, err := readDevice(root, a)
+		d, parent, err := s.readDevice(a)
 		if err != nil {
 			t.Problems = append(t.Problems, err.Error())
 			continue
@@ -130,6 +183,21 @@ func (t *Tree) link(parents map[Address]Address) {
 				d.Parent = b
 			}
 		}
+	}
+	// Bad bus numbers in a dump (or crafted links in a snapshot) can make two bridges
+	// each other's parent; everything that walks up the tree relies on it ending.
+	for _, d := range t.Devices {
+		steps := 0
+		for p := d.Parent; p != nil && steps <= len(t.Devices); p = p.Parent {
+			if p == d {
+				d.problem("parent %s is its own descendant, unlinked", d.Parent.Addr)
+				d.Parent = nil
+				break
+			}
+			steps++
+		}
+	}
+	for _, d := range t.Devices {
 		if d.Parent != nil {
 			d.Parent.Children = append(d.Parent.Children, d)
 		} else {
@@ -140,19 +208,19 @@ func (t *Tree) link(parents map[Address]Address) {
 
 // readDevice reads one function. The error return is for a function that is gone (its
 // directory vanished between listing and reading); everything else becomes a problem.
-func readDevice(root string, a Address) (*Device, *Address, error) {
+func (s scanner) readDevice(a Address) (*Device, *Address, error) {
 	d := &Device{Addr: a, NUMANode: -1, IOMMUGroup: -1}
-	link := filepath.Join(root, DevicesDir, a.String())
+	link := path.Join(DevicesDir, a.String())
 	dir := link
 	var parent *Address
-	if target, err := os.Readlink(link); err == nil {
+	if target, err := s.readlink(link); err == nil {
 		// /sys/bus/pci/devices/<bdf> -> ../../../devices/pci0000:00/0000:00:01.0/<bdf>
 		rel := path.Clean(path.Join(DevicesDir, filepath.ToSlash(target)))
-		if strings.HasPrefix(rel, "../") {
+		if path.IsAbs(target) || strings.HasPrefix(rel, "../") || rel == ".." {
 			d.problem("sysfs link %s points outside the root", target)
 		} else {
 			d.SysPath = "/" + rel
-			dir = filepath.Join(root, filepath.FromSlash(rel))
+			dir = rel
 			if pa, err := ParseAddress(path.Base(path.Dir(rel))); err == nil {
 				parent = &pa
 			}
@@ -161,46 +229,46 @@ func readDevice(root string, a Address) (*Device, *Address, error) {
 		return nil, nil, fmt.Errorf("%s: vanished during scan", a)
 	}
 
-	cfg, err := os.ReadFile(filepath.Join(dir, "config"))
+	cfg, err := s.readFile(path.Join(dir, "config"))
 	switch {
 	case err == nil:
 		d.Config = cfg
 		d.decodeConfig()
 	case errors.Is(err, fs.ErrNotExist):
-		if _, serr := os.Stat(dir); errors.Is(serr, fs.ErrNotExist) {
+		if serr := s.statDir(dir); errors.Is(serr, fs.ErrNotExist) {
 			return nil, nil, fmt.Errorf("%s: vanished during scan", a)
 		}
 		d.problem("config: %v", unwrapPath(err))
-		d.readIDFiles(dir)
+		s.readIDFiles(d, dir)
 	default:
 		d.problem("config: %v", unwrapPath(err))
-		d.readIDFiles(dir)
+		s.readIDFiles(d, dir)
 	}
 
-	if s, ok := d.readText(dir, "numa_node"); ok {
-		if n, err := strconv.Atoi(s); err == nil {
+	if v, ok := s.readText(d, dir, "numa_node"); ok {
+		if n, err := strconv.Atoi(v); err == nil {
 			d.NUMANode = n
 		} else {
-			d.problem("numa_node: malformed %q", s)
+			d.problem("numa_node: malformed %q", v)
 		}
 	}
-	if s, ok := d.readLinkBase(dir, "driver"); ok {
-		d.Driver = s
+	if v, ok := s.readLinkBase(d, dir, "driver"); ok {
+		d.Driver = v
 	}
-	if s, ok := d.readText(dir, "driver_override"); ok && s != "(null)" {
-		d.DriverOverride = s
+	if v, ok := s.readText(d, dir, "driver_override"); ok && v != "(null)" {
+		d.DriverOverride = v
 	}
-	if s, ok := d.readLinkBase(dir, "iommu_group"); ok {
-		if n, err := strconv.Atoi(s); err == nil {
+	if v, ok := s.readLinkBase(d, dir, "iommu_group"); ok {
+		if n, err := strconv.Atoi(v); err == nil {
 			d.IOMMUGroup = n
 		} else {
-			d.problem("iommu_group: malformed link %q", s)
+			d.problem("iommu_group: malformed link %q", v)
 		}
 	}
 	// Reading vpd makes the kernel talk to the device (and can be slow on some), so it is
 	// read only where config space advertises a VPD capability.
 	if Find(d.Caps, CapVPD) != 0 {
-		if b, err := os.ReadFile(filepath.Join(dir, "vpd")); err == nil {
+		if b, err := s.readFile(path.Join(dir, "vpd")); err == nil {
 			v, perr := ParseVPD(b)
 			d.VPD = v
 			if perr != nil {
@@ -215,7 +283,7 @@ func readDevice(root string, a Address) (*Device, *Address, error) {
 
 // readIDFiles is the fallback when config space cannot be read: the kernel's own text
 // files still name the function.
-func (d *Device) readIDFiles(dir string) {
+func (s scanner) readIDFiles(d *Device, dir string) {
 	for _, f := range []struct {
 		name string
 		set  func(uint64)
@@ -227,13 +295,13 @@ func (d *Device) readIDFiles(dir string) {
 		{"class", func(v uint64) { d.Class = uint32(v) }},
 		{"revision", func(v uint64) { d.Revision = uint8(v) }},
 	} {
-		s, ok := d.readText(dir, f.name)
+		txt, ok := s.readText(d, dir, f.name)
 		if !ok {
 			continue
 		}
-		v, err := strconv.ParseUint(strings.TrimPrefix(s, "0x"), 16, 32)
+		v, err := strconv.ParseUint(strings.TrimPrefix(txt, "0x"), 16, 32)
 		if err != nil {
-			d.problem("%s: malformed %q", f.name, s)
+			d.problem("%s: malformed %q", f.name, txt)
 			continue
 		}
 		f.set(v)
@@ -242,8 +310,8 @@ func (d *Device) readIDFiles(dir string) {
 
 // readText reads a one-line sysfs attribute. A missing file is not a problem (optional
 // attributes come and go with kernel versions); an unreadable one is.
-func (d *Device) readText(dir, name string) (string, bool) {
-	b, err := os.ReadFile(filepath.Join(dir, name))
+func (s scanner) readText(d *Device, dir, name string) (string, bool) {
+	b, err := s.readFile(path.Join(dir, name))
 	if err != nil {
 		if !errors.Is(err, fs.ErrNotExist) {
 			d.problem("%s: %v", name, unwrapPath(err))
@@ -253,8 +321,8 @@ func (d *Device) readText(dir, name string) (string, bool) {
 	return strings.TrimSpace(string(b)), true
 }
 
-func (d *Device) readLinkBase(dir, name string) (string, bool) {
-	t, err := os.Readlink(filepath.Join(dir, name))
+func (s scanner) readLinkBase(d *Device, dir, name string) (string, bool) {
+	t, err := s.readlink(path.Join(dir, name))
 	if err != nil {
 		if !errors.Is(err, fs.ErrNotExist) {
 			d.problem("%s: %v", name, unwrapPath(err))
