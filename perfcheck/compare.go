@@ -188,7 +188,11 @@ func deltaPct(host, guest float64) (float64, bool) {
 	if host <= 0 {
 		return 0, false
 	}
-	return (guest - host) / host * 100, true
+	d := (guest - host) / host * 100
+	if math.IsNaN(d) || math.IsInf(d, 0) {
+		return 0, false
+	}
+	return d, true
 }
 
 func ptr(f float64) *float64 { return &f }

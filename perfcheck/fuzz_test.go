@@ -81,3 +81,22 @@ func FuzzParseNVBandwidth(f *testing.F) {
 		}
 	})
 }
+
+// A busbw near the largest float64 once made the plot's axis loop run forever.
+func TestHTMLHugeValues(t *testing.T) {
+	mk := func(busbw float64) *Side {
+		r := &NCCLRun{File: "x", Collective: "all_reduce", Rows: []NCCLRow{
+			{Line: 1, Size: 8, OutOfPlace: NCCLResult{BusBW: 1e-300}, InPlace: nanResult()},
+			{Line: 2, Size: 1 << 62, OutOfPlace: NCCLResult{BusBW: busbw}, InPlace: nanResult()},
+		}}
+		return &Side{Dir: "x", NCCL: map[string][]*NCCLRun{"all_reduce": {r}}}
+	}
+	rep := CompareSides(mk(1.7e308), mk(1e300), Options{Thresholds: DefaultThresholds})
+	var buf bytes.Buffer
+	if err := WriteHTML(&buf, rep); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Contains(buf.Bytes(), []byte("<svg")) {
+		t.Error("no plot")
+	}
+}

@@ -198,14 +198,14 @@ func plotSVG(c CollectiveReport, th Thresholds) string {
 	if int(xstep)%2 == 1 && xstep > 1 {
 		xstep++
 	}
-	for e := math.Ceil(x0/xstep) * xstep; e <= x1+1e-9; e += xstep {
+	for _, e := range ticks(math.Ceil(x0/xstep)*xstep, x1, xstep) {
 		size := int64(math.Round(math.Pow(2, e)))
 		x := xs(size)
 		fmt.Fprintf(&b, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#e4e4e4"/>`, x, marginT, x, marginT+plotH)
 		fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#e4e4e4"/>`, x, stripTop, x, stripTop+stripH)
 		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle">%s</text>`, x, stripTop+stripH+16, sizeString(size))
 	}
-	for v := 0.0; v <= ytop+1e-9; v += ystep {
+	for _, v := range ticks(0, ytop, ystep) {
 		y := ys(v)
 		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#e4e4e4"/>`, marginL, y, plotW-marginR, y)
 		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%s</text>`, marginL-6, y+4, trimFloat(v))
@@ -239,7 +239,7 @@ func plotSVG(c CollectiveReport, th Thresholds) string {
 
 	// delta strip
 	fmt.Fprintf(&b, `<text x="%d" y="%.1f" font-weight="bold">delta (guest &#8722; host) / host, %%</text>`, marginL, stripTop-8)
-	for v := -dmax; v <= dmax+1e-9; v += dstep {
+	for _, v := range ticks(-dmax, dmax, dstep) {
 		y := ds(v)
 		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%s</text>`, marginL-6, y+4, trimFloat(v))
 	}
@@ -280,6 +280,23 @@ func plotSVG(c CollectiveReport, th Thresholds) string {
 	}
 	b.WriteString(`</svg>`)
 	return b.String()
+}
+
+// ticks lists from, from+step, ... up to to, counting rather than adding floats so that
+// a huge or non-finite range (a fuzzed file, a 1e308 GB/s typo) cannot loop forever.
+func ticks(from, to, step float64) []float64 {
+	if math.IsNaN(from) || math.IsNaN(to) || math.IsInf(from, 0) || math.IsInf(to, 0) || !(step > 0) {
+		return nil
+	}
+	var out []float64
+	for i := 0; i <= 40; i++ {
+		v := from + float64(i)*step
+		if v > to+step*1e-6 {
+			break
+		}
+		out = append(out, v)
+	}
+	return out
 }
 
 func classNote(c string) string {
