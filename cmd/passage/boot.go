@@ -1,11 +1,122 @@
 package main
 
 import (
+	"context"
+	"flag"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
+	"runtime/debug"
+	"slices"
+
+	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/initramfs/emit"
+	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/stages/boot"
 )
 
+// bootDomain is where the domain calls not yet built get wired in (see stages/boot.Domain).
+func bootDomain() boot.Domain {
+	return boot.Domain{
+		ACSPlan: nil, // topology.ACSPlan: not built yet
+		TPM:     nil, // manifest/tpmkey: not built yet
+	}
+}
+
+// cmdBoot is the uinit. It returns only with --no-handoff (tests, a synthetic --root) or on
+// a usage error that names --no-handoff: as the uinit, returning would panic the kernel.
 func cmdBoot(args []string, stdout, stderr io.Writer) int {
-	fmt.Fprintln(stderr, "passage: not implemented yet")
-	return 2
+	fs := flag.NewFlagSet("boot", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	root := fs.String("root", "/", "root of the tree to read (/proc, /sys, /lib/modules, /run) and write (/run/passage)")
+	dryRun := fs.Bool("dry-run", false, "scan, label and report; write nothing to sysfs, load no module, touch no NIC")
+	noHandoff := fs.Bool("no-handoff", false, "return after the report instead of handing off (never as the uinit)")
+	if err := fs.Parse(args); err != nil {
+		if slices.Contains(args, "--no-handoff") || slices.Contains(args, "-no-handoff") || err == flag.ErrHelp {
+			return 2
+		}
+		// As the uinit a bad flag must not end the boot: go on as a plain boot of "/".
+		fmt.Fprintf(stderr, "passage boot: %v; booting with defaults\n", err)
+		*root, *dryRun = "/", false
+	}
+	console := stdout
+
+	cfg, summary := runBoot(*root, *dryRun, console)
+	if *noHandoff {
+		if summary == stages.Failed {
+			return 1
+		}
+		return 0
+	}
+	emit.Mark(console, *root, "handoff")
+	fmt.Fprintf(console, "passage: handoff %s\n", cfg.Handoff)
+	initramfs.Do(cfg, initramfs.LinuxSystem(), console)
+	return 0 // not reached: Do never returns
+}
+
+// runBoot does everything before the handoff. A panic outside the runner (which recovers
+// its stages' own) still ends in a handoff, with the run counted as failed.
+func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status) {
+	cfg = initramfs.Defaults()
+	summary = stages.Failed
+	defer func() {
+		if p := recover(); p != nil {
+			fmt.Fprintf(console, "passage: internal error: %v\n%s\n", p, debug.Stack())
+			if cfg.Emit == initramfs.EmitConsole {
+				emit.Done(console, string(stages.Failed))
+			}
+			summary = stages.Failed
+		}
+	}()
+
+	emit.Mark(console, root, "uinit-start")
+	cfg, err := initramfs.ReadConfig(root)
+	if err != nil {
+		cfg.Errors = append(cfg.Errors, err)
+	}
+	for _, e := range cfg.Errors {
+		fmt.Fprintf(console, "passage: %v\n", e)
+	}
+
+	b := &boot.Boot{Root: root, Config: cfg, DryRun: dryRun, Console: console, Domain: bootDomain()}
+	runDir := b.RunDir()
+	var logw io.Writer
+	if err := os.MkdirAll(runDir, 0o755); err != nil {
+		fmt.Fprintf(console, "passage: %s: %v\n", runDir, err)
+	}
+	logPath := filepath.Join(root, cfg.Log)
+	if f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err != nil {
+		fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
+	} else {
+		defer f.Close()
+		logw = f
+	}
+
+	st := &stages.State{}
+	rn := &stages.Runner{Stages: b.Stages(), Timeout: cfg.StageTimeout, Console: console, Log: logw}
+	results, err := rn.Run(context.Background(), st)
+	if err != nil {
+		fmt.Fprintf(console, "passage: %v\n", err)
+	}
+	units := st.Units()
+	stages.WriteUnitTable(console, units)
+	if logw != nil {
+		if err := stages.WriteUnitsJSON(logw, units); err != nil {
+			fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
+		}
+	}
+	summary = stages.Summary(results, units)
+	if err != nil {
+		summary = stages.Failed
+	}
+	fmt.Fprintf(console, "passage: boot %s\n", summary)
+
+	if cfg.Emit == initramfs.EmitConsole {
+		if err := emit.Dir(console, runDir); err != nil {
+			fmt.Fprintf(console, "passage: %v\n", err)
+		}
+		emit.Done(console, string(summary))
+	}
+	return cfg, summary
 }

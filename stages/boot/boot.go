@@ -1,0 +1,512 @@
+// Package boot is the stage list of `passage boot`: the thin layer between the generic
+// runner (package stages) and the domain packages (pci, topology, firmware, vfiobind,
+// manifest, initramfs/kmod, initramfs/netboot). Each stage calls one domain function and
+// translates its outcome into a stages.Result and unit statuses.
+package boot
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/passage-boot/passage/firmware"
+	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/initramfs/emit"
+	"github.com/passage-boot/passage/initramfs/kmod"
+	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
+)
+
+// Domain holds the domain calls that are not built yet. A nil function makes its stage end
+// skipped with "not built yet"; wiring one in is a one-line change in cmd/passage/boot.go.
+type Domain struct {
+	// ACSPlan returns the ACS Control targets for the units' ports (topology.ACSPlan).
+	ACSPlan func(tree *pci.Tree, units []*topology.Unit) ([]topology.ACSPort, error)
+	// Signer returns the TPM-resident signer and PCR measurer when a TPM is there
+	// (manifest/tpmkey). nil: ed25519 key file only.
+	TPM func(root string) (manifest.Signer, manifest.Measurer, error)
+}
+
+// Boot is one boot's inputs and the domain data the stages hand each other.
+type Boot struct {
+	Root    string // "/" on the node; every path below is taken under it
+	Config  initramfs.Config
+	DryRun  bool      // read and report, write nothing to sysfs, load no module, touch no NIC
+	Console io.Writer // timeline markers
+	Domain  Domain
+	Now     func() time.Time
+	// Mount mounts a block device for passage.out; nil uses the kernel (u-root's TryMount).
+	Mount func(dev, dir string) (unmount func() error, err error)
+
+	Release  string
+	Modules  *kmod.Index
+	Tree     *pci.Tree
+	Profile  *topology.Profile
+	Labels   *topology.Labels
+	Units    []*topology.Unit
+	ATS      []firmware.Finding
+	ACS      map[int][]manifest.ACSChange // by unit
+	Bind     *vfiobind.Report
+	Leases   []netboot.Lease
+	Manifest *manifest.Manifest
+	Signed   *manifest.Signed
+}
+
+func (b *Boot) path(p string) string { return filepath.Join(b.Root, p) }
+
+func (b *Boot) now() time.Time {
+	if b.Now != nil {
+		return b.Now()
+	}
+	return time.Now()
+}
+
+// RunDir is where this boot's results go: <root>/run/passage.
+func (b *Boot) RunDir() string { return b.path(initramfs.RunDir) }
+
+// UnitID names a topology unit in the runner's state, the console table and the manifest.
+func UnitID(id int) string { return fmt.Sprintf("gpu%d", id) }
+
+func toStatus(s topology.Status) stages.Status {
+	switch s {
+	case topology.StatusFailed:
+		return stages.Failed
+	case topology.StatusDegraded:
+		return stages.Degraded
+	}
+	return stages.OK
+}
+
+// syncUnits copies the topology units' statuses and reasons (which the domain packages
+// update in place) into the runner's state, where status only worsens.
+func (b *Boot) syncUnits(st *stages.State, stage string) {
+	seen := map[string]int{}
+	for _, u := range st.Units() {
+		seen[u.ID] = len(u.Reasons)
+	}
+	for _, u := range b.Units {
+		id := UnitID(u.ID)
+		// Reasons the state already holds are not added twice.
+		var newReasons []string
+		if n := seen[id]; n < len(u.Reasons) {
+			newReasons = u.Reasons[n:]
+		}
+		for _, r := range newReasons {
+			st.Mark(id, toStatus(u.Status), r)
+		}
+		if len(newReasons) == 0 {
+			st.Mark(id, toStatus(u.Status), "")
+		}
+	}
+}
+
+// eligible returns the topology units the state has not failed.
+func (b *Boot) eligible(st *stages.State) []*topology.Unit {
+	ok := map[string]bool{}
+	for _, u := range st.Eligible() {
+		ok[u.ID] = true
+	}
+	var out []*topology.Unit
+	for _, u := range b.Units {
+		if ok[UnitID(u.ID)] {
+			out = append(out, u)
+		}
+	}
+	return out
+}
+
+// Stages returns the boot's stage list in DESIGN.md's order. The handoff is not a stage:
+// it never returns, so cmd/passage/boot.go does it after the report.
+func (b *Boot) Stages() []stages.Stage {
+	c := b.Config
+	return []stages.Stage{
+		{Name: "modules", Run: b.modules},
+		{Name: "scan", Run: b.scan},
+		{Name: "label", Needs: []string{"scan"}, Run: b.label},
+		{Name: "firmware", Needs: []string{"label"}, Run: b.firmware},
+		{Name: "acs", Needs: []string{"label"}, Run: b.acs},
+		{Name: "vfio", Needs: []string{"label"}, Run: b.vfio},
+		{Name: "host", Run: b.host},
+		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
+		{Name: "manifest", Always: true, Run: b.manifest},
+		{Name: "publish", Needs: []string{"network", "manifest"}, Run: b.publish},
+	}
+}
+
+func (b *Boot) openModules() error {
+	if b.Modules != nil {
+		return nil
+	}
+	if b.Release == "" {
+		rel, err := os.ReadFile(b.path("proc/sys/kernel/osrelease"))
+		if err != nil {
+			return fmt.Errorf("kernel release: %w", err)
+		}
+		b.Release = strings.TrimSpace(string(rel))
+	}
+	ix, err := kmod.Open(b.path(filepath.Join("lib/modules", b.Release)))
+	if err != nil {
+		return err
+	}
+	b.Modules = ix
+	return nil
+}
+
+// loadModules loads names one at a time so one missing module does not hide the others.
+func (b *Boot) loadModules(r *stages.Result, names []string) (failed []string) {
+	if b.DryRun {
+		order, err := b.Modules.Order(names...)
+		if err != nil {
+			r.Findingf("order %v: %v", names, err)
+			return names
+		}
+		r.Findingf("dry run: would load %s", strings.Join(order, " "))
+		return nil
+	}
+	for _, n := range names {
+		res, err := b.Modules.Load(n)
+		for _, m := range res {
+			switch {
+			case m.Err != nil:
+				r.Findingf("module %s: %v", m.Name, m.Err)
+			case m.AlreadyLoaded:
+				r.Findingf("module %s: already loaded or built in", m.Name)
+			default:
+				r.Changef("module %s loaded (%s)", m.Name, m.Duration.Round(time.Microsecond))
+			}
+		}
+		if err != nil {
+			r.Findingf("module %s: %v", n, err)
+			failed = append(failed, n)
+		}
+	}
+	return failed
+}
+
+// modules loads the vfio stack before anything can bind a passthrough device to a host
+// driver: a device that a host driver claims first must be unbound again, and some
+// (NVMe with a mounted namespace) cannot be.
+func (b *Boot) modules(_ context.Context, _ *stages.State, r *stages.Result) error {
+	if err := b.openModules(); err != nil {
+		return err
+	}
+	if failed := b.loadModules(r, vfiobind.Modules); len(failed) > 0 {
+		return fmt.Errorf("vfio stack: %s did not load", strings.Join(failed, ", "))
+	}
+	return nil
+}
+
+func (b *Boot) scan(_ context.Context, _ *stages.State, r *stages.Result) error {
+	t, err := pci.Scan(b.Root)
+	if err != nil {
+		return err
+	}
+	b.Tree = t
+	r.Findingf("%d functions", len(t.Devices))
+	for _, p := range t.Problems {
+		r.Degrade("%s", p)
+	}
+	for _, d := range t.Devices {
+		for _, p := range d.Problems {
+			r.Degrade("%s: %s", d.Addr, p)
+		}
+	}
+	return nil
+}
+
+func (b *Boot) label(_ context.Context, st *stages.State, r *stages.Result) error {
+	p, err := topology.LoadProfile(b.Config.Profile)
+	if err != nil {
+		return err
+	}
+	b.Profile = p
+	l, err := topology.Label(b.Tree, p)
+	if err != nil {
+		return err
+	}
+	b.Labels, b.Units = l, l.Units
+	units := l.Units
+	for _, pr := range l.Problems {
+		r.Degrade("%s", pr)
+	}
+	su := make([]stages.Unit, 0, len(units))
+	for _, u := range units {
+		x := stages.Unit{ID: UnitID(u.ID), Status: toStatus(u.Status), Reasons: append([]string(nil), u.Reasons...)}
+		if u.GPU != nil {
+			x.GPU = u.GPU.Addr.String()
+		}
+		for _, n := range u.NICs {
+			x.NICs = append(x.NICs, n.Addr.String())
+		}
+		for _, f := range u.Functions() {
+			if f != nil {
+				x.Members = append(x.Members, f.Addr.String())
+			}
+		}
+		su = append(su, x)
+	}
+	st.SetUnits(su)
+	r.Findingf("profile %s: %d units", p.Name, len(units))
+	if len(units) == 0 {
+		r.Degrade("no GPU units found")
+	}
+	return nil
+}
+
+func (b *Boot) firmware(_ context.Context, st *stages.State, r *stages.Result) error {
+	policy, err := firmware.ParsePolicy(string(b.Config.ATS))
+	if err != nil {
+		return err
+	}
+	b.ATS = firmware.CheckATS(b.Units, policy)
+	for _, f := range b.ATS {
+		if f.Missing() {
+			r.Degrade("%s", f)
+		}
+	}
+	b.syncUnits(st, "firmware")
+	return nil
+}
+
+// ACSAdvice is what an operator can do when the kernel refuses config writes (lockdown):
+// have the kernel apply the same plan at boot, which needs pci=config_acs= (Linux 6.11+).
+const ACSAdvice = "config writes refused; add the plan as kernel argument pci=config_acs= (needs Linux 6.11 or later)"
+
+func (b *Boot) acs(_ context.Context, st *stages.State, r *stages.Result) error {
+	if b.Domain.ACSPlan == nil {
+		return stages.Skip("not built yet")
+	}
+	ports, err := b.Domain.ACSPlan(b.Tree, b.Units)
+	if err != nil {
+		return err
+	}
+	ports = firmware.DropDT(ports, b.ATS)
+	failedUnit := map[int]bool{}
+	for _, u := range b.Units {
+		if u.Status == topology.StatusFailed {
+			failedUnit[u.ID] = true
+		}
+	}
+	b.ACS = map[int][]manifest.ACSChange{}
+	cfg := pci.SysfsConfig{Root: b.Root}
+	for _, p := range ports {
+		ch := manifest.ACSChange{Port: p.Addr.String(), Before: p.Current.Lspci(), Target: p.Target().Lspci()}
+		switch {
+		case p.Offset == 0:
+			ch.Result = "failed: no ACS capability"
+			r.Degrade("acs %s (%s): no ACS capability", p.Addr, p.Position)
+		case failedUnit[p.Unit]:
+			ch.Result = "unchanged: unit failed"
+		case p.Target() == p.Current:
+			ch.Result = "unchanged"
+			ch.After = ch.Before
+		case b.DryRun:
+			ch.Result = "unchanged: dry run"
+		default:
+			w, err := pci.WriteRegister(cfg, p.Addr, p.CtlOffset(), 2, uint32(p.Target()))
+			ch.After = pci.ACSBits(w.After).Lspci()
+			if err != nil {
+				ch.Result = "failed: " + err.Error()
+				reason := fmt.Sprintf("acs %s: %v", p.Addr, err)
+				if errors.Is(err, os.ErrPermission) {
+					reason += "; " + ACSAdvice
+				}
+				for _, u := range b.Units {
+					if u.ID == p.Unit {
+						u.Degrade(topology.StatusDegraded, "%s", reason)
+					}
+				}
+				r.Degrade("%s", reason)
+			} else {
+				ch.Result = "applied"
+				r.Changef("acs %s (%s): ACSCtl %s -> %s", p.Addr, p.Position, ch.Before, ch.After)
+			}
+		}
+		b.ACS[p.Unit] = append(b.ACS[p.Unit], ch)
+	}
+	b.syncUnits(st, "acs")
+	return nil
+}
+
+func (b *Boot) vfio(ctx context.Context, st *stages.State, r *stages.Result) error {
+	if b.DryRun {
+		for _, f := range vfiobind.Audit(b.Tree, b.Units) {
+			r.Findingf("%s", f)
+		}
+		return stages.Skip("dry run")
+	}
+	units := b.eligible(st)
+	for _, u := range b.Units {
+		if u.Status == topology.StatusFailed {
+			r.Findingf("unit %s: failed before binding, left untouched", UnitID(u.ID))
+		}
+	}
+	rep, err := vfiobind.Bind(ctx, vfiobind.Root(b.Root), b.Tree, units, vfiobind.Options{})
+	b.Bind = rep
+	if rep != nil {
+		if rep.ModulesErr != "" {
+			r.Degrade("vfio modules: %s", rep.ModulesErr)
+		}
+		for _, f := range rep.Findings {
+			r.Findingf("%s", f)
+		}
+		for _, ur := range rep.Units {
+			for _, f := range ur.Functions {
+				if f.DriverAfter != f.DriverBefore {
+					r.Changef("%s: %s -> %s (group %d)", f.Addr, orNone(f.DriverBefore), f.DriverAfter, f.Group)
+				}
+				if f.Err != "" {
+					r.Findingf("%s: %s", f.Addr, f.Err)
+				}
+			}
+		}
+	}
+	b.syncUnits(st, "vfio")
+	return err
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "(none)"
+	}
+	return s
+}
+
+// host loads the drivers of host-kept devices (management NIC, NVSwitch management) only
+// now, after every passthrough function sits on vfio-pci, so none can claim one.
+func (b *Boot) host(_ context.Context, _ *stages.State, r *stages.Result) error {
+	if len(b.Config.HostModules) == 0 {
+		return stages.Skip("passage.host_modules is empty")
+	}
+	if err := b.openModules(); err != nil {
+		return err
+	}
+	var missing []string
+	for _, n := range b.Config.HostModules {
+		if b.Modules.Module(n) == nil && !b.Modules.Builtin(n) {
+			missing = append(missing, n)
+		}
+	}
+	for _, n := range missing {
+		r.Findingf("module %s: not in the image", n)
+	}
+	var present []string
+	for _, n := range b.Config.HostModules {
+		if !contains(missing, n) {
+			present = append(present, n)
+		}
+	}
+	if len(present) == 0 {
+		return fmt.Errorf("none of the host drivers %v is in the image", b.Config.HostModules)
+	}
+	if failed := b.loadModules(r, present); len(failed) > 0 {
+		r.Degrade("host drivers not loaded: %s", strings.Join(failed, ", "))
+	}
+	return nil
+}
+
+func contains(xs []string, x string) bool {
+	for _, y := range xs {
+		if y == x {
+			return true
+		}
+	}
+	return false
+}
+
+// netIfaces picks the interfaces for passage.net=auto: every PCI-backed netdev that is
+// not a unit's passthrough function, preferring those the label stage called mgmt-nic.
+func (b *Boot) netIfaces(r *stages.Result) ([]string, error) {
+	if b.Config.Net != initramfs.NetAuto {
+		return []string{b.Config.Net}, nil
+	}
+	cands, err := netboot.Candidates(b.Root)
+	if err != nil {
+		return nil, err
+	}
+	pass := map[string]bool{}
+	for _, u := range b.Units {
+		for _, f := range u.Functions() {
+			if f != nil {
+				pass[f.Addr.String()] = true
+			}
+		}
+	}
+	var out, mgmt []string
+	for _, c := range cands {
+		if b.Labels != nil {
+			if a, err := pci.ParseAddress(c.BDF); err == nil && b.Labels.RoleOf(a) == topology.RoleMgmtNIC {
+				mgmt = append(mgmt, c.Name)
+			}
+		}
+		if pass[c.BDF] {
+			r.Findingf("%s (%s) is a passthrough function: not used", c.Name, c.BDF)
+			continue
+		}
+		out = append(out, c.Name)
+	}
+	if len(mgmt) > 0 {
+		return mgmt, nil
+	}
+	return out, nil
+}
+
+func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) error {
+	if b.Config.Net == initramfs.NetOff {
+		return stages.Skip("passage.net=off")
+	}
+	ifs, err := b.netIfaces(r)
+	if err != nil {
+		return err
+	}
+	if b.DryRun {
+		r.Findingf("dry run: would bring up %v", ifs)
+		return stages.Skip("dry run")
+	}
+	leases, err := netboot.UpAny(ctx, ifs, netboot.DefaultDHCP)
+	b.Leases = leases
+	for _, l := range leases {
+		r.Changef("%s", l.Describe())
+	}
+	if len(leases) == 0 {
+		return err
+	}
+	if err != nil {
+		r.Findingf("%v", err)
+	}
+	return nil
+}
+
+func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) error {
+	if b.Config.URL == "" {
+		return stages.Skip("passage.url not set")
+	}
+	if b.Signed == nil {
+		return stages.Skip("no signed envelope to publish")
+	}
+	att, err := netboot.Publish(ctx, nil, b.Config.URL, b.Signed.Envelope, netboot.DefaultPublish)
+	for i, a := range att {
+		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)
+	}
+	if err != nil {
+		return err
+	}
+	r.Changef("envelope %s posted to %s", b.Signed.Digest, b.Config.URL)
+	return nil
+}
+
+// Mark prints a timeline marker on the console (a no-op without one).
+func (b *Boot) Mark(event string) {
+	if b.Console != nil {
+		emit.Mark(b.Console, b.Root, event)
+	}
+}
