@@ -1,0 +1,223 @@
+package vfiobind
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+)
+
+// Finding kinds.
+const (
+	// KindGroupShared: a passthrough function's IOMMU group holds a function that is
+	// neither in the unit's passthrough set nor a bridge. The unit is refused.
+	KindGroupShared = "group-shared"
+	// KindNoGroup: a passthrough function has no IOMMU group (no IOMMU, or the kernel
+	// did not place it): vfio-pci cannot take it. The unit is refused.
+	KindNoGroup = "no-iommu-group"
+	// KindSharedFunction: one function is in two units' passthrough sets (a labelling
+	// bug upstream). Both units are refused.
+	KindSharedFunction = "function-in-two-units"
+	// KindIsolationGap: a root or downstream port between a passthrough function and
+	// the root complex lacks ACS, or has SV, RR, CR or UF off while advertising it.
+	// Linux 6.1 still gives a device below such a port a group of its own, but peer
+	// traffic through the port is not forced up to the IOMMU. The unit is degraded.
+	KindIsolationGap = "isolation-gap"
+	// KindBadUnit: the unit itself is malformed (no GPU, a nil function).
+	KindBadUnit = "bad-unit"
+)
+
+// Member is one function of an IOMMU group, with who holds it.
+type Member struct {
+	Addr   pci.Address `json:"addr"`
+	IDs    string      `json:"ids"`
+	Driver string      `json:"driver,omitempty"`
+	// Owner is "unit N" (this or another unit's passthrough set), "bridge", or "host"
+	// (anything else: management NIC, NVSwitch management, placeholder, unlabeled).
+	Owner string `json:"owner"`
+}
+
+// Finding is one thing Audit found about a unit.
+type Finding struct {
+	Kind    string          `json:"kind"`
+	Unit    int             `json:"unit"`
+	Status  topology.Status `json:"status"` // what the finding makes of the unit
+	Addr    pci.Address     `json:"addr"`   // the passthrough function, or the port for an isolation gap
+	Group   int             `json:"group"`  // -1 when not about a group
+	Members []Member        `json:"members,omitempty"`
+	Detail  string          `json:"detail"`
+}
+
+func (f Finding) String() string {
+	s := fmt.Sprintf("unit %d: %s %s: %s", f.Unit, f.Kind, f.Addr, f.Detail)
+	if len(f.Members) > 0 {
+		ms := make([]string, len(f.Members))
+		for i, m := range f.Members {
+			ms[i] = fmt.Sprintf("%s %s (%s)", m.Addr, m.IDs, m.Owner)
+		}
+		s += "; group " + fmt.Sprint(f.Group) + ": " + strings.Join(ms, ", ")
+	}
+	return s
+}
+
+// Refuses says whether the finding keeps the unit from being bound at all.
+func (f Finding) Refuses() bool { return f.Status == topology.StatusFailed }
+
+// Audit checks every unit's passthrough set against the tree's IOMMU groups and the ACS
+// of the ports above it. It reads only the tree and the units; it changes nothing.
+// Findings come in unit order, then address order.
+func Audit(tree *pci.Tree, units []*topology.Unit) []Finding {
+	var out []Finding
+	owner := map[pci.Address]int{} // function -> unit ID
+	twice := map[pci.Address][]int{}
+	for _, u := range units {
+		if u == nil {
+			continue
+		}
+		for _, d := range u.Functions() {
+			if d == nil {
+				continue
+			}
+			if prev, ok := owner[d.Addr]; ok && prev != u.ID {
+				twice[d.Addr] = append(twice[d.Addr], prev, u.ID)
+			}
+			owner[d.Addr] = u.ID
+		}
+	}
+	groups := tree.Groups()
+	for _, u := range units {
+		if u == nil {
+			continue
+		}
+		out = append(out, auditUnit(tree, groups, owner, twice, u)...)
+	}
+	return out
+}
+
+func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Address]int, twice map[pci.Address][]int, u *topology.Unit) []Finding {
+	var out []Finding
+	if u.GPU == nil {
+		out = append(out, Finding{Kind: KindBadUnit, Unit: u.ID, Status: topology.StatusFailed, Group: -1, Detail: "unit has no GPU"})
+	}
+	fns := unitFunctions(u)
+	if len(fns) < len(u.Functions()) {
+		out = append(out, Finding{Kind: KindBadUnit, Unit: u.ID, Status: topology.StatusFailed, Group: -1, Detail: "unit lists a nil function"})
+	}
+	seenGroup := map[int]bool{}
+	seenPort := map[pci.Address]bool{}
+	for _, ud := range fns {
+		// The tree is the truth about groups and ports; the unit may have been labelled
+		// from an older scan.
+		d := tree.Lookup(ud.Addr)
+		if d == nil {
+			out = append(out, Finding{Kind: KindBadUnit, Unit: u.ID, Status: topology.StatusFailed, Addr: ud.Addr, Group: -1,
+				Detail: "function is not in the scanned tree"})
+			continue
+		}
+		if us, ok := twice[d.Addr]; ok {
+			out = append(out, Finding{Kind: KindSharedFunction, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
+				Detail: fmt.Sprintf("also in the passthrough set of unit(s) %v", others(us, u.ID))})
+		}
+		if d.IOMMUGroup < 0 {
+			out = append(out, Finding{Kind: KindNoGroup, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: -1,
+				Detail: "no iommu_group link: is the IOMMU on (intel_iommu=on)?"})
+		} else if !seenGroup[d.IOMMUGroup] {
+			seenGroup[d.IOMMUGroup] = true
+			members := groups[d.IOMMUGroup]
+			var listed []Member
+			foreign := 0
+			for _, m := range members {
+				mem := Member{Addr: m.Addr, IDs: m.IDs(), Driver: m.Driver}
+				switch id, ok := owner[m.Addr]; {
+				case ok:
+					mem.Owner = fmt.Sprintf("unit %d", id)
+					if id != u.ID {
+						foreign++
+					}
+				case m.IsBridge():
+					// vfio accepts bridges in a group (vfio_dev_driver_allowed): they
+					// forward, they do not master DMA for a guest.
+					mem.Owner = "bridge"
+				default:
+					mem.Owner = "host"
+					foreign++
+				}
+				listed = append(listed, mem)
+			}
+			if foreign > 0 {
+				out = append(out, Finding{Kind: KindGroupShared, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
+					Members: listed, Detail: fmt.Sprintf("iommu group %d holds %d function(s) outside unit %d", d.IOMMUGroup, foreign, u.ID)})
+			}
+		}
+		for _, p := range d.Ancestors() {
+			if seenPort[p.Addr] {
+				continue
+			}
+			if gap := isolationGap(p); gap != "" {
+				seenPort[p.Addr] = true
+				out = append(out, Finding{Kind: KindIsolationGap, Unit: u.ID, Status: topology.StatusDegraded, Addr: p.Addr, Group: -1,
+					Detail: fmt.Sprintf("%s above %s: %s", portName(p), d.Addr, gap)})
+			}
+		}
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].Addr.Less(out[j].Addr) })
+	return out
+}
+
+// isolationGap says what a port on the path lacks, or "". Only ports that forward peer
+// traffic between functions below them are judged: root and downstream ports (PCIe 6.0
+// 6.12.1.1), and conventional bridges, which can never isolate (all functions behind
+// one alias to the bridge's requester ID).
+func isolationGap(p *pci.Device) string {
+	t, express := p.PortType()
+	switch {
+	case !express && p.IsBridge():
+		return "conventional PCI bridge: no ACS possible"
+	case t == pci.PortPCIeToPCI:
+		return "PCIe-to-PCI bridge: functions behind it share its requester ID"
+	case !t.IsDownstreamFacing():
+		return ""
+	case p.ACS == nil:
+		return "no ACS capability"
+	}
+	// A flag the port does not advertise is hard-wired: it cannot forward the traffic
+	// that flag would redirect (the kernel's pci_acs_flags_enabled reads it the same).
+	want := pci.ACSIsolation & p.ACS.Cap
+	if off := want &^ p.ACS.Ctl; off != 0 {
+		return fmt.Sprintf("ACSCtl has %s off (ACSCap %s, ACSCtl %s)", off, p.ACS.Cap, p.ACS.Ctl)
+	}
+	return ""
+}
+
+func portName(p *pci.Device) string {
+	if t, ok := p.PortType(); ok {
+		return t.String() + " " + p.Addr.String()
+	}
+	return "bridge " + p.Addr.String()
+}
+
+func others(ids []int, self int) []int {
+	seen := map[int]bool{}
+	var out []int
+	for _, id := range ids {
+		if id != self && !seen[id] {
+			seen[id] = true
+			out = append(out, id)
+		}
+	}
+	sort.Ints(out)
+	return out
+}
+
+// unitFunctions is Unit.Functions without nil entries.
+func unitFunctions(u *topology.Unit) []*pci.Device {
+	var out []*pci.Device
+	for _, d := range u.Functions() {
+		if d != nil {
+			out = append(out, d)
+		}
+	}
+	return out
+}
