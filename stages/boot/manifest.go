@@ -215,6 +215,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 }
 
 // signer prefers the TPM when passage.tpm allows one and finds one; else the key file.
+// An error with a signer is a note (why not the TPM); without one, why nothing signs.
 func (b *Boot) signer() (manifest.Signer, manifest.Measurer, error) {
 	var tpmErr error
 	if b.Config.TPM != initramfs.TPMOff {
@@ -234,6 +235,10 @@ func (b *Boot) signer() (manifest.Signer, manifest.Measurer, error) {
 	s, err := manifest.LoadSigner(b.path(b.Config.Key))
 	if err != nil {
 		return nil, nil, errors.Join(tpmErr, fmt.Errorf("key %s: %w", b.Config.Key, err))
+	}
+	if tpmErr != nil {
+		// Signed all the same; the finding says why not by the TPM.
+		return s, nil, fmt.Errorf("signed with %s: %w", b.Config.Key, tpmErr)
 	}
 	return s, nil, nil
 }
