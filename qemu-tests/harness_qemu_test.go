@@ -1,0 +1,170 @@
+//go:build qemu
+
+package qemutest
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// buildDir is the `make kernel initramfs` output the Makefile passes as PASSAGE_BUILD.
+func buildDir(t *testing.T) string {
+	t.Helper()
+	b := os.Getenv("PASSAGE_BUILD")
+	if b == "" {
+		t.Fatal("PASSAGE_BUILD is not set: run `make qemu-test` (it builds the kernel and initramfs first)")
+	}
+	return b
+}
+
+// fakeUinit builds the protocol test double as a static binary, overlaid as /bbin/uinit
+// (u-root's init tries /bbin/uinit before /bin/uinit).
+func fakeUinit(t *testing.T) OverlayFile {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "fakeuinit")
+	cmd := exec.Command("go", "build", "-trimpath", "-o", bin, "./internal/fakeuinit")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build fakeuinit: %v\n%s", err, out)
+	}
+	data, err := os.ReadFile(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return OverlayFile{Name: "bbin/uinit", Data: data, Mode: 0o755}
+}
+
+type fakeFunction struct {
+	BDF, Vendor, Device, Class, Driver, IOMMUGroup, PortType, ACSCap, ACSCtl string
+	Parents                                                                  []string
+	ATS, ATSEnabled                                                          bool
+}
+
+func bootFake(t *testing.T, topo Topology, extra ...string) (*Run, []fakeFunction) {
+	t.Helper()
+	run, err := Boot(context.Background(), Options{
+		Build:    buildDir(t),
+		Overlay:  []OverlayFile{fakeUinit(t)},
+		Topology: topo,
+		Append:   extra,
+		WorkDir:  filepath.Join(t.TempDir(), "work"),
+	})
+	if run != nil {
+		t.Logf("console: %s; wall %v, to PASSAGE-DONE %v\n%s", run.Console, run.Wall, run.WallDone, run.Timeline())
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if run.Done != "ok" {
+		t.Fatalf("PASSAGE-DONE %q, want ok; kmod-error: %s", run.Done, run.Files["kmod-error"])
+	}
+	var fns []fakeFunction
+	if err := json.Unmarshal(run.Files["pci.json"], &fns); err != nil {
+		t.Fatalf("pci.json: %v", err)
+	}
+	t.Logf("%s topology, as the guest sees it:\n%s", topo.Name(), run.Files["pci.txt"])
+	return run, fns
+}
+
+// TestHarnessFakeUinit checks the harness end to end with the protocol test double:
+// the overlay runs, file blocks decode, markers arrive, the TPM is there, and
+// initramfs/kmod loads the vfio stack and the NIC/NVMe drivers on Debian's real kernel
+// from the modules the image carries.
+func TestHarnessFakeUinit(t *testing.T) {
+	run, fns := bootFake(t, Topology{})
+	for _, ev := range []string{"uinit-start", "manifest-written", "handoff"} {
+		if _, ok := run.Markers[ev]; !ok {
+			t.Errorf("no PASSAGE-T %s marker", ev)
+		}
+	}
+	if run.Markers["uinit-start"] <= 0 || run.Markers["handoff"] < run.Markers["uinit-start"] {
+		t.Errorf("markers out of order: %v", run.Markers)
+	}
+	if string(run.Files["tpm"]) != "/dev/tpm0\n" {
+		t.Errorf("no /dev/tpm0 in the guest")
+	}
+	if !strings.Contains(string(run.Files["cmdline"]), "intel_iommu=on") {
+		t.Errorf("cmdline %q", run.Files["cmdline"])
+	}
+	var km struct {
+		Modules []struct {
+			Name, Err     string
+			AlreadyLoaded bool
+			Sysfs         bool
+		}
+	}
+	if err := json.Unmarshal(run.Files["kmod.json"], &km); err != nil {
+		t.Fatal(err)
+	}
+	loaded := map[string]bool{}
+	for _, m := range km.Modules {
+		if m.Err != "" || !m.Sysfs {
+			t.Errorf("module %s: err %q, in /sys/module: %v", m.Name, m.Err, m.Sysfs)
+		}
+		loaded[m.Name] = true
+	}
+	for _, n := range []string{"vfio", "vfio_iommu_type1", "irqbypass", "vfio_pci_core", "vfio_pci", "nvme_core", "nvme", "virtio_net", "e1000e"} {
+		if !loaded[n] {
+			t.Errorf("module %s not loaded", n)
+		}
+	}
+	// The default topology: 2 units each with a GPU stand-in, two ATS-capable NIC PFs
+	// and an NVMe, plus the e1000e management NIC on its driver.
+	count := map[string]int{}
+	for _, f := range fns {
+		id := f.Vendor + ":" + f.Device
+		count[id]++
+		switch id {
+		case "1af4:1041":
+			if !f.ATS || f.Driver != "virtio-pci" {
+				t.Errorf("NIC stand-in %s: ATS %v driver %q", f.BDF, f.ATS, f.Driver)
+			}
+		case "8086:10d3":
+			if f.Driver != "e1000e" {
+				t.Errorf("management NIC %s: driver %q", f.BDF, f.Driver)
+			}
+		case "1b36:000c":
+			if f.ACSCap == "" {
+				t.Errorf("pcie-root-port %s: no ACS capability", f.BDF)
+			}
+		}
+	}
+	want := map[string]int{"1af4:1041": 4, "1af4:1050": 2, "1b36:0010": 2, "8086:10d3": 1, "104c:8232": 6}
+	for id, n := range want {
+		if count[id] != n {
+			t.Errorf("%d functions %s, want %d", count[id], id, n)
+		}
+	}
+}
+
+// TestTopologyVariants boots each variant once with the test double and checks the
+// property the scenario relies on, as the guest's own config space shows it.
+func TestTopologyVariants(t *testing.T) {
+	_, fns := bootFake(t, Topology{ATSOff: true, SharedGroup: true, NoACSPort: true})
+	var noATS, e1000 []fakeFunction
+	for _, f := range fns {
+		switch f.Vendor + ":" + f.Device {
+		case "1af4:1041":
+			if !f.ATS {
+				noATS = append(noATS, f)
+			}
+		case "8086:100e":
+			e1000 = append(e1000, f)
+		case "104c:8233":
+			if f.ACSCap != "" {
+				t.Errorf("xio3130-downstream %s has ACS %s", f.BDF, f.ACSCap)
+			}
+		}
+	}
+	if len(noATS) != 1 {
+		t.Errorf("%d NIC stand-ins without ATS, want 1", len(noATS))
+	}
+	if len(e1000) != 2 || e1000[0].IOMMUGroup == "" || e1000[0].IOMMUGroup != e1000[1].IOMMUGroup {
+		t.Errorf("e1000s behind the pcie-pci-bridge: %+v, want 2 in one IOMMU group", e1000)
+	}
+}

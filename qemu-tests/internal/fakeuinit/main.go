@@ -1,0 +1,236 @@
+//go:build linux
+
+// Command fakeuinit is a test double for `passage boot` that speaks the console
+// protocol (file blocks, PASSAGE-T markers, PASSAGE-DONE, power-off). The harness's own
+// test boots it as an initramfs overlay to check the harness, initramfs/kmod on the real
+// kernel, and to record the PCI layout the guest sees (qemu-tests/README.md).
+package main
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/passage-boot/passage/initramfs/kmod"
+	qemutest "github.com/passage-boot/passage/qemu-tests"
+)
+
+func uptime() string {
+	b, err := os.ReadFile("/proc/uptime")
+	if err != nil {
+		return "0.000"
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return "0.000"
+	}
+	var v float64
+	fmt.Sscanf(f[0], "%f", &v)
+	return fmt.Sprintf("%.3f", v)
+}
+
+func marker(ev string) { fmt.Printf("PASSAGE-T %s %s\n", ev, uptime()) }
+
+type modResult struct {
+	Name          string
+	Path          string
+	DurationMs    float64
+	Err           string `json:",omitempty"`
+	AlreadyLoaded bool
+	Sysfs         bool // /sys/module/<name> exists afterwards
+}
+
+// Function is one PCI function as sysfs and its config space show it.
+type Function struct {
+	BDF          string
+	Vendor       string
+	Device       string
+	Class        string
+	Driver       string `json:",omitempty"`
+	IOMMUGroup   string `json:",omitempty"`
+	Parents      []string
+	PortType     string `json:",omitempty"` // PCIe capability device/port type
+	ACSCap       string `json:",omitempty"`
+	ACSCtl       string `json:",omitempty"`
+	ATS          bool
+	ATSEnabled   bool
+	SecondaryBus string `json:",omitempty"`
+}
+
+func readTrim(p string) string {
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+var portTypes = map[int]string{0: "Endpoint", 1: "LegacyEndpoint", 4: "RootPort", 5: "UpstreamPort",
+	6: "DownstreamPort", 7: "PCIe-PCI-bridge", 8: "PCI-PCIe-bridge", 9: "RCiEP", 10: "RCEC"}
+
+func decodeConfig(f *Function, cfg []byte) {
+	le := binary.LittleEndian
+	if len(cfg) >= 0x1a && cfg[0x0e]&0x7f == 1 {
+		f.SecondaryBus = fmt.Sprintf("%02x", cfg[0x19])
+	}
+	if len(cfg) >= 0x40 && le.Uint16(cfg[6:])&0x10 != 0 {
+		off := int(cfg[0x34]) &^ 3
+		for n := 0; off >= 0x40 && off+2 < len(cfg) && n < 48; n++ {
+			if cfg[off] == 0x10 && off+4 <= len(cfg) { // PCI Express
+				pt := int(le.Uint16(cfg[off+2:])>>4) & 0xf
+				f.PortType = portTypes[pt]
+				if f.PortType == "" {
+					f.PortType = fmt.Sprint(pt)
+				}
+			}
+			off = int(cfg[off+1]) &^ 3
+		}
+	}
+	off := 0x100
+	for n := 0; off >= 0x100 && off+4 <= len(cfg) && n < 512; n++ {
+		h := le.Uint32(cfg[off:])
+		if h == 0 || h == 0xffffffff {
+			break
+		}
+		switch h & 0xffff {
+		case 0x0d: // ACS
+			if off+8 <= len(cfg) {
+				f.ACSCap = fmt.Sprintf("%04x", le.Uint16(cfg[off+4:]))
+				f.ACSCtl = fmt.Sprintf("%04x", le.Uint16(cfg[off+6:]))
+			}
+		case 0x0f: // ATS
+			f.ATS = true
+			if off+8 <= len(cfg) {
+				f.ATSEnabled = le.Uint16(cfg[off+6:])&0x8000 != 0
+			}
+		}
+		off = int(h >> 20)
+	}
+}
+
+func scanPCI() ([]Function, string) {
+	ents, _ := os.ReadDir("/sys/bus/pci/devices")
+	var fns []Function
+	for _, e := range ents {
+		d := filepath.Join("/sys/bus/pci/devices", e.Name())
+		real, _ := filepath.EvalSymlinks(d)
+		f := Function{
+			BDF:    e.Name(),
+			Vendor: strings.TrimPrefix(readTrim(d+"/vendor"), "0x"),
+			Device: strings.TrimPrefix(readTrim(d+"/device"), "0x"),
+			Class:  strings.TrimPrefix(readTrim(d+"/class"), "0x"),
+		}
+		if l, err := os.Readlink(d + "/driver"); err == nil {
+			f.Driver = filepath.Base(l)
+		}
+		if l, err := os.Readlink(d + "/iommu_group"); err == nil {
+			f.IOMMUGroup = filepath.Base(l)
+		}
+		for _, p := range strings.Split(real, "/") {
+			if strings.Count(p, ":") == 2 && p != e.Name() {
+				f.Parents = append(f.Parents, p)
+			}
+		}
+		if cfg, err := os.ReadFile(d + "/config"); err == nil {
+			decodeConfig(&f, cfg)
+		}
+		fns = append(fns, f)
+	}
+	sort.Slice(fns, func(i, j int) bool { return fns[i].BDF < fns[j].BDF })
+	var b strings.Builder
+	fmt.Fprintf(&b, "%-13s %-9s %-6s %-15s %-5s %-9s %-13s %-5s %s\n", "BDF", "ID", "class", "type", "group", "ACSCap/Ctl", "driver", "ATS", "parents")
+	for _, f := range fns {
+		acs := "-"
+		if f.ACSCap != "" {
+			acs = f.ACSCap + "/" + f.ACSCtl
+		}
+		ats := "-"
+		if f.ATS {
+			ats = "cap"
+			if f.ATSEnabled {
+				ats = "en"
+			}
+		}
+		fmt.Fprintf(&b, "%-13s %s:%s %-6s %-15s %-5s %-10s %-13s %-5s %s\n", f.BDF, f.Vendor, f.Device, f.Class[:min(6, len(f.Class))],
+			f.PortType, f.IOMMUGroup, acs, f.Driver, ats, strings.Join(f.Parents, " > "))
+	}
+	return fns, b.String()
+}
+
+func main() {
+	marker("uinit-start")
+	out := map[string][]byte{}
+	summary := "ok"
+
+	var un unix.Utsname
+	unix.Uname(&un)
+	release := string(bytes.TrimRight(un.Release[:], "\x00"))
+	out["uname"] = []byte(release + "\n")
+
+	want := strings.Fields("vfio vfio_iommu_type1 vfio-pci nvme virtio_pci virtio_net e1000e")
+	if b, err := os.ReadFile("/proc/cmdline"); err == nil {
+		out["cmdline"] = b
+		for _, a := range strings.Fields(string(b)) {
+			if v, ok := strings.CutPrefix(a, "fake.modules="); ok {
+				want = strings.Split(v, ",")
+			}
+		}
+	}
+	var mods []modResult
+	start := time.Now()
+	ix, err := kmod.Open(filepath.Join("/lib/modules", release))
+	if err != nil {
+		out["kmod-error"] = []byte(err.Error())
+		summary = "failed"
+	} else {
+		res, err := ix.Load(want...)
+		if err != nil {
+			out["kmod-error"] = []byte(err.Error())
+			summary = "failed"
+		}
+		for _, r := range res {
+			m := modResult{Name: r.Name, Path: r.Path, DurationMs: float64(r.Duration.Microseconds()) / 1000, AlreadyLoaded: r.AlreadyLoaded}
+			if r.Err != nil {
+				m.Err = r.Err.Error()
+			}
+			_, serr := os.Stat("/sys/module/" + r.Name)
+			m.Sysfs = serr == nil
+			mods = append(mods, m)
+		}
+	}
+	out["kmod.json"], _ = json.MarshalIndent(map[string]any{"modules": mods, "total_ms": time.Since(start).Milliseconds()}, "", " ")
+	// Give drivers a moment to bind after the module loads (probing is asynchronous
+	// for some of them), so the PCI table shows drivers.
+	time.Sleep(300 * time.Millisecond)
+	fns, table := scanPCI()
+	out["pci.json"], _ = json.MarshalIndent(fns, "", " ")
+	out["pci.txt"] = []byte(table)
+	if _, err := os.Stat("/dev/tpm0"); err == nil {
+		out["tpm"] = []byte("/dev/tpm0\n")
+	}
+
+	os.MkdirAll("/run/passage", 0o755)
+	names := make([]string, 0, len(out))
+	for n, d := range out {
+		os.WriteFile(filepath.Join("/run/passage", n), d, 0o644)
+		names = append(names, n)
+	}
+	marker("manifest-written")
+	sort.Strings(names)
+	for _, n := range names {
+		qemutest.EncodeFile(os.Stdout, n, out[n])
+	}
+	marker("handoff")
+	fmt.Printf("===PASSAGE-DONE %s===\n", summary)
+	unix.Sync()
+	unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+	select {}
+}

@@ -1,0 +1,319 @@
+package qemutest
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Options says what to boot. Zero values give the default: the image from Build, the
+// default topology, a fresh TPM, no disk.
+type Options struct {
+	Build  string // build dir of `make kernel initramfs`: kernel/vmlinuz, initramfs.cpio.gz
+	Kernel string // overrides Build/kernel/vmlinuz
+	Initrd string // overrides Build/initramfs.cpio.gz
+	// Overlay files are appended to the initramfs as a second cpio archive (the kernel
+	// unpacks both, later files winning): test-only binaries or configuration.
+	Overlay []OverlayFile
+
+	Topology Topology
+	// Devices, when set, replaces Topology's arguments (a rendered guest plan).
+	Devices []string
+
+	// Append goes on the kernel command line after the defaults; a passage.* key given
+	// here replaces the default for that key.
+	Append []string
+
+	TPMState string // swtpm state dir; kept across boots when the caller reuses it. "" = fresh
+	NoTPM    bool
+	Disk     string // raw disk image attached as virtio-blk (/dev/vda in the guest); "" = none
+
+	WorkDir string        // console.log, swtpm socket; "" = a new temp dir
+	Timeout time.Duration // hard limit for the whole boot; 0 = 5 minutes
+	MemMiB  int           // 0 = 2048
+	SMP     int           // 0 = 2
+	Log     io.Writer     // gets the console live when set (go test -v)
+}
+
+// DefaultCmdline is the kernel command line every boot starts from.
+var DefaultCmdline = []string{
+	"console=ttyS0,115200", "intel_iommu=on", "panic=-1", "oops=panic",
+	"passage.profile=qemu", "passage.handoff=poweroff", "passage.emit=console",
+}
+
+// Run is one finished boot.
+type Run struct {
+	*Report
+	Console  string        // path of the full console log
+	Args     []string      // qemu-system-x86_64 arguments
+	Cmdline  string        // kernel command line
+	Wall     time.Duration // QEMU start to QEMU exit
+	WallDone time.Duration // QEMU start to the PASSAGE-DONE line (0 if never)
+	ExitErr  error         // QEMU's exit error, or the timeout
+}
+
+// Find returns the files of a build dir, checking they are there.
+func (o *Options) paths() (kernel, initrd string, err error) {
+	kernel, initrd = o.Kernel, o.Initrd
+	if kernel == "" {
+		kernel = filepath.Join(o.Build, "kernel", "vmlinuz")
+	}
+	if initrd == "" {
+		initrd = filepath.Join(o.Build, "initramfs.cpio.gz")
+	}
+	for _, p := range []string{kernel, initrd} {
+		if _, err := os.Stat(p); err != nil {
+			return "", "", fmt.Errorf("boot: %w (run make kernel initramfs)", err)
+		}
+	}
+	return kernel, initrd, nil
+}
+
+// Cmdline joins the default kernel arguments with extra ones; an extra passage.* key
+// (or any key=) replaces the default with that key.
+func Cmdline(extra []string) string {
+	key := func(a string) string { k, _, _ := strings.Cut(a, "="); return k }
+	over := map[string]bool{}
+	for _, a := range extra {
+		over[key(a)] = true
+	}
+	var out []string
+	for _, a := range DefaultCmdline {
+		if !over[key(a)] {
+			out = append(out, a)
+		}
+	}
+	return strings.Join(append(out, extra...), " ")
+}
+
+// Boot runs QEMU once and returns what the guest reported. The error is for a boot
+// the harness could not run or read (missing files, QEMU not starting, corrupted file
+// blocks); a guest that ran and reported "failed" is not an error: check Run.Done.
+// A timeout is reported in Run.ExitErr and as the error.
+func Boot(ctx context.Context, o Options) (*Run, error) {
+	kernel, initrd, err := o.paths()
+	if err != nil {
+		return nil, err
+	}
+	work := o.WorkDir
+	if work == "" {
+		if work, err = os.MkdirTemp("", "passage-qemu-"); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.MkdirAll(work, 0o755); err != nil {
+		return nil, err
+	}
+	if len(o.Overlay) > 0 {
+		ov := filepath.Join(work, "overlay.cpio")
+		if err := writeOverlay(ov, o.Overlay); err != nil {
+			return nil, err
+		}
+		combined := filepath.Join(work, "initrd.img")
+		if err := concat(combined, initrd, ov); err != nil {
+			return nil, err
+		}
+		initrd = combined
+	}
+	timeout := o.Timeout
+	if timeout == 0 {
+		timeout = 5 * time.Minute
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+
+	cmdline := Cmdline(o.Append)
+	mem, smp := o.MemMiB, o.SMP
+	if mem == 0 {
+		mem = 2048
+	}
+	if smp == 0 {
+		smp = 2
+	}
+	args := []string{
+		"-machine", "q35", "-accel", "tcg", "-m", fmt.Sprint(mem), "-smp", fmt.Sprint(smp),
+		"-nographic", "-nodefaults", "-serial", "stdio", "-monitor", "none", "-no-reboot",
+		"-device", "intel-iommu,intremap=on,caching-mode=on,device-iotlb=on",
+		"-kernel", kernel, "-initrd", initrd, "-append", cmdline,
+	}
+	if o.Devices != nil {
+		args = append(args, o.Devices...)
+	} else {
+		args = append(args, o.Topology.Args()...)
+	}
+	if o.Disk != "" {
+		args = append(args,
+			"-drive", fmt.Sprintf("file=%s,if=none,id=disk0,format=raw,cache=unsafe", o.Disk),
+			"-device", fmt.Sprintf("virtio-blk-pci,drive=disk0,bus=pcie.0,addr=0x%x.0,serial=passage", diskSlot))
+	}
+	var tpm *swtpm
+	if !o.NoTPM {
+		state := o.TPMState
+		if state == "" {
+			state = filepath.Join(work, "tpm")
+		}
+		if tpm, err = startSwtpm(ctx, state); err != nil {
+			return nil, err
+		}
+		defer tpm.stop()
+		args = append(args,
+			"-chardev", "socket,id=chrtpm,path="+tpm.sock,
+			"-tpmdev", "emulator,id=tpm0,chardev=chrtpm",
+			"-device", "tpm-tis,tpmdev=tpm0")
+	}
+
+	run := &Run{Console: filepath.Join(work, "console.log"), Args: args, Cmdline: cmdline}
+	logf, err := os.Create(run.Console)
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	fmt.Fprintf(logf, "# qemu-system-x86_64 %s\n", shellQuote(args))
+
+	cmd := exec.CommandContext(ctx, "qemu-system-x86_64", args...)
+	cmd.Stdin = nil
+	cmd.Stderr = logf // QEMU's own warnings go into the same log
+	cmd.WaitDelay = 5 * time.Second
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("boot: start qemu-system-x86_64: %w", err)
+	}
+	p := newParser(time.Now)
+	p.start = start
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		sc := bufio.NewScanner(out)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			line := sc.Text()
+			fmt.Fprintln(logf, line)
+			if o.Log != nil {
+				fmt.Fprintln(o.Log, line)
+			}
+			p.line(line)
+		}
+	}()
+	wg.Wait()
+	run.ExitErr = cmd.Wait()
+	run.Wall = time.Since(start)
+	run.Report = p.finish()
+	run.WallDone = run.HostAt["done"]
+	if ctx.Err() != nil {
+		run.ExitErr = fmt.Errorf("boot: no power-off within %v (console %s): %w", timeout, run.Console, ctx.Err())
+		return run, run.ExitErr
+	}
+	if len(run.Errors) > 0 {
+		return run, fmt.Errorf("boot: console %s: %w", run.Console, errors.Join(run.Errors...))
+	}
+	return run, nil
+}
+
+// swtpm is a running TPM emulator; QEMU connects to its control socket.
+type swtpm struct {
+	proc   *os.Process
+	exited chan error
+	dir    string
+	sock   string
+}
+
+func startSwtpm(ctx context.Context, state string) (*swtpm, error) {
+	if err := os.MkdirAll(state, 0o700); err != nil {
+		return nil, fmt.Errorf("swtpm %s: %w", state, err)
+	}
+	// A unix socket path must fit in sun_path (108 bytes); test temp dirs may not.
+	dir, err := os.MkdirTemp("", "swtpm-")
+	if err != nil {
+		return nil, err
+	}
+	s := &swtpm{dir: dir, sock: filepath.Join(dir, "sock"), exited: make(chan error, 1)}
+	cmd := exec.CommandContext(ctx, "swtpm", "socket", "--tpm2",
+		"--tpmstate", "dir="+state,
+		"--ctrl", "type=unixio,path="+s.sock,
+		"--terminate")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("swtpm %s: start: %w", state, err)
+	}
+	s.proc = cmd.Process
+	go func() { s.exited <- cmd.Wait() }()
+	deadline := time.After(10 * time.Second)
+	for {
+		if _, err := os.Stat(s.sock); err == nil {
+			return s, nil
+		}
+		select {
+		case err := <-s.exited:
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("swtpm %s: exited before its socket appeared: %v: %s", state, err, stderr.String())
+		case <-deadline:
+			s.stop()
+			return nil, fmt.Errorf("swtpm %s: no socket after 10 s", state)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// stop ends swtpm (with --terminate it ends by itself when QEMU disconnects; this is
+// for a QEMU that never connected) and removes the socket dir. The state dir stays.
+func (s *swtpm) stop() {
+	s.proc.Kill()
+	select {
+	case <-s.exited:
+	case <-time.After(5 * time.Second):
+	}
+	os.RemoveAll(s.dir)
+}
+
+func concat(dst string, srcs ...string) error {
+	out, err := os.Create(dst)
+	if err != nil {
+		return err
+	}
+	for _, s := range srcs {
+		in, err := os.Open(s)
+		if err != nil {
+			out.Close()
+			return err
+		}
+		n, err := io.Copy(out, in)
+		in.Close()
+		if err == nil && n%4 != 0 {
+			// The kernel finds the next archive only at a 4-byte boundary and skips
+			// zero bytes up to it (init/initramfs.c, unpack_to_rootfs).
+			_, err = out.Write(make([]byte, 4-n%4))
+		}
+		if err != nil {
+			out.Close()
+			return fmt.Errorf("initrd %s: %w", s, err)
+		}
+	}
+	return out.Close()
+}
+
+func shellQuote(args []string) string {
+	q := make([]string, len(args))
+	for i, a := range args {
+		if strings.ContainsAny(a, " ',\"$") {
+			q[i] = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
+		} else {
+			q[i] = a
+		}
+	}
+	return strings.Join(q, " ")
+}
