@@ -158,7 +158,7 @@ func TestManifestGenerationOnOut(t *testing.T) {
 	root := pcitest.New(t, pcitest.B300()).Root
 	for p, c := range map[string]string{
 		"proc/sys/kernel/random/boot_id": "b00710",
-		"proc/cmdline":                  "passage.out=/dev/vda1:/passage",
+		"proc/cmdline":                   "passage.out=/dev/vda1:/passage",
 	} {
 		os.MkdirAll(filepath.Join(root, filepath.Dir(p)), 0o755)
 		os.WriteFile(filepath.Join(root, p), []byte(c), 0o644)
