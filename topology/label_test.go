@@ -2,24 +2,72 @@ package topology
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 )
 
+// The reference trees take seconds to write; the tests only read them, so each is built
+// once per test binary (cached by name) and scanned afresh by each test.
+var (
+	refMu    sync.Mutex
+	refTrees = map[string]*pcitest.Node{}
+	refDir   string
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if refDir != "" {
+		os.RemoveAll(refDir)
+	}
+	os.Exit(code)
+}
+
+func reference(t *testing.T, name string) (*pcitest.Node, *pci.Tree) {
+	t.Helper()
+	refMu.Lock()
+	n := refTrees[name]
+	if n == nil {
+		var err error
+		if refDir == "" {
+			if refDir, err = os.MkdirTemp("", "topology-ref"); err != nil {
+				refMu.Unlock()
+				t.Fatal(err)
+			}
+		}
+		spec := map[string]func() pcitest.Spec{"b300": pcitest.B300, "b200": pcitest.B200, "qemu": qemuSpec}[name]
+		n, err = pcitest.Build(filepath.Join(refDir, name), spec())
+		if err != nil {
+			refMu.Unlock()
+			t.Fatal(err)
+		}
+		refTrees[name] = n
+	}
+	refMu.Unlock()
+	return n, scanRoot(t, n.Root)
+}
+
 func scan(t *testing.T, spec pcitest.Spec) (*pcitest.Node, *pci.Tree) {
 	t.Helper()
 	n := pcitest.New(t, spec)
-	tree, err := pci.Scan(n.Root)
+	return n, scanRoot(t, n.Root)
+}
+
+func scanRoot(t *testing.T, root string) *pci.Tree {
+	t.Helper()
+	tree, err := pci.Scan(root)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := tree.Err(); err != nil {
 		t.Fatalf("scan problems: %v", err)
 	}
-	return n, tree
+	return tree
 }
 
 func mustLabel(t *testing.T, tree *pci.Tree, profile string) *Labels {
@@ -36,7 +84,7 @@ func mustLabel(t *testing.T, tree *pci.Tree, profile string) *Labels {
 }
 
 func TestLabelB300(t *testing.T) {
-	n, tree := scan(t, pcitest.B300())
+	n, tree := reference(t, "b300")
 	l := mustLabel(t, tree, "b300")
 	if len(l.Units) != 8 {
 		t.Fatalf("units = %d, want 8", len(l.Units))
@@ -112,7 +160,7 @@ func TestSameIDTwoRoles(t *testing.T) {
 }
 
 func TestConflictingRules(t *testing.T) {
-	_, tree := scan(t, pcitest.B300())
+	_, tree := reference(t, "b300")
 	p, err := ParseProfile("test", []byte(`
 name: clash
 rules:
@@ -132,7 +180,7 @@ rules:
 }
 
 func TestUnlabeled(t *testing.T) {
-	_, tree := scan(t, pcitest.B300())
+	_, tree := reference(t, "b300")
 	src := "name: partial\nrules:\n  - {name: gpu, role: gpu, match: {vendor: 0x10de, class: 0x030200}}\n"
 	p, err := ParseProfile("test", []byte(src))
 	if err != nil {

@@ -55,6 +55,10 @@ type Match struct {
 	// legacy-endpoint, pcie-to-pci, pci-to-pcie, rciep, rcec.
 	PortType []string `yaml:"port_type,omitempty" json:"port_type,omitempty"`
 	Bridge   *bool    `yaml:"bridge,omitempty" json:"bridge,omitempty"`
+	// DeviceNumber and Function are the address's device (slot) and function numbers
+	// (decimal): the same ID at two slots of one bus can play two roles.
+	DeviceNumber []int `yaml:"device_number,omitempty" json:"device_number,omitempty"`
+	Function     []int `yaml:"function,omitempty" json:"function,omitempty"`
 
 	// Position. Below: every entry matches some bridge above the function. NotBelow: no
 	// entry matches any bridge above it. Parent: matches the bridge directly above.
@@ -66,6 +70,8 @@ type Match struct {
 	NoSibling *Match  `yaml:"no_sibling,omitempty" json:"no_sibling,omitempty"`
 	DepthMin  *int    `yaml:"depth_min,omitempty" json:"depth_min,omitempty"`
 	DepthMax  *int    `yaml:"depth_max,omitempty" json:"depth_max,omitempty"`
+	// Not must not match the function itself.
+	Not *Match `yaml:"not,omitempty" json:"not,omitempty"`
 }
 
 // Hex is a number written in hex: 0x10de in YAML, or "10de" / "0x10de" as a string
@@ -263,12 +269,24 @@ func (m *Match) subs() []*Match {
 	for i := range m.NotBelow {
 		out = append(out, &m.NotBelow[i])
 	}
-	for _, s := range []*Match{m.Parent, m.Sibling, m.NoSibling} {
+	for _, s := range []*Match{m.Parent, m.Sibling, m.NoSibling, m.Not} {
 		if s != nil {
 			out = append(out, s)
 		}
 	}
 	return out
+}
+
+func anyInt(set []int, v int) bool {
+	if len(set) == 0 {
+		return true
+	}
+	for _, x := range set {
+		if x == v {
+			return true
+		}
+	}
+	return false
 }
 
 func anyID(ids IDs, v uint16) bool {
@@ -313,6 +331,9 @@ func (m *Match) Matches(d *pci.Device) bool {
 	if m.Bridge != nil && d.IsBridge() != *m.Bridge {
 		return false
 	}
+	if !anyInt(m.DeviceNumber, int(d.Addr.Device)) || !anyInt(m.Function, int(d.Addr.Function)) {
+		return false
+	}
 	anc := d.Ancestors()
 	if m.DepthMin != nil && len(anc) < *m.DepthMin {
 		return false
@@ -337,6 +358,9 @@ func (m *Match) Matches(d *pci.Device) bool {
 		return false
 	}
 	if m.NoSibling != nil && anyMatches(m.NoSibling, siblings(d)) {
+		return false
+	}
+	if m.Not != nil && m.Not.Matches(d) {
 		return false
 	}
 	return true

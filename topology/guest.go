@@ -1,0 +1,271 @@
+package topology
+
+import (
+	"fmt"
+	"sort"
+
+	"github.com/passage-boot/passage/pci"
+)
+
+// GuestOptions choose what a guest gets and how its PCIe tree is laid out.
+type GuestOptions struct {
+	// Units are the unit IDs to pass through; nil means every unit that is not failed.
+	Units []int
+	// NUMA puts each unit behind a pxb-pcie expander bound to the guest NUMA node that
+	// stands for the unit's host node, so units on one socket read NODE and across
+	// sockets SYS, as on the host. Without it every unit's root port is on pcie.0 and
+	// other units' NICs read PHB.
+	NUMA bool
+	// FirstBus is the first guest bus number the plan's ports get in the flat layout
+	// (default 1: the plan's root ports are the first bridges firmware numbers). The
+	// NCCL topology XML carries guest bus IDs predicted from it.
+	FirstBus int
+	// RootSlot is the first pcie.0 slot used for the plan's root ports or expanders
+	// (default 0x10).
+	RootSlot int
+	// ExpanderBus0 and ExpanderStride place the expanders' bus numbers (defaults 0x80
+	// and 0x10): expander i starts at ExpanderBus0 + i*ExpanderStride.
+	ExpanderBus0, ExpanderStride int
+}
+
+// GuestPort is one emulated port of the guest plan.
+type GuestPort struct {
+	ID      string `json:"id"`
+	Model   string `json:"model"` // pcie-root-port, x3130-upstream, xio3130-downstream
+	Bus     string `json:"bus"`   // QEMU id of the bus it plugs into
+	Dev     int    `json:"dev"`   // device number on that bus
+	Chassis int    `json:"chassis,omitempty"`
+	Slot    int    `json:"slot,omitempty"`
+	// Addr is where the guest sees the port; Secondary is the bus number it provides.
+	Addr      pci.Address `json:"addr"`
+	Secondary int         `json:"secondary"`
+}
+
+// GuestFunction is one passthrough function and its place in the guest.
+type GuestFunction struct {
+	Host   *pci.Device `json:"-"`
+	HostID pci.Address `json:"host"`
+	Role   Role        `json:"role"`
+	Port   GuestPort   `json:"port"` // the downstream port above it
+	ID     string      `json:"id"`   // QEMU device id
+	Addr   pci.Address `json:"addr"` // predicted guest address
+}
+
+// Expander is a pxb-pcie host bridge of the guest.
+type Expander struct {
+	ID       string `json:"id"`
+	BusNr    int    `json:"bus_nr"`
+	NUMANode int    `json:"numa_node"` // guest node
+	Dev      int    `json:"dev"`       // slot on pcie.0
+}
+
+// GuestUnit is one unit's virtual switch: root port -> upstream -> one downstream port
+// per function.
+type GuestUnit struct {
+	Unit      int             `json:"unit"`
+	HostNUMA  int             `json:"host_numa"`
+	GuestNUMA int             `json:"guest_numa"`
+	Expander  string          `json:"expander,omitempty"`
+	RootPort  GuestPort       `json:"root_port"`
+	Upstream  GuestPort       `json:"upstream"`
+	Functions []GuestFunction `json:"functions"`
+	// UpLink is the host's link from the unit to the CPU (the root port's), the link the
+	// guest's emulated root port cannot show.
+	UpLink Link `json:"uplink"`
+}
+
+// Link is a link's negotiated speed and width as LnkSta shows it.
+type Link struct {
+	Speed pci.LinkSpeed `json:"-"`
+	Width int           `json:"width"`
+	GTs   float64       `json:"gts"`
+}
+
+func linkOf(d *pci.Device) Link {
+	if d == nil || d.Express == nil || !d.Express.HasLink {
+		return Link{}
+	}
+	return Link{Speed: d.Express.Speed, Width: int(d.Express.Width), GTs: d.Express.Speed.GTs()}
+}
+
+// Guest is the guest's PCIe plan for a set of units.
+type Guest struct {
+	NUMA      bool        `json:"numa"`
+	Expanders []Expander  `json:"expanders,omitempty"`
+	Units     []GuestUnit `json:"units"`
+	// GuestNodes maps host NUMA nodes to the guest nodes the VM must define.
+	GuestNodes map[int]int `json:"guest_nodes,omitempty"`
+}
+
+// GuestPlan lays out the chosen units for a guest. Guest bus numbers are predicted the
+// way firmware numbers buses (depth first, in slot order); with NUMA the expanders pin
+// them.
+func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
+	if opt.FirstBus == 0 {
+		opt.FirstBus = 1
+	}
+	if opt.RootSlot == 0 {
+		opt.RootSlot = 0x10
+	}
+	if opt.ExpanderBus0 == 0 {
+		opt.ExpanderBus0 = 0x80
+	}
+	if opt.ExpanderStride == 0 {
+		opt.ExpanderStride = 0x10
+	}
+	chosen, err := chooseUnits(units, opt.Units)
+	if err != nil {
+		return nil, err
+	}
+	if len(chosen) == 0 {
+		return nil, fmt.Errorf("guest plan: no unit to pass through")
+	}
+	if opt.RootSlot+len(chosen) > 0x1f {
+		return nil, fmt.Errorf("guest plan: %d units do not fit pcie.0 from slot %#x", len(chosen), opt.RootSlot)
+	}
+	g := &Guest{NUMA: opt.NUMA}
+	if opt.NUMA {
+		var nodes []int
+		seen := map[int]bool{}
+		for _, u := range chosen {
+			if !seen[u.NUMANode] {
+				seen[u.NUMANode] = true
+				nodes = append(nodes, u.NUMANode)
+			}
+		}
+		sort.Ints(nodes)
+		g.GuestNodes = map[int]int{}
+		for i, n := range nodes {
+			g.GuestNodes[n] = i
+		}
+	}
+	bus := opt.FirstBus
+	for i, u := range chosen {
+		gu := GuestUnit{Unit: u.ID, HostNUMA: u.NUMANode, UpLink: linkOf(rootPortOf(u.GPU))}
+		chassis := i + 1
+		prefix := fmt.Sprintf("u%d", u.ID)
+		rp := GuestPort{ID: prefix + "rp", Model: "pcie-root-port", Bus: "pcie.0", Dev: opt.RootSlot + i, Chassis: chassis, Slot: 0}
+		if opt.NUMA {
+			gu.GuestNUMA = g.GuestNodes[u.NUMANode]
+			x := Expander{ID: prefix + "pxb", BusNr: opt.ExpanderBus0 + i*opt.ExpanderStride, NUMANode: gu.GuestNUMA, Dev: opt.RootSlot + i}
+			if x.BusNr > 0xff {
+				return nil, fmt.Errorf("guest plan: unit %d: expander bus %#x past 0xff", u.ID, x.BusNr)
+			}
+			g.Expanders = append(g.Expanders, x)
+			gu.Expander = x.ID
+			rp.Bus, rp.Dev = x.ID, 0
+			rp.Addr = pci.Address{Bus: uint8(x.BusNr)}
+			bus = x.BusNr + 1
+		} else {
+			rp.Addr = pci.Address{Bus: 0, Device: uint8(rp.Dev)}
+		}
+		fns := u.Functions()
+		need := 2 + len(fns)
+		if opt.NUMA && need >= opt.ExpanderStride {
+			return nil, fmt.Errorf("guest plan: unit %d needs %d buses, expander stride is %d", u.ID, need, opt.ExpanderStride)
+		}
+		if bus+need-1 > 0xff {
+			return nil, fmt.Errorf("guest plan: unit %d: out of guest bus numbers", u.ID)
+		}
+		if len(fns) > 32 {
+			return nil, fmt.Errorf("guest plan: unit %d: %d functions do not fit one switch", u.ID, len(fns))
+		}
+		rp.Secondary = bus
+		us := GuestPort{ID: prefix + "us", Model: "x3130-upstream", Bus: rp.ID, Addr: pci.Address{Bus: uint8(bus)}, Secondary: bus + 1}
+		gu.RootPort, gu.Upstream = rp, us
+		for k, f := range fns {
+			ds := GuestPort{ID: fmt.Sprintf("%sds%d", prefix, k), Model: "xio3130-downstream", Bus: us.ID, Dev: k,
+				Chassis: chassis, Slot: k + 1, Addr: pci.Address{Bus: uint8(bus + 1), Device: uint8(k)}, Secondary: bus + 2 + k}
+			role := RoleGPU
+			switch {
+			case contains(u.NICs, f):
+				role = RoleGPUNIC
+			case contains(u.DataDirect, f):
+				role = RoleDataDirect
+			case contains(u.NVMe, f):
+				role = RoleGPUNVMe
+			}
+			gu.Functions = append(gu.Functions, GuestFunction{Host: f, HostID: f.Addr, Role: role, Port: ds,
+				ID: fmt.Sprintf("%sf%d", prefix, k), Addr: pci.Address{Bus: uint8(ds.Secondary)}})
+		}
+		bus += need
+		g.Units = append(g.Units, gu)
+	}
+	return g, nil
+}
+
+func contains(ds []*pci.Device, d *pci.Device) bool {
+	for _, x := range ds {
+		if x == d {
+			return true
+		}
+	}
+	return false
+}
+
+func rootPortOf(d *pci.Device) *pci.Device {
+	anc := d.Ancestors()
+	if len(anc) == 0 {
+		return nil
+	}
+	return anc[len(anc)-1]
+}
+
+func chooseUnits(units []*Unit, ids []int) ([]*Unit, error) {
+	if ids == nil {
+		var out []*Unit
+		for _, u := range units {
+			if u.Status != StatusFailed {
+				out = append(out, u)
+			}
+		}
+		return out, nil
+	}
+	var out []*Unit
+	seen := map[int]bool{}
+	for _, id := range ids {
+		if seen[id] {
+			return nil, fmt.Errorf("guest plan: unit %d chosen twice", id)
+		}
+		seen[id] = true
+		var found *Unit
+		for _, u := range units {
+			if u.ID == id {
+				found = u
+			}
+		}
+		if found == nil {
+			return nil, fmt.Errorf("guest plan: no unit %d", id)
+		}
+		if found.Status == StatusFailed {
+			return nil, fmt.Errorf("guest plan: unit %d is failed: %v", id, found.Reasons)
+		}
+		out = append(out, found)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out, nil
+}
+
+// Matrix is the distance matrix the guest will show: each unit's GPU and NICs under one
+// switch (PIX), other units through the host bridge (PHB), or with NUMA through other
+// expanders (NODE on one guest node, SYS across).
+func (g *Guest) Matrix(nvlinks int) *Matrix {
+	var gpus, nics []matrixEntry
+	k := 0
+	for _, u := range g.Units {
+		at := place{host: "pcie.0", numa: 0, switches: []string{u.Upstream.ID}}
+		if g.NUMA {
+			at.host, at.numa = u.Expander, u.GuestNUMA
+		}
+		for _, f := range u.Functions {
+			switch f.Role {
+			case RoleGPU:
+				gpus = append(gpus, matrixEntry{name: fmt.Sprintf("GPU%d", len(gpus)), addr: f.Addr, gpu: true, at: at})
+			case RoleGPUNIC:
+				nics = append(nics, matrixEntry{name: fmt.Sprintf("NIC%d", k), addr: f.Addr, at: at})
+				k++
+			}
+		}
+	}
+	return buildMatrix(append(gpus, nics...), nvlinks)
+}

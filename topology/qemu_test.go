@@ -1,0 +1,360 @@
+package topology
+
+import (
+	"bytes"
+	"context"
+	"encoding/xml"
+	"fmt"
+	"io"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/pci/pcitest"
+)
+
+// qemuSpec is the qemu-tests topology (qemu-tests/topology.go, two units) as pcitest
+// builds it, with the IDs and ACS registers QEMU 7.2 shows (QEMU.md): pcie-root-port
+// advertises SV TB RR CR UF DT and the kernel leaves SV RR CR UF on.
+func qemuSpec() pcitest.Spec {
+	rpACS := &pcitest.ACS{Cap: 0x5f, Ctl: 0x1d}
+	link := pcitest.Link{Speed: 1, Width: 1}
+	rp := func(name string, dev uint8, below ...pcitest.Fn) pcitest.Fn {
+		return pcitest.Fn{Name: name, Dev: dev, Vendor: 0x1b36, Device: 0x000c, Class: pcitest.ClassBridge, Port: pci.PortRootPort,
+			Link: link, ACS: rpACS, Driver: "pcieport", Below: below}
+	}
+	usp := func(name string, below ...pcitest.Fn) pcitest.Fn {
+		return pcitest.Fn{Name: name, Vendor: 0x104c, Device: 0x8232, Class: pcitest.ClassBridge, Port: pci.PortUpstream,
+			Link: link, Driver: "pcieport", Below: below}
+	}
+	ep := func(name string, fn uint8, vendor, device uint16, class uint32, ats bool) pcitest.Fn {
+		f := pcitest.Fn{Name: name, Func: fn, Vendor: vendor, Device: device, SubVendor: 0x1af4, SubDevice: 0x1100, Class: class,
+			Port: pci.PortEndpoint, Link: link}
+		if ats {
+			f.ATS = &pcitest.ATS{}
+		}
+		return f
+	}
+	host := pcitest.Host{Bus: 0, NUMA: 0, Fns: []pcitest.Fn{
+		{Name: "q35", Vendor: 0x8086, Device: 0x29c0, Class: 0x060000, Conventional: true},
+		rp("rp-mgmt", 2, ep("mgmt0", 0, 0x8086, 0x10d3, 0x020000, false)),
+	}}
+	for i := 0; i < 2; i++ {
+		n := func(s string) string { return fmt.Sprintf("u%d%s", i, s) }
+		host.Fns = append(host.Fns, rp(n("rp"), uint8(3+i),
+			usp(n("sw"),
+				rp(n("p0"), 0, usp(n("cx"),
+					rp(n("cxp0"), 0, ep(n("pf0"), 0, 0x1af4, 0x1041, 0x020000, true), ep(n("pf1"), 1, 0x1af4, 0x1041, 0x020000, true)),
+					rp(n("cxp2"), 2, usp(n("gs"), rp(n("gp"), 0, ep(n("gpu"), 0, 0x1af4, 0x1050, 0x038000, true)))))),
+				rp(n("p2"), 2, ep(n("nvme"), 0, 0x1b36, 0x0010, pcitest.ClassNVMe, false)))))
+	}
+	host.Fns = append(host.Fns, pcitest.Fn{Name: "lpc", Dev: 0x1f, Vendor: 0x8086, Device: 0x2918, Class: 0x060100, Conventional: true})
+	return pcitest.Spec{Hosts: []pcitest.Host{host}}
+}
+
+func TestQEMUProfile(t *testing.T) {
+	n, tree := reference(t, "qemu")
+	p, _ := Builtin("qemu")
+	p.UnlabeledIsError = true // every function of the stand-in node is known
+	l, err := Label(tree, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(l.Units) != 2 {
+		t.Fatalf("%d units", len(l.Units))
+	}
+	for i, u := range l.Units {
+		a := func(s string) pci.Address { return n.Addr(fmt.Sprintf("u%d%s", i, s)) }
+		if u.GPU.Addr != a("gpu") || len(u.NICs) != 2 || u.NICs[0].Addr != a("pf0") || u.NICs[1].Addr != a("pf1") ||
+			len(u.NVMe) != 1 || u.NVMe[0].Addr != a("nvme") {
+			t.Errorf("unit %d: gpu %s nics %v nvme %v", i, u.GPU.Addr, u.NICs, u.NVMe)
+		}
+	}
+	if r := l.RoleOf(n.Addr("mgmt0")); r != RoleMgmtNIC {
+		t.Errorf("e1000e: %s", r)
+	}
+	// The NIC port is a Root Port by type; the plan finds it by position.
+	ports := ACSPlan(l.Units)
+	var dt []pci.Address
+	for _, pt := range ports {
+		if pt.Flags&pci.ACSDT != 0 {
+			dt = append(dt, pt.Addr)
+		}
+	}
+	if len(dt) != 2 || dt[0] != n.Addr("u0cxp0") || dt[1] != n.Addr("u1cxp0") {
+		t.Errorf("DT ports %v, want u0cxp0 u1cxp0", dt)
+	}
+	if m := HostMatrix(l.Units, p.NVLinks); m.At(n.Addr("u0gpu"), n.Addr("u0pf0")) != PXB || m.At(n.Addr("u0gpu"), n.Addr("u1pf0")) != PHB {
+		t.Errorf("qemu host matrix:\n%s", m.Text())
+	}
+}
+
+func TestGuestPlanB300(t *testing.T) {
+	_, tree := reference(t, "b300")
+	l := mustLabel(t, tree, "b300")
+	g, err := GuestPlan(l.Units, GuestOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := g.Matrix(18)
+	gpuNIC, sameUnit, other := 0, 0, 0
+	for _, u := range g.Units {
+		var gpu pci.Address
+		var nics []pci.Address
+		for _, f := range u.Functions {
+			switch f.Role {
+			case RoleGPU:
+				gpu = f.Addr
+			case RoleGPUNIC:
+				nics = append(nics, f.Addr)
+			}
+		}
+		for _, nic := range nics {
+			if got := m.At(gpu, nic); got != PIX {
+				t.Errorf("unit %d guest GPU-NIC %s", u.Unit, got)
+			}
+			gpuNIC++
+		}
+		if got := m.At(nics[0], nics[1]); got != PIX {
+			t.Errorf("unit %d guest NIC-NIC %s", u.Unit, got)
+		}
+		sameUnit++
+		for _, o := range g.Units {
+			if o.Unit != u.Unit {
+				if got := m.At(gpu, o.Functions[1].Addr); got != PHB {
+					t.Errorf("guest GPU%d-NIC of unit %d: %s, want PHB", u.Unit, o.Unit, got)
+				}
+				other++
+			}
+		}
+	}
+	if gpuNIC != 16 || sameUnit != 8 || other != 56 {
+		t.Errorf("checked %d GPU-NIC, %d NIC pairs, %d other", gpuNIC, sameUnit, other)
+	}
+
+	gn, err := GuestPlan(l.Units, GuestOptions{NUMA: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mn := gn.Matrix(18)
+	u0, u1, u4 := gn.Units[0], gn.Units[1], gn.Units[4]
+	for _, c := range []struct {
+		a, b GuestFunction
+		want string
+	}{
+		{u0.Functions[0], u0.Functions[1], PIX},
+		{u0.Functions[0], u1.Functions[1], NODE},
+		{u0.Functions[0], u4.Functions[2], SYS},
+	} {
+		if got := mn.At(c.a.Addr, c.b.Addr); got != c.want {
+			t.Errorf("numa guest %s-%s = %s, want %s", c.a.ID, c.b.ID, got, c.want)
+		}
+	}
+}
+
+func TestGuestUnitsSubset(t *testing.T) {
+	_, tree := reference(t, "b300")
+	l := mustLabel(t, tree, "b300")
+	g, err := GuestPlan(l.Units, GuestOptions{Units: []int{5, 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(g.Units) != 2 || g.Units[0].Unit != 2 || g.Units[1].Unit != 5 {
+		t.Errorf("units %+v", g.Units)
+	}
+	if _, err := GuestPlan(l.Units, GuestOptions{Units: []int{9}}); err == nil || !strings.Contains(err.Error(), "no unit 9") {
+		t.Errorf("unknown unit: %v", err)
+	}
+	l.Units[3].Degrade(StatusFailed, "test")
+	if _, err := GuestPlan(l.Units, GuestOptions{Units: []int{3}}); err == nil || !strings.Contains(err.Error(), "unit 3 is failed") {
+		t.Errorf("failed unit: %v", err)
+	}
+}
+
+// standIn replaces vfio-pci (no host devices here) with emulated devices of the same
+// kind, on the same port.
+func standIn(f GuestFunction, bus string) string {
+	switch f.Role {
+	case RoleGPU:
+		return fmt.Sprintf("virtio-gpu-pci,id=%s,bus=%s,addr=0x0", f.ID, bus)
+	case RoleGPUNVMe:
+		return fmt.Sprintf("nvme,id=%s,bus=%s,addr=0x0,serial=%s", f.ID, bus, f.ID)
+	}
+	return fmt.Sprintf("virtio-net-pci,id=%s,bus=%s,addr=0x0", f.ID, bus)
+}
+
+func TestQEMUAcceptsRendering(t *testing.T) {
+	qemu, err := exec.LookPath("qemu-system-x86_64")
+	if err != nil {
+		t.Fatalf("qemu-system-x86_64 not installed (make installs it via image/deps.sh): %v", err)
+	}
+	_, tree := reference(t, "b300")
+	l := mustLabel(t, tree, "b300")
+	for _, numa := range []bool{false, true} {
+		g, err := GuestPlan(l.Units, GuestOptions{NUMA: numa})
+		if err != nil {
+			t.Fatal(err)
+		}
+		args := []string{"-machine", "q35", "-accel", "tcg", "-nodefaults", "-display", "none", "-S", "-monitor", "stdio", "-m", "256M"}
+		if numa {
+			for host, node := range g.GuestNodes {
+				_ = host
+				args = append(args, "-object", fmt.Sprintf("memory-backend-ram,id=mem%d,size=128M", node),
+					"-numa", fmt.Sprintf("node,nodeid=%d,memdev=mem%d", node, node))
+			}
+		}
+		args = append(args, g.QEMUArgs(standIn)...)
+		qtree := runQEMU(t, qemu, args)
+		for _, u := range g.Units {
+			want := []string{u.RootPort.ID, u.Upstream.ID}
+			for _, f := range u.Functions {
+				want = append(want, f.Port.ID, f.ID)
+			}
+			for _, id := range want {
+				if !strings.Contains(qtree, fmt.Sprintf("id %q", id)) {
+					t.Errorf("numa=%v: QEMU's device tree lacks %s", numa, id)
+				}
+			}
+		}
+		if numa && strings.Count(qtree, "dev: pxb-pcie") != 8 {
+			t.Errorf("numa: %d pxb-pcie in QEMU's tree, want 8", strings.Count(qtree, "dev: pxb-pcie"))
+		}
+	}
+}
+
+// runQEMU starts QEMU paused, asks the monitor for its device tree and quits; it fails
+// the test when QEMU refuses the arguments. quit is sent only once the answer to a later
+// command (info status) has arrived: QEMU drops monitor output still queued at exit.
+func runQEMU(t *testing.T, qemu string, args []string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, qemu, args...)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var errb bytes.Buffer
+	cmd.Stderr = &errb
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	const marker = "VM status: paused"
+	var out bytes.Buffer
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		buf := make([]byte, 64<<10)
+		sent := false
+		for {
+			n, err := stdout.Read(buf)
+			out.Write(buf[:n])
+			if !sent && bytes.Contains(out.Bytes(), []byte(marker)) {
+				io.WriteString(stdin, "quit\n")
+				sent = true
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	io.WriteString(stdin, "info qtree\ninfo status\n")
+	<-done
+	err = cmd.Wait()
+	if ctx.Err() != nil {
+		t.Fatalf("qemu did not reach the paused state and quit within the timeout; stderr: %s", errb.String())
+	}
+	if err != nil {
+		t.Fatalf("qemu refused the rendering: %v\n%s\nargs: %s", err, errb.String(), strings.Join(args, " "))
+	}
+	if !bytes.Contains(out.Bytes(), []byte(marker)) {
+		t.Fatalf("qemu quit before reporting its paused state: %s", errb.String())
+	}
+	return out.String()
+}
+
+func TestLibvirtWellFormed(t *testing.T) {
+	_, tree := reference(t, "b300")
+	l := mustLabel(t, tree, "b300")
+	for _, numa := range []bool{false, true} {
+		g, err := GuestPlan(l.Units, GuestOptions{NUMA: numa})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := g.Libvirt()
+		if err != nil {
+			t.Fatal(err)
+		}
+		dec := xml.NewDecoder(bytes.NewReader(b))
+		for {
+			_, err := dec.Token()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				t.Fatalf("libvirt xml not well-formed: %v\n%s", err, b)
+			}
+		}
+		var d lvDevices
+		if err := xml.Unmarshal(b, &d); err != nil {
+			t.Fatal(err)
+		}
+		if len(d.Hostdevs) != 32 {
+			t.Errorf("%d hostdevs, want 32", len(d.Hostdevs))
+		}
+		idx := map[int]bool{}
+		for _, c := range d.Controllers {
+			if idx[c.Index] {
+				t.Errorf("controller index %d twice", c.Index)
+			}
+			idx[c.Index] = true
+		}
+		wantCtl := 8 * (2 + 4)
+		if numa {
+			wantCtl += 8
+		}
+		if len(d.Controllers) != wantCtl {
+			t.Errorf("numa=%v: %d controllers, want %d", numa, len(d.Controllers), wantCtl)
+		}
+	}
+}
+
+func TestNCCLTopology(t *testing.T) {
+	n, tree := reference(t, "b300")
+	l := mustLabel(t, tree, "b300")
+	g, err := GuestPlan(l.Units, GuestOptions{NUMA: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := g.NCCLTopology()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sys ncclSystem
+	if err := xml.Unmarshal(b, &sys); err != nil {
+		t.Fatal(err)
+	}
+	if len(sys.CPUs) != 2 || len(sys.CPUs[0].PCIs) != 4 || len(sys.CPUs[1].PCIs) != 4 {
+		t.Fatalf("shape: %s", b)
+	}
+	sw := sys.CPUs[0].PCIs[0]
+	// Host links, not QEMU's 2.5 GT/s x1: Gen5 x16 to the CPU, Gen6 x16 GPU and NICs.
+	if sw.LinkSpeed != "32.0 GT/s PCIe" || sw.LinkWidth != 16 || sw.BusID != g.Units[0].Upstream.Addr.String() {
+		t.Errorf("switch node %+v", sw)
+	}
+	if len(sw.PCIs) != 3 {
+		t.Fatalf("switch holds %d functions, want GPU + 2 NICs", len(sw.PCIs))
+	}
+	gpu := sw.PCIs[0]
+	host := tree.Lookup(n.Addr("gpu0"))
+	if gpu.Class != "0x030200" || gpu.Vendor != "0x10de" || gpu.Device != "0x3182" || gpu.LinkSpeed != "64.0 GT/s PCIe" ||
+		gpu.LinkWidth != 16 || gpu.BusID != g.Units[0].Functions[0].Addr.String() || host.DeviceID != 0x3182 {
+		t.Errorf("gpu node %+v", gpu)
+	}
+}

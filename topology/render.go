@@ -1,0 +1,225 @@
+package topology
+
+import (
+	"encoding/xml"
+	"fmt"
+	"strings"
+
+	"github.com/passage-boot/passage/pci"
+)
+
+// QEMUDevice renders the -device value for one passthrough function, placed on bus
+// (the downstream port's id) at device 0. The default passes the host function through.
+type QEMUDevice func(f GuestFunction, bus string) string
+
+// VFIODevice is the default QEMUDevice: vfio-pci host=<BDF>.
+func VFIODevice(f GuestFunction, bus string) string {
+	return fmt.Sprintf("vfio-pci,host=%s,id=%s,bus=%s,addr=0x0", f.HostID, f.ID, bus)
+}
+
+// QEMUArgs renders the guest plan as qemu-system-x86_64 arguments (q35). device may be
+// nil for VFIODevice; tests substitute emulated stand-ins. Every pcie-root-port and
+// xio3130-downstream gets a chassis/slot pair of its own: QEMU refuses duplicates. With
+// NUMA the VM must define the guest nodes that Guest.GuestNodes names (-numa node,...).
+func (g *Guest) QEMUArgs(device QEMUDevice) []string {
+	if device == nil {
+		device = VFIODevice
+	}
+	var args []string
+	dev := func(format string, a ...any) { args = append(args, "-device", fmt.Sprintf(format, a...)) }
+	for _, x := range g.Expanders {
+		dev("pxb-pcie,id=%s,bus=pcie.0,addr=0x%x,bus_nr=%d,numa_node=%d", x.ID, x.Dev, x.BusNr, x.NUMANode)
+	}
+	for _, u := range g.Units {
+		rp := u.RootPort
+		dev("pcie-root-port,id=%s,bus=%s,addr=0x%x,chassis=%d,slot=%d", rp.ID, rp.Bus, rp.Dev, rp.Chassis, rp.Slot)
+		dev("x3130-upstream,id=%s,bus=%s,addr=0x0", u.Upstream.ID, u.Upstream.Bus)
+		for _, f := range u.Functions {
+			p := f.Port
+			dev("xio3130-downstream,id=%s,bus=%s,addr=0x%x,chassis=%d,slot=%d", p.ID, p.Bus, p.Dev, p.Chassis, p.Slot)
+			args = append(args, "-device", device(f, p.ID))
+		}
+	}
+	return args
+}
+
+// QEMUText renders the arguments one device per line, shell-continued.
+func (g *Guest) QEMUText(device QEMUDevice) string {
+	args := g.QEMUArgs(device)
+	var b strings.Builder
+	for i := 0; i+1 < len(args); i += 2 {
+		fmt.Fprintf(&b, "%s %s", args[i], args[i+1])
+		if i+2 < len(args) {
+			b.WriteString(" \\")
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// libvirt domain XML (https://libvirt.org/formatdomain.html#controllers, #hostdev).
+type lvDevices struct {
+	XMLName     xml.Name       `xml:"devices"`
+	Comment     string         `xml:",comment"`
+	Controllers []lvController `xml:"controller"`
+	Hostdevs    []lvHostdev    `xml:"hostdev"`
+}
+
+type lvController struct {
+	Type    string     `xml:"type,attr"`
+	Index   int        `xml:"index,attr"`
+	Model   string     `xml:"model,attr"`
+	Name    lvModel    `xml:"model"`
+	Target  *lvTarget  `xml:"target,omitempty"`
+	Address *lvAddress `xml:"address,omitempty"`
+}
+
+type lvModel struct {
+	Name string `xml:"name,attr"`
+}
+
+type lvTarget struct {
+	Chassis *int   `xml:"chassis,attr,omitempty"`
+	Port    string `xml:"port,attr,omitempty"`
+	BusNr   *int   `xml:"busNr,attr,omitempty"`
+	Node    *int   `xml:"node,omitempty"`
+}
+
+type lvAddress struct {
+	Type     string `xml:"type,attr,omitempty"`
+	Domain   string `xml:"domain,attr"`
+	Bus      string `xml:"bus,attr"`
+	Slot     string `xml:"slot,attr"`
+	Function string `xml:"function,attr"`
+}
+
+type lvHostdev struct {
+	Mode    string    `xml:"mode,attr"`
+	Type    string    `xml:"type,attr"`
+	Managed string    `xml:"managed,attr"`
+	Source  lvSource  `xml:"source"`
+	Address lvAddress `xml:"address"`
+}
+
+type lvSource struct {
+	Address lvAddress `xml:"address"`
+}
+
+func lvAddr(typ string, a pci.Address) lvAddress {
+	return lvAddress{Type: typ, Domain: fmt.Sprintf("0x%04x", a.Domain), Bus: fmt.Sprintf("0x%02x", a.Bus),
+		Slot: fmt.Sprintf("0x%02x", a.Device), Function: fmt.Sprintf("0x%x", a.Function)}
+}
+
+// Libvirt renders the plan as a libvirt <devices> fragment: the expanders, root ports
+// and switch ports as <controller>s (a PCI controller's index is the guest bus it
+// provides), the functions as managed <hostdev>s. Paste its children into a domain's
+// <devices>.
+func (g *Guest) Libvirt() ([]byte, error) {
+	d := lvDevices{Comment: " passage guest plan: one virtual switch per GPU unit "}
+	ip := func(v int) *int { return &v }
+	for _, x := range g.Expanders {
+		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: x.BusNr, Model: "pcie-expander-bus",
+			Name: lvModel{"pxb-pcie"}, Target: &lvTarget{BusNr: ip(x.BusNr), Node: ip(x.NUMANode)},
+			Address: ptr(lvAddr("pci", pci.Address{Device: uint8(x.Dev)}))})
+	}
+	for _, u := range g.Units {
+		rp := u.RootPort
+		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: rp.Secondary, Model: "pcie-root-port",
+			Name: lvModel{"pcie-root-port"}, Target: &lvTarget{Chassis: ip(rp.Chassis), Port: fmt.Sprintf("0x%x", rp.Slot)},
+			Address: ptr(lvAddr("pci", rp.Addr))})
+		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: u.Upstream.Secondary, Model: "pcie-switch-upstream-port",
+			Name: lvModel{"x3130-upstream"}, Address: ptr(lvAddr("pci", u.Upstream.Addr))})
+		for _, f := range u.Functions {
+			p := f.Port
+			d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: p.Secondary, Model: "pcie-switch-downstream-port",
+				Name: lvModel{"xio3130-downstream"}, Target: &lvTarget{Chassis: ip(p.Chassis), Port: fmt.Sprintf("0x%x", p.Slot)},
+				Address: ptr(lvAddr("pci", p.Addr))})
+			d.Hostdevs = append(d.Hostdevs, lvHostdev{Mode: "subsystem", Type: "pci", Managed: "yes",
+				Source: lvSource{Address: lvAddr("", f.HostID)}, Address: lvAddr("pci", f.Addr)})
+		}
+	}
+	out, err := xml.MarshalIndent(d, "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("libvirt xml: %w", err)
+	}
+	return append(out, '\n'), nil
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// NCCL topology XML (NCCL_TOPO_FILE), in the shape NCCL_TOPO_DUMP_FILE writes: one
+// <cpu> per guest NUMA node, one <pci> per switch (named by its upstream port, as NCCL
+// folds switches), the GPUs and NICs below it. NCCL fills the <gpu>/<nic> children at
+// run time, matching the <pci> nodes by bus ID.
+type ncclSystem struct {
+	XMLName xml.Name  `xml:"system"`
+	Version int       `xml:"version,attr"`
+	CPUs    []ncclCPU `xml:"cpu"`
+}
+
+type ncclCPU struct {
+	NUMAID int       `xml:"numaid,attr"`
+	PCIs   []ncclPCI `xml:"pci"`
+}
+
+type ncclPCI struct {
+	BusID           string    `xml:"busid,attr"`
+	Class           string    `xml:"class,attr"`
+	Vendor          string    `xml:"vendor,attr"`
+	Device          string    `xml:"device,attr"`
+	SubsystemVendor string    `xml:"subsystem_vendor,attr"`
+	SubsystemDevice string    `xml:"subsystem_device,attr"`
+	LinkSpeed       string    `xml:"link_speed,attr"`
+	LinkWidth       int       `xml:"link_width,attr"`
+	PCIs            []ncclPCI `xml:"pci"`
+}
+
+// sysfsSpeed writes a link speed as sysfs current_link_speed does ("32.0 GT/s PCIe"),
+// the form NCCL parses.
+func sysfsSpeed(l Link) string {
+	switch l.GTs {
+	case 0:
+		return ""
+	case 2.5:
+		return "2.5 GT/s PCIe"
+	}
+	return fmt.Sprintf("%.1f GT/s PCIe", l.GTs)
+}
+
+// NCCLTopology renders the NCCL topology file. It carries the host's real link speeds
+// and widths (Gen6 x16 GPU-NIC, Gen5 x16 to the CPU on B300): QEMU's emulated switch
+// ports report 2.5 GT/s x1, and NCCL would size its paths from that.
+func (g *Guest) NCCLTopology() ([]byte, error) {
+	sys := ncclSystem{Version: 1}
+	cpus := map[int]int{}
+	for _, u := range g.Units {
+		node := 0
+		if g.NUMA {
+			node = u.GuestNUMA
+		}
+		ci, ok := cpus[node]
+		if !ok {
+			ci = len(sys.CPUs)
+			cpus[node] = ci
+			sys.CPUs = append(sys.CPUs, ncclCPU{NUMAID: node})
+		}
+		sw := ncclPCI{BusID: u.Upstream.Addr.String(), Class: "0x060400", Vendor: "0x104c", Device: "0x8232",
+			SubsystemVendor: "0x0000", SubsystemDevice: "0x0000", LinkSpeed: sysfsSpeed(u.UpLink), LinkWidth: u.UpLink.Width}
+		for _, f := range u.Functions {
+			if f.Role != RoleGPU && f.Role != RoleGPUNIC && f.Role != RoleDataDirect {
+				continue // NCCL has no use for the NVMe
+			}
+			h, l := f.Host, linkOf(f.Host)
+			sw.PCIs = append(sw.PCIs, ncclPCI{BusID: f.Addr.String(), Class: fmt.Sprintf("0x%06x", h.Class),
+				Vendor: fmt.Sprintf("0x%04x", h.VendorID), Device: fmt.Sprintf("0x%04x", h.DeviceID),
+				SubsystemVendor: fmt.Sprintf("0x%04x", h.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", h.SubsystemDevice),
+				LinkSpeed: sysfsSpeed(l), LinkWidth: l.Width})
+		}
+		sys.CPUs[ci].PCIs = append(sys.CPUs[ci].PCIs, sw)
+	}
+	out, err := xml.MarshalIndent(sys, "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("nccl topology xml: %w", err)
+	}
+	return append(out, '\n'), nil
+}
