@@ -1,0 +1,128 @@
+package manifest
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// Build starts a manifest for this boot: schema version, node identity, boot id, kernel
+// release and command line, all read under root ("/" on a live node, a temp dir in tests),
+// and the time. The stages fill in the rest. A missing optional file (DMI on a VM, a
+// root-only product_serial) leaves its field empty; boot_id is required because the
+// hypervisor matches manifests to boots with it.
+func Build(root string, now time.Time) (*Manifest, error) {
+	m := &Manifest{
+		SchemaVersion:    SchemaVersion,
+		GenerationSource: GenerationNone,
+		Time:             now.UTC(),
+	}
+	var err error
+	if m.BootID, err = readTrimmed(root, "proc/sys/kernel/random/boot_id"); err != nil {
+		return nil, fmt.Errorf("manifest: boot id: %w", err)
+	}
+	if m.BootID == "" {
+		return nil, fmt.Errorf("manifest: boot id: %s is empty", filepath.Join(root, "proc/sys/kernel/random/boot_id"))
+	}
+	optional := []struct {
+		dst  *string
+		path string
+	}{
+		{&m.Node.Hostname, "proc/sys/kernel/hostname"},
+		{&m.Node.DMISerial, "sys/class/dmi/id/product_serial"},
+		{&m.Node.DMIUUID, "sys/class/dmi/id/product_uuid"},
+		{&m.Node.BoardName, "sys/class/dmi/id/board_name"},
+		{&m.Node.Vendor, "sys/class/dmi/id/sys_vendor"},
+		{&m.Node.Product, "sys/class/dmi/id/product_name"},
+		{&m.KernelRelease, "proc/sys/kernel/osrelease"},
+		{&m.KernelCmdline, "proc/cmdline"},
+	}
+	for _, o := range optional {
+		v, err := readTrimmed(root, o.path)
+		if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, fs.ErrPermission) {
+			return nil, fmt.Errorf("manifest: %w", err)
+		}
+		*o.dst = v
+	}
+	return m, nil
+}
+
+func readTrimmed(root, rel string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(root, rel))
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimSpace(string(b)), nil
+}
+
+// Marshal returns the canonical payload bytes: struct field order, no indentation, nil
+// slices as [], time in UTC. The same Manifest always gives the same bytes, and
+// Unmarshal(Marshal(m)) marshals back to them.
+func Marshal(m *Manifest) ([]byte, error) {
+	if m == nil {
+		return nil, errors.New("manifest: marshal: nil manifest")
+	}
+	c := normalize(*m)
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	// The payload is read by tools, not browsers: keep "<", ">" and "&" literal.
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(&c); err != nil {
+		return nil, fmt.Errorf("manifest: marshal: %w", err)
+	}
+	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
+}
+
+// Digest is the payload's identity: "sha256:<hex>" of the canonical bytes. It is what the
+// TPM PCR is extended with and what the event log records.
+func Digest(payload []byte) string {
+	sum := sha256.Sum256(payload)
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
+func normalize(m Manifest) Manifest {
+	m.Time = m.Time.UTC()
+	m.Units = nonNil(m.Units)
+	for i := range m.Units {
+		u := &m.Units[i]
+		u.Reasons = nonNil(u.Reasons)
+		u.Functions = nonNil(u.Functions)
+		u.ACSChanges = nonNil(u.ACSChanges)
+		u.ATSFindings = nonNil(u.ATSFindings)
+	}
+	if m.GuestPlan != nil {
+		g := *m.GuestPlan
+		g.MatrixLabels = nonNil(g.MatrixLabels)
+		g.HostMatrix = nonNil(g.HostMatrix)
+		g.ExpectedGuest = nonNil(g.ExpectedGuest)
+		if len(g.Plan) > 0 {
+			var compact bytes.Buffer
+			if json.Compact(&compact, g.Plan) == nil {
+				g.Plan = compact.Bytes()
+			}
+		}
+		m.GuestPlan = &g
+	}
+	m.Stages = nonNil(m.Stages)
+	for i := range m.Stages {
+		m.Stages[i].Findings = nonNil(m.Stages[i].Findings)
+		m.Stages[i].Changes = nonNil(m.Stages[i].Changes)
+	}
+	m.Errors = nonNil(m.Errors)
+	return m
+}
+
+// nonNil copies so that normalising never writes into the caller's slices.
+func nonNil[T any](s []T) []T {
+	out := make([]T, len(s))
+	copy(out, s)
+	return out
+}

@@ -1,0 +1,223 @@
+package manifest
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/secure-systems-lab/go-securesystemslib/dsse"
+)
+
+// Envelope is the file passage writes: a DSSE envelope (payloadType, payload,
+// signatures, as dsse.Envelope) plus one unsigned field, payloadDigest, the sha256 of the
+// payload as it was signed. The signature alone cannot say whether the payload or the
+// signature was altered; the hint lets Verify report "payload edited" instead of a bare
+// "bad signature". It is never trusted: a forged hint only changes which error is
+// reported, and DSSE readers that do not know it ignore it.
+type Envelope struct {
+	PayloadType   string           `json:"payloadType"`
+	Payload       string           `json:"payload"`
+	Signatures    []dsse.Signature `json:"signatures"`
+	PayloadDigest string           `json:"payloadDigest,omitempty"`
+}
+
+// Signed is the result of Sign: the envelope bytes to write, the canonical payload inside
+// it and the payload's digest (what a TPM PCR is extended with).
+type Signed struct {
+	Envelope []byte
+	Payload  []byte
+	Digest   string // "sha256:<hex>"
+}
+
+// Sign marshals m canonically and wraps it in a DSSE envelope signed by s.
+func Sign(ctx context.Context, m *Manifest, s Signer) (*Signed, error) {
+	payload, err := Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	return SignPayload(ctx, payload, s)
+}
+
+// SignPayload wraps already-canonical payload bytes in a DSSE envelope signed by s.
+func SignPayload(ctx context.Context, payload []byte, s Signer) (*Signed, error) {
+	es, err := dsse.NewEnvelopeSigner(s)
+	if err != nil {
+		return nil, fmt.Errorf("manifest: sign: %w", err)
+	}
+	env, err := es.SignPayload(ctx, PayloadType, payload)
+	if err != nil {
+		return nil, fmt.Errorf("manifest: sign: %w", err)
+	}
+	digest := Digest(payload)
+	out := Envelope{
+		PayloadType:   env.PayloadType,
+		Payload:       env.Payload,
+		Signatures:    env.Signatures,
+		PayloadDigest: digest,
+	}
+	b, err := json.MarshalIndent(out, "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("manifest: sign: %w", err)
+	}
+	return &Signed{Envelope: append(b, '\n'), Payload: payload, Digest: digest}, nil
+}
+
+// Verification failures. Verify returns a *VerifyError whose Kind is one of these, so
+// callers test with errors.Is.
+var (
+	ErrMalformed       = errors.New("malformed envelope")
+	ErrBadSignature    = errors.New("bad signature")
+	ErrWrongKey        = errors.New("signed by another key")
+	ErrPayloadEdited   = errors.New("payload edited after signing")
+	ErrUnknownSchema   = errors.New("unknown schema version")
+	ErrStaleGeneration = errors.New("generation older than required (replay?)")
+	ErrBootIDMismatch  = errors.New("boot id mismatch")
+)
+
+// VerifyError says why a manifest was rejected.
+type VerifyError struct {
+	Kind   error
+	Detail string
+}
+
+func (e *VerifyError) Error() string {
+	if e.Detail == "" {
+		return "manifest: " + e.Kind.Error()
+	}
+	return "manifest: " + e.Kind.Error() + ": " + e.Detail
+}
+
+func (e *VerifyError) Unwrap() error { return e.Kind }
+
+func verr(kind error, format string, a ...any) error {
+	return &VerifyError{Kind: kind, Detail: fmt.Sprintf(format, a...)}
+}
+
+// VerifyOptions are the hypervisor's expectations beyond a good signature.
+type VerifyOptions struct {
+	// MinGeneration rejects manifests whose generation is lower: an old manifest
+	// replayed after a newer one was seen. 0 accepts any.
+	MinGeneration uint64
+	// BootID, when set, must equal the manifest's boot_id.
+	BootID string
+}
+
+// Verified is an accepted manifest.
+type Verified struct {
+	Manifest *Manifest
+	Payload  []byte // the signed bytes, exactly as signed
+	Digest   string
+	KeyID    string
+}
+
+// Verify checks envelope against v and opts and returns the manifest it carries. The
+// order of checks decides which reason is reported: envelope shape, key, signature (or
+// edited payload), schema version, then generation and boot id.
+func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) {
+	var env Envelope
+	dec := json.NewDecoder(bytes.NewReader(envelope))
+	if err := dec.Decode(&env); err != nil {
+		return nil, verr(ErrMalformed, "%v", err)
+	}
+	if dec.More() {
+		return nil, verr(ErrMalformed, "trailing data after the envelope")
+	}
+	if env.PayloadType != PayloadType {
+		return nil, verr(ErrMalformed, "payloadType %q, want %q", env.PayloadType, PayloadType)
+	}
+	payload, err := base64.StdEncoding.DecodeString(env.Payload)
+	if err != nil {
+		return nil, verr(ErrMalformed, "payload: %v", err)
+	}
+	if len(env.Signatures) == 0 {
+		return nil, verr(ErrBadSignature, "envelope has no signatures")
+	}
+	keyID, err := v.KeyID()
+	if err != nil {
+		return nil, fmt.Errorf("manifest: verifier key id: %w", err)
+	}
+	var candidates []dsse.Signature
+	var others []string
+	for _, s := range env.Signatures {
+		if s.KeyID == "" || s.KeyID == keyID {
+			candidates = append(candidates, s)
+		} else {
+			others = append(others, s.KeyID)
+		}
+	}
+	if len(candidates) == 0 {
+		return nil, verr(ErrWrongKey, "envelope signed by %s, verifying with %s", strings.Join(others, ", "), keyID)
+	}
+	ev, err := dsse.NewEnvelopeVerifier(v)
+	if err != nil {
+		return nil, fmt.Errorf("manifest: verifier: %w", err)
+	}
+	digest := Digest(payload)
+	if _, _, err := ev.VerifyAndDecode(context.Background(), &dsse.Envelope{
+		PayloadType: env.PayloadType,
+		Payload:     env.Payload,
+		Signatures:  candidates,
+	}); err != nil {
+		if env.PayloadDigest != "" && env.PayloadDigest != digest && validDigest(env.PayloadDigest) {
+			return nil, verr(ErrPayloadEdited, "payload is %s, signed payload was %s", digest, env.PayloadDigest)
+		}
+		return nil, verr(ErrBadSignature, "key %s: %v", keyID, err)
+	}
+
+	var head struct {
+		SchemaVersion *int `json:"schema_version"`
+	}
+	if err := json.Unmarshal(payload, &head); err != nil {
+		return nil, verr(ErrMalformed, "payload: %v", err)
+	}
+	if head.SchemaVersion == nil {
+		return nil, verr(ErrUnknownSchema, "payload has no schema_version")
+	}
+	if *head.SchemaVersion != SchemaVersion {
+		return nil, verr(ErrUnknownSchema, "schema_version %d, this verifier knows %d", *head.SchemaVersion, SchemaVersion)
+	}
+	m, err := Unmarshal(payload)
+	if err != nil {
+		return nil, verr(ErrMalformed, "payload: %v", err)
+	}
+	if m.Generation < opts.MinGeneration {
+		return nil, verr(ErrStaleGeneration, "generation %d (%s), required at least %d", m.Generation, m.GenerationSource, opts.MinGeneration)
+	}
+	if opts.BootID != "" && m.BootID != opts.BootID {
+		return nil, verr(ErrBootIDMismatch, "manifest is for boot %s, expected %s", m.BootID, opts.BootID)
+	}
+	return &Verified{Manifest: m, Payload: payload, Digest: digest, KeyID: keyID}, nil
+}
+
+// Unmarshal decodes a payload of the current schema strictly: unknown fields are an
+// error, since any new field comes with a new SchemaVersion.
+func Unmarshal(payload []byte) (*Manifest, error) {
+	dec := json.NewDecoder(bytes.NewReader(payload))
+	dec.DisallowUnknownFields()
+	var m Manifest
+	if err := dec.Decode(&m); err != nil {
+		return nil, err
+	}
+	if dec.More() {
+		return nil, errors.New("trailing data after the manifest")
+	}
+	if m.SchemaVersion != SchemaVersion {
+		return nil, fmt.Errorf("schema_version %d, want %d", m.SchemaVersion, SchemaVersion)
+	}
+	return &m, nil
+}
+
+func validDigest(s string) bool {
+	h, ok := strings.CutPrefix(s, "sha256:")
+	if !ok || len(h) != 2*sha256.Size {
+		return false
+	}
+	_, err := hex.DecodeString(h)
+	return err == nil
+}

@@ -1,0 +1,387 @@
+package manifest
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestBuildReadsNodeIdentity(t *testing.T) {
+	root := writeRoot(t, defaultRootFiles())
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.FixedZone("CET", 3600))
+	m, err := Build(root, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Node{Hostname: "b300-r07-n3", DMISerial: "S3R1AL-0042", DMIUUID: "4c4c4544-0042-3810-8057-b3c04f4b4d32",
+		BoardName: "X14DBG-AP", Vendor: "Supermicro", Product: "SYS-A22GA-NBRT"}
+	if m.Node != want {
+		t.Errorf("node = %+v, want %+v", m.Node, want)
+	}
+	if m.BootID != testBootID || m.KernelRelease != "6.12.48" || !strings.Contains(m.KernelCmdline, "passage.tpm=on") {
+		t.Errorf("boot/kernel = %q %q %q", m.BootID, m.KernelRelease, m.KernelCmdline)
+	}
+	if m.SchemaVersion != SchemaVersion || m.GenerationSource != GenerationNone {
+		t.Errorf("schema %d source %q", m.SchemaVersion, m.GenerationSource)
+	}
+	if m.Time.Location() != time.UTC || !m.Time.Equal(now) {
+		t.Errorf("time = %v, want %v in UTC", m.Time, now)
+	}
+}
+
+func TestBuildWithoutDMI(t *testing.T) {
+	files := defaultRootFiles()
+	for k := range files {
+		if strings.HasPrefix(k, "sys/") {
+			delete(files, k)
+		}
+	}
+	m, err := Build(writeRoot(t, files), time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Node.DMISerial != "" || m.Node.DMIUUID != "" || m.Node.Hostname != "b300-r07-n3" {
+		t.Errorf("node = %+v", m.Node)
+	}
+}
+
+func TestBuildNeedsBootID(t *testing.T) {
+	for name, content := range map[string]*string{"missing": nil, "empty": new(string)} {
+		t.Run(name, func(t *testing.T) {
+			files := defaultRootFiles()
+			delete(files, "proc/sys/kernel/random/boot_id")
+			if content != nil {
+				files["proc/sys/kernel/random/boot_id"] = *content
+			}
+			_, err := Build(writeRoot(t, files), time.Now())
+			if err == nil || !strings.Contains(err.Error(), "boot_id") {
+				t.Fatalf("err = %v, want one naming boot_id", err)
+			}
+		})
+	}
+}
+
+func TestMarshalCanonical(t *testing.T) {
+	m := b300Manifest(7)
+	a, err := Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := Marshal(m)
+	if !bytes.Equal(a, b) {
+		t.Fatal("two marshals of one manifest differ")
+	}
+	if !bytes.HasPrefix(a, []byte(`{"schema_version":1,"node":{"hostname":`)) {
+		t.Errorf("key order: payload starts %q", a[:60])
+	}
+	back, err := Unmarshal(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, _ := Marshal(back)
+	if !bytes.Equal(a, c) {
+		t.Errorf("marshal(unmarshal(p)) != p:\n%s\n%s", a, c)
+	}
+	// nil slices are [] so consumers never see null, and the caller's manifest is untouched.
+	empty := &Manifest{SchemaVersion: 1, Units: []Unit{{ID: "gpu0"}}}
+	p, _ := Marshal(empty)
+	for _, key := range []string{`"units":[{`, `"reasons":[]`, `"functions":[]`, `"stages":[]`, `"errors":[]`} {
+		if !bytes.Contains(p, []byte(key)) {
+			t.Errorf("payload %s lacks %s", p, key)
+		}
+	}
+	if empty.Units[0].Reasons != nil {
+		t.Error("Marshal wrote into the caller's manifest")
+	}
+	if Digest(a) == Digest(p) || !strings.HasPrefix(Digest(a), "sha256:") || len(Digest(a)) != 71 {
+		t.Errorf("digest %q", Digest(a))
+	}
+}
+
+func TestRoundTripEd25519(t *testing.T) {
+	m := b300Manifest(42)
+	signed, err := Sign(context.Background(), m, testSigner(t, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := Verify(signed.Envelope, testVerifier(t, 1), VerifyOptions{MinGeneration: 42, BootID: testBootID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(v.Payload, signed.Payload) || v.Digest != signed.Digest {
+		t.Error("verified payload differs from the signed one")
+	}
+	if v.Manifest.Generation != 42 || len(v.Manifest.Units) != 8 || len(v.Manifest.Units[3].Functions) != 4 {
+		t.Errorf("manifest = gen %d, %d units", v.Manifest.Generation, len(v.Manifest.Units))
+	}
+	// The envelope is plain DSSE: keyid and payloadType as the spec names them.
+	var raw map[string]any
+	if err := json.Unmarshal(signed.Envelope, &raw); err != nil {
+		t.Fatal(err)
+	}
+	if raw["payloadType"] != PayloadType {
+		t.Errorf("payloadType = %v", raw["payloadType"])
+	}
+	kid, _ := testSigner(t, 1).KeyID()
+	if !strings.HasPrefix(kid, "SHA256:") || !bytes.Contains(signed.Envelope, []byte(kid)) {
+		t.Errorf("keyid %q not in envelope", kid)
+	}
+}
+
+// resign signs arbitrary payload bytes with the test key, for cases Marshal cannot produce.
+func resign(t *testing.T, payload []byte) []byte {
+	t.Helper()
+	s, err := SignPayload(context.Background(), payload, testSigner(t, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s.Envelope
+}
+
+func editEnvelope(t *testing.T, env []byte, edit func(e *Envelope)) []byte {
+	t.Helper()
+	var e Envelope
+	if err := json.Unmarshal(env, &e); err != nil {
+		t.Fatal(err)
+	}
+	edit(&e)
+	b, err := json.Marshal(e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestVerifyRejects(t *testing.T) {
+	m := b300Manifest(10)
+	signed, err := Sign(context.Background(), m, testSigner(t, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	good := signed.Envelope
+	editedPayload := bytes.Replace(signed.Payload, []byte(`"status":"failed"`), []byte(`"status":"ready"`), 1)
+	editedPayload = bytes.Replace(editedPayload, []byte(`"driver_after":"vfio-pci"`), []byte(`"driver_after":"nvidia"`), 1)
+	if bytes.Equal(editedPayload, signed.Payload) {
+		t.Fatal("edit did not change the payload")
+	}
+	v2 := bytes.Replace(signed.Payload, []byte(`"schema_version":1`), []byte(`"schema_version":2`), 1)
+	noVersion := bytes.Replace(signed.Payload, []byte(`"schema_version":1,`), nil, 1)
+	extraField := bytes.Replace(signed.Payload, []byte(`"errors":[]`), []byte(`"errors":[],"injected":true`), 1)
+
+	cases := []struct {
+		name string
+		env  []byte
+		opts VerifyOptions
+		want error
+	}{
+		{"wrong key", good, VerifyOptions{}, ErrWrongKey},
+		{"bad signature", editEnvelope(t, good, func(e *Envelope) {
+			sig, _ := base64.StdEncoding.DecodeString(e.Signatures[0].Sig)
+			sig[5] ^= 0x40
+			e.Signatures[0].Sig = base64.StdEncoding.EncodeToString(sig)
+		}), VerifyOptions{}, ErrBadSignature},
+		{"payload edited", editEnvelope(t, good, func(e *Envelope) {
+			e.Payload = base64.StdEncoding.EncodeToString(editedPayload)
+		}), VerifyOptions{}, ErrPayloadEdited},
+		{"payload edited, hint recomputed", editEnvelope(t, good, func(e *Envelope) {
+			e.Payload = base64.StdEncoding.EncodeToString(editedPayload)
+			e.PayloadDigest = Digest(editedPayload)
+		}), VerifyOptions{}, ErrBadSignature},
+		{"payload edited, hint dropped", editEnvelope(t, good, func(e *Envelope) {
+			e.Payload = base64.StdEncoding.EncodeToString(editedPayload)
+			e.PayloadDigest = ""
+		}), VerifyOptions{}, ErrBadSignature},
+		{"keyid cleared, other key", editEnvelope(t, good, func(e *Envelope) { e.Signatures[0].KeyID = "" }), VerifyOptions{}, ErrBadSignature},
+		{"no signatures", editEnvelope(t, good, func(e *Envelope) { e.Signatures = nil }), VerifyOptions{}, ErrBadSignature},
+		{"payload type", editEnvelope(t, good, func(e *Envelope) { e.PayloadType = "application/vnd.in-toto+json" }), VerifyOptions{}, ErrMalformed},
+		{"not base64", editEnvelope(t, good, func(e *Envelope) { e.Payload = "!!" + e.Payload }), VerifyOptions{}, ErrMalformed},
+		{"not json", []byte("{\"payloadType\":"), VerifyOptions{}, ErrMalformed},
+		{"trailing data", append(append([]byte{}, good...), "{}"...), VerifyOptions{}, ErrMalformed},
+		{"unknown schema", resign(t, v2), VerifyOptions{}, ErrUnknownSchema},
+		{"no schema version", resign(t, noVersion), VerifyOptions{}, ErrUnknownSchema},
+		{"unknown field", resign(t, extraField), VerifyOptions{}, ErrMalformed},
+		{"replay", good, VerifyOptions{MinGeneration: 11}, ErrStaleGeneration},
+		{"boot id", good, VerifyOptions{BootID: "00000000-0000-0000-0000-000000000000"}, ErrBootIDMismatch},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			seed := byte(1)
+			if c.name == "wrong key" || c.name == "keyid cleared, other key" {
+				seed = 2
+			}
+			_, err := Verify(c.env, testVerifier(t, seed), c.opts)
+			if !errors.Is(err, c.want) {
+				t.Fatalf("err = %v, want %v", err, c.want)
+			}
+			var ve *VerifyError
+			if !errors.As(err, &ve) || !strings.HasPrefix(err.Error(), "manifest: ") {
+				t.Errorf("err %v is not a *VerifyError", err)
+			}
+		})
+	}
+	// The same envelope passes when the expectations are met, so the failures above come
+	// from the cases, not from the envelope.
+	if _, err := Verify(good, testVerifier(t, 1), VerifyOptions{MinGeneration: 10, BootID: testBootID}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestVerifyTwoSignatures(t *testing.T) {
+	// An envelope signed by another key and by ours verifies with ours.
+	signed, err := Sign(context.Background(), b300Manifest(1), testSigner(t, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, _ := Sign(context.Background(), b300Manifest(1), testSigner(t, 3))
+	var o Envelope
+	json.Unmarshal(other.Envelope, &o)
+	env := editEnvelope(t, signed.Envelope, func(e *Envelope) {
+		e.Signatures = append(o.Signatures, e.Signatures...)
+	})
+	if _, err := Verify(env, testVerifier(t, 1), VerifyOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Verify(env, testVerifier(t, 2), VerifyOptions{}); !errors.Is(err, ErrWrongKey) {
+		t.Fatalf("err = %v, want wrong key", err)
+	}
+}
+
+// Flipping any bit of a valid envelope either breaks verification or leaves the same
+// signed payload: no single-bit change produces a different accepted manifest. A
+// one-unit manifest keeps the exhaustive walk short.
+func TestVerifyBitFlips(t *testing.T) {
+	m := b300Manifest(5)
+	m.Units = m.Units[:1]
+	m.GuestPlan = nil
+	signed, err := Sign(context.Background(), m, testSigner(t, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := testVerifier(t, 1)
+	accepted := 0
+	for i := 0; i < len(signed.Envelope); i++ {
+		for _, bit := range []byte{0x01, 0x20} {
+			env := append([]byte(nil), signed.Envelope...)
+			env[i] ^= bit
+			got, err := Verify(env, v, VerifyOptions{})
+			if err != nil {
+				var ve *VerifyError
+				if !errors.As(err, &ve) {
+					t.Fatalf("byte %d: %v is not a *VerifyError", i, err)
+				}
+				continue
+			}
+			accepted++
+			if !bytes.Equal(got.Payload, signed.Payload) {
+				t.Fatalf("byte %d bit %#x: accepted a different payload", i, bit)
+			}
+		}
+	}
+	// Flips in whitespace and in the unsigned hint are harmless; most flips are not.
+	if accepted == 0 || accepted > len(signed.Envelope) {
+		t.Errorf("%d of %d flipped envelopes accepted", accepted, 2*len(signed.Envelope))
+	}
+}
+
+func TestKeygenAndLoad(t *testing.T) {
+	dir := t.TempDir()
+	priv, pub, err := GenerateKey(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode().Perm() != 0o600 {
+		t.Errorf("%s mode %v, want 0600", priv, st.Mode().Perm())
+	}
+	s, err := LoadSigner(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := LoadVerifier(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signed, err := Sign(context.Background(), b300Manifest(1), s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Verify(signed.Envelope, v, VerifyOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := GenerateKey(dir); err == nil || !strings.Contains(err.Error(), "already exists") {
+		t.Errorf("second keygen: err = %v, want already exists", err)
+	}
+	// A public key where a private key belongs, and garbage, are named errors.
+	if _, err := LoadSigner(pub); err == nil || !strings.Contains(err.Error(), pub) {
+		t.Errorf("LoadSigner(pub): %v", err)
+	}
+	junk := filepath.Join(dir, "junk.pub")
+	os.WriteFile(junk, []byte("not a key"), 0o644)
+	if _, err := LoadVerifier(junk); err == nil || !strings.Contains(err.Error(), junk) {
+		t.Errorf("LoadVerifier(junk): %v", err)
+	}
+}
+
+func TestWriteAtomic(t *testing.T) {
+	dir := t.TempDir()
+	for _, content := range []string{"first", "second, longer"} {
+		if err := WriteAtomic(dir, "m.json", []byte(content)); err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(filepath.Join(dir, "m.json"))
+		if err != nil || string(got) != content {
+			t.Fatalf("read %q, %v; want %q", got, err, content)
+		}
+	}
+	ents, _ := os.ReadDir(dir)
+	if len(ents) != 1 {
+		t.Errorf("dir holds %d entries, want only m.json", len(ents))
+	}
+	for _, bad := range []string{"", "../x", "a/b"} {
+		if err := WriteAtomic(dir, bad, nil); err == nil {
+			t.Errorf("WriteAtomic(%q) succeeded", bad)
+		}
+	}
+	if err := WriteAtomic(filepath.Join(dir, "missing"), "m.json", nil); err == nil || !strings.Contains(err.Error(), "missing") {
+		t.Errorf("missing dir: %v", err)
+	}
+}
+
+type failingCounter struct{}
+
+func (failingCounter) Next() (uint64, error)    { return 0, errors.New("NV index not defined") }
+func (failingCounter) Source() GenerationSource { return GenerationTPMNV }
+
+func TestGeneration(t *testing.T) {
+	dir := t.TempDir()
+	fc := FileCounter{Path: filepath.Join(dir, "generation")}
+	var last uint64
+	for i := 0; i < 3; i++ {
+		n, src, err := NextGeneration(failingCounter{}, fc)
+		if err != nil || src != GenerationFile || n != last+1 {
+			t.Fatalf("next = %d %q %v, want %d from file", n, src, err, last+1)
+		}
+		last = n
+	}
+	n, src, err := NextGeneration(failingCounter{})
+	if n != 0 || src != GenerationNone || err == nil || !strings.Contains(err.Error(), "NV index") {
+		t.Errorf("no counter: %d %q %v", n, src, err)
+	}
+	if n, src, err := NextGeneration(); n != 0 || src != GenerationNone || err != nil {
+		t.Errorf("no counters at all: %d %q %v", n, src, err)
+	}
+	os.WriteFile(fc.Path, []byte("seven\n"), 0o644)
+	if _, err := fc.Next(); err == nil || !strings.Contains(err.Error(), fc.Path) {
+		t.Errorf("corrupt counter: %v", err)
+	}
+}

@@ -1,0 +1,153 @@
+// Package manifest is the signed record the hypervisor trusts: what passage found and did
+// on one boot of one node. It owns the schema (versioned, documented in SCHEMA.md), the
+// canonical encoding and its digest, DSSE signing and verification, the atomic write, the
+// generation counter and the measurement event log. It does not scan or bind: the boot
+// stages fill the plain data types below.
+//
+// The schema is deliberately plain Go data (strings, numbers, slices) so this package
+// depends on no other package of the project; the stages convert their own types into it.
+package manifest
+
+import (
+	"encoding/json"
+	"time"
+)
+
+// SchemaVersion is the version this package writes and the only one Verify accepts.
+// Any change to the payload's fields, their meaning or their encoding bumps it.
+const SchemaVersion = 1
+
+// PayloadType is the DSSE payloadType of a passage manifest.
+const PayloadType = "application/vnd.passage.manifest+json"
+
+// GenerationSource says where Manifest.Generation came from.
+type GenerationSource string
+
+const (
+	// GenerationTPMNV: a TPM NV counter index (TPM_NT_COUNTER), monotonic in hardware.
+	GenerationTPMNV GenerationSource = "tpm-nv"
+	// GenerationFile: a counter file on persistent storage.
+	GenerationFile GenerationSource = "file"
+	// GenerationNone: no persistent counter was available; Generation is 0 and a
+	// verifier cannot use it to reject replays.
+	GenerationNone GenerationSource = "none"
+)
+
+// Unit and stage statuses.
+const (
+	StatusReady    = "ready"
+	StatusDegraded = "degraded"
+	StatusFailed   = "failed"
+)
+
+// Manifest is the payload of the DSSE envelope. Field order is the JSON key order: it is
+// part of the schema, so do not reorder fields without bumping SchemaVersion.
+type Manifest struct {
+	SchemaVersion    int              `json:"schema_version"`
+	Node             Node             `json:"node"`
+	BootID           string           `json:"boot_id"` // /proc/sys/kernel/random/boot_id
+	Generation       uint64           `json:"generation"`
+	GenerationSource GenerationSource `json:"generation_source"`
+	Time             time.Time        `json:"time"`           // UTC, RFC 3339 with nanoseconds
+	KernelRelease    string           `json:"kernel_release"` // /proc/sys/kernel/osrelease
+	KernelCmdline    string           `json:"kernel_cmdline"` // /proc/cmdline
+	Profile          Profile          `json:"profile"`
+	Units            []Unit           `json:"units"`
+	GuestPlan        *GuestPlan       `json:"guest_plan,omitempty"`
+	Stages           []StageResult    `json:"stages"`
+	Errors           []string         `json:"errors"`
+}
+
+// Node identifies the machine. DMI fields are empty when the firmware does not expose them
+// (or, for product_serial, when the file is root-only and unreadable).
+type Node struct {
+	Hostname  string `json:"hostname"`
+	DMISerial string `json:"dmi_serial"` // /sys/class/dmi/id/product_serial
+	DMIUUID   string `json:"dmi_uuid"`   // /sys/class/dmi/id/product_uuid
+	BoardName string `json:"board_name"` // /sys/class/dmi/id/board_name
+	Vendor    string `json:"vendor"`     // /sys/class/dmi/id/sys_vendor
+	Product   string `json:"product"`    // /sys/class/dmi/id/product_name
+}
+
+// Profile names the role rules the node was labelled with and the sha256 of their bytes,
+// so the hypervisor can tell two nodes labelled by different rules apart.
+type Profile struct {
+	Name   string `json:"name"`
+	Digest string `json:"digest"` // "sha256:<hex>"
+}
+
+// Unit is one GPU with the devices that travel with it into a guest.
+type Unit struct {
+	ID          string      `json:"id"`
+	Status      string      `json:"status"` // StatusReady, StatusDegraded or StatusFailed
+	Reasons     []string    `json:"reasons"`
+	NUMANode    int         `json:"numa_node"` // -1 when the platform does not say
+	Functions   []Function  `json:"functions"`
+	ACSChanges  []ACSChange `json:"acs_changes"`
+	ATSFindings []Finding   `json:"ats_findings"`
+}
+
+// Function is one PCIe function of a unit. IDs are lower-case hex with a 0x prefix, as in
+// the sysfs files they come from ("0x10de"); Class is the 24-bit class code ("0x030200").
+type Function struct {
+	BDF             string `json:"bdf"` // "0000:f2:00.0"
+	Vendor          string `json:"vendor"`
+	Device          string `json:"device"`
+	SubsystemVendor string `json:"subsystem_vendor"`
+	SubsystemDevice string `json:"subsystem_device"`
+	Class           string `json:"class"`
+	Role            string `json:"role"`
+	IOMMUGroup      int    `json:"iommu_group"` // -1 when the function has no group
+	NUMANode        int    `json:"numa_node"`
+	DriverBefore    string `json:"driver_before"`
+	DriverAfter     string `json:"driver_after"`
+	Link            Link   `json:"link"`
+}
+
+// Link is the function's PCIe link as LnkCap/LnkSta report it; speeds in lspci's words
+// ("64GT/s"), widths as lane counts.
+type Link struct {
+	Speed    string `json:"speed"`
+	Width    int    `json:"width"`
+	MaxSpeed string `json:"max_speed"`
+	MaxWidth int    `json:"max_width"`
+}
+
+// ACSChange is one bridge's ACS Control register: what it held, what the plan wanted,
+// what was read back after the write. Values use lspci's ACSCtl notation
+// ("SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans+").
+type ACSChange struct {
+	Port   string `json:"port"` // bridge BDF
+	Before string `json:"before"`
+	Target string `json:"target"`
+	After  string `json:"after"`
+	Result string `json:"result"` // "applied", "unchanged", "mismatch", "failed: ..."
+}
+
+// Finding is one observation of a check (ATS on a ConnectX-8 function, a stage's note).
+type Finding struct {
+	Object   string `json:"object"` // what it concerns: a BDF, a unit, a file
+	Severity string `json:"severity"`
+	Message  string `json:"message"`
+}
+
+// GuestPlan is the guest topology the hypervisor should build, with the GPU/NIC distance
+// matrices (PIX, PXB, PHB, NODE, SYS, NV18) it should observe on the host and in the
+// guest. Plan carries the topology package's own plan document unchanged, so the
+// manifest schema does not have to follow every change of the plan's shape.
+type GuestPlan struct {
+	Plan          json.RawMessage `json:"plan,omitempty"`
+	MatrixLabels  []string        `json:"matrix_labels"`
+	HostMatrix    [][]string      `json:"host_matrix"`
+	ExpectedGuest [][]string      `json:"expected_guest_matrix"`
+}
+
+// StageResult is one boot stage's outcome. Duration is in nanoseconds, as Go encodes a
+// time.Duration.
+type StageResult struct {
+	Name     string        `json:"name"`
+	Status   string        `json:"status"`
+	Duration time.Duration `json:"duration_ns"`
+	Findings []Finding     `json:"findings"`
+	Changes  []string      `json:"changes"`
+}

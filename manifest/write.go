@@ -1,0 +1,62 @@
+package manifest
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+)
+
+// WriteAtomic replaces dir/name with data so that a crash at any point leaves either the
+// previous file or the new one, never a torn mix: the bytes go to a temporary file in the
+// same directory (rename is only atomic within one file system), are fsynced, renamed over
+// the target, and the directory is fsynced so the rename itself survives a power cut.
+// A crash before the rename can leave a ".name.tmp*" file behind; it is never read.
+func WriteAtomic(dir, name string, data []byte) error {
+	return writeAtomic(dir, name, data, 0o644)
+}
+
+func writeAtomic(dir, name string, data []byte, perm os.FileMode) (err error) {
+	target := filepath.Join(dir, name)
+	if name == "" || filepath.Base(name) != name {
+		return fmt.Errorf("write %s: name must be a plain file name", target)
+	}
+	f, err := os.CreateTemp(dir, "."+name+".tmp*")
+	if err != nil {
+		return fmt.Errorf("write %s: %w", target, err)
+	}
+	tmp := f.Name()
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(tmp)
+		}
+	}()
+	if err = f.Chmod(perm); err != nil {
+		return fmt.Errorf("write %s: chmod temp: %w", target, err)
+	}
+	if _, err = f.Write(data); err != nil {
+		return fmt.Errorf("write %s: %w", target, err)
+	}
+	if err = f.Sync(); err != nil {
+		return fmt.Errorf("write %s: fsync temp: %w", target, err)
+	}
+	if err = f.Close(); err != nil {
+		return fmt.Errorf("write %s: close temp: %w", target, err)
+	}
+	if err = os.Rename(tmp, target); err != nil {
+		return fmt.Errorf("write %s: rename: %w", target, err)
+	}
+	return syncDir(dir)
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("fsync dir %s: %w", dir, err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("fsync dir %s: %w", dir, err)
+	}
+	return nil
+}
