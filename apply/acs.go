@@ -1,0 +1,373 @@
+// Package apply executes the ACS plan: for each planned port it reads ACS Control,
+// computes (ctl &^ mask) | flags, writes the 16-bit register through pci.WriteRegister
+// (which reads it back), and records before, target and after. A failure on one port
+// lowers its unit's status and never stops the other units; no failure leaves a port
+// with SV, RR, CR or UF cleared.
+package apply
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"sort"
+	"syscall"
+	"time"
+
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+)
+
+// Result is what happened to one port.
+type Result string
+
+const (
+	ResultWritten    Result = "written"
+	ResultAlreadySet Result = "already set"
+	ResultVerified   Result = "verified" // the kernel applied pci=config_acs= from the command line
+	ResultDryRun     Result = "would write"
+	ResultNoACS      Result = "no ACS capability"
+	ResultLockedDown Result = "locked down"
+	ResultFailed     Result = "failed"
+)
+
+// Change is the record of one port, for the console and the manifest.
+type Change struct {
+	Addr     pci.Address `json:"bdf"`
+	Unit     int         `json:"unit"`
+	Position string      `json:"position"`
+	Offset   int         `json:"offset"` // config offset of ACS Control
+	Mask     pci.ACSBits `json:"mask"`
+	Flags    pci.ACSBits `json:"flags"`
+	Before   pci.ACSBits `json:"before"`
+	Target   pci.ACSBits `json:"target"`
+	After    pci.ACSBits `json:"after"`
+	Result   Result      `json:"result"`
+	Attempts int         `json:"attempts,omitempty"` // writes tried
+	Error    string      `json:"error,omitempty"`
+	Note     string      `json:"note,omitempty"`
+}
+
+func (c Change) String() string {
+	s := fmt.Sprintf("acs %s unit %d %s: ACSCtl 0x%04x -> 0x%04x, reads 0x%04x: %s", c.Addr, c.Unit, c.Position,
+		uint16(c.Before), uint16(c.Target), uint16(c.After), c.Result)
+	if c.Error != "" {
+		s += ": " + c.Error
+	}
+	if c.Note != "" {
+		s += " (" + c.Note + ")"
+	}
+	return s
+}
+
+// Report is the outcome of one ACS run.
+type Report struct {
+	Changes []Change `json:"changes"`
+	// ConfigACS is the whole plan as a kernel argument, for an operator who wants it
+	// persistent.
+	ConfigACS string `json:"config_acs,omitempty"`
+	// Advice says what an operator must do about failures (lockdown).
+	Advice []string `json:"advice,omitempty"`
+}
+
+// Failed says whether any port failed or was refused.
+func (r Report) Failed() bool {
+	for _, c := range r.Changes {
+		if c.Result == ResultFailed || c.Result == ResultLockedDown {
+			return true
+		}
+	}
+	return false
+}
+
+// Writes counts the ports written.
+func (r Report) Writes() int {
+	n := 0
+	for _, c := range r.Changes {
+		if c.Result == ResultWritten {
+			n++
+		}
+	}
+	return n
+}
+
+// Options tune a run. IO is required.
+type Options struct {
+	IO pci.ConfigIO
+	// Cmdline is the kernel command line. A port it already configures with the same
+	// pci=config_acs= setting is verified, not written.
+	Cmdline string
+	// KernelRelease ("6.1.0-57-amd64") goes into the lockdown advice.
+	KernelRelease string
+	DryRun        bool
+	// Retries bounds the retries of a port whose access fails with EIO or EBUSY (0 means
+	// DefaultRetries; negative means none). The wait doubles from Backoff each time.
+	Retries int
+	Backoff time.Duration
+	// Sleep waits between retries; nil means a timer that also stops on ctx.
+	Sleep func(ctx context.Context, d time.Duration) error
+}
+
+// Defaults for Options.
+const (
+	DefaultRetries = 4
+	DefaultBackoff = 5 * time.Millisecond
+)
+
+type executor struct {
+	opt     Options
+	ctx     context.Context
+	cmdline map[pci.Address]acsSetting
+	units   map[int]*topology.Unit
+}
+
+// ACS executes the plan. Each port's unit (looked up by ID in units; ports of unknown
+// units are recorded only) is degraded or failed when its port cannot be brought to the
+// target: degraded when config writes are locked down and the port already isolates (it
+// only misses DT), failed otherwise.
+func ACS(ctx context.Context, ports []topology.ACSPort, units []*topology.Unit, opt Options) (Report, error) {
+	if opt.IO == nil {
+		return Report{}, errors.New("acs apply: no config space access")
+	}
+	switch {
+	case opt.Retries == 0:
+		opt.Retries = DefaultRetries
+	case opt.Retries < 0:
+		opt.Retries = 0
+	}
+	if opt.Backoff <= 0 {
+		opt.Backoff = DefaultBackoff
+	}
+	if opt.Sleep == nil {
+		opt.Sleep = sleepCtx
+	}
+	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), units: map[int]*topology.Unit{}}
+	for _, u := range units {
+		if u != nil {
+			x.units[u.ID] = u
+		}
+	}
+	rep := Report{ConfigACS: ConfigACS(ports)}
+	var locked []topology.ACSPort
+	lockedByUnit := map[int][]Change{}
+	for _, p := range ports {
+		c := x.port(p)
+		rep.Changes = append(rep.Changes, c)
+		if c.Result == ResultLockedDown {
+			locked = append(locked, p)
+			lockedByUnit[p.Unit] = append(lockedByUnit[p.Unit], c)
+		}
+	}
+	// Lockdown refuses every write, so its advice is given once per unit (with that
+	// unit's argument) and once for the run.
+	ids := make([]int, 0, len(lockedByUnit))
+	for id := range lockedByUnit {
+		ids = append(ids, id)
+	}
+	sort.Ints(ids)
+	for _, id := range ids {
+		cs := lockedByUnit[id]
+		u := x.units[id]
+		if u == nil {
+			continue
+		}
+		status := topology.StatusDegraded
+		var ps []topology.ACSPort
+		for _, c := range cs {
+			if !c.isolated() {
+				status = topology.StatusFailed
+			}
+			ps = append(ps, topology.ACSPort{Addr: c.Addr, Offset: c.Offset - pci.ACSCtlReg, Mask: c.Mask, Flags: c.Flags})
+		}
+		u.Degrade(status, "acs: %s", lockdownAdvice(ConfigACS(ps), opt.KernelRelease))
+	}
+	if len(locked) > 0 {
+		rep.Advice = append(rep.Advice, lockdownAdvice(ConfigACS(locked), opt.KernelRelease))
+	}
+	return rep, nil
+}
+
+// isolated says whether the port, as last read, holds every isolation bit the plan
+// wants: then a refused write costs DT only, not safety.
+func (c Change) isolated() bool {
+	want := c.Flags & pci.ACSIsolation
+	return c.After&want == want
+}
+
+func (x *executor) fail(c *Change, format string, args ...any) {
+	c.Result = ResultFailed
+	c.Error = fmt.Sprintf(format, args...)
+	if u := x.units[c.Unit]; u != nil {
+		u.Degrade(topology.StatusFailed, "acs %s (%s): %s", c.Addr, c.Position, c.Error)
+	}
+}
+
+func (x *executor) port(p topology.ACSPort) Change {
+	c := Change{Addr: p.Addr, Unit: p.Unit, Position: p.Position, Mask: p.Mask, Flags: p.Flags}
+	if p.Offset == 0 {
+		c.Result = ResultNoACS
+		c.Note = p.Reason
+		return c
+	}
+	c.Offset = p.CtlOffset()
+	if p.Offset < pci.ConventionalSize || c.Offset+2 > pci.ExtendedSize {
+		x.fail(&c, "plan names ACS at 0x%03x, outside extended config space", p.Offset)
+		return c
+	}
+	cur, attempts, err := x.read(p.Addr, c.Offset)
+	if err != nil {
+		x.failAccess(&c, "read ACSCtl", attempts, err)
+		return c
+	}
+	p.Current = cur
+	c.Before, c.Target, c.After = cur, p.Target(), cur
+
+	set, inCmdline := x.cmdline[p.Addr]
+	inCmdline = inCmdline && set.Mask == p.Mask|p.Flags && set.Flags == p.Flags
+	switch {
+	case cur == c.Target && inCmdline:
+		c.Result = ResultVerified
+		return c
+	case cur == c.Target:
+		c.Result = ResultAlreadySet
+		return c
+	case inCmdline:
+		// The kernel was asked to apply this and did not (a kernel before 6.11 ignores
+		// the argument): write it now rather than leave the unit without it.
+		c.Note = fmt.Sprintf("kernel did not apply pci=config_acs=%s", set.Entry)
+	}
+	if x.opt.DryRun {
+		c.Result = ResultDryRun
+		return c
+	}
+	x.write(&c, p)
+	return c
+}
+
+// read reads ACS Control, retrying transient errors. All-ones is what a function that
+// left the bus returns for every register.
+func (x *executor) read(a pci.Address, off int) (pci.ACSBits, int, error) {
+	var v uint32
+	attempts, err := x.retry(func() error {
+		var err error
+		v, err = pci.ReadRegister(x.opt.IO, a, off, 2)
+		return err
+	})
+	if err == nil && v == 0xffff {
+		err = errAllOnes
+	}
+	return pci.ACSBits(v), attempts, err
+}
+
+var errAllOnes = fmt.Errorf("config space reads all ones: %w", syscall.ENODEV)
+
+func (x *executor) write(c *Change, p topology.ACSPort) {
+	var w pci.Write
+	attempts, err := x.retry(func() error {
+		var err error
+		w, err = pci.WriteRegister(x.opt.IO, p.Addr, c.Offset, 2, uint32(c.Target))
+		return err
+	})
+	c.Attempts = attempts
+	switch {
+	case err == nil:
+		c.After = pci.ACSBits(w.After)
+		c.Result = ResultWritten
+		return
+	case errors.Is(err, syscall.EPERM):
+		// Kernel lockdown (integrity) refuses config writes from user space
+		// (pci_write_config in drivers/pci/pci-sysfs.c checks security_locked_down).
+		c.Result = ResultLockedDown
+		c.Error = fmt.Sprintf("write ACSCtl: %v", err)
+	case errors.Is(err, pci.ErrReadBack):
+		c.After = pci.ACSBits(w.After)
+		x.fail(c, "wrote 0x%04x, reads back 0x%04x", uint16(c.Target), uint16(w.After))
+	default:
+		x.failAccess(c, "write ACSCtl", attempts, err)
+	}
+	x.secure(c)
+}
+
+func (x *executor) failAccess(c *Change, what string, attempts int, err error) {
+	switch {
+	case isVanished(err):
+		x.fail(c, "device vanished: %s: %v", what, err)
+	case isTransient(err) && attempts > 1:
+		x.fail(c, "%s: %v (after %d attempts)", what, err, attempts)
+	default:
+		x.fail(c, "%s: %v", what, err)
+	}
+}
+
+// secure runs after a write that did not succeed, when part of it may have landed (a
+// retried EIO, a register that took some bits): it re-reads the port and puts back any
+// isolation bit that was set before or is planned, so a failure never opens peer-to-peer
+// paths the IOMMU cannot see.
+func (x *executor) secure(c *Change) {
+	cur, _, err := x.read(c.Addr, c.Offset)
+	if err != nil {
+		if c.Result != ResultFailed || !isVanished(err) {
+			c.Note = joinNote(c.Note, fmt.Sprintf("could not re-read after the failure: %v", err))
+		}
+		return
+	}
+	c.After = cur
+	need := (c.Before | c.Target) & pci.ACSIsolation
+	if cur&need == need {
+		return
+	}
+	restore := cur | need
+	w, err := pci.WriteRegister(x.opt.IO, c.Addr, c.Offset, 2, uint32(restore))
+	if err == nil || errors.Is(err, pci.ErrReadBack) {
+		c.After = pci.ACSBits(w.After)
+	}
+	if err != nil || c.After&need != need {
+		c.Note = joinNote(c.Note, fmt.Sprintf("isolation bits %s clear after the failure; restoring 0x%04x failed: %v", need&^c.After, uint16(restore), err))
+		return
+	}
+	c.Note = joinNote(c.Note, fmt.Sprintf("restored isolation bits: 0x%04x", uint16(c.After)))
+}
+
+func joinNote(a, b string) string {
+	if a == "" {
+		return b
+	}
+	return a + "; " + b
+}
+
+// retry runs f until it succeeds, fails with something other than EIO/EBUSY/EAGAIN, or
+// the retries are spent. It returns how many times f ran.
+func (x *executor) retry(f func() error) (int, error) {
+	wait := x.opt.Backoff
+	for n := 1; ; n++ {
+		err := f()
+		if err == nil || !isTransient(err) || n > x.opt.Retries {
+			return n, err
+		}
+		if serr := x.opt.Sleep(x.ctx, wait); serr != nil {
+			return n, fmt.Errorf("%w (retries stopped: %v)", err, serr)
+		}
+		wait *= 2
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+func isTransient(err error) bool {
+	return errors.Is(err, syscall.EIO) || errors.Is(err, syscall.EBUSY) || errors.Is(err, syscall.EAGAIN)
+}
+
+// isVanished covers a function removed from sysfs (ENOENT), a device that no longer
+// answers (ENODEV, ENXIO) and all-ones reads.
+func isVanished(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENODEV) || errors.Is(err, syscall.ENXIO)
+}
