@@ -113,6 +113,14 @@ func TestCheckATSReference(t *testing.T) {
 }
 
 func TestCheckATSMissing(t *testing.T) {
+	// One tree serves every policy: unit 3 lacks ATS on a PF, unit 5 on its data-direct
+	// function; units are built afresh for each policy.
+	s := pcitest.B300()
+	withDataDirect(t, s)
+	mustFind(t, s, "nic3.1").ATS = nil
+	mustFind(t, s, "dd5").ATS = nil
+	n, tr := scan(t, s)
+	missing := map[int]string{3: "nic3.1", 5: "dd5"}
 	for _, tc := range []struct {
 		policy Policy
 		want   topology.Status
@@ -121,43 +129,46 @@ func TestCheckATSMissing(t *testing.T) {
 		{PolicyRequire, topology.StatusFailed},
 		{"", topology.StatusDegraded},
 	} {
-		for _, missing := range []string{"nic3.1", "dd3"} {
-			t.Run(fmt.Sprintf("%s/%s", tc.policy, missing), func(t *testing.T) {
-				s := pcitest.B300()
-				withDataDirect(t, s)
-				mustFind(t, s, missing).ATS = nil
-				n, tr := scan(t, s)
-				us := units(t, n, tr, 8)
-				fs := CheckATS(us, tc.policy)
-				var bad []Finding
-				for _, f := range fs {
-					if f.Missing() {
-						bad = append(bad, f)
+		t.Run(string(tc.policy), func(t *testing.T) {
+			us := units(t, n, tr, 8)
+			fs := CheckATS(us, tc.policy)
+			bad := map[int]Finding{}
+			for _, f := range fs {
+				if f.Missing() {
+					if _, dup := bad[f.Unit]; dup {
+						t.Errorf("unit %d: second missing finding %s", f.Unit, f)
 					}
+					bad[f.Unit] = f
 				}
-				if len(bad) != 1 || bad[0].Addr != n.Addr(missing) || bad[0].Unit != 3 {
-					t.Fatalf("missing findings %v, want only %s", bad, missing)
+			}
+			if len(bad) != 2 {
+				t.Fatalf("missing findings %v, want units 3 and 5", bad)
+			}
+			for id, name := range missing {
+				f := bad[id]
+				if f.Addr != n.Addr(name) || !strings.Contains(f.String(), n.Addr(name).String()) || !strings.Contains(f.String(), "no ATS capability") {
+					t.Errorf("unit %d: finding %q does not name %s and what is missing", id, f, name)
 				}
-				if !strings.Contains(bad[0].String(), n.Addr(missing).String()) || !strings.Contains(bad[0].String(), "no ATS capability") {
-					t.Errorf("finding text %q does not name the function and what is missing", bad[0])
+				if len(us[id].Reasons) != 1 || !strings.Contains(us[id].Reasons[0], n.Addr(name).String()) {
+					t.Errorf("unit %d reasons %v", id, us[id].Reasons)
 				}
-				for _, u := range us {
-					want := topology.StatusReady
-					if u.ID == 3 {
-						want = tc.want
-					}
-					if u.Status != want {
-						t.Errorf("unit %d: status %s, want %s", u.ID, u.Status, want)
-					}
+			}
+			if bad[5].Role != string(topology.RoleDataDirect) || bad[5].IDs != "15b3:2100" || bad[3].Role != string(topology.RoleGPUNIC) {
+				t.Errorf("roles: %s, %s", bad[3], bad[5])
+			}
+			for _, u := range us {
+				want := topology.StatusReady
+				if _, ok := missing[u.ID]; ok {
+					want = tc.want
 				}
-				if len(us[3].Reasons) != 1 || !strings.Contains(us[3].Reasons[0], n.Addr(missing).String()) {
-					t.Errorf("unit 3 reasons %v", us[3].Reasons)
+				if u.Status != want {
+					t.Errorf("unit %d: status %s, want %s", u.ID, u.Status, want)
 				}
-				if got := NoDT(fs); len(got) != 1 || !got[3] {
-					t.Errorf("NoDT = %v, want unit 3", got)
-				}
-			})
-		}
+			}
+			if got := NoDT(fs); len(got) != 2 || !got[3] || !got[5] {
+				t.Errorf("NoDT = %v, want units 3 and 5", got)
+			}
+		})
 	}
 }
 
