@@ -147,7 +147,7 @@ func ACS(ctx context.Context, ports []topology.ACSPort, units []*topology.Unit, 
 			x.units[u.ID] = u
 		}
 	}
-	rep := Report{ConfigACS: ConfigACS(ports)}
+	rep := Report{ConfigACS: topology.KernelArg(ports)}
 	var locked []topology.ACSPort
 	lockedByUnit := map[int][]Change{}
 	for _, p := range ports {
@@ -179,10 +179,10 @@ func ACS(ctx context.Context, ports []topology.ACSPort, units []*topology.Unit, 
 			}
 			ps = append(ps, topology.ACSPort{Addr: c.Addr, Offset: c.Offset - pci.ACSCtlReg, Mask: c.Mask, Flags: c.Flags})
 		}
-		u.Degrade(status, "acs: %s", lockdownAdvice(ConfigACS(ps), opt.KernelRelease))
+		u.Degrade(status, "acs: %s", lockdownAdvice(topology.KernelArg(ps), opt.KernelRelease))
 	}
 	if len(locked) > 0 {
-		rep.Advice = append(rep.Advice, lockdownAdvice(ConfigACS(locked), opt.KernelRelease))
+		rep.Advice = append(rep.Advice, lockdownAdvice(topology.KernelArg(locked), opt.KernelRelease))
 	}
 	return rep, nil
 }
@@ -223,7 +223,8 @@ func (x *executor) port(p topology.ACSPort) Change {
 	c.Before, c.Target, c.After = cur, p.Target(), cur
 
 	set, inCmdline := x.cmdline[p.Addr]
-	inCmdline = inCmdline && set.Mask == p.Mask|p.Flags && set.Flags == p.Flags
+	// Compared as topology.KernelArg renders the port: what the mask covers.
+	inCmdline = inCmdline && set.Mask == p.Mask && set.Flags == p.Flags&p.Mask
 	switch {
 	case cur == c.Target && inCmdline:
 		c.Result = ResultVerified

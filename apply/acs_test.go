@@ -415,7 +415,7 @@ func TestApplyVanished(t *testing.T) {
 func TestApplyCmdline(t *testing.T) {
 	b := newB300(t, nil)
 	plan := b.plan(t)
-	arg := ConfigACS(plan)
+	arg := topology.KernelArg(plan)
 	cmdline := "BOOT_IMAGE=/vmlinuz root=/dev/sda1 ro " + arg + " intel_iommu=on"
 
 	// The kernel did not apply it (this tree still has DT off): written, with a note.

@@ -6,50 +6,11 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/pci"
-	"github.com/passage-boot/passage/topology"
 )
 
-// acsFlagBits is how many flag positions pci=config_acs= has (SV..DT, bits 0..6).
+// acsFlagBits is how many flag positions pci=config_acs= has (SV..DT, bits 0..6). The
+// argument itself is topology.KernelArg's.
 const acsFlagBits = 7
-
-// ConfigACS renders the kernel argument that makes the kernel apply the same plan at
-// boot (Linux 6.11+, Documentation/admin-guide/kernel-parameters.txt, pci=config_acs=):
-// one "<flags>@<bdf>" entry per port, entries joined by ';' because the pci= option list
-// itself is split on ','. Flags are written bit 6 (DT) first down to bit 0 (SV): '1'
-// force on, '0' force off, 'x' leave alone. Ports with nothing to set are left out;
-// with none left the result is "".
-func ConfigACS(ports []topology.ACSPort) string {
-	var entries []string
-	seen := map[pci.Address]bool{}
-	for _, p := range ports {
-		m := p.Mask | p.Flags
-		if m == 0 || p.Offset == 0 || seen[p.Addr] {
-			continue
-		}
-		seen[p.Addr] = true
-		entries = append(entries, acsEntry(m, p.Flags)+"@"+p.Addr.String())
-	}
-	if len(entries) == 0 {
-		return ""
-	}
-	return "pci=config_acs=" + strings.Join(entries, ";")
-}
-
-func acsEntry(mask, flags pci.ACSBits) string {
-	var b strings.Builder
-	for bit := acsFlagBits - 1; bit >= 0; bit-- {
-		v := pci.ACSBits(1) << bit
-		switch {
-		case mask&v == 0:
-			b.WriteByte('x')
-		case flags&v != 0:
-			b.WriteByte('1')
-		default:
-			b.WriteByte('0')
-		}
-	}
-	return b.String()
-}
 
 // acsSetting is one entry of a pci=config_acs= argument.
 type acsSetting struct {
