@@ -1,0 +1,259 @@
+package topology
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/passage-boot/passage/pci"
+)
+
+// Plan is everything topology decides for one node: labels and units, the ACS plan,
+// the host matrix, and the guest plan for the chosen units with its matrix.
+type Plan struct {
+	Labels      *Labels
+	ACS         []ACSPort
+	KernelArg   string
+	Host        *Matrix
+	Guest       *Guest
+	GuestMatrix *Matrix
+}
+
+// NewPlan labels the tree and plans ACS for every unit and the guest for the chosen
+// ones. A labelling error (conflicting rules, forbidden unlabeled functions) is returned
+// with the plan, which is complete as far as it goes; a guest that cannot be laid out
+// leaves Guest nil and is an error.
+func NewPlan(tree *pci.Tree, p *Profile, opt GuestOptions) (*Plan, error) {
+	l, lerr := Label(tree, p)
+	if l == nil {
+		return nil, lerr
+	}
+	pl := &Plan{Labels: l}
+	pl.ACS = ACSPlan(l.Units)
+	pl.KernelArg = KernelArg(pl.ACS)
+	pl.Host = HostMatrix(l.Units, p.NVLinks)
+	g, gerr := GuestPlan(l.Units, opt)
+	if gerr == nil {
+		pl.Guest = g
+		pl.GuestMatrix = g.Matrix(p.NVLinks)
+	}
+	if lerr != nil {
+		return pl, lerr
+	}
+	return pl, gerr
+}
+
+// UnitJSON is a unit as passage inspect --json and the manifest list it.
+type UnitJSON struct {
+	ID         int      `json:"id"`
+	GPU        string   `json:"gpu"`
+	NICs       []string `json:"nics"`
+	DataDirect []string `json:"data_direct"`
+	NVMe       []string `json:"nvme"`
+	NUMANode   int      `json:"numa_node"`
+	Status     Status   `json:"status"`
+	Reasons    []string `json:"reasons,omitempty"`
+	Bridges    []string `json:"bridges,omitempty"`
+}
+
+func addrs(ds []*pci.Device) []string {
+	out := []string{}
+	for _, d := range ds {
+		out = append(out, d.Addr.String())
+	}
+	return out
+}
+
+// JSON renders a unit for inspect --json and the manifest.
+func (u *Unit) JSON() UnitJSON {
+	return UnitJSON{ID: u.ID, GPU: u.GPU.Addr.String(), NICs: addrs(u.NICs), DataDirect: addrs(u.DataDirect),
+		NVMe: addrs(u.NVMe), NUMANode: u.NUMANode, Status: u.Status, Reasons: u.Reasons, Bridges: addrs(u.Bridges)}
+}
+
+// UnitsJSON is the top-level "units" list of passage inspect --json.
+func (l *Labels) UnitsJSON() []UnitJSON {
+	out := []UnitJSON{}
+	for _, u := range l.Units {
+		out = append(out, u.JSON())
+	}
+	return out
+}
+
+type functionJSON struct {
+	Addr   string `json:"addr"`
+	IDs    string `json:"ids"`
+	Class  string `json:"class"`
+	Role   Role   `json:"role"`
+	Rule   string `json:"rule,omitempty"`
+	Reason string `json:"reason,omitempty"`
+	Unit   *int   `json:"unit,omitempty"`
+}
+
+type acsJSON struct {
+	Addr     string `json:"addr"`
+	Unit     int    `json:"unit"`
+	Position string `json:"position"`
+	Cap      string `json:"cap"`
+	Current  string `json:"current"`
+	Target   string `json:"target"`
+	CtlFrom  string `json:"ctl_current"`
+	CtlTo    string `json:"ctl_target"`
+	Flags    string `json:"config_acs"`
+	Reason   string `json:"reason"`
+}
+
+type planJSON struct {
+	Profile     string         `json:"profile"`
+	Functions   []functionJSON `json:"functions"`
+	Units       []UnitJSON     `json:"units"`
+	Problems    []string       `json:"problems,omitempty"`
+	ACS         []acsJSON      `json:"acs"`
+	KernelArg   string         `json:"kernel_arg"`
+	Host        *Matrix        `json:"host_matrix"`
+	Guest       *Guest         `json:"guest,omitempty"`
+	GuestMatrix *Matrix        `json:"guest_matrix,omitempty"`
+}
+
+// WriteJSON writes the plan as one JSON document.
+func (pl *Plan) WriteJSON(w io.Writer) error {
+	l := pl.Labels
+	doc := planJSON{Profile: l.Profile.Name, Units: l.UnitsJSON(), Problems: l.Problems, KernelArg: pl.KernelArg,
+		Host: pl.Host, Guest: pl.Guest, GuestMatrix: pl.GuestMatrix, ACS: []acsJSON{}}
+	for _, d := range l.Tree.Devices {
+		fl := l.Of(d.Addr)
+		fj := functionJSON{Addr: d.Addr.String(), IDs: d.IDs(), Class: fmt.Sprintf("%06x", d.Class), Role: fl.Role, Rule: fl.Rule, Reason: fl.Reason}
+		if fl.Unit >= 0 {
+			u := fl.Unit
+			fj.Unit = &u
+		}
+		doc.Functions = append(doc.Functions, fj)
+	}
+	for _, p := range pl.ACS {
+		doc.ACS = append(doc.ACS, acsJSON{Addr: p.Addr.String(), Unit: p.Unit, Position: p.Position, Cap: p.Cap.String(),
+			Current: p.Current.String(), Target: p.Target().String(), CtlFrom: fmt.Sprintf("%#04x", uint16(p.Current)),
+			CtlTo: fmt.Sprintf("%#04x", uint16(p.Target())), Flags: ConfigACSFlags(p.Mask, p.Flags), Reason: p.Reason})
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(doc)
+}
+
+// WriteText writes the plan for a person: the tree with a role column (lspci -t's
+// nesting), the units, the ACS plan with its kernel argument, and the host and guest
+// matrices laid out like nvidia-smi topo -m.
+func (pl *Plan) WriteText(w io.Writer) error {
+	l := pl.Labels
+	var b strings.Builder
+	fmt.Fprintf(&b, "profile %s", l.Profile.Name)
+	if l.Profile.Description != "" {
+		fmt.Fprintf(&b, " (%s)", l.Profile.Description)
+	}
+	b.WriteString("\n\nfunctions\n")
+	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
+	var walk func(d *pci.Device, depth int)
+	walk = func(d *pci.Device, depth int) {
+		fl := l.Of(d.Addr)
+		unit := ""
+		if fl.Unit >= 0 {
+			unit = fmt.Sprintf("unit %d", fl.Unit)
+		}
+		note := fl.Rule
+		if fl.Reason != "" {
+			note = fl.Reason
+		}
+		fmt.Fprintf(tw, "%s%s\t%s\t%s\t%s\t%s\n", strings.Repeat("  ", depth), d.Addr, d.IDs(), fl.Role, unit, note)
+		for _, c := range d.Children {
+			walk(c, depth+1)
+		}
+	}
+	for _, r := range l.Tree.Roots {
+		walk(r, 0)
+	}
+	tw.Flush()
+
+	b.WriteString("\nunits\n")
+	tw = tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "unit\tnuma\tstatus\tgpu\tnics\tdata-direct\tnvme\treasons")
+	for _, u := range l.Units {
+		j := u.JSON()
+		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", u.ID, u.NUMANode, u.Status, j.GPU, dash(j.NICs), dash(j.DataDirect), dash(j.NVMe), strings.Join(u.Reasons, "; "))
+	}
+	tw.Flush()
+	for _, p := range l.Problems {
+		fmt.Fprintf(&b, "problem: %s\n", p)
+	}
+
+	b.WriteString("\nacs plan\n")
+	tw = tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "port\tunit\tposition\tACSCtl now\ttarget\tconfig_acs\treason")
+	for _, p := range pl.ACS {
+		now, target, flags := "-", "-", "-"
+		if p.Offset != 0 {
+			now = fmt.Sprintf("%#04x %s", uint16(p.Current), p.Current)
+			target = fmt.Sprintf("%#04x %s", uint16(p.Target()), p.Target())
+			flags = ConfigACSFlags(p.Mask, p.Flags)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", p.Addr, p.Unit, p.Position, now, target, flags, p.Reason)
+	}
+	tw.Flush()
+	if pl.KernelArg != "" {
+		fmt.Fprintf(&b, "kernel argument: %s\n", pl.KernelArg)
+	}
+
+	b.WriteString("\nhost matrix\n")
+	b.WriteString(pl.Host.Text())
+	if pl.Guest != nil {
+		var ids []string
+		for _, u := range pl.Guest.Units {
+			ids = append(ids, fmt.Sprint(u.Unit))
+		}
+		layout := "flat (every unit on pcie.0)"
+		if pl.Guest.NUMA {
+			layout = "one pxb-pcie per unit on its NUMA node"
+		}
+		fmt.Fprintf(&b, "\nguest matrix (units %s; %s)\n", strings.Join(ids, ","), layout)
+		b.WriteString(pl.GuestMatrix.Text())
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func dash(s []string) string {
+	if len(s) == 0 {
+		return "-"
+	}
+	return strings.Join(s, ",")
+}
+
+// pci.Address has no text form for encoding/json; these marshalers write "0000:f2:00.0".
+
+func (m *Matrix) MarshalJSON() ([]byte, error) {
+	type plain Matrix
+	var as []string
+	for _, a := range m.Addrs {
+		as = append(as, a.String())
+	}
+	return json.Marshal(struct {
+		*plain
+		Addrs []string `json:"addrs"`
+	}{(*plain)(m), as})
+}
+
+func (p GuestPort) MarshalJSON() ([]byte, error) {
+	type plain GuestPort
+	return json.Marshal(struct {
+		plain
+		Addr string `json:"addr"`
+	}{plain(p), p.Addr.String()})
+}
+
+func (f GuestFunction) MarshalJSON() ([]byte, error) {
+	type plain GuestFunction
+	return json.Marshal(struct {
+		plain
+		HostID string `json:"host"`
+		Addr   string `json:"addr"`
+	}{plain(f), f.HostID.String(), f.Addr.String()})
+}
