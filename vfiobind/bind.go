@@ -282,10 +282,11 @@ func bindFunction(ctx context.Context, sys Sysfs, st *fnState, opts Options) (fr
 	}
 	st.driver, fr.DriverBefore = before, before
 
-	st.wroteOvr = true
 	if err := write(sys, &fr, devPath(a, "driver_override"), VFIODriver); err != nil {
+		// A sysfs store that fails changes nothing: no override to restore.
 		return fr, fmt.Errorf("%s: write driver_override: %w", a, err)
 	}
+	st.wroteOvr = true
 	if before != VFIODriver {
 		if before != "" {
 			st.unbound = true

@@ -24,10 +24,11 @@ type Faults struct {
 	// UnbindBusy makes unbinding the function from a host driver fail with EBUSY (a
 	// driver holding the device).
 	UnbindBusy map[pci.Address]bool
-	// ProbeErr makes drivers_probe for the function fail with the error.
+	// ProbeErr makes drivers_probe for the function fail with the error while its
+	// override names vfio-pci (the host driver still probes, so rollback can work).
 	ProbeErr map[pci.Address]error
-	// ProbeNoBind makes drivers_probe report success and bind nothing: what the kernel
-	// does when the matched driver's probe fails.
+	// ProbeNoBind makes drivers_probe report success and bind nothing while the
+	// override names vfio-pci: what the kernel does when vfio_pci_probe fails.
 	ProbeNoBind map[pci.Address]bool
 	// ProbeHost makes drivers_probe bind the function's host driver despite the
 	// override (a driver that raced vfio-pci to it).
@@ -170,7 +171,7 @@ func (k *Kernel) WriteFile(name string, data []byte) error {
 		if err != nil || !k.exists(a) {
 			return pathErr("write", name, syscall.ENODEV)
 		}
-		if err := k.Faults.ProbeErr[a]; err != nil {
+		if err := k.Faults.ProbeErr[a]; err != nil && k.override(a) == vfio {
 			return pathErr("write", name, err)
 		}
 		return k.probe(a)
@@ -223,7 +224,7 @@ func (k *Kernel) probe(a pci.Address) error {
 	if drv == "" || k.Faults.ProbeHost[a] {
 		drv = k.natural[a]
 	}
-	if drv == "" || k.Faults.ProbeNoBind[a] {
+	if drv == "" || drv == vfio && k.Faults.ProbeNoBind[a] {
 		return nil
 	}
 	if _, err := os.Stat(k.abs(path.Join(driversDir, drv))); err != nil {
