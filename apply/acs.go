@@ -27,6 +27,7 @@ const (
 	ResultVerified   Result = "verified" // the kernel applied pci=config_acs= from the command line
 	ResultDryRun     Result = "would write"
 	ResultNoACS      Result = "no ACS capability"
+	ResultSkipped    Result = "skipped: unit failed"
 	ResultLockedDown Result = "locked down"
 	ResultFailed     Result = "failed"
 )
@@ -119,12 +120,14 @@ type executor struct {
 	ctx     context.Context
 	cmdline map[pci.Address]acsSetting
 	units   map[int]*topology.Unit
+	failed  map[int]bool // units failed before the run
 }
 
 // ACS executes the plan. Each port's unit (looked up by ID in units; ports of unknown
 // units are recorded only) is degraded or failed when its port cannot be brought to the
 // target: degraded when config writes are locked down and the port already isolates (it
-// only misses DT), failed otherwise.
+// only misses DT), failed otherwise. Ports of a unit already failed are not touched: it
+// will not be passed through, and a failed unit is left as it was found.
 func ACS(ctx context.Context, ports []topology.ACSPort, units []*topology.Unit, opt Options) (Report, error) {
 	if opt.IO == nil {
 		return Report{}, errors.New("acs apply: no config space access")
@@ -141,10 +144,11 @@ func ACS(ctx context.Context, ports []topology.ACSPort, units []*topology.Unit, 
 	if opt.Sleep == nil {
 		opt.Sleep = sleepCtx
 	}
-	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), units: map[int]*topology.Unit{}}
+	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), units: map[int]*topology.Unit{}, failed: map[int]bool{}}
 	for _, u := range units {
 		if u != nil {
 			x.units[u.ID] = u
+			x.failed[u.ID] = u.Status == topology.StatusFailed
 		}
 	}
 	rep := Report{ConfigACS: topology.KernelArg(ports)}
@@ -210,6 +214,10 @@ func (x *executor) port(p topology.ACSPort) Change {
 		return c
 	}
 	c.Offset = p.CtlOffset()
+	if x.failed[p.Unit] {
+		c.Result = ResultSkipped
+		return c
+	}
 	if p.Offset < pci.ConventionalSize || c.Offset+2 > pci.ExtendedSize {
 		x.fail(&c, "plan names ACS at 0x%03x, outside extended config space", p.Offset)
 		return c

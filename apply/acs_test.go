@@ -489,3 +489,23 @@ func TestApplyContextStopsRetries(t *testing.T) {
 		t.Errorf("%s", c)
 	}
 }
+
+func TestApplySkipsFailedUnit(t *testing.T) {
+	b := newB300(t, nil)
+	b.units[7].Degrade(topology.StatusFailed, "ats: required")
+	io := newFaultIO(b.node.Root)
+	rep := run(t, b, io, b.plan(t), Options{})
+	for _, c := range rep.Changes {
+		if (c.Unit == 7) != (c.Result == ResultSkipped) {
+			t.Errorf("%s", c)
+		}
+	}
+	if rep.Writes() != 7 || len(b.units[7].Reasons) != 1 {
+		t.Errorf("%d writes; unit 7 reasons %v", rep.Writes(), b.units[7].Reasons)
+	}
+	for _, w := range io.writes {
+		if w.addr == b.node.Addr("cx-dsp-nic7") {
+			t.Errorf("failed unit's port written")
+		}
+	}
+}
