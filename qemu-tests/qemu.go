@@ -23,6 +23,9 @@ type Options struct {
 	// Overlay files are appended to the initramfs as a second cpio archive (the kernel
 	// unpacks both, later files winning): test-only binaries or configuration.
 	Overlay []OverlayFile
+	// Key is an ed25519 private key file (manifest.GenerateKey) put into the image at
+	// /etc/passage/key, passage.key's default.
+	Key string
 
 	Topology Topology
 	// Devices, when set, replaces Topology's arguments (a rendered guest plan).
@@ -43,9 +46,12 @@ type Options struct {
 	Log     io.Writer     // gets the console live when set (go test -v)
 }
 
-// DefaultCmdline is the kernel command line every boot starts from.
+// DefaultCmdline is the kernel command line every boot starts from. no_timer_check:
+// under TCG on a busy host the IO-APIC timer check in setup_IO_APIC can miss its
+// window and, with interrupt remapping on, panics ("timer doesn't work through
+// Interrupt-remapped IO-APIC"); VMs skip that check for this reason.
 var DefaultCmdline = []string{
-	"console=ttyS0,115200", "intel_iommu=on", "panic=-1", "oops=panic",
+	"console=ttyS0,115200", "intel_iommu=on", "no_timer_check", "panic=-1", "oops=panic",
 	"passage.profile=qemu", "passage.handoff=poweroff", "passage.emit=console",
 }
 
@@ -112,9 +118,17 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	if err := os.MkdirAll(work, 0o755); err != nil {
 		return nil, err
 	}
-	if len(o.Overlay) > 0 {
+	overlay := o.Overlay
+	if o.Key != "" {
+		k, err := os.ReadFile(o.Key)
+		if err != nil {
+			return nil, fmt.Errorf("boot: key: %w", err)
+		}
+		overlay = append(append([]OverlayFile{}, overlay...), OverlayFile{Name: "etc/passage/key", Data: k, Mode: 0o600})
+	}
+	if len(overlay) > 0 {
 		ov := filepath.Join(work, "overlay.cpio")
-		if err := writeOverlay(ov, o.Overlay); err != nil {
+		if err := writeOverlay(ov, overlay); err != nil {
 			return nil, err
 		}
 		combined := filepath.Join(work, "initrd.img")

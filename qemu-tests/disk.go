@@ -1,0 +1,50 @@
+package qemutest
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+)
+
+// NewDisk creates a raw disk image of sizeMiB with an ext4 filesystem on the whole
+// device (no partition table): /dev/vda in the guest, so passage.out=/dev/vda:/passage.
+// mkfs.ext4 writes the image file directly; nothing is mounted on the host.
+func NewDisk(path string, sizeMiB int) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("disk %s: %w", path, err)
+	}
+	err = f.Truncate(int64(sizeMiB) << 20)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("disk %s: %w", path, err)
+	}
+	out, err := exec.Command("mkfs.ext4", "-q", "-F", "-L", "passage", path).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("disk %s: mkfs.ext4: %v: %s", path, err, out)
+	}
+	return nil
+}
+
+// ReadDiskFile reads one file from an ext4 disk image with debugfs (e2fsprogs), so a
+// test can check what the guest left on its disk without mounting it on the host.
+func ReadDiskFile(disk, path string) ([]byte, error) {
+	if strings.ContainsAny(path, "\"\n") {
+		return nil, fmt.Errorf("disk %s: bad path %q", disk, path)
+	}
+	var stdout, stderr bytes.Buffer
+	cmd := exec.Command("debugfs", "-R", fmt.Sprintf("cat \"%s\"", path), disk)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("disk %s: debugfs cat %s: %v: %s", disk, path, err, stderr.String())
+	}
+	// debugfs exits 0 for a missing file and says so on stderr.
+	if strings.Contains(stderr.String(), "File not found") {
+		return nil, fmt.Errorf("disk %s: %s: %w", disk, path, os.ErrNotExist)
+	}
+	return stdout.Bytes(), nil
+}
