@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs, from Debian's archive, the tools passage's build and tests use when they are
-# missing: pciutils (lspci, our decoding oracle), QEMU, swtpm. Nothing is installed when
+# missing: pciutils (lspci, our decoding oracle), QEMU, swtpm, e2fsprogs. Nothing is installed when
 # everything is already there.
 set -euo pipefail
 need=()
@@ -8,6 +8,8 @@ command -v lspci >/dev/null || need+=(pciutils)
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v swtpm >/dev/null || need+=(swtpm swtpm-tools)
 command -v cpio >/dev/null || need+=(cpio)
+# mkfs.ext4 and debugfs: the QEMU tests' disk (passage.out) is made and read without mounting.
+{ command -v mkfs.ext4 && command -v debugfs; } >/dev/null || need+=(e2fsprogs)
 if ((${#need[@]})); then
 	if [[ $(id -u) != 0 ]]; then
 		echo "deps: missing ${need[*]}; run as root or install them" >&2

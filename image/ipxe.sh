@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# ipxe.sh BUILD: writes BUILD/boot.ipxe, the iPXE script that PXE-boots a node into
+# passage: Debian's kernel (BUILD/kernel/vmlinuz) and BUILD/initramfs.cpio.gz, served
+# next to the script over HTTP(S) (iPXE fetches paths relative to the script's URL).
+# The kernel arguments are passage's (initramfs/doc.go has the full table); edit the
+# `set` lines or override them from the DHCP server's iPXE options.
+set -euo pipefail
+build=${1:?usage: ipxe.sh BUILD}
+[[ -s $build/initramfs.cpio.gz && -s $build/kernel/vmlinuz ]] ||
+	{ echo "ipxe: $build has no kernel/vmlinuz or initramfs.cpio.gz (run make initramfs)" >&2; exit 1; }
+release=$(cat "$build/kernel/release")
+cp "$build/kernel/vmlinuz" "$build/vmlinuz"
+initrd_sha=$(sha256sum "$build/initramfs.cpio.gz" | cut -d' ' -f1)
+kernel_sha=$(sha256sum "$build/vmlinuz" | cut -d' ' -f1)
+cat >"$build/boot.ipxe.tmp" <<IPXE
+#!ipxe
+# passage: early-boot provisioning stage for HGX B300 passthrough hosts.
+# kernel $release  sha256 $kernel_sha
+# initrd initramfs.cpio.gz  sha256 $initrd_sha
+#
+# Kernel arguments (unknown or malformed passage.* ones are recorded in the manifest and
+# the boot goes on with defaults):
+#   intel_iommu=on             the IOMMU that vfio needs (on by default in Debian's kernel; explicit here)
+#   console=ttyS0,115200       the serial console the BMC shows: passage's stage lines and unit table
+#   panic=-1                   reboot at once on a kernel panic instead of hanging the node
+#   passage.profile=b300       labelling profile: b300, b200, qemu, or an operator's
+#   passage.key=PATH           ed25519 signing key in the initramfs (default /etc/passage/key)
+#   passage.tpm=auto           sign with the TPM-resident key and extend a PCR when a TPM is there (on|off|auto)
+#   passage.ats=prefer         a CX-8 function without ATS degrades its unit; require fails it
+#   passage.net=auto           management NIC for DHCPv4 (IFACE|auto|off); passage.net_timeout=30s
+#   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish)
+#   passage.out=/run           or DEV:PATH on a block device, which also keeps the generation counter
+#   passage.handoff=switch_root   switch_root|poweroff|shell|hold once the manifest is written
+#   passage.root=DEV           the real root for switch_root; passage.rootfstype=FS, passage.init=/sbin/init
+#   passage.host_modules=e1000e,igb  host drivers for kept devices, loaded after vfio binding
+#   passage.emit=off           console: print /run/passage/* as base64 blocks (the QEMU tests' channel)
+#   passage.stage_timeout=60s  deadline of each stage; passage.log=/run/passage/log.jsonl
+# Do not set uroot.uinitargs=: u-root's init puts them before the image's "boot".
+
+set profile b300
+set handoff switch_root
+set root /dev/nvme0n1p2
+# passage_url may come from the DHCP server (option 175 / iPXE settings); none: no publish.
+set urlarg
+isset \${passage_url} && set urlarg passage.url=\${passage_url} ||
+
+kernel vmlinuz initrd=initramfs.cpio.gz console=ttyS0,115200 intel_iommu=on panic=-1 passage.profile=\${profile} passage.handoff=\${handoff} passage.root=\${root} \${urlarg}
+initrd initramfs.cpio.gz
+boot
+IPXE
+mv "$build/boot.ipxe.tmp" "$build/boot.ipxe"
+echo "ipxe: wrote $build/boot.ipxe (serve it with $build/vmlinuz and $build/initramfs.cpio.gz)"
