@@ -7,6 +7,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -234,6 +235,11 @@ func (s scanner) readDevice(a Address) (*Device, *Address, error) {
 	case err == nil:
 		d.Config = cfg
 		d.decodeConfig()
+		// An SR-IOV VF's Vendor and Device ID registers read 0xffff (SR-IOV 1.1 3.4.1.1);
+		// the kernel's files hold the IDs it took from the PF, as lspci shows them.
+		if d.VendorID == 0xffff && d.DeviceID == 0xffff {
+			s.readIDFiles(d, dir, "vendor", "device")
+		}
 	case errors.Is(err, fs.ErrNotExist):
 		if serr := s.statDir(dir); errors.Is(serr, fs.ErrNotExist) {
 			return nil, nil, fmt.Errorf("%s: vanished during scan", a)
@@ -282,8 +288,8 @@ func (s scanner) readDevice(a Address) (*Device, *Address, error) {
 }
 
 // readIDFiles is the fallback when config space cannot be read: the kernel's own text
-// files still name the function.
-func (s scanner) readIDFiles(d *Device, dir string) {
+// files still name the function. names limits it to some of them.
+func (s scanner) readIDFiles(d *Device, dir string, names ...string) {
 	for _, f := range []struct {
 		name string
 		set  func(uint64)
@@ -295,6 +301,9 @@ func (s scanner) readIDFiles(d *Device, dir string) {
 		{"class", func(v uint64) { d.Class = uint32(v) }},
 		{"revision", func(v uint64) { d.Revision = uint8(v) }},
 	} {
+		if len(names) > 0 && !slices.Contains(names, f.name) {
+			continue
+		}
 		txt, ok := s.readText(d, dir, f.name)
 		if !ok {
 			continue

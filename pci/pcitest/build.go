@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"syscall"
 	"testing"
 
 	"github.com/passage-boot/passage/pci"
@@ -98,12 +99,35 @@ func (n *Node) SysfsPath() string { return filepath.Join(n.Root, "sys", "bus", "
 // New builds spec under a test's temporary directory.
 func New(t testing.TB, spec Spec) *Node {
 	t.Helper()
-	n, err := Build(t.TempDir(), spec)
+	n, err := Build(tempDir(t), spec)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return n
 }
+
+// tempDir is a test's scratch directory, on tmpfs when the machine has one: a tree is
+// tens of thousands of small files (a 4096-function node is about 80k), which a loaded
+// disk file system creates a hundred times slower than memory does.
+func tempDir(t testing.TB) string {
+	t.Helper()
+	const shm = "/dev/shm"
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(shm, &st); err == nil && st.Type == tmpfsMagic {
+		if dir, err := os.MkdirTemp(shm, "pcitest-"); err == nil {
+			t.Cleanup(func() {
+				if err := os.RemoveAll(dir); err != nil {
+					t.Errorf("pcitest: cleanup: %v", err)
+				}
+			})
+			return dir
+		}
+	}
+	return t.TempDir()
+}
+
+// tmpfsMagic is TMPFS_MAGIC from linux/magic.h.
+const tmpfsMagic = 0x01021994
 
 type built struct {
 	fn       *Fn
@@ -113,6 +137,8 @@ type built struct {
 	numa     int
 	sec, sub uint8
 	multi    bool
+	vf       bool // an SR-IOV virtual function: its config space reads Vendor/Device 0xffff
+	vfOffset int  // a PF's First VF Offset
 	cfg      []byte
 }
 
@@ -161,11 +187,36 @@ func Build(root string, spec Spec) (*Node, error) {
 
 func isBridge(f *Fn) bool { return f.Class>>8 == 0x0604 }
 
-// place assigns bus numbers depth first, as firmware enumerates.
+// place assigns bus numbers depth first, as firmware enumerates. The VFs of the PFs on a
+// bus take the routing IDs after the bus's last function (First VF Offset past the other
+// PFs, stride 1, TotalVFs reserved per PF, as ConnectX lays them out), and the buses they
+// spill onto are reserved before any bridge on the bus gets its secondary bus.
 func place(domain uint16, bus uint8, fns []Fn, parent *built, dir string, numa int, next *int, all *[]*built) error {
 	slots := map[uint8]int{}
+	lastRID := 0
 	for i := range fns {
 		slots[fns[i].Dev]++
+		if rid := int(fns[i].Dev)<<3 | int(fns[i].Func); rid > lastRID {
+			lastRID = rid
+		}
+	}
+	vfStart := map[int]int{} // index into fns -> first VF routing ID
+	nextRID := lastRID + 1
+	for i := range fns {
+		if sr := fns[i].SRIOV; sr != nil {
+			if sr.Num > sr.Total {
+				return fmt.Errorf("pcitest: %d VFs of %d", sr.Num, sr.Total)
+			}
+			vfStart[i] = nextRID
+			nextRID += sr.Total
+		}
+	}
+	if nextRID > 1 {
+		if last := int(bus) + (nextRID-1)>>8; last > 255 {
+			return fmt.Errorf("pcitest: VFs on bus %02x run past bus 255", bus)
+		} else if last > *next {
+			*next = last
+		}
 	}
 	for i := range fns {
 		f := &fns[i]
@@ -193,25 +244,18 @@ func place(domain uint16, bus uint8, fns []Fn, parent *built, dir string, numa i
 			return fmt.Errorf("pcitest: %s has functions below but is not a bridge", b.addr)
 		}
 		if f.SRIOV != nil {
+			pfRID := int(f.Dev)<<3 | int(f.Func)
+			b.vfOffset = vfStart[i] - pfRID
 			for v := 0; v < f.SRIOV.Num; v++ {
-				// VFs follow the PF at First VF Offset 1, stride 1 (routing IDs), the
-				// layout ConnectX PFs use.
-				rid := int(b.addr.Device)<<3 | int(b.addr.Function) + 1 + v
-				vbus := int(bus) + rid>>8
-				if vbus > 255 {
-					return fmt.Errorf("pcitest: VFs of %s run past bus 255", b.addr)
-				}
+				rid := vfStart[i] + v
 				vf := &Fn{Vendor: f.Vendor, Device: f.SRIOV.VFDevice, SubVendor: f.SubVendor, SubDevice: f.SubDevice,
 					Class: f.Class, Port: pci.PortEndpoint, Link: f.Link, Driver: f.SRIOV.VFDriver}
 				if f.ATS != nil {
 					vf.ATS = &ATS{}
 				}
-				va := pci.Address{Domain: domain, Bus: uint8(vbus), Device: uint8(rid >> 3 & 31), Function: uint8(rid & 7)}
-				vb := &built{fn: vf, addr: va, parent: parent, numa: b.numa, dir: filepath.Join(dir, va.String())}
+				va := pci.Address{Domain: domain, Bus: uint8(int(bus) + rid>>8), Device: uint8(rid >> 3 & 31), Function: uint8(rid & 7)}
+				vb := &built{fn: vf, addr: va, parent: parent, numa: b.numa, dir: filepath.Join(dir, va.String()), vf: true}
 				*all = append(*all, vb)
-			}
-			if extra := (int(b.addr.Device)<<3 | int(b.addr.Function) + f.SRIOV.Num) >> 8; extra > 0 && int(bus)+extra > *next {
-				*next = int(bus) + extra
 			}
 		}
 	}
@@ -230,8 +274,14 @@ func configBytes(b *built) []byte {
 		size = pci.ConventionalSize
 	}
 	c := make([]byte, size)
-	le16(c, pci.ConfigVendorID, f.Vendor)
-	le16(c, pci.ConfigDeviceID, f.Device)
+	if b.vf {
+		// A VF's Vendor and Device ID registers read 0xffff (PCIe SR-IOV 1.1 3.4.1.1); the
+		// kernel's sysfs vendor/device files carry the real IDs.
+		le32(c, pci.ConfigVendorID, 0xffffffff)
+	} else {
+		le16(c, pci.ConfigVendorID, f.Vendor)
+		le16(c, pci.ConfigDeviceID, f.Device)
+	}
 	le16(c, pci.ConfigCommand, 0x0006) // memory space, bus master
 	le16(c, pci.ConfigStatus, pci.StatusCapList)
 	c[pci.ConfigRevision] = f.Rev
@@ -335,7 +385,7 @@ func configBytes(b *built) []byte {
 			le16(c, off+pci.SRIOVInitial, uint16(f.SRIOV.Total))
 			le16(c, off+pci.SRIOVTotal, uint16(f.SRIOV.Total))
 			le16(c, off+pci.SRIOVNum, uint16(f.SRIOV.Num))
-			le16(c, off+pci.SRIOVVFOffset, 1)
+			le16(c, off+pci.SRIOVVFOffset, uint16(b.vfOffset))
 			le16(c, off+pci.SRIOVVFStride, 1)
 			le16(c, off+pci.SRIOVVFDID, f.SRIOV.VFDevice)
 		}})

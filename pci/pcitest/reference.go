@@ -174,3 +174,22 @@ func B200() Spec {
 	}
 	return s
 }
+
+// SRIOVNode is a node of ConnectX-8 adapters with SR-IOV on: units root ports on host bus
+// 0, each above one CX-8 whose PF0 and PF1 carry vfs0 and vfs1 VFs. It has
+// units*(3+vfs0+vfs1) functions: SRIOVNode(8, 255, 254) has 4096.
+func SRIOVNode(units, vfs0, vfs1 int) Spec {
+	pf := func(i int, fn uint8, vfs int) Fn {
+		return Fn{Name: fmt.Sprintf("nic%d.%d", i, fn), Func: fn, Vendor: VendorMellanox, Device: DevCX8,
+			SubVendor: VendorMellanox, SubDevice: 0x0023, Class: ClassEthernet, Port: pci.PortEndpoint,
+			Link: gen6x16, ATS: &ATS{}, Driver: "mlx5_core",
+			SRIOV: &SRIOV{Total: vfs, Num: vfs, VFDevice: DevCX8VF, VFDriver: "mlx5_core"}}
+	}
+	var fns []Fn
+	for i := 0; i < units; i++ {
+		fns = append(fns, Fn{Name: fmt.Sprintf("rp%d", i), Dev: uint8(i + 1), Vendor: VendorIntel, Device: DevRootPort,
+			Class: ClassBridge, Port: pci.PortRootPort, Link: gen5x16, ACS: rootACS, Driver: "pcieport",
+			Below: []Fn{pf(i, 0, vfs0), pf(i, 1, vfs1)}})
+	}
+	return Spec{Hosts: []Host{{Bus: 0, NUMA: 0, Fns: fns}}}
+}
