@@ -1,11 +1,152 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
+	"strconv"
+	"strings"
+
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
 )
 
+// cmdUnbind returns a unit's functions (or the listed BDFs) to their host drivers for
+// maintenance: clear driver_override, unbind vfio-pci, drivers_probe. Whole IOMMU groups
+// only: handing one member of a group in use to a host driver breaks the guest's
+// isolation.
 func cmdUnbind(args []string, stdout, stderr io.Writer) int {
-	fmt.Fprintln(stderr, "passage: not implemented yet")
-	return 2
+	fs := flag.NewFlagSet("unbind", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	root := fs.String("root", "/", "root of the sysfs tree to read and write")
+	unit := fs.String("unit", "", "unit to return to its host drivers: N or gpuN (units as passage plan labels them)")
+	profile := fs.String("profile", "b300", "role profile that labels the units: a built-in name or a file")
+	bdfs := fs.String("bdf", "", "comma-separated functions to return instead of a unit (DDDD:BB:DD.F)")
+	asJSON := fs.Bool("json", false, "print the per-function report as JSON")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "passage unbind: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	if (*unit == "") == (*bdfs == "") {
+		fmt.Fprintln(stderr, "passage unbind: give exactly one of --unit or --bdf")
+		return 2
+	}
+	tree, err := pci.Scan(*root)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage unbind: %v\n", err)
+		return 2
+	}
+	var fns []*pci.Device
+	if *unit != "" {
+		fns, err = unbindUnitFunctions(tree, *unit, *profile, stderr)
+	} else {
+		fns, err = unbindBDFs(tree, *bdfs)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "passage unbind: %v\n", err)
+		return 2
+	}
+	if err := vfiobind.CheckWholeGroups(tree, fns); err != nil {
+		fmt.Fprintf(stderr, "passage unbind: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
+		return 2
+	}
+	reps, err := vfiobind.Release(context.Background(), vfiobind.Root(*root), fns, vfiobind.Options{})
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if jerr := enc.Encode(reps); jerr != nil {
+			fmt.Fprintf(stderr, "passage unbind: %v\n", jerr)
+			return 1
+		}
+	} else {
+		for _, r := range reps {
+			line := fmt.Sprintf("%s group %d: %s -> %s (%v)", r.Addr, r.Group, unbindDriverName(r.DriverBefore), unbindDriverName(r.DriverAfter), r.Duration.Round(1000))
+			if r.Err != "" {
+				line += ": " + r.Err
+			}
+			fmt.Fprintln(stdout, line)
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "passage unbind: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
+		return 1
+	}
+	return 0
+}
+
+func unbindDriverName(s string) string {
+	if s == "" {
+		return "(none)"
+	}
+	return s
+}
+
+// unbindUnitFunctions labels the tree as passage plan and passage boot do and returns the
+// unit's passthrough functions.
+func unbindUnitFunctions(tree *pci.Tree, unit, profile string, stderr io.Writer) ([]*pci.Device, error) {
+	id, err := strconv.Atoi(strings.TrimPrefix(unit, "gpu"))
+	if err != nil || id < 0 {
+		return nil, fmt.Errorf("--unit %q: want N or gpuN", unit)
+	}
+	p, err := topology.LoadProfile(profile)
+	if err != nil {
+		return nil, err
+	}
+	labels, err := topology.Label(tree, p)
+	if labels == nil {
+		return nil, err
+	}
+	if err != nil {
+		// A labelling problem elsewhere in the tree does not change which functions
+		// this unit holds; the whole-group check still guards what is released.
+		fmt.Fprintf(stderr, "passage unbind: warning: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
+	}
+	u := labels.Unit(id)
+	if u == nil {
+		var have []string
+		for _, o := range labels.Units {
+			have = append(have, strconv.Itoa(o.ID))
+		}
+		return nil, fmt.Errorf("--unit %s: no such unit under profile %s (have %s)", unit, profile, strings.Join(have, " "))
+	}
+	var fns []*pci.Device
+	for _, d := range u.Functions() {
+		if d != nil {
+			fns = append(fns, d)
+		}
+	}
+	return fns, nil
+}
+
+func unbindBDFs(tree *pci.Tree, list string) ([]*pci.Device, error) {
+	var fns []*pci.Device
+	seen := map[pci.Address]bool{}
+	for _, s := range strings.Split(list, ",") {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		a, err := pci.ParseAddress(s)
+		if err != nil {
+			return nil, fmt.Errorf("--bdf: %w", err)
+		}
+		d := tree.Lookup(a)
+		if d == nil {
+			return nil, fmt.Errorf("--bdf %s: no such function under %s", a, tree.Root)
+		}
+		if !seen[a] {
+			seen[a] = true
+			fns = append(fns, d)
+		}
+	}
+	if len(fns) == 0 {
+		return nil, fmt.Errorf("--bdf %q: no function", list)
+	}
+	return fns, nil
 }
