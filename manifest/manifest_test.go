@@ -1,4 +1,4 @@
-package manifest
+package manifest_test
 
 import (
 	"bytes"
@@ -11,6 +11,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	. "github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/manifesttest"
 )
 
 func TestBuildReadsNodeIdentity(t *testing.T) {
@@ -69,7 +72,7 @@ func TestBuildNeedsBootID(t *testing.T) {
 }
 
 func TestMarshalCanonical(t *testing.T) {
-	m := b300Manifest(7)
+	m := manifesttest.B300(7)
 	a, err := Marshal(m)
 	if err != nil {
 		t.Fatal(err)
@@ -106,7 +109,7 @@ func TestMarshalCanonical(t *testing.T) {
 }
 
 func TestRoundTripEd25519(t *testing.T) {
-	m := b300Manifest(42)
+	m := manifesttest.B300(42)
 	signed, err := Sign(context.Background(), m, testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
@@ -160,7 +163,7 @@ func editEnvelope(t *testing.T, env []byte, edit func(e *Envelope)) []byte {
 }
 
 func TestVerifyRejects(t *testing.T) {
-	m := b300Manifest(10)
+	m := manifesttest.B300(10)
 	signed, err := Sign(context.Background(), m, testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
@@ -235,11 +238,11 @@ func TestVerifyRejects(t *testing.T) {
 
 func TestVerifyTwoSignatures(t *testing.T) {
 	// An envelope signed by another key and by ours verifies with ours.
-	signed, err := Sign(context.Background(), b300Manifest(1), testSigner(t, 1))
+	signed, err := Sign(context.Background(), manifesttest.B300(1), testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	other, _ := Sign(context.Background(), b300Manifest(1), testSigner(t, 3))
+	other, _ := Sign(context.Background(), manifesttest.B300(1), testSigner(t, 3))
 	var o Envelope
 	json.Unmarshal(other.Envelope, &o)
 	env := editEnvelope(t, signed.Envelope, func(e *Envelope) {
@@ -257,7 +260,7 @@ func TestVerifyTwoSignatures(t *testing.T) {
 // signed payload: no single-bit change produces a different accepted manifest. A
 // one-unit manifest keeps the exhaustive walk short.
 func TestVerifyBitFlips(t *testing.T) {
-	m := b300Manifest(5)
+	m := manifesttest.B300(5)
 	m.Units = m.Units[:1]
 	m.GuestPlan = nil
 	signed, err := Sign(context.Background(), m, testSigner(t, 1))
@@ -311,7 +314,7 @@ func TestKeygenAndLoad(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	signed, err := Sign(context.Background(), b300Manifest(1), s)
+	signed, err := Sign(context.Background(), manifesttest.B300(1), s)
 	if err != nil {
 		t.Fatal(err)
 	}

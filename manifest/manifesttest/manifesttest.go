@@ -1,0 +1,88 @@
+// Package manifesttest builds manifests for tests and benchmarks: a whole B300 node's
+// worth of units, functions and ACS changes, with fixed values so signatures are
+// reproducible.
+package manifesttest
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/passage-boot/passage/manifest"
+)
+
+// BootID is the boot id of the manifests built here.
+const BootID = "6f1c2a4e-8d3b-4c7a-9e15-2b7d0f4a9c31"
+
+// B300 is a manifest the size of a whole B300 node: 8 units, each a GPU, the two
+// ConnectX-8 PFs and an NVMe, with the bridges' ACS changes and ATS findings.
+func B300(gen uint64) *manifest.Manifest {
+	m := &manifest.Manifest{
+		SchemaVersion:    manifest.SchemaVersion,
+		Node:             manifest.Node{Hostname: "b300-r07-n3", DMISerial: "S3R1AL-0042", DMIUUID: "4c4c4544-0042-3810-8057-b3c04f4b4d32"},
+		BootID:           BootID,
+		Generation:       gen,
+		GenerationSource: manifest.GenerationFile,
+		Time:             time.Date(2026, 3, 14, 9, 26, 53, 589793238, time.UTC),
+		KernelRelease:    "6.12.48",
+		KernelCmdline:    "console=ttyS0 passage.tpm=on",
+		Profile:          manifest.Profile{Name: "b300", Digest: "sha256:9f2b5c0d1e3a4b6c7d8e9f00112233445566778899aabbccddeeff0011223344"},
+	}
+	// Bus numbers follow B300.md's subtree: the GPU at f2, the CX-8 at ef, NVMe at f4.
+	bases := []int{0x1b, 0x3b, 0x5b, 0x7b, 0x9b, 0xbb, 0xdb, 0xeb}
+	labels := []string{}
+	for i, b := range bases {
+		fn := func(bus, fnum int, vendor, device, class, role string, speed string) manifest.Function {
+			return manifest.Function{
+				BDF: fmt.Sprintf("0000:%02x:00.%d", bus, fnum), Vendor: vendor, Device: device,
+				SubsystemVendor: vendor, SubsystemDevice: "0x" + device[2:] + "1", Class: class, Role: role,
+				IOMMUGroup: 40 + 4*i + fnum, NUMANode: i / 4, DriverBefore: "", DriverAfter: "vfio-pci",
+				Link: manifest.Link{Speed: speed, Width: 16, MaxSpeed: speed, MaxWidth: 16},
+			}
+		}
+		u := manifest.Unit{
+			ID:       fmt.Sprintf("gpu%d", i),
+			Status:   manifest.StatusReady,
+			NUMANode: i / 4,
+			Functions: []manifest.Function{
+				fn(b+7, 0, "0x10de", "0x3182", "0x030200", "gpu", "64GT/s"),
+				fn(b+4, 0, "0x15b3", "0x1023", "0x020700", "gpu-nic", "64GT/s"),
+				fn(b+4, 1, "0x15b3", "0x1023", "0x020700", "gpu-nic", "64GT/s"),
+				fn(b+9, 0, "0x144d", "0xa80a", "0x010802", "nvme", "16GT/s"),
+			},
+		}
+		for _, port := range []int{b + 1, b + 2, b + 3} {
+			u.ACSChanges = append(u.ACSChanges, manifest.ACSChange{
+				Port:   fmt.Sprintf("0000:%02x:00.0", port),
+				Before: "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-",
+				Target: "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans+",
+				After:  "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans+",
+				Result: "applied",
+			})
+		}
+		u.ATSFindings = []manifest.Finding{{Object: u.Functions[1].BDF, Severity: "info", Message: "ATS capability present (ATSCap: Invalidate Queue Depth: 00)"}}
+		m.Units = append(m.Units, u)
+		labels = append(labels, "GPU"+fmt.Sprint(i))
+	}
+	host := make([][]string, len(labels))
+	guest := make([][]string, len(labels))
+	for i := range labels {
+		host[i] = make([]string, len(labels))
+		guest[i] = make([]string, len(labels))
+		for j := range labels {
+			host[i][j], guest[i][j] = "NV18", "NV18"
+			if i == j {
+				host[i][j], guest[i][j] = "X", "X"
+			}
+		}
+	}
+	m.GuestPlan = &manifest.GuestPlan{
+		Plan:          []byte(`{"switches": 8, "pxb_per_numa": true}`),
+		MatrixLabels:  labels,
+		HostMatrix:    host,
+		ExpectedGuest: guest,
+	}
+	for _, s := range []string{"modules", "scan", "label", "firmware", "acs", "vfio", "host", "manifest"} {
+		m.Stages = append(m.Stages, manifest.StageResult{Name: s, Status: "ok", Duration: 1234567 * time.Nanosecond})
+	}
+	return m
+}
