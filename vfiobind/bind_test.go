@@ -358,3 +358,36 @@ func TestCancelled(t *testing.T) {
 	}
 	_ = syscall.EBUSY
 }
+
+// The same reference node, with units as topology labels them rather than by hand.
+func TestLabelledB300AllViable(t *testing.T) {
+	n := newNode(t, pcitest.B300())
+	p, err := topology.Builtin("b300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	labels, err := topology.Label(n.tree, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(labels.Units) != 8 {
+		t.Fatalf("%d units labelled, want 8", len(labels.Units))
+	}
+	if f := vfiobind.Audit(n.tree, labels.Units); len(f) != 0 {
+		t.Fatalf("findings on the labelled reference: %v", f)
+	}
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, labels.Units, n.opts(&fakeClock{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bound := 0
+	for _, ur := range rep.Units {
+		if ur.Status != topology.StatusReady {
+			t.Errorf("unit %d: %s %v", ur.ID, ur.Status, ur.Reasons)
+		}
+		bound += len(ur.Functions)
+	}
+	if bound != 32 {
+		t.Errorf("%d functions bound, want 32", bound)
+	}
+}
