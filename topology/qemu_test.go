@@ -18,7 +18,12 @@ import (
 // qemuSpec is the qemu-tests topology (qemu-tests/topology.go, two units) as pcitest
 // builds it, with the IDs and ACS registers QEMU 7.2 shows (QEMU.md): pcie-root-port
 // advertises SV TB RR CR UF DT and the kernel leaves SV RR CR UF on.
-func qemuSpec() pcitest.Spec {
+func qemuSpec() pcitest.Spec { return qemuVariant(false, false) }
+
+// qemuVariant adds qemu-tests' scenarios to unit 1: sharedGroup puts a pcie-pci-bridge
+// with an e1000 passthrough stand-in (01.0) and a management e1000 (02.0) on the outer
+// switch's port 01.0; noACSPort puts the NVMe below an xio3130-downstream port.
+func qemuVariant(sharedGroup, noACSPort bool) pcitest.Spec {
 	rpACS := &pcitest.ACS{Cap: 0x5f, Ctl: 0x1d}
 	link := pcitest.Link{Speed: 1, Width: 1}
 	rp := func(name string, dev uint8, below ...pcitest.Fn) pcitest.Fn {
@@ -43,12 +48,24 @@ func qemuSpec() pcitest.Spec {
 	}}
 	for i := 0; i < 2; i++ {
 		n := func(s string) string { return fmt.Sprintf("u%d%s", i, s) }
-		host.Fns = append(host.Fns, rp(n("rp"), uint8(3+i),
-			usp(n("sw"),
-				rp(n("p0"), 0, usp(n("cx"),
-					rp(n("cxp0"), 0, ep(n("pf0"), 0, 0x1af4, 0x1041, 0x020000, true), ep(n("pf1"), 1, 0x1af4, 0x1041, 0x020000, true)),
-					rp(n("cxp2"), 2, usp(n("gs"), rp(n("gp"), 0, ep(n("gpu"), 0, 0x1af4, 0x1050, 0x038000, true)))))),
-				rp(n("p2"), 2, ep(n("nvme"), 0, 0x1b36, 0x0010, pcitest.ClassNVMe, false)))))
+		sw := usp(n("sw"),
+			rp(n("p0"), 0, usp(n("cx"),
+				rp(n("cxp0"), 0, ep(n("pf0"), 0, 0x1af4, 0x1041, 0x020000, true), ep(n("pf1"), 1, 0x1af4, 0x1041, 0x020000, true)),
+				rp(n("cxp2"), 2, usp(n("gs"), rp(n("gp"), 0, ep(n("gpu"), 0, 0x1af4, 0x1050, 0x038000, true)))))),
+			rp(n("p2"), 2, ep(n("nvme"), 0, 0x1b36, 0x0010, pcitest.ClassNVMe, false)))
+		if i == 1 && noACSPort {
+			p2 := &sw.Below[1]
+			p2.Device, p2.Port, p2.ACS = 0x8233, pci.PortDownstream, nil
+		}
+		if i == 1 && sharedGroup {
+			e1000 := func(name string, dev uint8) pcitest.Fn {
+				return pcitest.Fn{Name: name, Dev: dev, Vendor: 0x8086, Device: 0x100e, SubVendor: 0x1af4, SubDevice: 0x1100,
+					Class: 0x020000, Conventional: true}
+			}
+			sw.Below = append(sw.Below, rp(n("p1"), 1, pcitest.Fn{Name: n("ppb"), Vendor: 0x1b36, Device: 0x000e,
+				Class: pcitest.ClassBridge, Port: pci.PortPCIeToPCI, Link: link, Below: []pcitest.Fn{e1000(n("pt"), 1), e1000("mgmt1", 2)}}))
+		}
+		host.Fns = append(host.Fns, rp(n("rp"), uint8(3+i), sw))
 	}
 	host.Fns = append(host.Fns, pcitest.Fn{Name: "lpc", Dev: 0x1f, Vendor: 0x8086, Device: 0x2918, Class: 0x060100, Conventional: true})
 	return pcitest.Spec{Hosts: []pcitest.Host{host}}
@@ -88,6 +105,34 @@ func TestQEMUProfile(t *testing.T) {
 	}
 	if m := HostMatrix(l.Units, p.NVLinks); m.At(n.Addr("u0gpu"), n.Addr("u0pf0")) != PXB || m.At(n.Addr("u0gpu"), n.Addr("u1pf0")) != PHB {
 		t.Errorf("qemu host matrix:\n%s", m.Text())
+	}
+}
+
+func TestQEMUScenarios(t *testing.T) {
+	n, tree := scan(t, qemuVariant(true, true))
+	p, _ := Builtin("qemu")
+	p.UnlabeledIsError = true
+	l, err := Label(tree, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := l.Of(n.Addr("u1pt")); r.Role != RoleGPUNIC || r.Unit != 1 {
+		t.Errorf("passthrough e1000: %+v", r)
+	}
+	if r := l.Of(n.Addr("mgmt1")); r.Role != RoleMgmtNIC || r.Unit != -1 {
+		t.Errorf("management e1000 behind the unit's bridge: %+v", r)
+	}
+	// Both e1000s sit behind one PCIe-to-PCI bridge: one IOMMU group (vfiobind refuses
+	// the unit; here only the fact the refusal rests on).
+	if a, b := tree.Lookup(n.Addr("u1pt")), tree.Lookup(n.Addr("mgmt1")); a.IOMMUGroup != b.IOMMUGroup {
+		t.Errorf("groups %d %d", a.IOMMUGroup, b.IOMMUGroup)
+	}
+	ACSPlan(l.Units)
+	if u := l.Unit(1); u.Status != StatusFailed || !strings.Contains(strings.Join(u.Reasons, ";"), n.Addr("u1p2").String()+" (nvme-port): no ACS capability") {
+		t.Errorf("unit 1: %s %v", u.Status, u.Reasons)
+	}
+	if u := l.Unit(0); u.Status != StatusReady {
+		t.Errorf("unit 0: %s %v", u.Status, u.Reasons)
 	}
 }
 
@@ -222,6 +267,13 @@ func TestQEMUAcceptsRendering(t *testing.T) {
 			t.Errorf("numa: %d pxb-pcie in QEMU's tree, want 8", strings.Count(qtree, "dev: pxb-pcie"))
 		}
 	}
+	// The harness tells refusal from acceptance: two ports with one chassis/slot pair.
+	g, _ := GuestPlan(l.Units, GuestOptions{Units: []int{0, 1}})
+	g.Units[1].RootPort.Chassis = g.Units[0].RootPort.Chassis
+	bad := append([]string{"-machine", "q35", "-accel", "tcg", "-nodefaults", "-display", "none", "-S", "-monitor", "stdio"}, g.QEMUArgs(standIn)...)
+	if _, err := startQEMU(qemu, bad); err == nil || !strings.Contains(err.Error(), "refused") {
+		t.Errorf("duplicate chassis/slot accepted: %v", err)
+	}
 }
 
 // runQEMU starts QEMU paused, asks the monitor for its device tree and quits; it fails
@@ -229,21 +281,29 @@ func TestQEMUAcceptsRendering(t *testing.T) {
 // command (info status) has arrived: QEMU drops monitor output still queued at exit.
 func runQEMU(t *testing.T, qemu string, args []string) string {
 	t.Helper()
+	out, err := startQEMU(qemu, args)
+	if err != nil {
+		t.Fatalf("%v\nargs: %s", err, strings.Join(args, " "))
+	}
+	return out
+}
+
+func startQEMU(qemu string, args []string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, qemu, args...)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	var errb bytes.Buffer
 	cmd.Stderr = &errb
 	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	const marker = "VM status: paused"
 	var out bytes.Buffer
@@ -268,15 +328,15 @@ func runQEMU(t *testing.T, qemu string, args []string) string {
 	<-done
 	err = cmd.Wait()
 	if ctx.Err() != nil {
-		t.Fatalf("qemu did not reach the paused state and quit within the timeout; stderr: %s", errb.String())
+		return "", fmt.Errorf("qemu did not reach the paused state and quit within the timeout; stderr: %s", errb.String())
 	}
 	if err != nil {
-		t.Fatalf("qemu refused the rendering: %v\n%s\nargs: %s", err, errb.String(), strings.Join(args, " "))
+		return "", fmt.Errorf("qemu refused the rendering: %v: %s", err, errb.String())
 	}
 	if !bytes.Contains(out.Bytes(), []byte(marker)) {
-		t.Fatalf("qemu quit before reporting its paused state: %s", errb.String())
+		return "", fmt.Errorf("qemu quit before reporting its paused state: %s", errb.String())
 	}
-	return out.String()
+	return out.String(), nil
 }
 
 func TestLibvirtWellFormed(t *testing.T) {
