@@ -15,7 +15,7 @@ import (
 	"github.com/passage-boot/passage/pci/pcitest"
 )
 
-// qemuSpec is the qemu-tests topology (qemu-tests/topology.go, two units) as pcitest
+// qemuSpec is the qemu-tests topology (qemu-tests/README.md's table, two units) as pcitest
 // builds it, with the IDs and ACS registers QEMU 7.2 shows (QEMU.md): pcie-root-port
 // advertises SV TB RR CR UF DT and the kernel leaves SV RR CR UF on.
 func qemuSpec() pcitest.Spec { return qemuVariant(false, false) }
@@ -67,14 +67,20 @@ func qemuVariant(sharedGroup, noACSPort bool) pcitest.Spec {
 		}
 		host.Fns = append(host.Fns, rp(n("rp"), uint8(3+i), sw))
 	}
-	host.Fns = append(host.Fns, pcitest.Fn{Name: "lpc", Dev: 0x1f, Vendor: 0x8086, Device: 0x2918, Class: 0x060100, Conventional: true})
+	host.Fns = append(host.Fns,
+		pcitest.Fn{Name: "disk", Dev: 0x10, Vendor: 0x1af4, Device: 0x1042, Class: 0x010000, Port: pci.PortEndpoint, Link: link},
+		pcitest.Fn{Name: "lpc", Dev: 0x1f, Vendor: 0x8086, Device: 0x2918, Class: 0x060100, Conventional: true},
+		pcitest.Fn{Name: "ahci", Dev: 0x1f, Func: 2, Vendor: 0x8086, Device: 0x2922, Class: 0x010601, Conventional: true},
+		pcitest.Fn{Name: "smbus", Dev: 0x1f, Func: 3, Vendor: 0x8086, Device: 0x2930, Class: 0x0c0500, Conventional: true})
 	return pcitest.Spec{Hosts: []pcitest.Host{host}}
 }
 
 func TestQEMUProfile(t *testing.T) {
 	n, tree := reference(t, "qemu")
 	p, _ := Builtin("qemu")
-	p.UnlabeledIsError = true // every function of the stand-in node is known
+	if !p.UnlabeledIsError {
+		t.Error("the qemu profile must make unlabeled functions an error")
+	}
 	l, err := Label(tree, p)
 	if err != nil {
 		t.Fatal(err)
@@ -111,7 +117,6 @@ func TestQEMUProfile(t *testing.T) {
 func TestQEMUScenarios(t *testing.T) {
 	n, tree := scan(t, qemuVariant(true, true))
 	p, _ := Builtin("qemu")
-	p.UnlabeledIsError = true
 	l, err := Label(tree, p)
 	if err != nil {
 		t.Fatal(err)
