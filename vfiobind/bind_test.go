@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"syscall"
 	"testing"
 
 	"github.com/passage-boot/passage/pci"
@@ -351,12 +350,68 @@ func TestCancelled(t *testing.T) {
 			t.Errorf("unit %d: %s after cancel", u.ID, u.Status)
 		}
 	}
-	for _, w := range n.k.Writes() {
-		if !strings.HasSuffix(w.Path, "driver_override") {
-			t.Errorf("write after cancel: %v", w)
+	if w := n.k.Writes(); len(w) != 0 {
+		t.Errorf("writes after cancel: %v", w)
+	}
+}
+
+// Two units whose functions share a group: neither can go to a VM alone, so both are
+// refused and neither is touched.
+func TestGroupSharedBetweenUnits(t *testing.T) {
+	spec := pcitest.B300()
+	dsp := findFn(&spec, "gpu-dsp3")
+	dsp.ACS = nil
+	nvme := *findFn(&spec, "nvme4")
+	nvme.Name, nvme.Dev = "nvme-x", 1
+	dsp.Below = append(dsp.Below, nvme)
+	n := newNode(t, spec)
+	units := n.units(2, 3, 4)
+	units[2].NVMe = []*pci.Device{n.dev("nvme-x")}
+	if _, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{})); err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range units {
+		want := topology.StatusFailed
+		if u.ID == 2 {
+			want = topology.StatusReady
+		}
+		if u.Status != want {
+			t.Errorf("unit %d: %s, want %s (%v)", u.ID, u.Status, want, u.Reasons)
+		}
+		if u.ID == 2 {
+			continue
+		}
+		if !strings.Contains(strings.Join(u.Reasons, " "), "(unit 3)") || !strings.Contains(strings.Join(u.Reasons, " "), "(unit 4)") {
+			t.Errorf("unit %d reasons do not list both units' members: %v", u.ID, u.Reasons)
+		}
+		for _, d := range u.Functions() {
+			if w := n.k.Touched(d.Addr); len(w) != 0 {
+				t.Errorf("unit %d %s touched: %v", u.ID, d.Addr, w)
+			}
 		}
 	}
-	_ = syscall.EBUSY
+}
+
+// A unit an earlier stage failed (ATS required and missing, say) is left alone.
+func TestPreviouslyFailedUnitUntouched(t *testing.T) {
+	n := newNode(t, pcitest.B300())
+	units := n.units(0, 1)
+	units[1].Degrade(topology.StatusFailed, "ats: required and missing")
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := rep.Unit(1); r.Status != topology.StatusFailed || len(r.Functions) != 0 || len(r.Reasons) != 1 {
+		t.Errorf("failed unit: %+v", r)
+	}
+	for _, d := range units[1].Functions() {
+		if w := n.k.Touched(d.Addr); len(w) != 0 {
+			t.Errorf("%s touched: %v", d.Addr, w)
+		}
+	}
+	if units[0].Status != topology.StatusReady {
+		t.Errorf("unit 0: %s", units[0].Status)
+	}
 }
 
 // The same reference node, with units as topology labels them rather than by hand.
