@@ -62,8 +62,10 @@ func qemuVariant(sharedGroup, noACSPort bool) pcitest.Spec {
 				return pcitest.Fn{Name: name, Dev: dev, Vendor: 0x8086, Device: 0x100e, SubVendor: 0x1af4, SubDevice: 0x1100,
 					Class: 0x020000, Conventional: true}
 			}
-			sw.Below = append(sw.Below, rp(n("p1"), 1, pcitest.Fn{Name: n("ppb"), Vendor: 0x1b36, Device: 0x000e,
-				Class: pcitest.ClassBridge, Port: pci.PortPCIeToPCI, Link: link, Below: []pcitest.Fn{e1000(n("pt"), 1), e1000("mgmt1", 2)}}))
+			// Firmware numbers buses in slot order: port 01.0 goes before the NVMe's 02.0.
+			p1 := rp(n("p1"), 1, pcitest.Fn{Name: n("ppb"), Vendor: 0x1b36, Device: 0x000e,
+				Class: pcitest.ClassBridge, Port: pci.PortPCIeToPCI, Link: link, Below: []pcitest.Fn{e1000(n("pt"), 1), e1000("mgmt1", 2)}})
+			sw.Below = []pcitest.Fn{sw.Below[0], p1, sw.Below[1]}
 		}
 		host.Fns = append(host.Fns, rp(n("rp"), uint8(3+i), sw))
 	}
@@ -87,6 +89,13 @@ func TestQEMUProfile(t *testing.T) {
 	}
 	if len(l.Units) != 2 {
 		t.Fatalf("%d units", len(l.Units))
+	}
+	// The BDFs qemu-tests/README.md recorded inside the guest.
+	for name, bdf := range map[string]string{"mgmt0": "01:00.0", "u0cxp0": "05:00.0", "u0gpu": "09:00.0", "u0nvme": "0a:00.0",
+		"u1cxp0": "0e:00.0", "u1pf1": "0f:00.1", "u1gpu": "12:00.0", "u1nvme": "13:00.0"} {
+		if got := n.Addr(name).String(); got != "0000:"+bdf {
+			t.Errorf("%s at %s, README says %s", name, got, bdf)
+		}
 	}
 	for i, u := range l.Units {
 		a := func(s string) pci.Address { return n.Addr(fmt.Sprintf("u%d%s", i, s)) }
@@ -120,6 +129,9 @@ func TestQEMUScenarios(t *testing.T) {
 	l, err := Label(tree, p)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if n.Addr("u1pt").String() != "0000:14:01.0" || n.Addr("u1nvme").String() != "0000:15:00.0" {
+		t.Errorf("shared-group BDFs differ from qemu-tests/README.md: %s %s", n.Addr("u1pt"), n.Addr("u1nvme"))
 	}
 	if r := l.Of(n.Addr("u1pt")); r.Role != RoleGPUNIC || r.Unit != 1 {
 		t.Errorf("passthrough e1000: %+v", r)
