@@ -69,6 +69,21 @@ func (f Finding) Refuses() bool { return f.Status == topology.StatusFailed }
 // of the ports above it. It reads only the tree and the units; it changes nothing.
 // Findings come in unit order, then address order.
 func Audit(tree *pci.Tree, units []*topology.Unit) []Finding {
+	return AuditLive(tree, units, nil)
+}
+
+// AuditLive is Audit with each judged port's ACS Control register read now through cfg
+// instead of taken from the tree: after the ACS stage has written the ports, a tree
+// scanned before it holds the old values. The groups stay the tree's (the kernel forms
+// them at enumeration and never again). A nil cfg is Audit.
+func AuditLive(tree *pci.Tree, units []*topology.Unit, cfg pci.ConfigIO) []Finding {
+	ctl := func(p *pci.Device) (pci.ACSBits, error) { return p.ACS.Ctl, nil }
+	if cfg != nil {
+		ctl = func(p *pci.Device) (pci.ACSBits, error) {
+			v, err := pci.ReadRegister(cfg, p.Addr, p.ACS.CtlOffset(), 2)
+			return pci.ACSBits(v), err
+		}
+	}
 	var out []Finding
 	owner := map[pci.Address]int{} // function -> unit ID
 	twice := map[pci.Address][]int{}
@@ -91,12 +106,13 @@ func Audit(tree *pci.Tree, units []*topology.Unit) []Finding {
 		if u == nil {
 			continue
 		}
-		out = append(out, auditUnit(tree, groups, owner, twice, u)...)
+		out = append(out, auditUnit(tree, groups, owner, twice, u, ctl)...)
 	}
 	return out
 }
 
-func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Address]int, twice map[pci.Address][]int, u *topology.Unit) []Finding {
+func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Address]int, twice map[pci.Address][]int, u *topology.Unit,
+	ctl func(*pci.Device) (pci.ACSBits, error)) []Finding {
 	var out []Finding
 	if u.GPU == nil {
 		out = append(out, Finding{Kind: KindBadUnit, Unit: u.ID, Status: topology.StatusFailed, Group: -1, Detail: "unit has no GPU"})
@@ -155,7 +171,7 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 			if seenPort[p.Addr] {
 				continue
 			}
-			if gap := isolationGap(p); gap != "" {
+			if gap := isolationGap(p, ctl); gap != "" {
 				seenPort[p.Addr] = true
 				out = append(out, Finding{Kind: KindIsolationGap, Unit: u.ID, Status: topology.StatusDegraded, Addr: p.Addr, Group: -1,
 					Detail: fmt.Sprintf("%s above %s: %s", portName(p), d.Addr, gap)})
@@ -170,7 +186,7 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 // traffic between functions below them are judged: root and downstream ports (PCIe 6.0
 // 6.12.1.1), and conventional bridges, which can never isolate (all functions behind
 // one alias to the bridge's requester ID).
-func isolationGap(p *pci.Device) string {
+func isolationGap(p *pci.Device, ctl func(*pci.Device) (pci.ACSBits, error)) string {
 	t, express := p.PortType()
 	switch {
 	case !express && p.IsBridge():
@@ -184,9 +200,13 @@ func isolationGap(p *pci.Device) string {
 	}
 	// A flag the port does not advertise is hard-wired: it cannot forward the traffic
 	// that flag would redirect (the kernel's pci_acs_flags_enabled reads it the same).
+	c, err := ctl(p)
+	if err != nil {
+		return fmt.Sprintf("ACSCtl unreadable: %v", err)
+	}
 	want := pci.ACSIsolation & p.ACS.Cap
-	if off := want &^ p.ACS.Ctl; off != 0 {
-		return fmt.Sprintf("ACSCtl has %s off (ACSCap %s, ACSCtl %s)", off, p.ACS.Cap, p.ACS.Ctl)
+	if off := want &^ c; off != 0 {
+		return fmt.Sprintf("ACSCtl has %s off (ACSCap %s, ACSCtl %s)", off, p.ACS.Cap, c)
 	}
 	return ""
 }

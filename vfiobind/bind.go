@@ -48,6 +48,9 @@ type Options struct {
 	PollInterval time.Duration
 	// Clock defaults to the wall clock.
 	Clock Clock
+	// Config, when set, is read for the ports' ACS Control now (AuditLive): give it
+	// when the tree was scanned before the ACS stage wrote the ports.
+	Config pci.ConfigIO
 }
 
 func (o Options) withDefaults() Options {
@@ -122,7 +125,7 @@ func Bind(ctx context.Context, sys Sysfs, tree *pci.Tree, units []*topology.Unit
 	}
 	opts = opts.withDefaults()
 	start := opts.Clock.Now()
-	rep := &Report{Findings: Audit(tree, units)}
+	rep := &Report{Findings: AuditLive(tree, units, opts.Config)}
 	defer func() { rep.Duration = opts.Clock.Now().Sub(start) }()
 
 	sorted := make([]*topology.Unit, 0, len(units))

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -444,5 +446,45 @@ func TestLabelledB300AllViable(t *testing.T) {
 	}
 	if bound != 32 {
 		t.Errorf("%d functions bound, want 32", bound)
+	}
+}
+
+// The audit judges ACS as the ports hold it when binding starts, not as the (earlier)
+// scan saw it.
+func TestAuditLiveACS(t *testing.T) {
+	spec := pcitest.B300()
+	findFn(&spec, "cx-dsp-gpu5").ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSDT, Ctl: pci.ACSSV | pci.ACSCR | pci.ACSUF}
+	n := newNode(t, spec)
+	cfg := pci.SysfsConfig{Root: n.Root}
+	fixed, broken := n.dev("cx-dsp-gpu5"), n.dev("cx-dsp-gpu6")
+	// The acs stage turns RR on above unit 5; something turns RR off above unit 6.
+	if _, err := pci.WriteRegister(cfg, fixed.Addr, fixed.ACS.CtlOffset(), 2, uint32(pci.ACSIsolation)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pci.WriteRegister(cfg, broken.Addr, broken.ACS.CtlOffset(), 2, uint32(pci.ACSSV|pci.ACSCR|pci.ACSUF)); err != nil {
+		t.Fatal(err)
+	}
+	units := n.units(5, 6)
+	stale := vfiobind.Audit(n.tree, units)
+	if len(stale) != 1 || stale[0].Addr != fixed.Addr {
+		t.Errorf("audit of the scanned tree: %v, want the gap above unit 5 only", stale)
+	}
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, vfiobind.Options{Modules: n.k, Clock: &fakeClock{}, Config: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Findings) != 1 || rep.Findings[0].Addr != broken.Addr || rep.Findings[0].Unit != 6 || !strings.Contains(rep.Findings[0].Detail, "RR off") {
+		t.Errorf("live audit: %v, want RR off above unit 6 only", rep.Findings)
+	}
+	if units[0].Status != topology.StatusReady || units[1].Status != topology.StatusDegraded {
+		t.Errorf("statuses %s %s, want ready degraded", units[0].Status, units[1].Status)
+	}
+	// An unreadable register is a gap, not a pass.
+	if err := os.Remove(filepath.Join(n.Root, "sys/bus/pci/devices", fixed.Addr.String(), "config")); err != nil {
+		t.Fatal(err)
+	}
+	f := vfiobind.AuditLive(n.tree, n.units(5), cfg)
+	if len(f) != 1 || !strings.Contains(f[0].Detail, "unreadable") {
+		t.Errorf("unreadable ACSCtl: %v", f)
 	}
 }
