@@ -139,7 +139,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func sharedB300(t *testing.T) (*pcitest.Node, *pci.Tree) {
+func sharedB300(t testing.TB) (*pcitest.Node, *pci.Tree) {
 	t.Helper()
 	shared.once.Do(func() {
 		shared.dir, shared.err = os.MkdirTemp("", "apply-b300-")
@@ -169,7 +169,7 @@ func sharedB300(t *testing.T) (*pcitest.Node, *pci.Tree) {
 
 // newB300 returns the reference tree with fresh units: the shared one (config restored)
 // when edit is nil, else a tree of its own built from the edited spec.
-func newB300(t *testing.T, edit func(s *pcitest.Spec)) *b300 {
+func newB300(t testing.TB, edit func(s *pcitest.Spec)) *b300 {
 	t.Helper()
 	var n *pcitest.Node
 	var tr *pci.Tree
@@ -193,7 +193,7 @@ func newB300(t *testing.T, edit func(s *pcitest.Spec)) *b300 {
 	return b
 }
 
-func (b *b300) dev(t *testing.T, name string) *pci.Device {
+func (b *b300) dev(t testing.TB, name string) *pci.Device {
 	t.Helper()
 	d := b.tree.Lookup(b.node.Addr(name))
 	if d == nil {
@@ -211,7 +211,7 @@ const (
 
 // port plans one port the way DESIGN.md's policy says: only advertised bits, egress
 // control never in the mask.
-func (b *b300) port(t *testing.T, name string, unit int, pos string, want pci.ACSBits) topology.ACSPort {
+func (b *b300) port(t testing.TB, name string, unit int, pos string, want pci.ACSBits) topology.ACSPort {
 	d := b.dev(t, name)
 	if d.ACS == nil {
 		t.Fatalf("%s has no ACS", name)
@@ -223,7 +223,7 @@ func (b *b300) port(t *testing.T, name string, unit int, pos string, want pci.AC
 
 // plan is the B300 policy for every unit: the CX-8 switch's NIC-side downstream port gets
 // SV RR CR UF DT; the GPU-side downstream ports and the root port SV RR CR UF.
-func (b *b300) plan(t *testing.T) []topology.ACSPort {
+func (b *b300) plan(t testing.TB) []topology.ACSPort {
 	var ps []topology.ACSPort
 	for i := 0; i < 8; i++ {
 		ps = append(ps,
@@ -237,7 +237,7 @@ func (b *b300) plan(t *testing.T) []topology.ACSPort {
 }
 
 // configs reads the whole config space of every function.
-func configs(t *testing.T, root string) map[string][]byte {
+func configs(t testing.TB, root string) map[string][]byte {
 	t.Helper()
 	dir := filepath.Join(root, pci.DevicesDir)
 	ents, err := os.ReadDir(dir)
