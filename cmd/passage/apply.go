@@ -113,8 +113,9 @@ func cmdApply(args []string, stdout, stderr io.Writer) int {
 
 	plan := firmware.DropDT(topology.ACSPlan(units), out.ATS)
 	ctx := context.Background()
+	cfg := pci.SysfsConfig{Root: *root}
 	out.ACS, err = apply.ACS(ctx, plan, units, apply.Options{
-		IO: pci.SysfsConfig{Root: *root}, Cmdline: *cmdline, KernelRelease: *release, DryRun: *dryRun,
+		IO: cfg, Cmdline: *cmdline, KernelRelease: *release, DryRun: *dryRun,
 	})
 	if err != nil {
 		return usageErr(err)
@@ -123,14 +124,14 @@ func cmdApply(args []string, stdout, stderr io.Writer) int {
 
 	switch {
 	case *dryRun:
-		out.Audit = vfiobind.Audit(tree, units)
+		out.Audit = vfiobind.AuditLive(tree, units, cfg)
 		out.Stages["vfio"] = "dry run: audited only"
 	case *noBind:
 		out.Stages["vfio"] = "skipped (--no-bind)"
 	default:
-		// The tree is the one scanned before ACS changed: binding depends on IOMMU groups,
-		// which the kernel formed at boot and which a later ACS write does not regroup.
-		out.VFIO, err = vfiobind.Bind(ctx, vfiobind.Root(*root), tree, units, vfiobind.Options{})
+		// The tree was scanned before the ACS writes: the groups in it stand (the kernel
+		// forms them at enumeration only), the ports' ACS Control is read again.
+		out.VFIO, err = vfiobind.Bind(ctx, vfiobind.Root(*root), tree, units, vfiobind.Options{Config: cfg})
 		if err != nil && out.VFIO == nil {
 			return usageErr(err)
 		}
