@@ -212,8 +212,6 @@ type fnState struct {
 	driver    string
 	override  string
 	wroteOvr  bool // driver_override was written
-	unbound   bool // the host driver was unbound
-	probed    bool // drivers_probe was written
 	reportIdx int
 }
 
@@ -292,12 +290,10 @@ func bindFunction(ctx context.Context, sys Sysfs, st *fnState, opts Options) (fr
 	st.wroteOvr = true
 	if before != VFIODriver {
 		if before != "" {
-			st.unbound = true
 			if err := write(sys, &fr, driverPath(before, "unbind"), a.String()); err != nil {
 				return fr, fmt.Errorf("%s: unbind %s: %w", a, before, err)
 			}
 		}
-		st.probed = true
 		if err := write(sys, &fr, driversProbe, a.String()); err != nil {
 			return fr, fmt.Errorf("%s: drivers_probe: %w", a, err)
 		}
