@@ -356,6 +356,139 @@ func startQEMU(qemu string, args []string) (string, error) {
 	return out.String(), nil
 }
 
+// TestGuestAddressesAsFirmwareNumbers boots the rendering into SeaBIOS (no guest OS) and
+// reads back where firmware put each stand-in: the guest addresses the plan predicts
+// (and the NCCL topology file names) must be the ones the guest gets.
+func TestGuestAddressesAsFirmwareNumbers(t *testing.T) {
+	qemu, err := exec.LookPath("qemu-system-x86_64")
+	if err != nil {
+		t.Fatalf("qemu-system-x86_64 not installed (make installs it via image/deps.sh): %v", err)
+	}
+	_, tree := reference(t, "b300")
+	l := mustLabel(t, tree, "b300")
+	for _, numa := range []bool{false, true} {
+		g, err := GuestPlan(l.Units, GuestOptions{Units: []int{0, 1, 4}, NUMA: numa})
+		if err != nil {
+			t.Fatal(err)
+		}
+		args := []string{"-machine", "q35", "-accel", "tcg", "-nodefaults", "-display", "none", "-monitor", "stdio", "-m", "256M"}
+		if numa {
+			for _, node := range g.GuestNodes {
+				args = append(args, "-object", fmt.Sprintf("memory-backend-ram,id=mem%d,size=128M", node),
+					"-numa", fmt.Sprintf("node,nodeid=%d,memdev=mem%d", node, node))
+			}
+		}
+		args = append(args, g.QEMUArgs(standIn)...)
+		var want []pci.Address
+		for _, u := range g.Units {
+			want = append(want, u.Upstream.Addr)
+			for _, f := range u.Functions {
+				want = append(want, f.Addr)
+			}
+		}
+		seen, err := firmwarePCI(qemu, args, want)
+		if err != nil {
+			t.Errorf("numa=%v: %v", numa, err)
+		}
+		for _, u := range g.Units {
+			for _, f := range u.Functions {
+				want := map[Role]string{RoleGPU: "1af4:1050", RoleGPUNIC: "1af4:1041", RoleGPUNVMe: "1b36:0010"}[f.Role]
+				if got := seen[f.Addr]; got != want {
+					t.Errorf("numa=%v: %s (%s) predicted at %s; firmware put %q there", numa, f.ID, f.Role, f.Addr, got)
+				}
+			}
+			if got := seen[u.Upstream.Addr]; got != "104c:8232" {
+				t.Errorf("numa=%v: upstream port of unit %d predicted at %s; firmware put %q there", numa, u.Unit, u.Upstream.Addr, got)
+			}
+		}
+	}
+}
+
+// firmwarePCI runs the VM until SeaBIOS has numbered the buses (polling the monitor's
+// info pci until something sits at every wanted address, or a deadline) and returns
+// what sits at each address. A plan that predicts wrongly ends in the deadline.
+func firmwarePCI(qemu string, args []string, want []pci.Address) (map[pci.Address]string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, qemu, args...)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	var errb bytes.Buffer
+	cmd.Stderr = &errb
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	defer cmd.Wait()
+	defer cmd.Process.Kill()
+	lines := make(chan string, 1024)
+	go func() {
+		defer close(lines)
+		buf := make([]byte, 64<<10)
+		var acc []byte
+		for {
+			n, err := stdout.Read(buf)
+			acc = append(acc, buf[:n]...)
+			for {
+				i := bytes.IndexByte(acc, '\n')
+				if i < 0 {
+					break
+				}
+				lines <- strings.TrimSpace(string(acc[:i]))
+				acc = acc[i+1:]
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	seen := map[pci.Address]string{}
+	var cur *pci.Address
+	for {
+		select {
+		case <-ctx.Done():
+			var missing []string
+			for _, a := range want {
+				if seen[a] == "" {
+					missing = append(missing, a.String())
+				}
+			}
+			return seen, fmt.Errorf("nothing at %s after the timeout; stderr: %s", strings.Join(missing, " "), errb.String())
+		case <-tick.C:
+			io.WriteString(stdin, "info pci\n")
+		case ln, ok := <-lines:
+			if !ok {
+				return nil, fmt.Errorf("qemu exited: %s", errb.String())
+			}
+			var bus, dev, fn int
+			if k, _ := fmt.Sscanf(ln, "Bus %d, device %d, function %d:", &bus, &dev, &fn); k == 3 {
+				a := pci.Address{Bus: uint8(bus), Device: uint8(dev), Function: uint8(fn)}
+				cur = &a
+				continue
+			}
+			if i := strings.Index(ln, "PCI device "); i >= 0 && cur != nil {
+				seen[*cur] = strings.TrimSpace(ln[i+len("PCI device "):])
+				cur = nil
+				all := true
+				for _, a := range want {
+					all = all && seen[a] != ""
+				}
+				if all {
+					io.WriteString(stdin, "quit\n")
+					return seen, nil
+				}
+			}
+		}
+	}
+}
+
 func TestLibvirtWellFormed(t *testing.T) {
 	_, tree := reference(t, "b300")
 	l := mustLabel(t, tree, "b300")
