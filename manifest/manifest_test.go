@@ -262,7 +262,10 @@ func TestVerifyTwoSignatures(t *testing.T) {
 func TestVerifyBitFlips(t *testing.T) {
 	m := manifesttest.B300(5)
 	m.Units = m.Units[:1]
+	m.Units[0].Functions = m.Units[0].Functions[:1]
+	m.Units[0].ACSChanges = m.Units[0].ACSChanges[:1]
 	m.GuestPlan = nil
+	m.Stages = m.Stages[:1]
 	signed, err := Sign(context.Background(), m, testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
@@ -270,7 +273,8 @@ func TestVerifyBitFlips(t *testing.T) {
 	v := testVerifier(t, 1)
 	accepted := 0
 	for i := 0; i < len(signed.Envelope); i++ {
-		for _, bit := range []byte{0x01, 0x20} {
+		// Low bit and case bit, alternating: either changes a base64 or JSON character.
+		for _, bit := range []byte{0x01 << (5 * (i % 2))} {
 			env := append([]byte(nil), signed.Envelope...)
 			env[i] ^= bit
 			got, err := Verify(env, v, VerifyOptions{})
@@ -288,8 +292,8 @@ func TestVerifyBitFlips(t *testing.T) {
 		}
 	}
 	// Flips in whitespace and in the unsigned hint are harmless; most flips are not.
-	if accepted == 0 || accepted > len(signed.Envelope) {
-		t.Errorf("%d of %d flipped envelopes accepted", accepted, 2*len(signed.Envelope))
+	if accepted == 0 || accepted > len(signed.Envelope)/4 {
+		t.Errorf("%d of %d flipped envelopes accepted", accepted, len(signed.Envelope))
 	}
 }
 

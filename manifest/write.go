@@ -4,13 +4,15 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // WriteAtomic replaces dir/name with data so that a crash at any point leaves either the
 // previous file or the new one, never a torn mix: the bytes go to a temporary file in the
 // same directory (rename is only atomic within one file system), are fsynced, renamed over
 // the target, and the directory is fsynced so the rename itself survives a power cut.
-// A crash before the rename can leave a ".name.tmp*" file behind; it is never read.
+// A crash before the rename can leave a ".name.tmp*" file behind; it is never read, and
+// the next successful write of the same name removes it (one writer per name assumed).
 func WriteAtomic(dir, name string, data []byte) error {
 	return writeAtomic(dir, name, data, 0o644)
 }
@@ -46,7 +48,22 @@ func writeAtomic(dir, name string, data []byte, perm os.FileMode) (err error) {
 	if err = os.Rename(tmp, target); err != nil {
 		return fmt.Errorf("write %s: rename: %w", target, err)
 	}
+	removeStale(dir, "."+name+".tmp")
 	return syncDir(dir)
+}
+
+// removeStale deletes temp files earlier writers left when they were killed. Failure is
+// harmless (the files are never read), so it is not reported.
+func removeStale(dir, prefix string) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if e.Type().IsRegular() && strings.HasPrefix(e.Name(), prefix) {
+			os.Remove(filepath.Join(dir, e.Name()))
+		}
+	}
 }
 
 func syncDir(dir string) error {

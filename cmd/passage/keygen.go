@@ -1,11 +1,41 @@
 package main
 
 import (
+	"flag"
 	"fmt"
 	"io"
+
+	"github.com/passage-boot/passage/manifest"
 )
 
+// cmdKeygen writes an ed25519 pair for signing manifests: passage.key (PKCS #8 PEM,
+// 0600; the node's passage.key=) and passage.pub (PKIX PEM; the hypervisor's --pub).
 func cmdKeygen(args []string, stdout, stderr io.Writer) int {
-	fmt.Fprintln(stderr, "passage: not implemented yet")
-	return 2
+	fs := flag.NewFlagSet("keygen", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	dir := fs.String("o", ".", "directory to write "+manifest.PrivateKeyFile+" and "+manifest.PublicKeyFile+" into")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: passage keygen [-o DIR]")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if fs.NArg() != 0 {
+		fmt.Fprintf(stderr, "passage keygen: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	priv, pub, err := manifest.GenerateKey(*dir)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage %v\n", err)
+		return 2
+	}
+	v, err := manifest.LoadVerifier(pub)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage keygen: %v\n", err)
+		return 2
+	}
+	id, _ := v.KeyID()
+	fmt.Fprintf(stdout, "private key %s\npublic key  %s\nkey id      %s\n", priv, pub, id)
+	return 0
 }

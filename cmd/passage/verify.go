@@ -1,11 +1,129 @@
 package main
 
 import (
+	"crypto/ecdsa"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/passage-boot/passage/manifest"
 )
 
+// cmdVerify is the hypervisor side: check a manifest envelope against the node's key
+// and the hypervisor's expectations, then print a summary (or the payload, --json).
+// Exit 1 names the reason a manifest is refused; exit 2 is a usage or file problem.
 func cmdVerify(args []string, stdout, stderr io.Writer) int {
-	fmt.Fprintln(stderr, "passage: not implemented yet")
-	return 2
+	fs := flag.NewFlagSet("verify", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	pub := fs.String("pub", "", "public key file of the node's ed25519 key (passage keygen)")
+	tpmPub := fs.String("tpm-pub", "", "public key file of the node's TPM key (passage tpm-pubkey)")
+	minGen := fs.String("min-generation", "0", "refuse manifests with a lower generation (replay)")
+	bootID := fs.String("boot-id", "", "refuse manifests of another boot")
+	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--json] MANIFEST")
+		fs.PrintDefaults()
+	}
+	// Flags may follow the manifest path as well as precede it.
+	var paths []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return 2
+		}
+		if fs.NArg() == 0 {
+			break
+		}
+		paths = append(paths, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+	if len(paths) != 1 {
+		fs.Usage()
+		return 2
+	}
+	if (*pub == "") == (*tpmPub == "") {
+		fmt.Fprintln(stderr, "passage verify: give exactly one of --pub and --tpm-pub")
+		return 2
+	}
+	min, err := strconv.ParseUint(*minGen, 10, 64)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage verify: --min-generation %q: not a generation number\n", *minGen)
+		return 2
+	}
+	keyFile := *pub + *tpmPub
+	v, err := manifest.LoadVerifier(keyFile)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage verify: %v\n", err)
+		return 2
+	}
+	if _, isEC := v.Public().(*ecdsa.PublicKey); *tpmPub != "" && !isEC {
+		fmt.Fprintf(stderr, "passage verify: --tpm-pub %s: not a TPM (ECDSA P-256) key\n", keyFile)
+		return 2
+	}
+	env, err := os.ReadFile(paths[0])
+	if err != nil {
+		fmt.Fprintf(stderr, "passage verify: %v\n", err)
+		return 2
+	}
+	got, err := manifest.Verify(env, v, manifest.VerifyOptions{MinGeneration: min, BootID: *bootID})
+	if err != nil {
+		var ve *manifest.VerifyError
+		if errors.As(err, &ve) {
+			fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", paths[0], err)
+			return 1
+		}
+		fmt.Fprintf(stderr, "passage verify: %s: %v\n", paths[0], err)
+		return 2
+	}
+	if *asJSON {
+		stdout.Write(got.Payload)
+		fmt.Fprintln(stdout)
+		return 0
+	}
+	printSummary(stdout, paths[0], got)
+	return 0
+}
+
+func printSummary(w io.Writer, path string, v *manifest.Verified) {
+	m := v.Manifest
+	fmt.Fprintf(w, "%s: OK, signed by %s\n", path, v.KeyID)
+	fmt.Fprintf(w, "  payload     %s (schema %d)\n", v.Digest, m.SchemaVersion)
+	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", orDash(m.Node.Hostname), orDash(m.Node.DMISerial), orDash(m.Node.DMIUUID))
+	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", m.BootID, m.Time.Format("2006-01-02T15:04:05Z07:00"), orDash(m.KernelRelease))
+	fmt.Fprintf(w, "  generation  %d (%s)\n", m.Generation, m.GenerationSource)
+	fmt.Fprintf(w, "  profile     %s %s\n", orDash(m.Profile.Name), m.Profile.Digest)
+	count := map[string]int{}
+	for _, u := range m.Units {
+		count[u.Status]++
+	}
+	fmt.Fprintf(w, "  units       %d: %d ready, %d degraded, %d failed\n", len(m.Units),
+		count[manifest.StatusReady], count[manifest.StatusDegraded], count[manifest.StatusFailed])
+	for _, u := range m.Units {
+		bdfs := make([]string, 0, len(u.Functions))
+		for _, f := range u.Functions {
+			bdfs = append(bdfs, f.BDF+"="+f.Role)
+		}
+		fmt.Fprintf(w, "    %-8s %-8s numa %d  %s\n", u.ID, u.Status, u.NUMANode, strings.Join(bdfs, " "))
+		for _, r := range u.Reasons {
+			fmt.Fprintf(w, "             %s\n", r)
+		}
+	}
+	for _, s := range m.Stages {
+		if s.Status != "ok" {
+			fmt.Fprintf(w, "  stage %s: %s\n", s.Name, s.Status)
+		}
+	}
+	for _, e := range m.Errors {
+		fmt.Fprintf(w, "  error: %s\n", e)
+	}
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }
