@@ -117,7 +117,7 @@ func (s scanner) scan() (*Tree, error) {
 	dir := filepath.Join(s.root, DevicesDir)
 	ents, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, fmt.Errorf("pci scan %s: %w", dir, err)
+		return nil, fmt.Errorf("pci scan %s: %w", dir, unwrapPath(err))
 	}
 	s.note(DevicesDir, readDir, nil)
 	t := &Tree{Root: s.root}

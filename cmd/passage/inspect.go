@@ -1,11 +1,170 @@
 package main
 
 import (
+	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
+	"strings"
+
+	"github.com/passage-boot/passage/pci"
 )
 
 func cmdInspect(args []string, stdout, stderr io.Writer) int {
-	fmt.Fprintln(stderr, "passage: not implemented yet")
-	return 2
+	fs := flag.NewFlagSet("inspect", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: passage inspect [--root DIR | --snapshot FILE | --lspci-dump FILE] [--json]")
+		fmt.Fprintln(stderr, "shows every PCI function as a tree (lspci -tvnn style) with its link, ACS and ATS")
+		fs.PrintDefaults()
+	}
+	var src treeSource
+	src.register(fs)
+	asJSON := fs.Bool("json", false, `print {"devices":[...]} as JSON instead of the tree`)
+	if err := fs.Parse(args); err != nil {
+		if err == flag.ErrHelp {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "passage inspect: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	tree, err := src.load(fs)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
+		return 2
+	}
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(tree.JSON()); err != nil {
+			fmt.Fprintf(stderr, "passage inspect: %v\n", err)
+			return 2
+		}
+		return 0
+	}
+	writeTree(stdout, tree)
+	return 0
+}
+
+// treeSource is where a command reads the PCI tree from: a sysfs root, a snapshot, or
+// an lspci dump.
+type treeSource struct{ root, snapshot, dump string }
+
+func (s *treeSource) register(fs *flag.FlagSet) {
+	fs.StringVar(&s.root, "root", "/", "scan the sysfs tree under `DIR`")
+	fs.StringVar(&s.snapshot, "snapshot", "", "read a passage snapshot `FILE` (tar.gz) instead of sysfs")
+	fs.StringVar(&s.dump, "lspci-dump", "", "read an lspci -xxxx (or -vvvxxxx) dump `FILE` instead of sysfs")
+}
+
+func (s *treeSource) load(fs *flag.FlagSet) (*pci.Tree, error) {
+	set := 0
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name == "root" || f.Name == "snapshot" || f.Name == "lspci-dump" {
+			set++
+		}
+	})
+	switch {
+	case set > 1:
+		return nil, fmt.Errorf("--root, --snapshot and --lspci-dump exclude each other")
+	case s.snapshot != "":
+		return pci.ReadSnapshot(s.snapshot)
+	case s.dump != "":
+		return pci.ReadDump(s.dump)
+	}
+	return pci.Scan(s.root)
+}
+
+// writeTree draws the tree the way lspci -tvnn does (one root bus per "-[DDDD:BB]-"
+// line, "+-"/"\-" branches, a bridge's bus range in brackets), one function per line
+// so the link, ACS and ATS fit beside it.
+func writeTree(w io.Writer, t *pci.Tree) {
+	type busKey struct {
+		domain uint16
+		bus    uint8
+	}
+	var buses []busKey
+	byBus := map[busKey][]*pci.Device{}
+	for _, d := range t.Roots {
+		k := busKey{d.Addr.Domain, d.Addr.Bus}
+		if _, ok := byBus[k]; !ok {
+			buses = append(buses, k)
+		}
+		byBus[k] = append(byBus[k], d)
+	}
+	for _, k := range buses {
+		fmt.Fprintf(w, "-[%04x:%02x]-\n", k.domain, k.bus)
+		writeLevel(w, byBus[k], " ")
+	}
+	for _, p := range t.Problems {
+		fmt.Fprintf(w, "! %s\n", p)
+	}
+}
+
+func writeLevel(w io.Writer, devs []*pci.Device, indent string) {
+	for i, d := range devs {
+		branch, next := "+-", "| "
+		if i == len(devs)-1 {
+			branch, next = `\-`, "  "
+		}
+		fmt.Fprintf(w, "%s%s%s\n", indent, branch, describe(d))
+		for _, p := range d.Problems {
+			fmt.Fprintf(w, "%s%s  ! %s\n", indent, next, p)
+		}
+		writeLevel(w, d.Children, indent+next)
+	}
+}
+
+// describe is one function's line: address, bus range, IDs and class as lspci -nn
+// prints them, then the Express port type and link, ACS, ATS and what sysfs adds.
+func describe(d *pci.Device) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s", d.Addr)
+	if d.IsBridge() {
+		if d.SecondaryBus == d.SubordinateBus {
+			fmt.Fprintf(&b, "-[%02x]", d.SecondaryBus)
+		} else {
+			fmt.Fprintf(&b, "-[%02x-%02x]", d.SecondaryBus, d.SubordinateBus)
+		}
+	}
+	fmt.Fprintf(&b, "  [%04x]: [%s]", d.Class>>8, d.IDs())
+	if d.SubsystemVendor != 0 || d.SubsystemDevice != 0 {
+		fmt.Fprintf(&b, " (sub %04x:%04x)", d.SubsystemVendor, d.SubsystemDevice)
+	}
+	if e := d.Express; e != nil {
+		fmt.Fprintf(&b, "  %s", e.Type)
+		if e.HasLink {
+			fmt.Fprintf(&b, "  LnkSta %s x%d", e.Speed, e.Width)
+			if e.Speed != e.MaxSpeed || e.Width != e.MaxWidth {
+				fmt.Fprintf(&b, " (LnkCap %s x%d)", e.MaxSpeed, e.MaxWidth)
+			}
+		}
+	}
+	if a := d.ACS; a != nil {
+		fmt.Fprintf(&b, "  ACSCtl %s (cap %s)", a.Ctl&0x7f, a.Cap)
+	}
+	if d.ATS != nil {
+		en := "-"
+		if d.ATS.Enable {
+			en = "+"
+		}
+		fmt.Fprintf(&b, "  ATS Enable%s", en)
+	} else if e := d.Express; e != nil && !d.IsBridge() {
+		b.WriteString("  ATS none")
+	}
+	if d.NUMANode >= 0 {
+		fmt.Fprintf(&b, "  numa %d", d.NUMANode)
+	}
+	if d.IOMMUGroup >= 0 {
+		fmt.Fprintf(&b, "  group %d", d.IOMMUGroup)
+	}
+	if d.Driver != "" {
+		fmt.Fprintf(&b, "  driver %s", d.Driver)
+	}
+	if d.DriverOverride != "" {
+		fmt.Fprintf(&b, "  override %s", d.DriverOverride)
+	}
+	return b.String()
 }

@@ -1,11 +1,70 @@
 package main
 
 import (
+	"flag"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
+
+	"github.com/passage-boot/passage/pci"
 )
 
 func cmdSnapshot(args []string, stdout, stderr io.Writer) int {
-	fmt.Fprintln(stderr, "passage: not implemented yet")
-	return 2
+	fs := flag.NewFlagSet("snapshot", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: passage snapshot -o FILE [--root DIR]")
+		fmt.Fprintln(stderr, "captures exactly the sysfs files a scan reads (config and vpd included, with their links) into a tar.gz;")
+		fmt.Fprintln(stderr, "passage inspect --snapshot FILE reads it back")
+		fs.PrintDefaults()
+	}
+	out := fs.String("o", "", "write the snapshot to `FILE` (.tar.gz)")
+	root := fs.String("root", "/", "scan the sysfs tree under `DIR`")
+	if err := fs.Parse(args); err != nil {
+		if err == flag.ErrHelp {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "passage snapshot: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	if *out == "" {
+		fmt.Fprintln(stderr, "passage snapshot: -o FILE is required")
+		return 2
+	}
+	tree, err := writeSnapshotFile(*out, *root)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage snapshot: %v\n", err)
+		return 2
+	}
+	problems := len(tree.Problems)
+	for _, d := range tree.Devices {
+		problems += len(d.Problems)
+	}
+	fmt.Fprintf(stdout, "%s: %d functions, %d problems\n", *out, len(tree.Devices), problems)
+	return 0
+}
+
+// writeSnapshotFile writes beside the target and renames, so a snapshot interrupted
+// half-way never looks complete.
+func writeSnapshotFile(name, root string) (*pci.Tree, error) {
+	f, err := os.CreateTemp(filepath.Dir(name), ".snapshot-*")
+	if err != nil {
+		return nil, err
+	}
+	tree, err := pci.WriteSnapshot(f, root)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), name)
+	}
+	if err != nil {
+		os.Remove(f.Name())
+		return nil, err
+	}
+	return tree, nil
 }
