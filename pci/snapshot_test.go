@@ -224,3 +224,22 @@ func TestExtractSnapshotRejects(t *testing.T) {
 		t.Errorf("err %v", err)
 	}
 }
+
+// TestSnapshotLive snapshots this machine's /sys (reading only) and checks that the
+// snapshot scans to the same tree as /sys itself.
+func TestSnapshotLive(t *testing.T) {
+	live := scan(t, "/")
+	var buf bytes.Buffer
+	written, err := pci.WriteSnapshot(&buf, "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sameTree(t, live, written)
+	size := buf.Len()
+	back, err := pci.ScanSnapshot(&buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sameTree(t, live, back)
+	t.Logf("%d functions, %d bytes", len(back.Devices), size)
+}
