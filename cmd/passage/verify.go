@@ -20,6 +20,8 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("verify", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	pub := fs.String("pub", "", "public key file of the node's ed25519 key (passage keygen)")
+	// -key is what image/demo.sh was written against; same as --pub.
+	fs.StringVar(pub, "key", "", "same as --pub")
 	tpmPub := fs.String("tpm-pub", "", "public key file of the node's TPM key (passage tpm-pubkey)")
 	minGen := fs.String("min-generation", "0", "refuse manifests with a lower generation (replay)")
 	bootID := fs.String("boot-id", "", "refuse manifests of another boot")

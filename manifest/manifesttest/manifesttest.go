@@ -17,8 +17,9 @@ const BootID = "6f1c2a4e-8d3b-4c7a-9e15-2b7d0f4a9c31"
 // ConnectX-8 PFs and an NVMe, with the bridges' ACS changes and ATS findings.
 func B300(gen uint64) *manifest.Manifest {
 	m := &manifest.Manifest{
-		SchemaVersion:    manifest.SchemaVersion,
-		Node:             manifest.Node{Hostname: "b300-r07-n3", DMISerial: "S3R1AL-0042", DMIUUID: "4c4c4544-0042-3810-8057-b3c04f4b4d32"},
+		SchemaVersion: manifest.SchemaVersion,
+		Node: manifest.Node{Hostname: "b300-r07-n3", DMISerial: "S3R1AL-0042", DMIUUID: "4c4c4544-0042-3810-8057-b3c04f4b4d32",
+			BoardName: "X14DBG-AP", Vendor: "Supermicro", Product: "SYS-A22GA-NBRT"},
 		BootID:           BootID,
 		Generation:       gen,
 		GenerationSource: manifest.GenerationFile,
@@ -31,12 +32,15 @@ func B300(gen uint64) *manifest.Manifest {
 	bases := []int{0x1b, 0x3b, 0x5b, 0x7b, 0x9b, 0xbb, 0xdb, 0xeb}
 	labels := []string{}
 	for i, b := range bases {
-		fn := func(bus, fnum int, vendor, device, class, role string, speed string) manifest.Function {
+		// Each function sits alone in its IOMMU group, as with ACS redirect on every port.
+		group := 40 + 4*i
+		fn := func(bus, fnum int, vendor, device, subDevice, class, role, speed string, width int) manifest.Function {
+			group++
 			return manifest.Function{
 				BDF: fmt.Sprintf("0000:%02x:00.%d", bus, fnum), Vendor: vendor, Device: device,
-				SubsystemVendor: vendor, SubsystemDevice: "0x" + device[2:] + "1", Class: class, Role: role,
-				IOMMUGroup: 40 + 4*i + fnum, NUMANode: i / 4, DriverBefore: "", DriverAfter: "vfio-pci",
-				Link: manifest.Link{Speed: speed, Width: 16, MaxSpeed: speed, MaxWidth: 16},
+				SubsystemVendor: vendor, SubsystemDevice: subDevice, Class: class, Role: role,
+				IOMMUGroup: group, NUMANode: i / 4, DriverBefore: "", DriverAfter: "vfio-pci",
+				Link: manifest.Link{Speed: speed, Width: width, MaxSpeed: speed, MaxWidth: width},
 			}
 		}
 		u := manifest.Unit{
@@ -44,21 +48,24 @@ func B300(gen uint64) *manifest.Manifest {
 			Status:   manifest.StatusReady,
 			NUMANode: i / 4,
 			Functions: []manifest.Function{
-				fn(b+7, 0, "0x10de", "0x3182", "0x030200", "gpu", "64GT/s"),
-				fn(b+4, 0, "0x15b3", "0x1023", "0x020700", "gpu-nic", "64GT/s"),
-				fn(b+4, 1, "0x15b3", "0x1023", "0x020700", "gpu-nic", "64GT/s"),
-				fn(b+9, 0, "0x144d", "0xa80a", "0x010802", "nvme", "16GT/s"),
+				fn(b+7, 0, "0x10de", "0x3182", "0x20e6", "0x030200", "gpu", "64GT/s", 16),
+				fn(b+4, 0, "0x15b3", "0x1023", "0x0071", "0x020700", "gpu-nic", "64GT/s", 16),
+				fn(b+4, 1, "0x15b3", "0x1023", "0x0071", "0x020700", "gpu-nic", "64GT/s", 16),
+				fn(b+9, 0, "0x144d", "0xa80a", "0xa801", "0x010802", "nvme", "16GT/s", 4),
 			},
 		}
-		for _, port := range []int{b + 1, b + 2, b + 3} {
+		// DESIGN.md's policy: DirectTrans only on the downstream port above the CX-8 NIC;
+		// the ports above it keep the isolation default.
+		const iso = "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-"
+		const dt = "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans+"
+		for _, port := range []int{b + 1, b + 2} {
 			u.ACSChanges = append(u.ACSChanges, manifest.ACSChange{
-				Port:   fmt.Sprintf("0000:%02x:00.0", port),
-				Before: "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-",
-				Target: "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans+",
-				After:  "SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans+",
-				Result: "applied",
+				Port: fmt.Sprintf("0000:%02x:00.0", port), Before: iso, Target: iso, After: iso, Result: "unchanged",
 			})
 		}
+		u.ACSChanges = append(u.ACSChanges, manifest.ACSChange{
+			Port: fmt.Sprintf("0000:%02x:00.0", b+3), Before: iso, Target: dt, After: dt, Result: "applied",
+		})
 		u.ATSFindings = []manifest.Finding{{Object: u.Functions[1].BDF, Severity: "info", Message: "ATS capability present (ATSCap: Invalidate Queue Depth: 00)"}}
 		m.Units = append(m.Units, u)
 		labels = append(labels, "GPU"+fmt.Sprint(i))
