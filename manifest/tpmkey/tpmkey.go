@@ -17,11 +17,13 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"os"
 	"path/filepath"
 
 	"github.com/google/go-tpm/tpm2"
 	"github.com/google/go-tpm/tpm2/transport"
 	"github.com/google/go-tpm/tpm2/transport/linuxtpm"
+	"github.com/google/go-tpm/tpm2/transport/linuxudstpm"
 
 	"github.com/passage-boot/passage/manifest"
 )
@@ -93,10 +95,15 @@ type TPM struct {
 	banks []string
 }
 
-// Open opens the TPM character device at path (DefaultDevice on a node) and loads the
-// signing key.
+// Open opens the TPM at path and loads the signing key: a character device
+// (DefaultDevice on a node) or, for an operator testing against swtpm on a workstation,
+// the Unix socket of `swtpm socket --server type=unixio,path=...`.
 func Open(path string) (*TPM, error) {
-	t, err := linuxtpm.Open(path)
+	open := linuxtpm.Open
+	if fi, err := os.Stat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		open = linuxudstpm.Open
+	}
+	t, err := open(path)
 	if err != nil {
 		return nil, fmt.Errorf("tpm %s: %w", path, err)
 	}
