@@ -88,6 +88,10 @@ func TestHarnessFakeUinit(t *testing.T) {
 	if string(run.Files["tpm"]) != "/dev/tpm0\n" {
 		t.Errorf("no /dev/tpm0 in the guest")
 	}
+	// QEMU's user network (restrict=on) serves DHCP: 10.0.2.15 is its first lease.
+	if !strings.Contains(string(run.Files["dhcp.txt"]), "lease 10.0.2.15") {
+		t.Errorf("dhcp: %s", run.Files["dhcp.txt"])
+	}
 	if !strings.Contains(string(run.Files["cmdline"]), "intel_iommu=on") {
 		t.Errorf("cmdline %q", run.Files["cmdline"])
 	}

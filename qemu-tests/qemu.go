@@ -153,7 +153,11 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		smp = 2
 	}
 	args := []string{
-		"-machine", "q35", "-accel", "tcg", "-m", fmt.Sprint(mem), "-smp", fmt.Sprint(smp),
+		// +rdrand: TCG emulates RDRAND, and Debian's kernel trusts the CPU's RNG to seed
+		// the crng at boot. Without it getrandom() blocks for a minute or more under TCG
+		// and anything needing randomness early (DHCP transaction IDs, keys) stalls.
+		"-machine", "q35", "-accel", "tcg", "-cpu", "qemu64,+rdrand",
+		"-m", fmt.Sprint(mem), "-smp", fmt.Sprint(smp),
 		"-nographic", "-nodefaults", "-serial", "stdio", "-monitor", "none", "-no-reboot",
 		"-device", "intel-iommu,intremap=on,caching-mode=on,device-iotlb=on",
 		"-kernel", kernel, "-initrd", initrd, "-append", cmdline,

@@ -8,6 +8,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -17,6 +18,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/insomniacslk/dhcp/dhcpv4/nclient4"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/passage-boot/passage/initramfs/kmod"
@@ -165,6 +168,46 @@ func scanPCI() ([]Function, string) {
 	return fns, b.String()
 }
 
+// dhcp leases an address on the management NIC from QEMU's user network, showing the
+// harness gives the guest a DHCP server even with restrict=on.
+func dhcp() string {
+	var iface string
+	links, err := netlink.LinkList()
+	if err != nil {
+		return "links: " + err.Error()
+	}
+	for _, l := range links {
+		if dev, err := os.Readlink("/sys/class/net/" + l.Attrs().Name + "/device/driver"); err == nil && filepath.Base(dev) == "e1000e" {
+			iface = l.Attrs().Name
+		}
+	}
+	if iface == "" {
+		return "no e1000e interface"
+	}
+	link, _ := netlink.LinkByName(iface)
+	if err := netlink.LinkSetUp(link); err != nil {
+		return iface + ": up: " + err.Error()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for ctx.Err() == nil {
+		if l, err := netlink.LinkByName(iface); err == nil && l.Attrs().OperState == netlink.OperUp {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	c, err := nclient4.New(iface, nclient4.WithTimeout(2*time.Second), nclient4.WithRetry(3))
+	if err != nil {
+		return iface + ": " + err.Error()
+	}
+	defer c.Close()
+	lease, err := c.Request(ctx)
+	if err != nil {
+		return iface + ": request: " + err.Error()
+	}
+	return fmt.Sprintf("%s: lease %s router %v", iface, lease.ACK.YourIPAddr, lease.ACK.Router())
+}
+
 func main() {
 	marker("uinit-start")
 	out := map[string][]byte{}
@@ -213,6 +256,7 @@ func main() {
 	fns, table := scanPCI()
 	out["pci.json"], _ = json.MarshalIndent(fns, "", " ")
 	out["pci.txt"] = []byte(table)
+	out["dhcp.txt"] = []byte(dhcp() + "\n")
 	if _, err := os.Stat("/dev/tpm0"); err == nil {
 		out["tpm"] = []byte("/dev/tpm0\n")
 	}
