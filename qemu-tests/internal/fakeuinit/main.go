@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -257,6 +258,23 @@ func main() {
 	out["pci.json"], _ = json.MarshalIndent(fns, "", " ")
 	out["pci.txt"] = []byte(table)
 	out["dhcp.txt"] = []byte(dhcp() + "\n")
+	// Commands a test asks for (one a line in /etc/fakeuinit/run, e.g. "passage plan
+	// --json"), run after the modules load; stdout+stderr of line N come back as run-N.out.
+	if b, err := os.ReadFile("/etc/fakeuinit/run"); err == nil {
+		n := 0
+		for _, line := range strings.Split(string(b), "\n") {
+			f := strings.Fields(line)
+			if len(f) == 0 {
+				continue
+			}
+			n++
+			res, err := exec.Command("/bbin/"+f[0], f[1:]...).CombinedOutput()
+			if err != nil {
+				res = append(res, []byte("\nexit: "+err.Error()+"\n")...)
+			}
+			out[fmt.Sprintf("run-%d.out", n)] = res
+		}
+	}
 	if _, err := os.Stat("/dev/tpm0"); err == nil {
 		out["tpm"] = []byte("/dev/tpm0\n")
 	}
