@@ -5,6 +5,7 @@ import (
 	"compress/gzip"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -431,4 +432,34 @@ func FuzzModinfoFromELF(f *testing.F) {
 			t.Fatal("no error and no entries")
 		}
 	})
+}
+
+// BenchmarkOpenOrder is the boot-time cost of indexing a module tree the size of the
+// image's (30 modules) and ordering the vfio stack.
+func BenchmarkOpenOrder(b *testing.B) {
+	var mods []fakeMod
+	for i := 0; i < 2; i++ {
+		for _, m := range debianLike {
+			m.path = strings.Replace(m.path, "kernel/", fmt.Sprintf("kernel/copy%d/", i), 1)
+			if i > 0 {
+				if m.name != "" {
+					m.name = fmt.Sprintf("%s_copy%d", m.name, i)
+				}
+				m.path = strings.Replace(m.path, ".ko", fmt.Sprintf("_copy%d.ko", i), 1)
+				m.depends = ""
+			}
+			mods = append(mods, m)
+		}
+	}
+	dir := writeTree(b, mods)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		ix, err := Open(dir)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := ix.Order("vfio", "vfio_iommu_type1", "vfio-pci"); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
