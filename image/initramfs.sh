@@ -34,8 +34,11 @@ pkgs+=(github.com/passage-boot/passage/cmd/passage)
 # is built too), the Go toolchain, the kernel release and the module list.
 stamp_now() {
 	{
-		git ls-files -z --cached --others --exclude-standard -- . ':!build' ':!passage' |
-			xargs -0 -r sha256sum 2>/dev/null || true
+		if git rev-parse --git-dir >/dev/null 2>&1; then
+			git ls-files -z --cached --others --exclude-standard -- . ':!build' ':!passage'
+		else # an exported tree: every file but the build output
+			find . -path ./build -prune -o -type f -print0 | sort -z
+		fi | xargs -0 -r sha256sum 2>/dev/null || true
 		go version
 		echo "$release ${modules[*]} ${urootcmds[*]}"
 	} | sha256sum | cut -d' ' -f1
@@ -60,7 +63,10 @@ export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
 go tool u-root -o "$build/initramfs.cpio.tmp" \
 	-uinitcmd="passage boot" -defaultsh=gosh \
 	-files "$stage/lib:lib" \
-	"${pkgs[@]}"
+	"${pkgs[@]}" 2>&1 |
+	# u-root v0.16 warns that it was tested up to Go 1.22; it builds fine with this Go.
+	{ grep -v -e 'recommended Go versions' -e 'Some packages may not compile' \
+		-e 'golang.org/doc/install' -e 'golang.org/dl/go1' || true; }
 gzip -9 -n -c "$build/initramfs.cpio.tmp" >"$out.tmp"
 mv "$build/initramfs.cpio.tmp" "$build/initramfs.cpio"
 mv "$out.tmp" "$out"
