@@ -15,6 +15,7 @@ import (
 	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/initramfs/kmod"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
@@ -131,7 +132,15 @@ func cmdApply(args []string, stdout, stderr io.Writer) int {
 	default:
 		// The tree was scanned before the ACS writes: the groups in it stand (the kernel
 		// forms them at enumeration only), the ports' ACS Control is read again.
-		out.VFIO, err = vfiobind.Bind(ctx, vfiobind.Root(*root), tree, units, vfiobind.Options{Config: cfg})
+		opts := vfiobind.Options{Config: cfg}
+		// Load the vfio stack from the node's own modules when it has them; a tree
+		// without /lib/modules (a synthetic root) relies on vfio-pci being registered.
+		if *release != "" {
+			if ix, err := kmod.Open(filepath.Join(*root, "lib", "modules", *release)); err == nil {
+				opts.Modules = &vfiobind.Kmod{Index: ix}
+			}
+		}
+		out.VFIO, err = vfiobind.Bind(ctx, vfiobind.Root(*root), tree, units, opts)
 		if err != nil && out.VFIO == nil {
 			return usageErr(err)
 		}

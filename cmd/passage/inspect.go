@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
 )
 
 func cmdInspect(args []string, stdout, stderr io.Writer) int {
@@ -20,7 +21,8 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 	}
 	var src treeSource
 	src.register(fs)
-	asJSON := fs.Bool("json", false, `print {"devices":[...]} as JSON instead of the tree`)
+	asJSON := fs.Bool("json", false, `print {"devices":[...],"units":[...]} as JSON instead of the tree`)
+	profile := fs.String("profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file, for roles and units in --json")
 	if err := fs.Parse(args); err != nil {
 		if err == flag.ErrHelp {
 			return 0
@@ -37,9 +39,14 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	if *asJSON {
+		prof, err := topology.LoadProfile(*profile)
+		if err != nil {
+			fmt.Fprintf(stderr, "passage inspect: %v\n", err)
+			return 2
+		}
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
-		if err := enc.Encode(tree.JSON()); err != nil {
+		if err := enc.Encode(inspectJSON(tree, prof)); err != nil {
 			fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 			return 2
 		}
@@ -167,4 +174,38 @@ func describe(d *pci.Device) string {
 		fmt.Fprintf(&b, "  override %s", d.DriverOverride)
 	}
 	return b.String()
+}
+
+// labelledDevice is pci's JSON view of a function plus what topology says of it.
+type labelledDevice struct {
+	pci.DeviceJSON
+	Role string `json:"role"`
+	Unit *int   `json:"unit"` // null for functions that belong to no unit
+}
+
+type inspectDoc struct {
+	Devices  []labelledDevice    `json:"devices"`
+	Units    []topology.UnitJSON `json:"units"`
+	Problems []string            `json:"problems"`
+}
+
+// inspectJSON labels the tree with the profile. A labelling error (conflicting rules,
+// unlabeled functions a profile forbids) is reported in problems, not fatal: inspect
+// shows what is there.
+func inspectJSON(tree *pci.Tree, prof *topology.Profile) inspectDoc {
+	labels, lerr := topology.Label(tree, prof)
+	tj := tree.JSON()
+	doc := inspectDoc{Units: labels.UnitsJSON(), Problems: append([]string{}, tj.Problems...)}
+	doc.Problems = append(doc.Problems, labels.Problems...)
+	if lerr != nil {
+		doc.Problems = append(doc.Problems, lerr.Error())
+	}
+	for i, d := range tree.Devices {
+		ld := labelledDevice{DeviceJSON: tj.Devices[i], Role: string(labels.RoleOf(d.Addr))}
+		if id, ok := labels.UnitOf(d.Addr); ok {
+			ld.Unit = &id
+		}
+		doc.Devices = append(doc.Devices, ld)
+	}
+	return doc
 }

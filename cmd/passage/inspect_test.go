@@ -48,7 +48,20 @@ type jsonDoc struct {
 			Enabled bool `json:"enabled"`
 		} `json:"ats"`
 		Problems []string `json:"problems"`
+		Role     string   `json:"role"`
+		Unit     *int     `json:"unit"`
 	} `json:"devices"`
+	Units []struct {
+		ID         int      `json:"id"`
+		GPU        string   `json:"gpu"`
+		NICs       []string `json:"nics"`
+		DataDirect []string `json:"data_direct"`
+		NVMe       []string `json:"nvme"`
+		NUMANode   int      `json:"numa_node"`
+		Status     string   `json:"status"`
+		Reasons    []string `json:"reasons"`
+		Bridges    []string `json:"bridges"`
+	} `json:"units"`
 	Problems []string `json:"problems"`
 }
 
@@ -95,6 +108,25 @@ func TestInspectJSON(t *testing.T) {
 	rp := doc.Devices[byBDF["0000:ea:02.0"]]
 	if rp.Parent != nil || rp.Problems == nil || len(rp.Problems) != 0 {
 		t.Errorf("root port parent %v problems %v", rp.Parent, rp.Problems)
+	}
+
+	// Roles and units from the b300 profile.
+	if gpu.Role != "gpu" || gpu.Unit == nil || *gpu.Unit != 7 {
+		t.Errorf("gpu7 role %q unit %v", gpu.Role, gpu.Unit)
+	}
+	if nic.Role != "gpu-nic" || nic.Unit == nil || *nic.Unit != 7 {
+		t.Errorf("nic7.1 role %q unit %v", nic.Role, nic.Unit)
+	}
+	mgmt := doc.Devices[byBDF[n.Addr("mgmt0").String()]]
+	if mgmt.Role != "mgmt-nic" || mgmt.Unit != nil {
+		t.Errorf("mgmt0 role %q unit %v", mgmt.Role, mgmt.Unit)
+	}
+	if len(doc.Units) != 8 {
+		t.Fatalf("%d units", len(doc.Units))
+	}
+	u7 := doc.Units[7]
+	if u7.ID != 7 || u7.GPU != "0000:f2:00.0" || len(u7.NICs) != 2 || len(u7.NVMe) != 1 || u7.NUMANode != 1 || u7.Status != "ready" {
+		t.Errorf("unit 7 %+v", u7)
 	}
 }
 

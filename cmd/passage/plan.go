@@ -8,20 +8,18 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 )
 
 // planFlags are the inputs plan and render share.
 type planFlags struct {
-	root, snapshot, dump, profile, units string
-	numa                                 bool
+	src            treeSource
+	profile, units string
+	numa           bool
 }
 
 func (f *planFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&f.root, "root", "/", "scan the sysfs tree under this root")
-	fs.StringVar(&f.snapshot, "snapshot", "", "read a passage snapshot (tar.gz) instead of sysfs")
-	fs.StringVar(&f.dump, "lspci-dump", "", "read an lspci -xxxx dump instead of sysfs")
+	f.src.register(fs)
 	fs.StringVar(&f.profile, "profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
 	fs.StringVar(&f.units, "units", "all", "units to pass through: all, or IDs like 0,1")
 	fs.BoolVar(&f.numa, "numa", false, "one pxb-pcie expander per unit on its NUMA node (guest NODE/SYS distances)")
@@ -33,17 +31,6 @@ type errUsage struct{ error }
 // plan loads the tree and the profile and builds the plan. A labelling error comes
 // back with the plan.
 func (f *planFlags) plan(fs *flag.FlagSet) (*topology.Plan, error) {
-	set := map[string]bool{}
-	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
-	n := 0
-	for _, k := range []string{"root", "snapshot", "lspci-dump"} {
-		if set[k] {
-			n++
-		}
-	}
-	if n > 1 {
-		return nil, errUsage{errors.New("--root, --snapshot and --lspci-dump exclude each other")}
-	}
 	var units []int
 	if f.units != "all" {
 		for _, s := range strings.Split(f.units, ",") {
@@ -58,15 +45,7 @@ func (f *planFlags) plan(fs *flag.FlagSet) (*topology.Plan, error) {
 	if err != nil {
 		return nil, errUsage{err}
 	}
-	var tree *pci.Tree
-	switch {
-	case f.snapshot != "":
-		tree, err = pci.ReadSnapshot(f.snapshot)
-	case f.dump != "":
-		tree, err = pci.ReadDump(f.dump)
-	default:
-		tree, err = pci.Scan(f.root)
-	}
+	tree, err := f.src.load(fs)
 	if err != nil {
 		return nil, errUsage{err}
 	}
