@@ -11,7 +11,7 @@ import (
 
 func TestBuiltinsParse(t *testing.T) {
 	names := Builtins()
-	if strings.Join(names, ",") != "b200,b300,qemu" {
+	if strings.Join(names, ",") != "b200,b300,qemu,qemu-guest" {
 		t.Errorf("builtins %v", names)
 	}
 	for _, n := range names {

@@ -235,18 +235,6 @@ func TestGuestUnitsSubset(t *testing.T) {
 	}
 }
 
-// standIn replaces vfio-pci (no host devices here) with emulated devices of the same
-// kind, on the same port.
-func standIn(f GuestFunction, bus string) string {
-	switch f.Role {
-	case RoleGPU:
-		return fmt.Sprintf("virtio-gpu-pci,id=%s,bus=%s,addr=0x0", f.ID, bus)
-	case RoleGPUNVMe:
-		return fmt.Sprintf("nvme,id=%s,bus=%s,addr=0x0,serial=%s", f.ID, bus, f.ID)
-	}
-	return fmt.Sprintf("virtio-net-pci,id=%s,bus=%s,addr=0x0", f.ID, bus)
-}
-
 func TestQEMUAcceptsRendering(t *testing.T) {
 	qemu, err := exec.LookPath("qemu-system-x86_64")
 	if err != nil {
@@ -267,7 +255,7 @@ func TestQEMUAcceptsRendering(t *testing.T) {
 					"-numa", fmt.Sprintf("node,nodeid=%d,memdev=mem%d", node, node))
 			}
 		}
-		args = append(args, g.QEMUArgs(standIn)...)
+		args = append(args, g.QEMUArgs(EmulatedDevice)...)
 		qtree := runQEMU(t, qemu, args)
 		for _, u := range g.Units {
 			want := []string{u.RootPort.ID, u.Upstream.ID}
@@ -287,7 +275,7 @@ func TestQEMUAcceptsRendering(t *testing.T) {
 	// The harness tells refusal from acceptance: two ports with one chassis/slot pair.
 	g, _ := GuestPlan(l.Units, GuestOptions{Units: []int{0, 1}})
 	g.Units[1].RootPort.Chassis = g.Units[0].RootPort.Chassis
-	bad := append([]string{"-machine", "q35", "-accel", "tcg", "-nodefaults", "-display", "none", "-S", "-monitor", "stdio"}, g.QEMUArgs(standIn)...)
+	bad := append([]string{"-machine", "q35", "-accel", "tcg", "-nodefaults", "-display", "none", "-S", "-monitor", "stdio"}, g.QEMUArgs(EmulatedDevice)...)
 	if _, err := startQEMU(qemu, bad); err == nil || !strings.Contains(err.Error(), "refused") {
 		t.Errorf("duplicate chassis/slot accepted: %v", err)
 	}
@@ -378,7 +366,7 @@ func TestGuestAddressesAsFirmwareNumbers(t *testing.T) {
 					"-numa", fmt.Sprintf("node,nodeid=%d,memdev=mem%d", node, node))
 			}
 		}
-		args = append(args, g.QEMUArgs(standIn)...)
+		args = append(args, g.QEMUArgs(EmulatedDevice)...)
 		var want []pci.Address
 		for _, u := range g.Units {
 			want = append(want, u.Upstream.Addr)
