@@ -135,6 +135,9 @@ func TestGuestPlanRoundTrip(t *testing.T) {
 			// xio3130-downstream, which has no ACS, so the guest's own ACS plan fails
 			// its units; the distances do not depend on that.
 			t.Logf("passage plan in the guest, after the JSON: %s", bytes.TrimSpace(out[dec.InputOffset():]))
+			for _, u := range got.Units {
+				t.Logf("guest unit %d: %s %v", u.ID, u.Status, u.Reasons)
+			}
 			if got.Profile != "qemu-guest" {
 				t.Errorf("guest plan profile %q", got.Profile)
 			}
