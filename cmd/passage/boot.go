@@ -16,14 +16,6 @@ import (
 	"github.com/passage-boot/passage/stages/boot"
 )
 
-// bootDomain is where the domain calls not yet built get wired in (see stages/boot.Domain).
-func bootDomain() boot.Domain {
-	return boot.Domain{
-		ACSPlan: nil, // topology.ACSPlan: not built yet
-		TPM:     nil, // manifest/tpmkey: not built yet
-	}
-}
-
 // cmdBoot is the uinit. It returns only with --no-handoff (tests, a synthetic --root) or on
 // a usage error that names --no-handoff: as the uinit, returning would panic the kernel.
 func cmdBoot(args []string, stdout, stderr io.Writer) int {
@@ -79,7 +71,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		fmt.Fprintf(console, "passage: %v\n", e)
 	}
 
-	b := &boot.Boot{Root: root, Config: cfg, DryRun: dryRun, Console: console, Domain: bootDomain()}
+	b := &boot.Boot{Root: root, Config: cfg, DryRun: dryRun, Console: console}
 	runDir := b.RunDir()
 	var logw io.Writer
 	if err := os.MkdirAll(runDir, 0o755); err != nil {
@@ -113,6 +105,11 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	fmt.Fprintf(console, "passage: boot %s\n", summary)
 
 	if cfg.Emit == initramfs.EmitConsole {
+		// A fresh scan beside the manifest, so whoever reads the console can check the
+		// manifest's claims against the node rather than against itself.
+		if err := b.WriteReadback(); err != nil {
+			fmt.Fprintf(console, "passage: %v\n", err)
+		}
 		if err := emit.Dir(console, runDir); err != nil {
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}

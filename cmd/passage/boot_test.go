@@ -64,8 +64,8 @@ func TestBootDryRun(t *testing.T) {
 		"passage: modules   failed",
 		"passage: scan      ok",
 		"passage: label     ok",
-		"passage: acs       skipped",
-		"passage:   ! not built yet",
+		"passage: acs       ok",
+		"reads 0x001d: unchanged: dry run",
 		"passage: vfio      skipped",
 		"passage: manifest  ok",
 		"passage: publish   skipped",
@@ -86,7 +86,7 @@ func TestBootDryRun(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, n := range []string{"manifest.dsse.json", "manifest.json", "log.jsonl"} {
+	for _, n := range []string{"manifest.dsse.json", "manifest.json", "log.jsonl", "readback.json"} {
 		disk, err := os.ReadFile(filepath.Join(root, "run/passage", n))
 		if err != nil {
 			t.Fatal(err)
@@ -112,6 +112,24 @@ func TestBootDryRun(t *testing.T) {
 	}
 	if len(m.Units) != 8 {
 		t.Errorf("manifest has %d units, want 8", len(m.Units))
+	}
+	// A dry run plans DT on every unit's NIC port and writes none of them.
+	for _, u := range m.Units {
+		dry := 0
+		for _, c := range u.ACSChanges {
+			if c.Result == "unchanged: dry run" && strings.Contains(c.Target, "DirectTrans+") && !strings.Contains(c.After, "DirectTrans+") {
+				dry++
+			}
+		}
+		if dry != 1 {
+			t.Errorf("unit %s: %d NIC ports left for the dry run, want 1: %+v", u.ID, dry, u.ACSChanges)
+		}
+	}
+	var rb struct {
+		Functions []struct{ BDF, ACSCtl string }
+	}
+	if err := json.Unmarshal(got.Files["readback.json"], &rb); err != nil || len(rb.Functions) == 0 {
+		t.Errorf("readback.json: %v (%d functions)", err, len(rb.Functions))
 	}
 	if len(m.Errors) != 1 || !strings.Contains(m.Errors[0], "passage.bogus=1") {
 		t.Errorf("manifest errors = %q", m.Errors)

@@ -6,7 +6,6 @@ package boot
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -14,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/emit"
@@ -26,24 +26,22 @@ import (
 	"github.com/passage-boot/passage/vfiobind"
 )
 
-// Domain holds the domain calls that are not built yet. A nil function makes its stage end
-// skipped with "not built yet"; wiring one in is a one-line change in cmd/passage/boot.go.
-type Domain struct {
-	// ACSPlan returns the ACS Control targets for the units' ports (topology.ACSPlan).
-	ACSPlan func(tree *pci.Tree, units []*topology.Unit) ([]topology.ACSPort, error)
-	// Signer returns the TPM-resident signer and PCR measurer when a TPM is there
-	// (manifest/tpmkey). nil: ed25519 key file only.
-	TPM func(root string) (manifest.Signer, manifest.Measurer, error)
-}
-
 // Boot is one boot's inputs and the domain data the stages hand each other.
 type Boot struct {
 	Root    string // "/" on the node; every path below is taken under it
 	Config  initramfs.Config
 	DryRun  bool      // read and report, write nothing to sysfs, load no module, touch no NIC
 	Console io.Writer // timeline markers
-	Domain  Domain
 	Now     func() time.Time
+	// Config space access for the ACS stage and the isolation audit; nil is
+	// <Root>/sys/bus/pci/devices/<bdf>/config. Tests inject faults here.
+	ConfigIO pci.ConfigIO
+	// Sysfs is what vfio binding writes; nil is vfiobind.Root(Root). Tests put a
+	// simulated kernel here.
+	Sysfs vfiobind.Sysfs
+	// OpenTPM opens the TPM for signing, measuring and the generation counter; nil is
+	// tpmkey.ForBoot. The returned value may also be a manifest.Counter and an io.Closer.
+	OpenTPM func(root string) (manifest.Signer, manifest.Measurer, error)
 	// Mount mounts a block device for passage.out; nil uses the kernel (u-root's TryMount).
 	Mount func(dev, dir string) (unmount func() error, err error)
 
@@ -54,6 +52,8 @@ type Boot struct {
 	Labels   *topology.Labels
 	Units    []*topology.Unit
 	ATS      []firmware.Finding
+	ACSPlan  []topology.ACSPort           // after DropDT
+	ACSRun   *apply.Report                // what the acs stage did, port by port
 	ACS      map[int][]manifest.ACSChange // by unit
 	Bind     *vfiobind.Report
 	Leases   []netboot.Lease
@@ -62,6 +62,24 @@ type Boot struct {
 }
 
 func (b *Boot) path(p string) string { return filepath.Join(b.Root, p) }
+
+func (b *Boot) configIO() pci.ConfigIO {
+	if b.ConfigIO != nil {
+		return b.ConfigIO
+	}
+	return pci.SysfsConfig{Root: b.Root}
+}
+
+// kernelRelease is the running kernel's release, "" when /proc does not say (a synthetic
+// tree): it only sharpens advice.
+func (b *Boot) kernelRelease() string {
+	if b.Release == "" {
+		if rel, err := os.ReadFile(b.path("proc/sys/kernel/osrelease")); err == nil {
+			b.Release = strings.TrimSpace(string(rel))
+		}
+	}
+	return b.Release
+}
 
 func (b *Boot) now() time.Time {
 	if b.Now != nil {
@@ -277,69 +295,86 @@ func (b *Boot) firmware(_ context.Context, st *stages.State, r *stages.Result) e
 	return nil
 }
 
-// ACSAdvice is what an operator can do when the kernel refuses config writes (lockdown):
-// have the kernel apply the same plan at boot, which needs pci=config_acs= (Linux 6.11+).
-const ACSAdvice = "config writes refused; add the plan as kernel argument pci=config_acs= (needs Linux 6.11 or later)"
-
-func (b *Boot) acs(_ context.Context, st *stages.State, r *stages.Result) error {
-	if b.Domain.ACSPlan == nil {
-		return stages.Skip("not built yet")
-	}
-	ports, err := b.Domain.ACSPlan(b.Tree, b.Units)
+// acs plans ACS Control for every unit's ports (topology.ACSPlan, which fails a unit with
+// a port lacking ACS), drops DT where a unit's NIC lacks ATS (firmware.DropDT), and has
+// apply.ACS write and read back each port. apply lowers the units it cannot finish and
+// gives the lockdown advice (pci=config_acs=, with the kernel version that has it).
+func (b *Boot) acs(ctx context.Context, st *stages.State, r *stages.Result) error {
+	// ACSPlan degrades units in place: it runs once per boot.
+	b.ACSPlan = firmware.DropDT(topology.ACSPlan(b.Units), b.ATS)
+	rep, err := apply.ACS(ctx, b.ACSPlan, b.Units, apply.Options{
+		IO: b.configIO(), Cmdline: b.Config.Cmdline, KernelRelease: b.kernelRelease(), DryRun: b.DryRun,
+	})
 	if err != nil {
 		return err
 	}
-	ports = firmware.DropDT(ports, b.ATS)
-	failedUnit := map[int]bool{}
-	for _, u := range b.Units {
-		if u.Status == topology.StatusFailed {
-			failedUnit[u.ID] = true
+	b.ACSRun = &rep
+	b.ACS = map[int][]manifest.ACSChange{}
+	for _, c := range rep.Changes {
+		mc := acsChange(c)
+		b.ACS[c.Unit] = append(b.ACS[c.Unit], mc)
+		line := fmt.Sprintf("acs %s (unit %s, %s): ACSCtl %#04x -> %#04x, reads %#04x: %s",
+			c.Addr, UnitID(c.Unit), c.Position, uint16(c.Before), uint16(c.Target), uint16(c.After), mc.Result)
+		switch c.Result {
+		case apply.ResultWritten:
+			r.Changef("%s", line)
+		case apply.ResultFailed, apply.ResultLockedDown, apply.ResultNoACS:
+			r.Degrade("%s", line)
+		default:
+			r.Findingf("%s", line)
 		}
 	}
-	b.ACS = map[int][]manifest.ACSChange{}
-	cfg := pci.SysfsConfig{Root: b.Root}
-	for _, p := range ports {
-		ch := manifest.ACSChange{Port: p.Addr.String(), Before: p.Current.Lspci(), Target: p.Target().Lspci()}
-		switch {
-		case p.Offset == 0:
-			ch.Result = "failed: no ACS capability"
-			r.Degrade("acs %s (%s): no ACS capability", p.Addr, p.Position)
-		case failedUnit[p.Unit]:
-			ch.Result = "unchanged: unit failed"
-		case p.Target() == p.Current:
-			ch.Result = "unchanged"
-			ch.After = ch.Before
-		case b.DryRun:
-			ch.Result = "unchanged: dry run"
-		default:
-			w, err := pci.WriteRegister(cfg, p.Addr, p.CtlOffset(), 2, uint32(p.Target()))
-			ch.After = pci.ACSBits(w.After).Lspci()
-			if err != nil {
-				ch.Result = "failed: " + err.Error()
-				reason := fmt.Sprintf("acs %s: %v", p.Addr, err)
-				if errors.Is(err, os.ErrPermission) {
-					reason += "; " + ACSAdvice
-				}
-				for _, u := range b.Units {
-					if u.ID == p.Unit {
-						u.Degrade(topology.StatusDegraded, "%s", reason)
-					}
-				}
-				r.Degrade("%s", reason)
-			} else {
-				ch.Result = "applied"
-				r.Changef("acs %s (%s): ACSCtl %s -> %s", p.Addr, p.Position, ch.Before, ch.After)
-			}
-		}
-		b.ACS[p.Unit] = append(b.ACS[p.Unit], ch)
+	for _, a := range rep.Advice {
+		r.Degrade("%s", a)
+	}
+	if rep.ConfigACS != "" {
+		r.Findingf("the plan as a kernel argument: %s", rep.ConfigACS)
 	}
 	b.syncUnits(st, "acs")
 	return nil
 }
 
+// acsChange is apply's record of one port in the manifest's words (SCHEMA.md: result is
+// applied, unchanged, mismatch or failed: ...).
+func acsChange(c apply.Change) manifest.ACSChange {
+	mc := manifest.ACSChange{Port: c.Addr.String(), Target: c.Target.Lspci()}
+	read := c.Offset != 0 && c.Result != apply.ResultSkipped
+	if read {
+		mc.Before, mc.After = c.Before.Lspci(), c.After.Lspci()
+	}
+	switch c.Result {
+	case apply.ResultWritten:
+		mc.Result = "applied"
+	case apply.ResultAlreadySet:
+		mc.Result = "unchanged"
+	case apply.ResultVerified:
+		mc.Result = "unchanged: applied by the kernel (pci=config_acs=)"
+	case apply.ResultDryRun:
+		mc.Result = "unchanged: dry run"
+	case apply.ResultSkipped:
+		mc.Result = "unchanged: unit failed before the acs stage"
+	case apply.ResultNoACS:
+		mc.Result = "failed: no ACS capability"
+	case apply.ResultLockedDown:
+		mc.Result = "failed: locked down: " + c.Error
+	case apply.ResultFailed:
+		if c.After != c.Target && c.Error != "" && strings.Contains(c.Error, "reads back") {
+			mc.Result = "mismatch: " + c.Error
+		} else {
+			mc.Result = "failed: " + c.Error
+		}
+	default:
+		mc.Result = string(c.Result)
+	}
+	if c.Note != "" {
+		mc.Result += " (" + c.Note + ")"
+	}
+	return mc
+}
+
 func (b *Boot) vfio(ctx context.Context, st *stages.State, r *stages.Result) error {
 	if b.DryRun {
-		for _, f := range vfiobind.Audit(b.Tree, b.Units) {
+		for _, f := range vfiobind.AuditLive(b.Tree, b.Units, b.configIO()) {
 			r.Findingf("%s", f)
 		}
 		return stages.Skip("dry run")
@@ -350,7 +385,13 @@ func (b *Boot) vfio(ctx context.Context, st *stages.State, r *stages.Result) err
 			r.Findingf("unit %s: failed before binding, left untouched", UnitID(u.ID))
 		}
 	}
-	rep, err := vfiobind.Bind(ctx, vfiobind.Root(b.Root), b.Tree, units, vfiobind.Options{})
+	// The tree was scanned before the acs stage wrote the ports: the audit reads their
+	// ACS Control as it is now.
+	var sys vfiobind.Sysfs = vfiobind.Root(b.Root)
+	if b.Sysfs != nil {
+		sys = b.Sysfs
+	}
+	rep, err := vfiobind.Bind(ctx, sys, b.Tree, units, vfiobind.Options{Config: b.configIO()})
 	b.Bind = rep
 	if rep != nil {
 		if rep.ModulesErr != "" {

@@ -2,8 +2,13 @@ package boot
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -11,6 +16,8 @@ import (
 
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/tpmkey"
+	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/stages"
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
@@ -54,6 +61,16 @@ func (b *Boot) mountOut() (dir string, unmount func() error, err error) {
 		return "", nil, fmt.Errorf("passage.out %s: %w", out, err)
 	}
 	return dir, un, nil
+}
+
+// link is the function's PCIe link as LnkSta/LnkCap report it; zero for a function
+// without one (conventional PCI, RCiEP).
+func link(d *pci.Device) manifest.Link {
+	e := d.Express
+	if e == nil || !e.HasLink {
+		return manifest.Link{}
+	}
+	return manifest.Link{Speed: e.Speed.String(), Width: int(e.Width), MaxSpeed: e.MaxSpeed.String(), MaxWidth: int(e.MaxWidth)}
 }
 
 func (b *Boot) manifestUnits() []manifest.Unit {
@@ -102,16 +119,60 @@ func (b *Boot) manifestUnits() []manifest.Unit {
 				BDF: bdf, Vendor: fmt.Sprintf("0x%04x", d.VendorID), Device: fmt.Sprintf("0x%04x", d.DeviceID),
 				SubsystemVendor: fmt.Sprintf("0x%04x", d.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", d.SubsystemDevice),
 				Class: fmt.Sprintf("0x%06x", d.Class), Role: string(roles[bdf]), IOMMUGroup: d.IOMMUGroup, NUMANode: d.NUMANode,
-				DriverBefore: d.Driver, DriverAfter: d.Driver,
+				DriverBefore: d.Driver, DriverAfter: d.Driver, Link: link(d),
 			}
 			if br, ok := bind[bdf]; ok {
 				f.DriverBefore, f.DriverAfter, f.IOMMUGroup = br.DriverBefore, br.DriverAfter, br.Group
+			} else if drv, ok := b.driverNow(d); ok {
+				// Not bound by this boot (unit refused or failed, dry run): what sysfs
+				// says now, so the hypervisor never trusts a stale scan.
+				f.DriverAfter = drv
 			}
 			mu.Functions = append(mu.Functions, f)
 		}
 		out = append(out, mu)
 	}
 	return out
+}
+
+// driverNow reads the function's driver link; ok is false when sysfs cannot say.
+func (b *Boot) driverNow(d *pci.Device) (string, bool) {
+	t, err := os.Readlink(b.path(filepath.Join("sys/bus/pci/devices", d.Addr.String(), "driver")))
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", true
+	}
+	if err != nil {
+		return "", false
+	}
+	return filepath.Base(t), true
+}
+
+// guestPlan is the guest topology of the units that may be passed through, with the
+// host matrix over the same units and the matrix the guest should show.
+func (b *Boot) guestPlan() (*manifest.GuestPlan, error) {
+	var chosen []*topology.Unit
+	for _, u := range b.Units {
+		if u.Status != topology.StatusFailed {
+			chosen = append(chosen, u)
+		}
+	}
+	if len(chosen) == 0 {
+		return nil, nil
+	}
+	nv := 0
+	if b.Profile != nil {
+		nv = b.Profile.NVLinks
+	}
+	g, err := topology.GuestPlan(b.Units, topology.GuestOptions{})
+	if err != nil {
+		return nil, err
+	}
+	plan, err := json.Marshal(g)
+	if err != nil {
+		return nil, fmt.Errorf("guest plan: %w", err)
+	}
+	host := topology.HostMatrix(chosen, nv)
+	return &manifest.GuestPlan{Plan: plan, MatrixLabels: host.Names, HostMatrix: host.Cells, ExpectedGuest: g.Matrix(nv).Cells}, nil
 }
 
 func stageResults(rs []stages.Result) []manifest.StageResult {
@@ -133,6 +194,17 @@ func stageResults(rs []stages.Result) []manifest.StageResult {
 	return out
 }
 
+// profileDigest is the sha256 of the profile's JSON encoding: the rules as labelling
+// used them, whatever file or built-in they came from.
+func profileDigest(p *topology.Profile) string {
+	j, err := json.Marshal(p)
+	if err != nil {
+		return ""
+	}
+	sum := sha256.Sum256(j)
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
 // manifest builds, signs and writes the manifest; it runs whatever happened before so the
 // hypervisor always learns what this boot did. Failing to sign still leaves the unsigned
 // payload in /run/passage for an operator, and fails the stage.
@@ -147,28 +219,47 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
 	if b.Profile != nil {
-		m.Profile = manifest.Profile{Name: b.Profile.Name}
+		m.Profile = manifest.Profile{Name: b.Profile.Name, Digest: profileDigest(b.Profile)}
 	} else {
 		m.Profile = manifest.Profile{Name: b.Config.Profile}
 	}
 	m.Units = b.manifestUnits()
+	if gp, err := b.guestPlan(); err != nil {
+		errs = append(errs, err.Error())
+		r.Degrade("%v", err)
+	} else {
+		m.GuestPlan = gp
+	}
 	m.Stages = stageResults(st.Results())
 
+	tpm := b.openTPM(r)
+	if tpm.closer != nil {
+		defer tpm.closer.Close()
+	}
 	outDir, unmount, err := b.mountOut()
 	if err != nil {
 		errs = append(errs, err.Error())
 		r.Degrade("%v", err)
 	}
+	// TPM NV first (monotonic in hardware), then the file on passage.out; with neither
+	// the generation is 0 from source "none", which a verifier cannot order.
 	var counters []manifest.Counter
+	if tpm.counter != nil {
+		counters = append(counters, tpm.counter)
+	}
 	if outDir != "" {
 		counters = append(counters, manifest.FileCounter{Path: filepath.Join(outDir, GenerationFile)})
 	}
-	if len(counters) > 0 {
-		gen, src, err := manifest.NextGeneration(counters...)
-		m.Generation, m.GenerationSource = gen, src
-		if err != nil {
-			errs = append(errs, err.Error())
-		}
+	gen, src, gerr := manifest.NextGeneration(counters...)
+	m.Generation, m.GenerationSource = gen, src
+	switch {
+	case gerr != nil && src == manifest.GenerationNone:
+		errs = append(errs, gerr.Error())
+		r.Degrade("%v", gerr)
+	case gerr != nil:
+		r.Findingf("%v", gerr)
+	case len(counters) == 0:
+		r.Findingf("generation 0: no TPM and no passage.out, nothing persistent to count on")
 	}
 	m.Errors = errs
 	b.Manifest = m
@@ -185,21 +276,33 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		return err
 	}
 
-	signer, meas, serr := b.signer()
-	if serr != nil {
-		r.Findingf("%v", serr)
-	}
-	if signer == nil {
+	signers, serr := b.signers(tpm)
+	if len(signers) == 0 {
 		b.Mark("manifest-written")
 		return fmt.Errorf("manifest: unsigned (%s written): %w", PayloadName, serr)
 	}
-	signed, err := manifest.WriteSigned(ctx, m, dir, EnvelopeName, signer, meas)
-	if err != nil {
+	if serr != nil {
+		r.Findingf("%v", serr)
+	}
+	signed, err := manifest.WriteSigned(ctx, m, dir, EnvelopeName, signers[0], tpm.measurer)
+	if signed == nil {
+		b.Mark("manifest-written")
 		return err
 	}
 	b.Signed = signed
+	if err != nil {
+		// Signed and written, not measured: the hypervisor can still verify it.
+		r.Degrade("%v", err)
+	} else if tpm.measurer != nil {
+		r.Changef("PCR %d extended with %s (event log %s)", tpm.measurer.PCR(), signed.Digest, EnvelopeName+manifest.EventLogSuffix)
+	}
+	for _, s := range signers[1:] {
+		if err := addSignature(ctx, dir, signed, s); err != nil {
+			r.Degrade("%v", err)
+		}
+	}
 	b.Mark("manifest-written")
-	r.Changef("%s %s generation %d (%s)", EnvelopeName, signed.Digest, m.Generation, m.GenerationSource)
+	r.Changef("%s %s generation %d (%s), %d signatures", EnvelopeName, signed.Digest, m.Generation, m.GenerationSource, len(signers))
 
 	if outDir != "" {
 		if err := copyFiles(dir, outDir); err != nil {
@@ -211,36 +314,89 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 			r.Degrade("passage.out: unmount: %v", err)
 		}
 	}
+	if serr != nil && b.Config.TPM == initramfs.TPMOn && tpm.signer == nil {
+		return fmt.Errorf("passage.tpm=on: signed without the TPM: %w", serr)
+	}
 	return nil
 }
 
-// signer prefers the TPM when passage.tpm allows one and finds one; else the key file.
-// An error with a signer is a note (why not the TPM); without one, why nothing signs.
-func (b *Boot) signer() (manifest.Signer, manifest.Measurer, error) {
-	var tpmErr error
-	if b.Config.TPM != initramfs.TPMOff {
-		if b.Domain.TPM == nil {
-			tpmErr = errors.New("tpm: not built yet")
-		} else {
-			s, m, err := b.Domain.TPM(b.Root)
-			if err == nil {
-				return s, m, nil
-			}
-			tpmErr = err
+// bootTPM is the TPM as the manifest stage uses it; every field nil without one.
+type bootTPM struct {
+	signer   manifest.Signer
+	measurer manifest.Measurer
+	counter  manifest.Counter
+	closer   io.Closer
+	err      error // why there is none (passage.tpm=off is not an error)
+}
+
+func (b *Boot) openTPM(r *stages.Result) bootTPM {
+	if b.Config.TPM == initramfs.TPMOff {
+		return bootTPM{}
+	}
+	open := b.OpenTPM
+	if open == nil {
+		open = tpmkey.ForBoot
+	}
+	s, m, err := open(b.Root)
+	if err != nil {
+		if b.Config.TPM == initramfs.TPMAuto && errors.Is(err, fs.ErrNotExist) {
+			err = fmt.Errorf("tpm: none (%w)", err)
 		}
-		if b.Config.TPM == initramfs.TPMOn {
-			return nil, nil, fmt.Errorf("passage.tpm=on: %w", tpmErr)
-		}
+		r.Findingf("%v", err)
+		return bootTPM{err: err}
+	}
+	t := bootTPM{signer: s, measurer: m}
+	t.counter, _ = s.(manifest.Counter)
+	t.closer, _ = s.(io.Closer)
+	return t
+}
+
+// signers are who signs the envelope: the TPM key when there is one, and the key file
+// when it loads. Both sign the same payload in one envelope, so a hypervisor that
+// enrolled either key verifies it. The error says what is missing and why; with no
+// signer at all the manifest stays unsigned.
+func (b *Boot) signers(tpm bootTPM) ([]manifest.Signer, error) {
+	var out []manifest.Signer
+	var errs []error
+	if tpm.signer != nil {
+		out = append(out, tpm.signer)
+	} else if tpm.err != nil {
+		errs = append(errs, tpm.err)
 	}
 	s, err := manifest.LoadSigner(b.path(b.Config.Key))
 	if err != nil {
-		return nil, nil, errors.Join(tpmErr, fmt.Errorf("key %s: %w", b.Config.Key, err))
+		errs = append(errs, fmt.Errorf("key %s: %w", b.Config.Key, err))
+	} else {
+		out = append(out, s)
 	}
-	if tpmErr != nil {
-		// Signed all the same; the finding says why not by the TPM.
-		return s, nil, fmt.Errorf("signed with %s: %w", b.Config.Key, tpmErr)
+	return out, errors.Join(errs...)
+}
+
+// addSignature signs the written envelope's payload with s too and rewrites the envelope
+// with both signatures. The payload, its digest and the PCR event do not change.
+func addSignature(ctx context.Context, dir string, signed *manifest.Signed, s manifest.Signer) error {
+	more, err := manifest.SignPayload(ctx, signed.Payload, s)
+	if err != nil {
+		return err
 	}
-	return s, nil, nil
+	var env, add manifest.Envelope
+	if err := json.Unmarshal(signed.Envelope, &env); err != nil {
+		return fmt.Errorf("manifest: add signature: %w", err)
+	}
+	if err := json.Unmarshal(more.Envelope, &add); err != nil {
+		return fmt.Errorf("manifest: add signature: %w", err)
+	}
+	env.Signatures = append(env.Signatures, add.Signatures...)
+	out, err := json.MarshalIndent(env, "", "  ")
+	if err != nil {
+		return fmt.Errorf("manifest: add signature: %w", err)
+	}
+	out = append(out, '\n')
+	if err := manifest.WriteAtomic(dir, EnvelopeName, out); err != nil {
+		return fmt.Errorf("manifest: add signature: %w", err)
+	}
+	signed.Envelope = out
+	return nil
 }
 
 // copyFiles copies every regular file of src into dst atomically, so a power cut leaves
