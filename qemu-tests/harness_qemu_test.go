@@ -5,12 +5,29 @@ package qemutest
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
+
+// TestMain prints, after the suite, each boot's boot-to-manifest time and the suite's
+// wall time: the figures the note records.
+func TestMain(m *testing.M) {
+	start := time.Now()
+	code := m.Run()
+	if ts := Timings(); len(ts) > 0 {
+		fmt.Println("QEMU boots (boot-to-manifest = kernel start to PASSAGE-T manifest-written, guest clock):")
+		for _, t := range ts {
+			fmt.Println("  " + t.String())
+		}
+		fmt.Printf("QEMU suite: %d boots in %v wall time\n", len(ts), time.Since(start).Round(time.Second))
+	}
+	os.Exit(code)
+}
 
 // buildDir is the `make kernel initramfs` output the Makefile passes as PASSAGE_BUILD.
 func buildDir(t *testing.T) string {
@@ -50,6 +67,7 @@ func bootFake(t *testing.T, topo Topology, extra ...string) (*Run, []fakeFunctio
 	run, err := Boot(context.Background(), Options{
 		Build:    buildDir(t),
 		Overlay:  []OverlayFile{fakeUinit(t)},
+		Name:     t.Name(),
 		Topology: topo,
 		Append:   extra,
 		WorkDir:  filepath.Join(t.TempDir(), "work"),

@@ -37,8 +37,16 @@ type Options struct {
 
 	TPMState string // swtpm state dir; kept across boots when the caller reuses it. "" = fresh
 	NoTPM    bool
-	Disk     string // raw disk image attached as virtio-blk (/dev/vda in the guest); "" = none
+	// KeepTPM keeps the TPM's running state (PCRs) for OpenTPM after the boot: the guest
+	// holds instead of powering off (passage.handoff=hold, unless Append says otherwise),
+	// QEMU is killed once the guest has said PASSAGE-DONE and handed off, so neither the
+	// guest's TPM2_Shutdown nor QEMU's CMD_SHUTDOWN ends the TPM, and swtpm is told to
+	// store its volatile state in the state dir before it is stopped.
+	KeepTPM bool
+	Disk    string // raw disk image attached as virtio-blk (/dev/vda in the guest); "" = none
 
+	// Name labels the boot in logs and the timing summary ("" = the topology's name).
+	Name    string
 	WorkDir string        // console.log, swtpm socket; "" = a new temp dir
 	Timeout time.Duration // hard limit for the whole boot; 0 = 5 minutes
 	MemMiB  int           // 0 = 2048
@@ -61,6 +69,7 @@ type Run struct {
 	Console  string        // path of the full console log
 	Args     []string      // qemu-system-x86_64 arguments
 	Cmdline  string        // kernel command line
+	TPMState string        // the swtpm state dir used ("" without a TPM)
 	Wall     time.Duration // QEMU start to QEMU exit
 	WallDone time.Duration // QEMU start to the PASSAGE-DONE line (0 if never)
 	ExitErr  error         // QEMU's exit error, or the timeout
@@ -144,7 +153,11 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 
-	cmdline := Cmdline(o.Append)
+	extra := o.Append
+	if o.KeepTPM {
+		extra = append([]string{"passage.handoff=hold"}, extra...)
+	}
+	cmdline := Cmdline(extra)
 	mem, smp := o.MemMiB, o.SMP
 	if mem == 0 {
 		mem = 2048
@@ -178,7 +191,7 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		if state == "" {
 			state = filepath.Join(work, "tpm")
 		}
-		if tpm, err = startSwtpm(ctx, state); err != nil {
+		if tpm, err = startSwtpm(ctx, state, o.KeepTPM); err != nil {
 			return nil, err
 		}
 		defer tpm.stop()
@@ -189,6 +202,9 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	}
 
 	run := &Run{Console: filepath.Join(work, "console.log"), Args: args, Cmdline: cmdline}
+	if tpm != nil {
+		run.TPMState = tpm.state
+	}
 	logf, err := os.Create(run.Console)
 	if err != nil {
 		return nil, err
@@ -210,6 +226,16 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	}
 	p := newParser(time.Now)
 	p.start = start
+	// With KeepTPM the guest holds after its report: QEMU is killed once the handoff
+	// marker is out (or shortly after PASSAGE-DONE, should it never come).
+	var killed bool
+	var killTimer *time.Timer
+	kill := func() {
+		if !killed {
+			killed = true
+			cmd.Process.Kill()
+		}
+	}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -223,13 +249,41 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 				fmt.Fprintln(o.Log, line)
 			}
 			p.line(line)
+			if !o.KeepTPM {
+				continue
+			}
+			if _, ok := p.rep.Markers["handoff"]; ok {
+				kill()
+			} else if p.rep.Done != "" && killTimer == nil {
+				killTimer = time.AfterFunc(3*time.Second, func() { cmd.Process.Kill() })
+			}
 		}
 	}()
 	wg.Wait()
 	run.ExitErr = cmd.Wait()
+	if killTimer != nil {
+		killTimer.Stop()
+	}
+	if o.KeepTPM && p.rep.Done != "" {
+		// Killed on purpose after the report.
+		run.ExitErr = nil
+		if tpm != nil {
+			if err := tpm.storeVolatile(); err != nil {
+				return run, fmt.Errorf("boot: %w", err)
+			}
+		}
+	}
 	run.Wall = time.Since(start)
 	run.Report = p.finish()
 	run.WallDone = run.HostAt["done"]
+	name := o.Name
+	if name == "" {
+		name = o.Topology.Name()
+		if o.Devices != nil {
+			name = "devices:" + filepath.Base(filepath.Dir(work))
+		}
+	}
+	recordTiming(run.timing(name))
 	if ctx.Err() != nil {
 		run.ExitErr = fmt.Errorf("boot: no power-off within %v (console %s): %w", timeout, run.Console, ctx.Err())
 		return run, run.ExitErr
@@ -246,9 +300,12 @@ type swtpm struct {
 	exited chan error
 	dir    string
 	sock   string
+	state  string
 }
 
-func startSwtpm(ctx context.Context, state string) (*swtpm, error) {
+// startSwtpm starts swtpm for QEMU on its control socket. keep leaves out --terminate,
+// so swtpm outlives a killed QEMU and storeVolatile can still reach it.
+func startSwtpm(ctx context.Context, state string, keep bool) (*swtpm, error) {
 	if err := os.MkdirAll(state, 0o700); err != nil {
 		return nil, fmt.Errorf("swtpm %s: %w", state, err)
 	}
@@ -257,11 +314,12 @@ func startSwtpm(ctx context.Context, state string) (*swtpm, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &swtpm{dir: dir, sock: filepath.Join(dir, "sock"), exited: make(chan error, 1)}
-	cmd := exec.CommandContext(ctx, "swtpm", "socket", "--tpm2",
-		"--tpmstate", "dir="+state,
-		"--ctrl", "type=unixio,path="+s.sock,
-		"--terminate")
+	s := &swtpm{dir: dir, sock: filepath.Join(dir, "sock"), state: state, exited: make(chan error, 1)}
+	args := []string{"socket", "--tpm2", "--tpmstate", "dir=" + state, "--ctrl", "type=unixio,path=" + s.sock}
+	if !keep {
+		args = append(args, "--terminate")
+	}
+	cmd := exec.CommandContext(ctx, "swtpm", args...)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -334,4 +392,43 @@ func shellQuote(args []string) string {
 		}
 	}
 	return strings.Join(q, " ")
+}
+
+// Timing is one boot's timeline: guest seconds since kernel start from the PASSAGE-T
+// markers, and host wall time from QEMU's start.
+type Timing struct {
+	Name                                 string
+	UinitStart, ManifestWritten, Handoff float64 // guest clock; 0 when the marker never came
+	HostManifest, HostDone, Wall         time.Duration
+}
+
+func (r *Run) timing(name string) Timing {
+	return Timing{Name: name, UinitStart: r.Markers["uinit-start"], ManifestWritten: r.Markers["manifest-written"],
+		Handoff: r.Markers["handoff"], HostManifest: r.HostAt["manifest-written"], HostDone: r.WallDone, Wall: r.Wall}
+}
+
+// TimingLine is the boot-to-manifest line of a run, for the test log.
+func (r *Run) TimingLine(name string) string { return r.timing(name).String() }
+
+func (t Timing) String() string {
+	return fmt.Sprintf("%s: boot-to-manifest %.3f s (guest clock: uinit %.3f s, handoff %.3f s); host: QEMU start to manifest %.1f s, to PASSAGE-DONE %.1f s, to exit %.1f s",
+		t.Name, t.ManifestWritten, t.UinitStart, t.Handoff, t.HostManifest.Seconds(), t.HostDone.Seconds(), t.Wall.Seconds())
+}
+
+var (
+	timingsMu sync.Mutex
+	timings   []Timing
+)
+
+func recordTiming(t Timing) {
+	timingsMu.Lock()
+	defer timingsMu.Unlock()
+	timings = append(timings, t)
+}
+
+// Timings returns every boot this process ran, in order: the suite's summary.
+func Timings() []Timing {
+	timingsMu.Lock()
+	defer timingsMu.Unlock()
+	return append([]Timing(nil), timings...)
 }

@@ -4,11 +4,15 @@ package qemutest
 
 import (
 	"context"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/passage-boot/passage/manifest"
 )
@@ -28,7 +32,8 @@ func testKey(t *testing.T) (priv string, v *manifest.PublicKeyVerifier) {
 }
 
 // bootPassage boots the real image (passage boot as the uinit) and returns the run and
-// the manifest, verified with the ed25519 key the image carried.
+// the manifest, verified with the ed25519 key the image carried. The TPM is there
+// (passage.tpm=auto): the envelope carries the TPM key's signature too.
 func bootPassage(t *testing.T, o Options) (*Run, *manifest.Manifest) {
 	t.Helper()
 	priv, v := testKey(t)
@@ -37,15 +42,17 @@ func bootPassage(t *testing.T, o Options) (*Run, *manifest.Manifest) {
 	if o.WorkDir == "" {
 		o.WorkDir = filepath.Join(t.TempDir(), "work")
 	}
-	// The ed25519 key signs: the TPM-key path is checked by its own test.
-	o.Append = append([]string{"passage.tpm=off"}, o.Append...)
+	if o.Name == "" {
+		o.Name = t.Name()
+	}
+	if o.Timeout == 0 {
+		// Another engineer's QEMU may share the two cores: generous, still bounded.
+		o.Timeout = 4 * time.Minute
+	}
 	run, err := Boot(context.Background(), o)
 	if run != nil {
-		// The suite's note wants boot-to-manifest per scenario.
-		fmt.Printf("%s: topology %s: QEMU start to PASSAGE-DONE %v (wall %v); guest: uinit %.3f s, manifest %.3f s, handoff %.3f s\n",
-			t.Name(), o.Topology.Name(), run.WallDone, run.Wall,
-			run.Markers["uinit-start"], run.Markers["manifest-written"], run.Markers["handoff"])
 		t.Logf("console: %s\n%s", run.Console, run.Timeline())
+		t.Logf("%s", run.TimingLine(o.Name))
 	}
 	if err != nil {
 		t.Fatal(err)
@@ -62,6 +69,46 @@ func bootPassage(t *testing.T, o Options) (*Run, *manifest.Manifest) {
 		t.Fatalf("manifest does not verify with the image's ed25519 key: %v", err)
 	}
 	return run, ver.Manifest
+}
+
+// readback is the guest's fresh scan after its stages (stages/boot.Readback).
+type readback struct {
+	Functions []struct {
+		BDF        string `json:"bdf"`
+		IDs        string `json:"ids"`
+		Driver     string `json:"driver"`
+		IOMMUGroup int    `json:"iommu_group"`
+		VFIODev    string `json:"vfio_dev"`
+		ACSCtl     string `json:"acs_ctl"`
+	} `json:"functions"`
+	Leases []string `json:"leases"`
+}
+
+func readbackOf(t *testing.T, run *Run) *readback {
+	t.Helper()
+	var rb readback
+	if err := json.Unmarshal(run.Files["readback.json"], &rb); err != nil {
+		t.Fatalf("readback.json from the guest: %v", err)
+	}
+	if len(rb.Functions) == 0 {
+		t.Fatal("readback.json lists no function")
+	}
+	return &rb
+}
+
+func (rb *readback) acsCtl(t *testing.T, bdf string) uint16 {
+	t.Helper()
+	for _, f := range rb.Functions {
+		if f.BDF == bdf {
+			v, err := strconv.ParseUint(strings.TrimPrefix(f.ACSCtl, "0x"), 16, 16)
+			if err != nil {
+				t.Fatalf("readback %s: ACSCtl %q: %v", bdf, f.ACSCtl, err)
+			}
+			return uint16(v)
+		}
+	}
+	t.Fatalf("readback has no %s", bdf)
+	return 0
 }
 
 func keys[V any](m map[string]V) []string {
@@ -113,6 +160,9 @@ func checkBound(t *testing.T, u *manifest.Unit) {
 	}
 }
 
+// mgmtNIC is the e1000e management NIC of every topology (README.md).
+const mgmtNIC = "0000:01:00.0"
+
 // nicPorts are the "port above the NICs" of the default topology (README.md).
 var nicPorts = map[string]string{"0000:05:00.0": "0000:06:00.0", "0000:0e:00.0": "0000:0f:00.0"}
 
@@ -127,14 +177,27 @@ func acsChange(m *manifest.Manifest, port string) *manifest.ACSChange {
 	return nil
 }
 
-// Scenario 1: a clean boot of the default topology.
+// ACS Control bits (pci_regs.h PCI_ACS_*): the kernel's isolation default and DT.
+const (
+	acsIsolation = 0x001d // SV RR CR UF
+	acsDT        = 0x0040
+)
+
+// Scenario 1: a clean boot of the default topology, signed by the TPM and the key file,
+// measured into PCR 13.
 func TestScenario1CleanBoot(t *testing.T) {
-	run, m := bootPassage(t, Options{})
+	run, m := bootPassage(t, Options{KeepTPM: true, Append: []string{"passage.tpm=on"}})
 	if run.Done != "ok" {
 		t.Errorf("PASSAGE-DONE %s, want ok", run.Done)
 	}
 	if len(m.Units) != 2 {
 		t.Fatalf("%d units, want 2", len(m.Units))
+	}
+	rb := readbackOf(t, run)
+	vfioDev := map[string]string{}
+	drivers := map[string]string{}
+	for _, f := range rb.Functions {
+		vfioDev[f.BDF], drivers[f.BDF] = f.VFIODev, f.Driver
 	}
 	for i := range m.Units {
 		u := &m.Units[i]
@@ -142,6 +205,16 @@ func TestScenario1CleanBoot(t *testing.T) {
 			t.Errorf("unit %s: %s %v, want ready", u.ID, u.Status, u.Reasons)
 		}
 		checkBound(t, u)
+		// The guest's own sysfs, read after the stages: vfio-pci and the group's node.
+		for _, f := range u.Functions {
+			want := fmt.Sprintf("/dev/vfio/%d", f.IOMMUGroup)
+			if drivers[f.BDF] != "vfio-pci" || vfioDev[f.BDF] != want {
+				t.Errorf("%s: guest reads driver %q, %q; want vfio-pci and %s", f.BDF, drivers[f.BDF], vfioDev[f.BDF], want)
+			}
+		}
+		if u.ACSChanges == nil || len(u.ATSFindings) != 2 {
+			t.Errorf("unit %s: ACS changes %v, ATS findings %v", u.ID, u.ACSChanges, u.ATSFindings)
+		}
 	}
 	for port, nic := range nicPorts {
 		c := acsChange(m, port)
@@ -149,15 +222,84 @@ func TestScenario1CleanBoot(t *testing.T) {
 			t.Errorf("no ACS change for %s (port above %s)", port, nic)
 			continue
 		}
-		if !strings.Contains(c.After, "DirectTrans+") || !strings.HasPrefix(c.Result, "applied") && c.Result != "unchanged" {
-			t.Errorf("ACS %s: after %q result %q, want DirectTrans+ read back", port, c.After, c.Result)
+		if !strings.Contains(c.After, "DirectTrans+") || c.Result != "applied" {
+			t.Errorf("ACS %s: after %q result %q, want DirectTrans+ applied and read back", port, c.After, c.Result)
 		}
+		// An independent read of the port's config space in the guest, after binding.
+		if ctl := rb.acsCtl(t, port); ctl != acsIsolation|acsDT {
+			t.Errorf("guest reads ACSCtl %#04x on %s, want %#04x (SV RR CR UF DT)", ctl, port, acsIsolation|acsDT)
+		}
+	}
+	// Every other port on the units' paths keeps isolation and has no DT.
+	for i := range m.Units {
+		for _, c := range m.Units[i].ACSChanges {
+			if _, nicPort := nicPorts[c.Port]; nicPort {
+				continue
+			}
+			if ctl := rb.acsCtl(t, c.Port); ctl != acsIsolation {
+				t.Errorf("guest reads ACSCtl %#04x on %s (%s), want %#04x", ctl, c.Port, c.Result, acsIsolation)
+			}
+		}
+	}
+	// The management NIC: on its host driver, with QEMU's DHCP lease.
+	if d := drivers[mgmtNIC]; d != "e1000e" {
+		t.Errorf("management NIC %s: driver %q, want e1000e", mgmtNIC, d)
+	}
+	if !slices.ContainsFunc(rb.Leases, func(l string) bool { return strings.Contains(l, "10.0.2.15/24") }) {
+		t.Errorf("leases %q, want 10.0.2.15/24 from QEMU's user network", rb.Leases)
 	}
 	if s := stage(m, "network"); s == nil || s.Status != "ok" {
 		t.Errorf("network stage %+v, want ok (DHCP lease from QEMU's user network)", s)
 	}
 	if m.KernelRelease == "" || !strings.Contains(m.KernelCmdline, "passage.profile=qemu") {
 		t.Errorf("kernel %q cmdline %q", m.KernelRelease, m.KernelCmdline)
+	}
+	if g := m.GuestPlan; g == nil || len(g.MatrixLabels) != 6 || g.ExpectedGuest[0][2] != "PIX" {
+		t.Errorf("guest plan %+v, want 2 GPUs + 4 NICs with GPU0-NIC0 PIX", g)
+	}
+	if m.GenerationSource != manifest.GenerationTPMNV || m.Generation == 0 {
+		t.Errorf("generation %d from %s, want the TPM NV counter", m.Generation, m.GenerationSource)
+	}
+
+	// The TPM itself, reopened after QEMU is gone: its key verifies the same envelope and
+	// PCR 13 is the replay of the event log whose last event is this manifest.
+	k, stop, err := OpenTPM(run.TPMState)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+	defer k.Close()
+	tv, err := manifest.NewVerifier(k.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ver, err := manifest.Verify(run.Files["manifest.dsse.json"], tv, manifest.VerifyOptions{})
+	if err != nil {
+		t.Fatalf("manifest does not verify with the TPM's key: %v", err)
+	}
+	logName := "manifest.dsse.json" + manifest.EventLogSuffix
+	var evlog manifest.EventLog
+	if err := json.Unmarshal(run.Files[logName], &evlog); err != nil {
+		t.Fatalf("%s: %v", logName, err)
+	}
+	if n := len(evlog.Events); n == 0 || evlog.Events[n-1].PayloadDigest != ver.Digest || evlog.BootID != m.BootID {
+		t.Fatalf("event log %+v does not end with manifest %s of boot %s", evlog, ver.Digest, m.BootID)
+	}
+	replay, err := evlog.Replay()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(replay) == 0 {
+		t.Fatal("event log replays no bank")
+	}
+	for bank, want := range replay {
+		got, err := k.ReadPCR(bank)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if hex.EncodeToString(got) != want {
+			t.Errorf("PCR %d %s = %x, event log replay %s", evlog.PCR, bank, got, want)
+		}
 	}
 }
 
@@ -178,8 +320,9 @@ func TestScenario2Reprovisioning(t *testing.T) {
 	_, m1 := bootPassage(t, o)
 	o.WorkDir = filepath.Join(dir, "boot2")
 	run2, m2 := bootPassage(t, o)
-	if m2.Generation <= m1.Generation {
-		t.Errorf("generation %d then %d (%s), want an increase", m1.Generation, m2.Generation, m2.GenerationSource)
+	if m2.Generation <= m1.Generation || m1.GenerationSource != manifest.GenerationTPMNV || m2.GenerationSource != manifest.GenerationTPMNV {
+		t.Errorf("generation %d (%s) then %d (%s), want an increase of the TPM NV counter",
+			m1.Generation, m1.GenerationSource, m2.Generation, m2.GenerationSource)
 	}
 	if m1.BootID == m2.BootID {
 		t.Errorf("same boot id %s twice", m1.BootID)
@@ -237,7 +380,8 @@ func TestScenario3ATSMissing(t *testing.T) {
 
 // Scenario 4: lockdown=integrity refuses config writes; vfio binding still works.
 func TestScenario4Lockdown(t *testing.T) {
-	_, m := bootPassage(t, Options{Append: []string{"lockdown=integrity"}})
+	run, m := bootPassage(t, Options{Append: []string{"lockdown=integrity"}})
+	rb := readbackOf(t, run)
 	for i := range m.Units {
 		u := &m.Units[i]
 		if u.Status != manifest.StatusDegraded {
@@ -250,8 +394,11 @@ func TestScenario4Lockdown(t *testing.T) {
 		checkBound(t, u)
 	}
 	for port := range nicPorts {
-		if c := acsChange(m, port); c == nil || !strings.HasPrefix(c.Result, "failed") {
-			t.Errorf("ACS %s under lockdown: %+v, want a failed write", port, c)
+		if c := acsChange(m, port); c == nil || !strings.HasPrefix(c.Result, "failed: locked down") {
+			t.Errorf("ACS %s under lockdown: %+v, want a refused write", port, c)
+		}
+		if ctl := rb.acsCtl(t, port); ctl != acsIsolation {
+			t.Errorf("guest reads ACSCtl %#04x on %s under lockdown, want the kernel's %#04x", ctl, port, acsIsolation)
 		}
 	}
 }
