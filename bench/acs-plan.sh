@@ -48,7 +48,10 @@ for bdf in $(printf '%s\n' "${!ids[@]}" | sort); do
 	case ${ids[$bdf]} in
 	10de:3182 | 10de:2901 | 144d:a80a) ;;
 	15b3:1023 | 15b3:1021)
-		nicport[$(ancestors "$bdf" | head -n1)]=1
+		# Not "ancestors | head -n1": head exits early, ancestors gets SIGPIPE, and
+		# pipefail ends the script.
+		up=($(ancestors "$bdf"))
+		nicport[${up[0]}]=1
 		;;
 	*) continue ;;
 	esac

@@ -1,0 +1,146 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/passage-boot/passage/bench"
+	qemutest "github.com/passage-boot/passage/qemu-tests"
+)
+
+// moduleStages load kernel modules: the vfio stack first, host drivers later. The stage's
+// own time excludes them (a node's image decides what they cost, not passage).
+var moduleStages = map[string]bool{"modules": true, "host": true}
+
+type bootTimes struct {
+	uinit, manifest, handoff float64 // guest seconds since kernel start
+	modules                          float64 // seconds in module-loading stages
+	stages                           map[string]float64
+	wall                             time.Duration
+}
+
+// stageDurations reads log.jsonl's stage lines: {"type":"stage","name":..,"duration_ms":..}.
+func stageDurations(log []byte) (map[string]float64, error) {
+	out := map[string]float64{}
+	sc := bufio.NewScanner(bytes.NewReader(log))
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		var l struct {
+			Type       string  `json:"type"`
+			Name       string  `json:"name"`
+			DurationMS float64 `json:"duration_ms"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+			return nil, fmt.Errorf("log.jsonl: %w", err)
+		}
+		if l.Type == "stage" {
+			out[l.Name] += l.DurationMS / 1e3
+		}
+	}
+	return out, sc.Err()
+}
+
+func rowBoot(e *env, t *table, w io.Writer, boots int) error {
+	build, err := filepath.Abs(e.build)
+	if err != nil {
+		return err
+	}
+	var runs []bootTimes
+	for i := 0; i < boots; i++ {
+		work := filepath.Join(e.scratch, fmt.Sprintf("boot-%d", i))
+		if err := os.MkdirAll(work, 0o755); err != nil {
+			return err
+		}
+		r, err := qemutest.Boot(context.Background(), qemutest.Options{Build: build, WorkDir: work})
+		if err != nil {
+			return fmt.Errorf("boot %d: %w", i+1, err)
+		}
+		if r.Done != "ok" && r.Done != "degraded" {
+			return fmt.Errorf("boot %d: guest reported %q (console %s)", i+1, r.Done, r.Console)
+		}
+		bt := bootTimes{wall: r.WallDone}
+		for _, m := range []struct {
+			name string
+			dst  *float64
+		}{{"uinit-start", &bt.uinit}, {"manifest-written", &bt.manifest}, {"handoff", &bt.handoff}} {
+			v, ok := r.Markers[m.name]
+			if !ok {
+				return fmt.Errorf("boot %d: no %s marker", i+1, m.name)
+			}
+			*m.dst = v
+		}
+		log, ok := r.Files["log.jsonl"]
+		if !ok {
+			return fmt.Errorf("boot %d: no log.jsonl from the guest", i+1)
+		}
+		if bt.stages, err = stageDurations(log); err != nil {
+			return fmt.Errorf("boot %d: %w", i+1, err)
+		}
+		for name, d := range bt.stages {
+			if moduleStages[name] {
+				bt.modules += d
+			}
+		}
+		runs = append(runs, bt)
+		fmt.Fprintf(e.log, "bench: boot %d: uinit %.2fs manifest %.2fs handoff %.2fs (modules %.2fs)\n",
+			i+1, bt.uinit, bt.manifest, bt.handoff, bt.modules)
+	}
+	med := func(f func(b bootTimes) float64) time.Duration {
+		var ds []time.Duration
+		for _, r := range runs {
+			ds = append(ds, time.Duration(f(r)*float64(time.Second)))
+		}
+		return bench.Median(ds)
+	}
+	in := fmt.Sprintf("QEMU TCG, 2 units, median of %d boots", len(runs))
+	add := func(id, what string, d time.Duration, note string) {
+		t.add(row{id: id, what: what, input: in, passage: dur(d), note: note})
+	}
+	add("7a", "boot: kernel start -> uinit start", med(func(b bootTimes) float64 { return b.uinit }), "firmware + kernel init + u-root init (guest clock)")
+	add("7b", "boot: uinit start -> manifest written", med(func(b bootTimes) float64 { return b.manifest - b.uinit }),
+		fmt.Sprintf("module loading %s of it", dur(med(func(b bootTimes) float64 { return b.modules }))))
+	own := med(func(b bootTimes) float64 { return b.manifest - b.uinit - b.modules })
+	add("7c", "boot: passage's own time (7b minus module loading)", own, "scan, label, firmware, ACS, vfio bind, network, manifest")
+	add("7d", "boot: manifest written -> handoff", med(func(b bootTimes) float64 { return b.handoff - b.manifest }), "")
+	add("7e", "boot: kernel start -> handoff", med(func(b bootTimes) float64 { return b.handoff }),
+		fmt.Sprintf("host wall time QEMU start -> PASSAGE-DONE %s", dur(med(func(b bootTimes) float64 { return b.wall.Seconds() }))))
+	t.target(own < time.Second, "stage's own time in the QEMU boot (uinit -> manifest written, module loading excluded) < 1 s: %s", dur(own))
+
+	names := map[string]bool{}
+	for _, r := range runs {
+		for n := range r.stages {
+			names[n] = true
+		}
+	}
+	var sorted []string
+	for n := range names {
+		sorted = append(sorted, n)
+	}
+	sort.Strings(sorted)
+	fmt.Fprintf(w, "## Boot (row 7)\n\nPer stage, from the guest's log.jsonl, median of %d boots (TCG, so about 10-50x a real node's CPU time):\n\n| stage | median |\n|---|---|\n", len(runs))
+	for _, n := range sorted {
+		d := med(func(b bootTimes) float64 { return b.stages[n] })
+		mark := ""
+		if moduleStages[n] {
+			mark = " (module loading)"
+		}
+		fmt.Fprintf(w, "| %s%s | %s |\n", n, mark, dur(d))
+	}
+	fmt.Fprintf(w, "\nMarkers per boot (s since kernel start): %s\n\n", strings.Join(func() []string {
+		var s []string
+		for _, r := range runs {
+			s = append(s, fmt.Sprintf("uinit %.2f / manifest %.2f / handoff %.2f", r.uinit, r.manifest, r.handoff))
+		}
+		return s
+	}(), "; "))
+	return nil
+}

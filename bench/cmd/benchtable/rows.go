@@ -1,0 +1,319 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"time"
+
+	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/bench"
+	"github.com/passage-boot/passage/firmware"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
+	"github.com/passage-boot/passage/vfiobind/vfiotest"
+)
+
+// b300Fns is the reference node's function count; every row on it checks the count so a
+// changed reference cannot silently change what is measured.
+const b300Fns = 134
+
+// proc is one run of a command with its output thrown away; a non-zero exit is an error
+// (the side must have done the work, not failed fast).
+func proc(name string, args ...string) func() error {
+	return func() error {
+		cmd := exec.Command(name, args...)
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("%s %s: %w: %s", filepath.Base(name), strings.Join(args, " "), err, firstLine(stderr.String()))
+		}
+		return nil
+	}
+}
+
+func firstLine(s string) string {
+	s = strings.TrimSpace(s)
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		return s[:i]
+	}
+	return s
+}
+
+func lspciArgs(root string, extra ...string) []string {
+	return append([]string{"-A", "linux-sysfs", "-O", "sysfs.path=" + filepath.Join(root, "sys/bus/pci")}, extra...)
+}
+
+// b300 builds the reference tree once per run (the read-only rows share it).
+func (e *env) b300() (*pcitest.Node, error) {
+	dir := filepath.Join(e.scratch, "b300")
+	if _, err := os.Stat(dir); err == nil {
+		return &pcitest.Node{Root: dir}, nil
+	}
+	return bench.BuildTree(e.scratch, "b300", pcitest.B300())
+}
+
+func scanChecked(root string, want int) (*pci.Tree, error) {
+	tree, err := pci.Scan(root)
+	if err != nil {
+		return nil, err
+	}
+	if len(tree.Devices) != want {
+		return nil, fmt.Errorf("scan %s: %d functions, want %d", root, len(tree.Devices), want)
+	}
+	return tree, tree.Err()
+}
+
+var b300Profile = func() *topology.Profile {
+	p, err := topology.Builtin("b300")
+	if err != nil {
+		panic(err) // the embedded profile is part of the binary
+	}
+	return p
+}()
+
+// planInProcess is what `passage plan` computes, without printing it.
+func planInProcess(root string, want int) (*topology.Plan, error) {
+	tree, err := scanChecked(root, want)
+	if err != nil {
+		return nil, err
+	}
+	pl, err := topology.NewPlan(tree, b300Profile, topology.GuestOptions{})
+	if err != nil {
+		return nil, err
+	}
+	if len(pl.Labels.Units) == 0 || len(pl.ACS) == 0 {
+		return nil, fmt.Errorf("plan %s: %d units, %d ACS ports", root, len(pl.Labels.Units), len(pl.ACS))
+	}
+	return pl, nil
+}
+
+// lspciFunctions counts the functions in lspci's output, to check that it read the tree.
+func lspciFunctions(root string) (int, error) {
+	out, err := exec.Command("lspci", lspciArgs(root, "-D")...).Output()
+	if err != nil {
+		return 0, fmt.Errorf("lspci -D: %w", err)
+	}
+	return strings.Count(string(out), "\n"), nil
+}
+
+func rowScan(e *env, t *table, w io.Writer) error {
+	n, err := e.b300()
+	if err != nil {
+		return err
+	}
+	if got, err := lspciFunctions(n.Root); err != nil || got != b300Fns {
+		return fmt.Errorf("lspci sees %d functions (%v), want %d", got, err, b300Fns)
+	}
+	s, err := bench.Measure(e.rounds,
+		bench.Side{Name: "passage inspect", Run: proc(e.passage, "inspect", "--root", n.Root)},
+		bench.Side{Name: "pci.Scan", Run: func() error { _, err := scanChecked(n.Root, b300Fns); return err }},
+		bench.Side{Name: "lspci -vvv", Run: proc("lspci", lspciArgs(n.Root, "-vvv")...)},
+	)
+	if err != nil {
+		return err
+	}
+	in := fmt.Sprintf("B300 tree, %d fns", b300Fns)
+	t.pair("1a", "scan+decode: `passage inspect --root` (process)", in, s[0].Median, s[2].Median, "lspci -vvv", "")
+	t.pair("1b", "scan+decode: `pci.Scan` (in-process)", in, s[1].Median, s[2].Median, "lspci -vvv",
+		fmt.Sprintf("%d allocs, %s", s[1].Allocs, kib(s[1].Bytes)))
+	return nil
+}
+
+func kib(b uint64) string { return fmt.Sprintf("%.0f KiB", float64(b)/1024) }
+
+func rowPlan(e *env, t *table, w io.Writer) error {
+	n, err := e.b300()
+	if err != nil {
+		return err
+	}
+	// The baseline must find the same ports and values, or the ratio compares unequal
+	// work (bench's go test holds this too).
+	pl, err := planInProcess(n.Root, b300Fns)
+	if err != nil {
+		return err
+	}
+	out, err := bench.RunScript(e.script, n.Root, false)
+	if err != nil {
+		return err
+	}
+	ports, err := bench.ParseScript(out)
+	if err != nil {
+		return err
+	}
+	if len(ports) != len(pl.ACS) {
+		return fmt.Errorf("acs-plan.sh planned %d ports, passage %d", len(ports), len(pl.ACS))
+	}
+	s, err := bench.Measure(e.rounds,
+		bench.Side{Name: "passage plan", Run: proc(e.passage, "plan", "--root", n.Root)},
+		bench.Side{Name: "plan in-process", Run: func() error { _, err := planInProcess(n.Root, b300Fns); return err }},
+		bench.Side{Name: "acs-plan.sh", Run: proc("bash", e.script, n.Root)},
+		bench.Side{Name: "lspci -vvv", Run: proc("lspci", lspciArgs(n.Root, "-vvv")...)},
+	)
+	if err != nil {
+		return err
+	}
+	in := fmt.Sprintf("B300 tree, %d fns, %d ports", b300Fns, len(pl.ACS))
+	rs := t.pair("2a", "scan+plan: `passage plan --root` (process)", in, s[0].Median, s[2].Median, "acs-plan.sh", "roles, units, ACS plan, host+guest matrices, text output")
+	ri := t.pair("2b", "scan+plan: `topology.NewPlan` (in-process)", in, s[1].Median, s[2].Median, "acs-plan.sh",
+		fmt.Sprintf("%d allocs, %s", s[1].Allocs, kib(s[1].Bytes)))
+	rl := t.pair("2c", "scan+plan (process) vs lspci alone", in, s[0].Median, s[3].Median, "lspci -vvv", "lspci only decodes; it plans nothing")
+	rli := t.pair("2d", "scan+plan (in-process) vs lspci alone", in, s[1].Median, s[3].Median, "lspci -vvv", "")
+	t.target(rs >= 10, "scan+plan >= 10x faster than the lspci/setpci script: process %.1fx, in-process %.1fx", rs, ri)
+	t.target(rl >= 2, "scan+plan >= 2x faster than lspci -vvv alone: process %.1fx, in-process %.1fx", rl, rli)
+	return nil
+}
+
+// applyInProcess is `passage apply`'s path: scan, label, ATS check, ACS plan and write with
+// read-back; with k it then binds every unit against the simulated kernel.
+func applyInProcess(root string, k *vfiotest.Kernel) error {
+	tree, err := scanChecked(root, b300Fns)
+	if err != nil {
+		return err
+	}
+	labels, err := topology.Label(tree, b300Profile)
+	if err != nil {
+		return err
+	}
+	ats := firmware.CheckATS(labels.Units, firmware.PolicyPrefer)
+	plan := firmware.DropDT(topology.ACSPlan(labels.Units), ats)
+	cfg := pci.SysfsConfig{Root: root}
+	rep, err := apply.ACS(context.Background(), plan, labels.Units, apply.Options{IO: cfg})
+	if err != nil {
+		return err
+	}
+	if rep.Failed() || rep.Writes() != 8 {
+		return fmt.Errorf("apply %s: %d ports written, failed %v (want 8 written)", root, rep.Writes(), rep.Failed())
+	}
+	if k == nil {
+		return nil
+	}
+	br, err := vfiobind.Bind(context.Background(), k, tree, labels.Units, vfiobind.Options{Modules: k, Config: cfg})
+	if err != nil {
+		return err
+	}
+	for _, u := range br.Units {
+		if u.Status != topology.StatusReady {
+			return fmt.Errorf("bind %s: unit %d %s %v", root, u.ID, u.Status, u.Reasons)
+		}
+	}
+	return nil
+}
+
+func rowApply(e *env, t *table, w io.Writer) error {
+	// Every run writes, so every run gets a tree of its own, built outside the timer.
+	seq := 0
+	var cur string
+	var kernel *vfiotest.Kernel
+	fresh := func(withKernel bool) func() error {
+		return func() error {
+			if cur != "" {
+				os.RemoveAll(cur)
+			}
+			seq++
+			n, err := bench.BuildTree(e.scratch, fmt.Sprintf("apply-%d", seq), pcitest.B300())
+			if err != nil {
+				return err
+			}
+			cur, kernel = n.Root, nil
+			if withKernel {
+				kernel, err = vfiotest.New(n.Root)
+			}
+			return err
+		}
+	}
+	defer func() {
+		if cur != "" {
+			os.RemoveAll(cur)
+		}
+	}()
+	s, err := bench.Measure(e.rounds,
+		bench.Side{Name: "passage apply --no-bind", Prepare: fresh(false), Run: func() error {
+			return proc(e.passage, "apply", "--root", cur, "--no-bind")()
+		}},
+		bench.Side{Name: "ACS in-process", Prepare: fresh(false), Run: func() error { return applyInProcess(cur, nil) }},
+		bench.Side{Name: "ACS+bind in-process", Prepare: fresh(true), Run: func() error { return applyInProcess(cur, kernel) }},
+		bench.Side{Name: "acs-plan.sh --apply", Prepare: fresh(false), Run: func() error {
+			return proc("bash", e.script, cur, "--apply")()
+		}},
+	)
+	if err != nil {
+		return err
+	}
+	in := "fresh B300 tree per run, 8 of 32 ports written"
+	t.pair("3a", "apply: `passage apply --root --no-bind` (process)", in, s[0].Median, s[3].Median, "acs-plan.sh --apply",
+		"ACS only: binding needs a kernel that answers drivers_probe; the script's 32x3 bind echoes are bash builtins")
+	t.pair("3b", "apply: scan+plan+`apply.ACS` (in-process)", in, s[1].Median, s[3].Median, "acs-plan.sh --apply", "ACS write + read-back")
+	t.pair("3c", "apply: ACS + `vfiobind.Bind` (in-process)", in, s[2].Median, s[3].Median, "acs-plan.sh --apply",
+		"32 functions bound against vfiotest's simulated kernel (no real driver probe)")
+	return nil
+}
+
+// rowScaling is scan+plan on one core at growing function counts: the B300 reference cut
+// or extended with SR-IOV VFs on the ConnectX-8 PFs.
+func rowScaling(e *env, t *table, w io.Writer) error {
+	prev := runtime.GOMAXPROCS(1)
+	defer runtime.GOMAXPROCS(prev)
+	sizes := []struct {
+		label        string
+		units, perPF int
+		rounds       int
+	}{
+		{"100", 2, 14, e.rounds},
+		{"1 000", 8, 54, e.rounds},
+		{"10 000", 8, 617, max(3, e.rounds/2)},
+	}
+	fmt.Fprintf(w, "## Scaling (row 4)\n\nOne core (GOMAXPROCS=1), in-process scan+plan, medians of alternating runs; "+
+		"the B300 reference cut to its first GPU complexes or extended with SR-IOV VFs on the 16 ConnectX-8 PFs. "+
+		"lspci -vvv on the same tree for scale.\n\n")
+	fmt.Fprintf(w, "| functions | shape | scan+plan | µs/fn | allocs/fn | bytes/fn | scan alone µs/fn | lspci -vvv | lspci µs/fn |\n|---|---|---|---|---|---|---|---|---|\n")
+	var perFn []float64
+	var at10k time.Duration
+	for _, sz := range sizes {
+		name := "scale-" + strings.ReplaceAll(sz.label, " ", "")
+		n, err := bench.BuildTree(e.scratch, name, bench.B300Scaled(sz.units, sz.perPF))
+		if err != nil {
+			return err
+		}
+		tree, err := pci.Scan(n.Root)
+		if err != nil {
+			return err
+		}
+		fns := len(tree.Devices)
+		s, err := bench.Measure(sz.rounds,
+			bench.Side{Name: "scan+plan", Run: func() error { _, err := planInProcess(n.Root, fns); return err }},
+			bench.Side{Name: "scan", Run: func() error { _, err := scanChecked(n.Root, fns); return err }},
+			bench.Side{Name: "lspci -vvv", Run: proc("lspci", lspciArgs(n.Root, "-vvv")...)},
+		)
+		os.RemoveAll(n.Root)
+		if err != nil {
+			return err
+		}
+		us := float64(s[0].Median) / 1e3 / float64(fns)
+		perFn = append(perFn, us)
+		shape := fmt.Sprintf("%d GPU units, %d VFs per CX-8 PF", sz.units, sz.perPF)
+		fmt.Fprintf(w, "| %d | %s | %s | %.1f | %.1f | %.0f | %.1f | %s | %.1f |\n", fns, shape, dur(s[0].Median), us,
+			float64(s[0].Allocs)/float64(fns), float64(s[0].Bytes)/float64(fns), float64(s[1].Median)/1e3/float64(fns),
+			dur(s[2].Median), float64(s[2].Median)/1e3/float64(fns))
+		t.pair("4", fmt.Sprintf("scaling: scan+plan, 1 core, %s fns", sz.label), fmt.Sprintf("%d fns (%s)", fns, shape),
+			s[0].Median, s[2].Median, "lspci -vvv",
+			fmt.Sprintf("%.1f µs/fn, %.0f allocs/fn", us, float64(s[0].Allocs)/float64(fns)))
+		if sz.perPF == 617 {
+			at10k = s[0].Median
+		}
+	}
+	growth := perFn[2] / perFn[1]
+	fmt.Fprintf(w, "\nPer-function time from 1 000 to 10 000 functions changes by %.2fx (1.00 = perfectly linear); from 100 to 1 000 by %.2fx.\n\n",
+		growth, perFn[1]/perFn[0])
+	t.target(growth <= 1.5, "growth linear: µs/fn at 10 000 is %.2fx that at 1 000 (<= 1.5x counts as linear)", growth)
+	t.target(at10k < 100*time.Millisecond, "10 000 functions scan+plan < 100 ms on one core: %s", dur(at10k))
+	return nil
+}

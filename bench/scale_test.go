@@ -1,0 +1,48 @@
+package bench
+
+import (
+	"testing"
+
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/topology"
+)
+
+// benchScanPlan is scan+plan (what `passage plan` computes) on a B300 node with perPF
+// SR-IOV VFs per ConnectX-8 PF, per function; cmd/benchtable's row 4 reports the same at
+// 100, 1 000 and 10 000 functions. Run with -cpu 1 for the one-core target.
+func benchScanPlan(b *testing.B, units, perPF int, planToo bool) {
+	dir, err := ScratchDir("bench-scale-")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { removeAll(b, dir) })
+	n, err := pcitest.Build(dir, B300Scaled(units, perPF))
+	if err != nil {
+		b.Fatal(err)
+	}
+	prof, err := topology.Builtin("b300")
+	if err != nil {
+		b.Fatal(err)
+	}
+	fns := 0
+	b.ReportAllocs()
+	for b.Loop() {
+		tree, err := pci.Scan(n.Root)
+		if err != nil {
+			b.Fatal(err)
+		}
+		fns = len(tree.Devices)
+		if !planToo {
+			continue
+		}
+		if _, err := topology.NewPlan(tree, prof, topology.GuestOptions{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*fns), "ns/fn")
+}
+
+func BenchmarkScanPlan1000(b *testing.B)  { benchScanPlan(b, 8, 54, true) }
+func BenchmarkScanPlan10000(b *testing.B) { benchScanPlan(b, 8, 617, true) }
+func BenchmarkScan10000(b *testing.B)     { benchScanPlan(b, 8, 617, false) }
