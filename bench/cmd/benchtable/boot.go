@@ -23,9 +23,9 @@ var moduleStages = map[string]bool{"modules": true, "host": true}
 
 type bootTimes struct {
 	uinit, manifest, handoff float64 // guest seconds since kernel start
-	modules                          float64 // seconds in module-loading stages
-	stages                           map[string]float64
-	wall                             time.Duration
+	modules                  float64 // seconds in module-loading stages
+	stages                   map[string]float64
+	wall                     time.Duration
 }
 
 // stageDurations reads log.jsonl's stage lines: {"type":"stage","name":..,"duration_ms":..}.

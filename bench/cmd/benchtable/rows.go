@@ -117,6 +117,8 @@ func rowScan(e *env, t *table, w io.Writer) error {
 		bench.Side{Name: "passage inspect", Run: proc(e.passage, "inspect", "--root", n.Root)},
 		bench.Side{Name: "pci.Scan", Run: func() error { _, err := scanChecked(n.Root, b300Fns); return err }},
 		bench.Side{Name: "lspci -vvv", Run: proc("lspci", lspciArgs(n.Root, "-vvv")...)},
+		bench.Side{Name: "passage help", Run: proc(e.passage, "help")},
+		bench.Side{Name: "lspci --version", Run: proc("lspci", "--version")},
 	)
 	if err != nil {
 		return err
@@ -125,6 +127,8 @@ func rowScan(e *env, t *table, w io.Writer) error {
 	t.pair("1a", "scan+decode: `passage inspect --root` (process)", in, s[0].Median, s[2].Median, "lspci -vvv", "")
 	t.pair("1b", "scan+decode: `pci.Scan` (in-process)", in, s[1].Median, s[2].Median, "lspci -vvv",
 		fmt.Sprintf("%d allocs, %s", s[1].Allocs, kib(s[1].Bytes)))
+	t.pair("1s", "process start: `passage help` vs `lspci --version`", "no tree", s[3].Median, s[4].Median, "lspci --version",
+		"what a process costs before it reads anything")
 	return nil
 }
 

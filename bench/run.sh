@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# bench/run.sh [benchtable flags]: what `make bench` runs. Builds passage and
+# bench/cmd/benchtable, makes sure the image exists (make initramfs, a no-op when it is up
+# to date), then prints the table and writes bench/results.md.
+#   bash bench/run.sh -boot=false -rounds 5    # quick: no QEMU boots, fewer runs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD:-build}
+
+# strace counts the sysfs reads of the passage process (the floor row).
+if ! command -v strace >/dev/null; then
+	if [[ $(id -u) == 0 ]]; then
+		echo "bench: installing strace"
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends strace >/dev/null
+	else
+		echo "bench: strace missing; run as root or install it" >&2
+		exit 1
+	fi
+fi
+
+boot=1
+for a in "$@"; do
+	[[ $a == -boot=false || $a == --boot=false ]] && boot=0
+done
+# The image row reads the initramfs and the boot row boots it: build it when stale.
+if ((boot)) || [[ ! -s $build/initramfs.cpio.gz ]]; then
+	make --no-print-directory initramfs BUILD="$build"
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+go build -o "$tmp/passage" ./cmd/passage
+go build -o "$tmp/benchtable" ./bench/cmd/benchtable
+"$tmp/benchtable" -passage "$tmp/passage" -build "$build" -out bench/results.md "$@"
