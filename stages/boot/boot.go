@@ -127,21 +127,6 @@ func (b *Boot) syncUnits(st *stages.State, stage string) {
 	}
 }
 
-// eligible returns the topology units the state has not failed.
-func (b *Boot) eligible(st *stages.State) []*topology.Unit {
-	ok := map[string]bool{}
-	for _, u := range st.Eligible() {
-		ok[u.ID] = true
-	}
-	var out []*topology.Unit
-	for _, u := range b.Units {
-		if ok[UnitID(u.ID)] {
-			out = append(out, u)
-		}
-	}
-	return out
-}
-
 // Stages returns the boot's stage list in DESIGN.md's order. The handoff is not a stage:
 // it never returns, so cmd/passage/boot.go does it after the report.
 func (b *Boot) Stages() []stages.Stage {
@@ -379,8 +364,10 @@ func (b *Boot) vfio(ctx context.Context, st *stages.State, r *stages.Result) err
 		}
 		return stages.Skip("dry run")
 	}
-	units := b.eligible(st)
-	for _, u := range b.Units {
+	// Every unit goes to Bind: it binds none of a failed unit's functions, and its audit
+	// still says what else is wrong with it (a group shared with a host device).
+	units := b.Units
+	for _, u := range units {
 		if u.Status == topology.StatusFailed {
 			r.Findingf("unit %s: failed before binding, left untouched", UnitID(u.ID))
 		}
