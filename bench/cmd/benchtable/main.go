@@ -46,6 +46,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	boot := fs.Bool("boot", true, "boot the image under QEMU 3 times for the boot row (about 15 s a boot)")
 	boots := fs.Int("boots", 3, "boots for the boot row")
 	out := fs.String("out", "", "also write the table and details as Markdown to `FILE`")
+	only := fs.String("rows", "", "run only these rows (comma-separated: scan,plan,apply,scaling,floor,manifest,image,boot)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -93,6 +94,24 @@ func run(args []string, stdout, stderr io.Writer) int {
 			fn   func(*env, *table, io.Writer) error
 		}{"boot", func(e *env, t *table, w io.Writer) error { return rowBoot(e, t, w, *boots) }})
 	}
+	if *only != "" {
+		want := map[string]bool{}
+		for _, r := range strings.Split(*only, ",") {
+			want[strings.TrimSpace(r)] = true
+		}
+		kept := steps[:0]
+		for _, s := range steps {
+			if want[s.name] {
+				kept = append(kept, s)
+				delete(want, s.name)
+			}
+		}
+		if len(want) > 0 || len(kept) == 0 {
+			fmt.Fprintf(stderr, "benchtable: -rows %q: unknown or skipped rows\n", *only)
+			return 2
+		}
+		steps = kept
+	}
 	failed := false
 	for _, s := range steps {
 		t0 := time.Now()
@@ -106,7 +125,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintf(stderr, "bench: %s done in %.1fs\n", s.name, time.Since(t0).Seconds())
 	}
-	if !*boot {
+	if !*boot && *only == "" {
 		t.add(row{id: "7", what: "boot (QEMU)", note: "skipped (-boot=false)"})
 	}
 
