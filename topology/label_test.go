@@ -199,3 +199,27 @@ func TestUnlabeled(t *testing.T) {
 		t.Errorf("unlabeled_is_error: err = %v", err)
 	}
 }
+
+// ConnectX VFs are network-class functions outside any GPU switch, like a management
+// NIC: the mgmt-nic rule must not claim them too (that would be a rule conflict).
+func TestConnectXVFsNotManagementNICs(t *testing.T) {
+	for _, prof := range []string{"b300", "b200"} {
+		n, tree := scan(t, pcitest.SRIOVNode(2, 3, 2))
+		l := mustLabel(t, tree, prof)
+		vfs := 0
+		for _, d := range tree.Devices {
+			if d.DeviceID == pcitest.DevCX8VF {
+				vfs++
+				if got := l.Of(d.Addr); got.Role != RoleHostOther || got.Rule != "connectx-vf" {
+					t.Errorf("%s: VF %s labelled %+v", prof, d.Addr, got)
+				}
+			}
+		}
+		if vfs != 10 {
+			t.Fatalf("%s: %d VFs in the tree, want 10", prof, vfs)
+		}
+		if got := l.Of(n.Addr("nic0.0")); got.Role != RoleMgmtNIC {
+			t.Errorf("%s: PF on its own root port labelled %+v", prof, got)
+		}
+	}
+}
