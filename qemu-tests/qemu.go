@@ -280,7 +280,14 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	if name == "" {
 		name = o.Topology.Name()
 		if o.Devices != nil {
-			name = "devices:" + filepath.Base(filepath.Dir(work))
+			name = "rendered devices"
+		}
+		// A test's temp dir is named after it: /tmp/TestX1234/001/work.
+		for d := work; d != filepath.Dir(d); d = filepath.Dir(d) {
+			if b := filepath.Base(d); strings.HasPrefix(b, "Test") {
+				name = strings.TrimRight(b, "0123456789") + " (" + name + ")"
+				break
+			}
 		}
 	}
 	recordTiming(run.timing(name))

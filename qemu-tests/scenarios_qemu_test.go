@@ -56,6 +56,9 @@ func bootPassage(t *testing.T, o Options) (*Run, *manifest.Manifest) {
 		t.Logf("%s", run.TimingLine(o.Name))
 	}
 	if err != nil {
+		if run != nil {
+			t.Fatalf("%v; the console's end:\n%s", err, consoleTail(run.Console, 80))
+		}
 		t.Fatal(err)
 	}
 	if run.Done == "" {
