@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime/debug"
@@ -132,10 +133,19 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		if err := b.WriteReadback(); err != nil {
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
+		// A kernel message inside a base64 line spoils the block: keep printk off the
+		// console while the blocks go out.
+		restore, err := emit.QuietKernel(root)
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			fmt.Fprintf(console, "passage: %v\n", err)
+		}
 		if err := emit.Dir(console, runDir); err != nil {
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 		emit.Done(console, string(summary))
+		if err := restore(); err != nil {
+			fmt.Fprintf(console, "passage: %v\n", err)
+		}
 	}
 	return cfg, summary
 }
