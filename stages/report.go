@@ -55,7 +55,12 @@ func WriteUnitTable(w io.Writer, units []Unit) error {
 				why += fmt.Sprintf(" (+%d more)", len(u.Reasons)-1)
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", u.ID, u.GPU, nics, u.Status, oneLine(why))
+		// A unit's word is the manifest's: ready, degraded or failed.
+		status := string(u.Status)
+		if u.Status == OK {
+			status = "ready"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", u.ID, u.GPU, nics, status, oneLine(why))
 	}
 	if len(units) == 0 {
 		fmt.Fprintln(tw, "(no units)\t\t\t\t")

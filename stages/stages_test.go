@@ -322,4 +322,13 @@ func TestJSONLinesAndConsole(t *testing.T) {
 		strings.Join(strings.Fields(lines[1]), " ") != "gpu0 0000:03:00.0 0000:04:00.0,0000:04:00.1 degraded no ATS (+1 more)" {
 		t.Errorf("unit table:\n%s", tb.String())
 	}
+
+	// An ok unit reads "ready" on the console, as in the manifest.
+	tb.Reset()
+	if err := WriteUnitTable(&tb, []Unit{{ID: "gpu1", GPU: "0000:13:00.0", Status: OK}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Fields(strings.Split(strings.TrimSpace(tb.String()), "\n")[1]); len(got) != 4 || got[3] != "ready" {
+		t.Errorf("ok unit row %q", got)
+	}
 }

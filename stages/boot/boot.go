@@ -175,9 +175,15 @@ func (b *Boot) loadModules(r *stages.Result, names []string) (failed []string) {
 		r.Findingf("dry run: would load %s", strings.Join(order, " "))
 		return nil
 	}
+	reported := map[string]bool{}
 	for _, n := range names {
 		res, err := b.Modules.Load(n)
 		for _, m := range res {
+			// A dependency shared by several names comes back from each Load: say it once.
+			if reported[m.Name] {
+				continue
+			}
+			reported[m.Name] = true
 			switch {
 			case m.Err != nil:
 				r.Findingf("module %s: %v", m.Name, m.Err)
