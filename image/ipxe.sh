@@ -23,6 +23,9 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   intel_iommu=on             the IOMMU that vfio needs (on by default in Debian's kernel; explicit here)
 #   console=ttyS0,115200       the serial console the BMC shows: passage's stage lines and unit table
 #   panic=-1                   reboot at once on a kernel panic instead of hanging the node
+#   rdinit=/bbin/passage       passage is the initramfs's init (PID 1), which switch_root
+#                              needs: the real root's init must become PID 1. Without it
+#                              u-root's init runs passage as its uinit (poweroff/shell/hold)
 #   passage.profile=b300       labelling profile: b300, b200, qemu, or an operator's
 #   passage.key=PATH           ed25519 signing key in the initramfs (default /etc/passage/key)
 #   passage.tpm=auto           sign with the TPM-resident key and extend a PCR when a TPM is there (on|off|auto)
@@ -44,7 +47,7 @@ set root /dev/nvme0n1p2
 set urlarg
 isset \${passage_url} && set urlarg passage.url=\${passage_url} ||
 
-kernel vmlinuz initrd=initramfs.cpio.gz console=ttyS0,115200 intel_iommu=on panic=-1 passage.profile=\${profile} passage.handoff=\${handoff} passage.root=\${root} \${urlarg}
+kernel vmlinuz initrd=initramfs.cpio.gz console=ttyS0,115200 intel_iommu=on panic=-1 rdinit=/bbin/passage passage.profile=\${profile} passage.handoff=\${handoff} passage.root=\${root} \${urlarg}
 initrd initramfs.cpio.gz
 boot
 IPXE

@@ -128,7 +128,7 @@ func switchRoot(c Config, sys System) error {
 	// u-root's init, passage is a child (the uinit), so a switch_root from here would leave
 	// the real init without PID 1.
 	if pid := sys.Getpid(); pid != 1 {
-		return fmt.Errorf("switch_root %s: passage runs as pid %d, not 1 (the u-root init owns pid 1; boot passage as rdinit/inito to switch_root)", c.Root, pid)
+		return fmt.Errorf("switch_root %s: passage runs as pid %d, not 1 (u-root's init owns pid 1: boot with rdinit=/bbin/passage to switch_root)", c.Root, pid)
 	}
 	sys.Sync()
 	if err := sys.MountRoot(c.Root, NewRoot, c.RootFSType); err != nil {

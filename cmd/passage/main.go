@@ -8,6 +8,8 @@ import (
 	"io"
 	"os"
 	"sort"
+
+	"github.com/u-root/u-root/pkg/libinit"
 )
 
 // command is one subcommand: run gets the arguments after the subcommand's name and
@@ -47,6 +49,14 @@ func usage(w io.Writer) {
 }
 
 func main() {
+	if os.Getpid() == 1 {
+		// The image's /init: the kernel started passage itself, so it sets up what u-root's
+		// init would (mounts, environment) and runs the boot. Being PID 1 is what lets the
+		// handoff switch_root into the real root, whose init must be PID 1 too.
+		libinit.SetEnv()
+		libinit.CreateRootfs()
+		os.Exit(cmdBoot(nil, os.Stdout, os.Stderr)) // cmdBoot never returns without --no-handoff
+	}
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 

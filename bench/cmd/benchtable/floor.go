@@ -33,7 +33,10 @@ func (c *straceCount) reopened() int {
 	return n
 }
 
-var straceLine = regexp.MustCompile(`^\d+\s+(\w+)\((?:AT_FDCWD, )?"([^"]*)"`)
+// straceLine matches a path syscall; with strace -y a directory descriptor argument shows
+// its path ("openat(5</sys/devices/...>, "config", ...)"), which the scan's openat
+// relative to each function's directory needs.
+var straceLine = regexp.MustCompile(`^\d+\s+(\w+)\((?:AT_FDCWD, |\d+<([^>]*)>, )?"([^"]*)"`)
 
 // traceFS runs the command under strace -f and counts its path syscalls below root and
 // its execve calls. pci has a read hook, but only its tests can use it (ScanCounting is in
@@ -41,7 +44,7 @@ var straceLine = regexp.MustCompile(`^\d+\s+(\w+)\((?:AT_FDCWD, )?"([^"]*)"`)
 // CLI around the scan adds.
 func traceFS(dir, root string, name string, args ...string) (*straceCount, error) {
 	out := filepath.Join(dir, "strace.out")
-	sargs := append([]string{"-f", "-qq", "-s", "4096", "-o", out,
+	sargs := append([]string{"-f", "-qq", "-y", "-s", "4096", "-o", out,
 		"-e", "trace=openat,open,readlinkat,readlink,newfstatat,stat,lstat,statx,access,faccessat2,execve", name}, args...)
 	cmd := exec.Command("strace", sargs...)
 	if err := cmd.Run(); err != nil {
@@ -61,9 +64,17 @@ func traceFS(dir, root string, name string, args ...string) (*straceCount, error
 		if m == nil {
 			continue
 		}
-		call, p := m[1], m[2]
+		call, p := m[1], m[3]
 		if call == "execve" {
 			c.execs++
+			continue
+		}
+		if m[2] != "" && !strings.HasPrefix(p, "/") {
+			p = filepath.Join(m[2], p)
+		}
+		// A directory handle (O_PATH) reads nothing: the files opened relative to it are
+		// what count.
+		if strings.Contains(sc.Text(), "O_PATH") {
 			continue
 		}
 		if !strings.HasPrefix(p, root+"/") {
