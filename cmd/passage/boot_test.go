@@ -189,10 +189,10 @@ func TestDrainConsoleNotATerminal(t *testing.T) {
 	if _, err := w.Write([]byte("unread\n")); err != nil {
 		t.Fatal(err)
 	}
-	if err := drainConsole(w); err != nil {
+	if err := emit.Drain(w); err != nil {
 		t.Errorf("pipe: %v", err)
 	}
-	if err := drainConsole(&bytes.Buffer{}); err != nil {
+	if err := emit.Drain(&bytes.Buffer{}); err != nil {
 		t.Errorf("buffer: %v", err)
 	}
 }
@@ -208,7 +208,7 @@ func TestOpenConsoles(t *testing.T) {
 	os.WriteFile(filepath.Join(root, "dev/ttyS0"), nil, 0o644)
 	os.MkdirAll(filepath.Join(root, "etc"), 0o755)
 	os.WriteFile(filepath.Join(root, "etc/passwd"), nil, 0o644)
-	fs := openConsoles(root)
+	fs := emit.OpenConsoles(root)
 	var names []string
 	for _, f := range fs {
 		names = append(names, filepath.Base(f.Name()))
@@ -217,7 +217,7 @@ func TestOpenConsoles(t *testing.T) {
 	if strings.Join(names, " ") != "ttyS0" {
 		t.Errorf("opened %v, want [ttyS0]", names)
 	}
-	if got := openConsoles(t.TempDir()); len(got) != 0 {
+	if got := emit.OpenConsoles(t.TempDir()); len(got) != 0 {
 		t.Errorf("no /proc/cmdline: opened %d", len(got))
 	}
 }

@@ -7,6 +7,8 @@
 package main
 
 import (
+	"github.com/passage-boot/passage/initramfs/emit"
+
 	"bytes"
 	"context"
 	"encoding/binary"
@@ -210,6 +212,11 @@ func dhcp() string {
 }
 
 func main() {
+	// Write to the console TTY itself, not the pipe u-root's init copies from: what is
+	// still in that pipe at power-off is lost (the same reason passage boot does this).
+	if ttys := emit.OpenConsoles("/"); len(ttys) > 0 {
+		os.Stdout = ttys[0]
+	}
 	marker("uinit-start")
 	out := map[string][]byte{}
 	summary := "ok"
@@ -292,6 +299,9 @@ func main() {
 	}
 	marker("handoff")
 	fmt.Printf("===PASSAGE-DONE %s===\n", summary)
+	if err := emit.Drain(os.Stdout); err != nil {
+		fmt.Printf("fakeuinit: %v\n", err)
+	}
 	unix.Sync()
 	unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
 	select {}
