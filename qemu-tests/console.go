@@ -6,7 +6,6 @@ package qemutest
 
 import (
 	"bufio"
-	"bytes"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
@@ -180,27 +179,6 @@ func ParseConsole(r io.Reader) (*Report, error) {
 		return p.finish(), fmt.Errorf("console: %w", err)
 	}
 	return p.finish(), nil
-}
-
-// EncodeFile writes one file block in the protocol's format; the fake uinit and the
-// tests use it, and it documents the format by example.
-func EncodeFile(w io.Writer, name string, data []byte) error {
-	sum := sha256.Sum256(data)
-	var b bytes.Buffer
-	fmt.Fprintf(&b, "===PASSAGE-FILE-BEGIN %s %d %s===\n", name, len(data), hex.EncodeToString(sum[:]))
-	enc := base64.StdEncoding.EncodeToString(data)
-	for len(enc) > 76 {
-		b.WriteString(enc[:76])
-		b.WriteByte('\n')
-		enc = enc[76:]
-	}
-	if enc != "" {
-		b.WriteString(enc)
-		b.WriteByte('\n')
-	}
-	fmt.Fprintf(&b, "===PASSAGE-FILE-END %s===\n", name)
-	_, err := w.Write(b.Bytes())
-	return err
 }
 
 // Timeline renders the boot timeline: kernel start (guest uptime 0) to each marker in

@@ -7,12 +7,14 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/passage-boot/passage/initramfs/emit"
 )
 
 func encode(t testing.TB, name string, data []byte) string {
 	t.Helper()
 	var b bytes.Buffer
-	if err := EncodeFile(&b, name, data); err != nil {
+	if err := emit.File(&b, name, data); err != nil {
 		t.Fatal(err)
 	}
 	return b.String()

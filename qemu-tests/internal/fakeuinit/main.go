@@ -26,7 +26,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/passage-boot/passage/initramfs/kmod"
-	qemutest "github.com/passage-boot/passage/qemu-tests"
 )
 
 func uptime() string {
@@ -295,7 +294,7 @@ func main() {
 	marker("manifest-written")
 	sort.Strings(names)
 	for _, n := range names {
-		qemutest.EncodeFile(os.Stdout, n, out[n])
+		emit.File(os.Stdout, n, out[n])
 	}
 	marker("handoff")
 	fmt.Printf("===PASSAGE-DONE %s===\n", summary)
