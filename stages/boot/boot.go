@@ -149,12 +149,8 @@ func (b *Boot) openModules() error {
 	if b.Modules != nil {
 		return nil
 	}
-	if b.Release == "" {
-		rel, err := os.ReadFile(b.path("proc/sys/kernel/osrelease"))
-		if err != nil {
-			return fmt.Errorf("kernel release: %w", err)
-		}
-		b.Release = strings.TrimSpace(string(rel))
+	if b.kernelRelease() == "" {
+		return fmt.Errorf("kernel release: %s unreadable", b.path("proc/sys/kernel/osrelease"))
 	}
 	ix, err := kmod.Open(b.path(filepath.Join("lib/modules", b.Release)))
 	if err != nil {

@@ -97,19 +97,6 @@ func (b *Boot) manifestUnits() []manifest.Unit {
 		if mu.Status == "" {
 			mu.Status = string(topology.StatusReady)
 		}
-		roles := map[string]topology.Role{}
-		if u.GPU != nil {
-			roles[u.GPU.Addr.String()] = topology.RoleGPU
-		}
-		for _, d := range u.NICs {
-			roles[d.Addr.String()] = topology.RoleGPUNIC
-		}
-		for _, d := range u.DataDirect {
-			roles[d.Addr.String()] = topology.RoleDataDirect
-		}
-		for _, d := range u.NVMe {
-			roles[d.Addr.String()] = topology.RoleGPUNVMe
-		}
 		for _, d := range u.Functions() {
 			if d == nil {
 				continue
@@ -118,7 +105,7 @@ func (b *Boot) manifestUnits() []manifest.Unit {
 			f := manifest.Function{
 				BDF: bdf, Vendor: fmt.Sprintf("0x%04x", d.VendorID), Device: fmt.Sprintf("0x%04x", d.DeviceID),
 				SubsystemVendor: fmt.Sprintf("0x%04x", d.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", d.SubsystemDevice),
-				Class: fmt.Sprintf("0x%06x", d.Class), Role: string(roles[bdf]), IOMMUGroup: d.IOMMUGroup, NUMANode: d.NUMANode,
+				Class: fmt.Sprintf("0x%06x", d.Class), Role: string(b.Labels.RoleOf(d.Addr)), IOMMUGroup: d.IOMMUGroup, NUMANode: d.NUMANode,
 				DriverBefore: d.Driver, DriverAfter: d.Driver, Link: link(d),
 			}
 			if br, ok := bind[bdf]; ok {
