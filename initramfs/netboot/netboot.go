@@ -1,7 +1,8 @@
 // Package netboot brings up the management NIC of a node being provisioned (link up,
 // DHCPv4 lease, address and default route) and publishes the signed manifest envelope to
 // an HTTP endpoint. Everything is bounded: a node without a network still finishes its
-// boot, and the failure is in the manifest.
+// boot, and the failure is in the boot's report and log (the manifest is written before
+// the network is brought up).
 package netboot
 
 import (
@@ -121,15 +122,32 @@ func leaseFromACK(iface string, ack *dhcpv4.DHCPv4) (Lease, error) {
 	return le, nil
 }
 
+// LinkUp sets iface administratively up (IFF_UP) and returns without waiting for
+// carrier: the PHY starts autonegotiation then, and an e1000e takes about 2 s to report
+// carrier, so a caller that sets the link up early overlaps that wait with other work.
+// Setting a link that is already up again is a no-op, which is why Up may repeat it.
+func LinkUp(iface string) error {
+	_, err := linkUp(iface)
+	return err
+}
+
+func linkUp(iface string) (netlink.Link, error) {
+	link, err := netlink.LinkByName(iface)
+	if err != nil {
+		return nil, fmt.Errorf("net %s: %w", iface, err)
+	}
+	if err := netlink.LinkSetUp(link); err != nil {
+		return nil, fmt.Errorf("net %s: link up: %w", iface, err)
+	}
+	return link, nil
+}
+
 // Up brings iface up, waits for carrier, leases an address with DHCPv4 and configures it
 // (address and default route). ctx bounds the whole of it.
 func Up(ctx context.Context, iface string, p DHCPPolicy) (Lease, error) {
-	link, err := netlink.LinkByName(iface)
+	link, err := linkUp(iface)
 	if err != nil {
-		return Lease{}, fmt.Errorf("net %s: %w", iface, err)
-	}
-	if err := netlink.LinkSetUp(link); err != nil {
-		return Lease{}, fmt.Errorf("net %s: link up: %w", iface, err)
+		return Lease{}, err
 	}
 	if err := waitCarrier(ctx, iface); err != nil {
 		return Lease{}, err

@@ -145,6 +145,21 @@ func TestAcquireSilentServerIsBounded(t *testing.T) {
 	}
 }
 
+// TestLinkUpNamesInterface: LinkUp and Up set the link up the same way and name the
+// interface when it does not exist. The name is longer than IFNAMSIZ allows, so no
+// interface of this machine can have it and nothing is touched.
+func TestLinkUpNamesInterface(t *testing.T) {
+	const name = "passage-no-such-if"
+	err := LinkUp(name)
+	if err == nil || !strings.HasPrefix(err.Error(), "net "+name+": ") {
+		t.Fatalf("LinkUp err = %v, want one naming %s", err, name)
+	}
+	_, upErr := Up(context.Background(), name, DHCPPolicy{Timeout: time.Millisecond, Tries: 1})
+	if upErr == nil || upErr.Error() != err.Error() {
+		t.Errorf("Up err = %v, want LinkUp's %v", upErr, err)
+	}
+}
+
 func TestLeaseFromACKNoAddress(t *testing.T) {
 	ack, _ := dhcpv4.New()
 	if _, err := leaseFromACK("eth0", ack); err == nil || !strings.Contains(err.Error(), "no address") {

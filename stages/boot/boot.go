@@ -44,6 +44,12 @@ type Boot struct {
 	OpenTPM func(root string) (manifest.Signer, manifest.Measurer, error)
 	// Mount mounts a block device for passage.out; nil uses the kernel (u-root's TryMount).
 	Mount func(dev, dir string) (unmount func() error, err error)
+	// LinkUp sets a network interface up without waiting for carrier (the host stage's
+	// head start for the network stage); nil is netboot.LinkUp. Tests record calls here.
+	LinkUp func(iface string) error
+	// NetUp brings the network stage's interfaces up and leases addresses; nil is
+	// netboot.UpAny with netboot.DefaultDHCP. Tests put a fake DHCP exchange here.
+	NetUp func(ctx context.Context, ifaces []string) ([]netboot.Lease, error)
 
 	Release  string
 	Modules  *kmod.Index
@@ -127,8 +133,16 @@ func (b *Boot) syncUnits(st *stages.State, stage string) {
 	}
 }
 
-// Stages returns the boot's stage list in DESIGN.md's order. The handoff is not a stage:
-// it never returns, so cmd/passage/boot.go does it after the report.
+// Stages returns the boot's stage list. The handoff is not a stage: it never returns, so
+// cmd/passage/boot.go does it after the report.
+//
+// The manifest comes before network and publish. It is the signed statement of how the
+// node's PCIe was prepared, and nothing the network stage produces (a DHCP lease) is
+// something the hypervisor trusts or uses to build guests; the envelope has to be signed
+// before publish anyway. Written first, it cannot be delayed or endangered by a slow or
+// dead management network (carrier timeout, up to 2 x 7 s of DHCP retries,
+// passage.net_timeout). network and publish are the delivery phase: their results go to
+// the console and log.jsonl, as every stage's do, not into the manifest.
 func (b *Boot) Stages() []stages.Stage {
 	c := b.Config
 	return []stages.Stage{
@@ -139,8 +153,8 @@ func (b *Boot) Stages() []stages.Stage {
 		{Name: "acs", Needs: []string{"label"}, Run: b.acs},
 		{Name: "vfio", Needs: []string{"label"}, Run: b.vfio},
 		{Name: "host", Run: b.host},
-		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
 		{Name: "manifest", Always: true, Run: b.manifest},
+		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
 		{Name: "publish", Needs: []string{"network", "manifest"}, Run: b.publish},
 	}
 }
@@ -412,11 +426,26 @@ func orNone(s string) string {
 }
 
 // host loads the drivers of host-kept devices (management NIC, NVSwitch management) only
-// now, after every passthrough function sits on vfio-pci, so none can claim one.
+// now, after every passthrough function sits on vfio-pci, so none can claim one. Then it
+// sets the network stage's links up (linkUpEarly).
 func (b *Boot) host(_ context.Context, _ *stages.State, r *stages.Result) error {
+	early := b.Config.Net != initramfs.NetOff && !b.DryRun
 	if len(b.Config.HostModules) == 0 {
-		return stages.Skip("passage.host_modules is empty")
+		if !early {
+			return stages.Skip("passage.host_modules is empty")
+		}
+		// A built-in NIC driver still gains from the head start.
+		r.Findingf("passage.host_modules is empty: no host driver to load")
+	} else if err := b.loadHostModules(r); err != nil {
+		return err
 	}
+	if early {
+		b.linkUpEarly(r)
+	}
+	return nil
+}
+
+func (b *Boot) loadHostModules(r *stages.Result) error {
 	if err := b.openModules(); err != nil {
 		return err
 	}
@@ -444,6 +473,33 @@ func (b *Boot) host(_ context.Context, _ *stages.State, r *stages.Result) error 
 	return nil
 }
 
+// linkUpEarly sets the network stage's interfaces up without waiting: the PHY negotiates
+// (about 2 s for an e1000e) while the manifest is built and signed instead of while the
+// network stage waits for carrier. The network stage sets them up again and waits, so
+// this is only a head start and its failure only a finding.
+func (b *Boot) linkUpEarly(r *stages.Result) {
+	ifs, _, err := b.netIfaces()
+	if err != nil {
+		r.Findingf("early link-up: %v", err)
+		return
+	}
+	if len(ifs) == 0 {
+		r.Findingf("early link-up: no network interface yet")
+		return
+	}
+	up := b.LinkUp
+	if up == nil {
+		up = netboot.LinkUp
+	}
+	for _, n := range ifs {
+		if err := up(n); err != nil {
+			r.Findingf("early link-up %s: %v", n, err)
+			continue
+		}
+		r.Changef("link %s up (negotiating while the manifest is written)", n)
+	}
+}
+
 func contains(xs []string, x string) bool {
 	for _, y := range xs {
 		if y == x {
@@ -455,13 +511,14 @@ func contains(xs []string, x string) bool {
 
 // netIfaces picks the interfaces for passage.net=auto: every PCI-backed netdev that is
 // not a unit's passthrough function, preferring those the label stage called mgmt-nic.
-func (b *Boot) netIfaces(r *stages.Result) ([]string, error) {
+// notes say which netdevs were left out and why.
+func (b *Boot) netIfaces() (ifs, notes []string, err error) {
 	if b.Config.Net != initramfs.NetAuto {
-		return []string{b.Config.Net}, nil
+		return []string{b.Config.Net}, nil, nil
 	}
 	cands, err := netboot.Candidates(b.Root)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	pass := map[string]bool{}
 	for _, u := range b.Units {
@@ -479,22 +536,25 @@ func (b *Boot) netIfaces(r *stages.Result) ([]string, error) {
 			}
 		}
 		if pass[c.BDF] {
-			r.Findingf("%s (%s) is a passthrough function: not used", c.Name, c.BDF)
+			notes = append(notes, fmt.Sprintf("%s (%s) is a passthrough function: not used", c.Name, c.BDF))
 			continue
 		}
 		out = append(out, c.Name)
 	}
 	if len(mgmt) > 0 {
-		return mgmt, nil
+		return mgmt, notes, nil
 	}
-	return out, nil
+	return out, notes, nil
 }
 
 func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) error {
 	if b.Config.Net == initramfs.NetOff {
 		return stages.Skip("passage.net=off")
 	}
-	ifs, err := b.netIfaces(r)
+	ifs, notes, err := b.netIfaces()
+	for _, n := range notes {
+		r.Findingf("%s", n)
+	}
 	if err != nil {
 		return err
 	}
@@ -502,7 +562,13 @@ func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) e
 		r.Findingf("dry run: would bring up %v", ifs)
 		return stages.Skip("dry run")
 	}
-	leases, err := netboot.UpAny(ctx, ifs, netboot.DefaultDHCP)
+	up := b.NetUp
+	if up == nil {
+		up = func(ctx context.Context, ifs []string) ([]netboot.Lease, error) {
+			return netboot.UpAny(ctx, ifs, netboot.DefaultDHCP)
+		}
+	}
+	leases, err := up(ctx, ifs)
 	b.Leases = leases
 	for _, l := range leases {
 		r.Changef("%s", l.Describe())

@@ -1,0 +1,350 @@
+package boot
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/vfiobind/vfiotest"
+)
+
+// preManifest are the stages whose results the manifest carries: everything before it.
+var preManifest = []string{"modules", "scan", "label", "firmware", "acs", "vfio", "host"}
+
+func TestStageOrder(t *testing.T) {
+	b := &Boot{Config: initramfs.Defaults()}
+	list := b.Stages()
+	var names []string
+	byName := map[string]stages.Stage{}
+	for _, s := range list {
+		names = append(names, s.Name)
+		byName[s.Name] = s
+	}
+	want := append(slices.Clone(preManifest), "manifest", "network", "publish")
+	if !reflect.DeepEqual(names, want) {
+		t.Fatalf("stages %v, want %v", names, want)
+	}
+	if err := (&stages.Runner{Stages: list}).Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if !byName["manifest"].Always {
+		t.Error("manifest is not Always: a cancelled run would leave no manifest")
+	}
+	if n := byName["publish"].Needs; !slices.Contains(n, "network") || !slices.Contains(n, "manifest") {
+		t.Errorf("publish needs %v, want network and manifest", n)
+	}
+	if byName["network"].Timeout != b.Config.NetTimeout || b.Config.NetTimeout <= 0 {
+		t.Errorf("network timeout %v, want passage.net_timeout (%v)", byName["network"].Timeout, b.Config.NetTimeout)
+	}
+}
+
+// bootNode is a synthetic B300 with what a whole boot needs and nothing that reaches the
+// machine: modules that are all built in (no finit_module), a simulated vfio kernel, a
+// signing key, and two netdevs: eth0 on the management NIC mgmt0 and eth1 on a unit's
+// CX-8 PF.
+type bootNode struct {
+	node *pcitest.Node
+	kern *vfiotest.Kernel
+	ver  manifest.Verifier
+}
+
+func newBootNode(t *testing.T) *bootNode {
+	t.Helper()
+	n := pcitest.New(t, pcitest.B300())
+	root := n.Root
+	files := map[string]string{
+		"proc/sys/kernel/osrelease":      "6.12.0-passage\n",
+		"proc/sys/kernel/random/boot_id": "b00705de\n",
+		"lib/modules/6.12.0-passage/modules.builtin": "kernel/drivers/vfio/vfio.ko\nkernel/drivers/vfio/vfio_iommu_type1.ko\n" +
+			"kernel/drivers/vfio/pci/vfio-pci.ko\nkernel/drivers/net/ethernet/broadcom/bnxt/bnxt_en.ko\n",
+	}
+	for p, c := range files {
+		if err := os.MkdirAll(filepath.Join(root, filepath.Dir(p)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(root, p), []byte(c), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for name, fn := range map[string]string{"eth0": "mgmt0", "eth1": "nic0.0"} {
+		dir := filepath.Join(root, "sys/class/net", name)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink("../../../bus/pci/devices/"+n.Addr(fn).String(), filepath.Join(dir, "device")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	keyDir := filepath.Join(root, "etc/passage")
+	os.MkdirAll(keyDir, 0o755)
+	_, pub, err := manifest.GenerateKey(keyDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := manifest.LoadVerifier(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := vfiotest.New(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := k.Load("vfio-pci"); err != nil {
+		t.Fatal(err)
+	}
+	return &bootNode{node: n, kern: k, ver: v}
+}
+
+const bootCmdline = "passage.profile=b300 passage.tpm=off passage.key=/etc/passage/passage.key passage.host_modules=bnxt_en"
+
+func (bn *bootNode) boot(cmdline string) *Boot {
+	return &Boot{Root: bn.node.Root, Config: initramfs.ParseCmdline(cmdline), Sysfs: bn.kern}
+}
+
+// envelopeOnDisk verifies the envelope the manifest stage left in /run/passage.
+func (bn *bootNode) envelopeOnDisk() (*manifest.Manifest, error) {
+	env, err := os.ReadFile(filepath.Join(bn.node.Root, "run/passage", EnvelopeName))
+	if err != nil {
+		return nil, err
+	}
+	ver, err := manifest.Verify(env, bn.ver, manifest.VerifyOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return ver.Manifest, nil
+}
+
+func stageNames(m *manifest.Manifest) []string {
+	var out []string
+	for _, s := range m.Stages {
+		out = append(out, s.Name)
+	}
+	return out
+}
+
+func resultOf(rs []stages.Result, name string) stages.Result {
+	for _, r := range rs {
+		if r.Name == name {
+			return r
+		}
+	}
+	return stages.Result{Name: name, Status: "missing"}
+}
+
+// events is what the boot did to the (fake) network, in order.
+type events struct {
+	mu sync.Mutex
+	ev []string
+}
+
+func (e *events) add(format string, a ...any) {
+	e.mu.Lock()
+	e.ev = append(e.ev, fmt.Sprintf(format, a...))
+	e.mu.Unlock()
+}
+
+func (e *events) list() []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Clone(e.ev)
+}
+
+// TestBootManifestBeforeNetwork runs every stage of a boot. The network stage finds the
+// signed manifest already on disk, without a network result in it; the early link-up
+// reached the management NIC only, before the network stage; the lease goes to the
+// runner's results and the readback, not the manifest.
+func TestBootManifestBeforeNetwork(t *testing.T) {
+	bn := newBootNode(t)
+	b := bn.boot(bootCmdline)
+	var ev events
+	b.LinkUp = func(iface string) error {
+		ev.add("link-up %s", iface)
+		return nil
+	}
+	var atNetwork *manifest.Manifest
+	b.NetUp = func(_ context.Context, ifs []string) ([]netboot.Lease, error) {
+		ev.add("net-up %s", strings.Join(ifs, ","))
+		m, err := bn.envelopeOnDisk()
+		if err != nil {
+			return nil, fmt.Errorf("no verified manifest on disk when the network stage ran: %w", err)
+		}
+		atNetwork = m
+		return []netboot.Lease{{Iface: ifs[0], MAC: "52:54:00:00:00:01", CIDR: "10.0.2.15/24"}}, nil
+	}
+	st := &stages.State{}
+	rs, err := (&stages.Runner{Stages: b.Stages()}).Run(context.Background(), st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range append(slices.Clone(preManifest), "manifest", "network") {
+		if r := resultOf(rs, name); r.Status != stages.OK && r.Status != stages.Degraded {
+			t.Errorf("stage %s: %s %v %v", name, r.Status, r.Err, r.Findings)
+		}
+	}
+	if r := resultOf(rs, "publish"); r.Status != stages.Skipped || !strings.Contains(fmt.Sprint(r.Err), "passage.url") {
+		t.Errorf("publish %s %v, want skipped for passage.url", r.Status, r.Err)
+	}
+	if got, want := ev.list(), []string{"link-up eth0", "net-up eth0"}; !reflect.DeepEqual(got, want) {
+		t.Errorf("network events %q, want %q (management NIC only, early link-up first)", got, want)
+	}
+	if h := resultOf(rs, "host"); !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link eth0 up") }) {
+		t.Errorf("host stage changes %q, want eth0's early link-up", h.Changes)
+	}
+	if atNetwork == nil {
+		t.Fatal("the network stage saw no manifest")
+	}
+	if got := stageNames(atNetwork); !reflect.DeepEqual(got, preManifest) {
+		t.Errorf("manifest stages %v, want %v (network and publish come after it)", got, preManifest)
+	}
+	if got := stageNames(b.Manifest); !reflect.DeepEqual(got, preManifest) {
+		t.Errorf("b.Manifest stages %v, want %v", got, preManifest)
+	}
+	if n := resultOf(rs, "network"); !slices.ContainsFunc(n.Changes, func(c string) bool { return strings.Contains(c, "10.0.2.15/24") }) {
+		t.Errorf("network changes %q, want the lease", n.Changes)
+	}
+	// eth1 sits on a unit's NIC PF: the network stage says why it left it out.
+	if n := resultOf(rs, "network"); !slices.ContainsFunc(n.Findings, func(f string) bool { return strings.Contains(f, "eth1") }) {
+		t.Errorf("network findings %q, want eth1 named as a passthrough function", n.Findings)
+	}
+	// The readback, written after the stages, still carries the lease.
+	if err := b.WriteReadback(); err != nil {
+		t.Fatal(err)
+	}
+	var rb Readback
+	j, err := os.ReadFile(filepath.Join(bn.node.Root, "run/passage", ReadbackName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(j, &rb); err != nil {
+		t.Fatal(err)
+	}
+	if len(rb.Leases) != 1 || !strings.Contains(rb.Leases[0], "eth0 52:54:00:00:00:01: 10.0.2.15/24") {
+		t.Errorf("readback leases %q", rb.Leases)
+	}
+}
+
+// TestBootDeadNetworkKeepsManifest: a network stage that never gets carrier runs into
+// passage.net_timeout after the manifest is signed; publish is skipped.
+func TestBootDeadNetworkKeepsManifest(t *testing.T) {
+	bn := newBootNode(t)
+	b := bn.boot(bootCmdline + " passage.net_timeout=50ms")
+	b.LinkUp = func(string) error { return nil }
+	b.NetUp = func(ctx context.Context, ifs []string) ([]netboot.Lease, error) {
+		<-ctx.Done()
+		return nil, fmt.Errorf("net %s: no carrier: %w", ifs[0], ctx.Err())
+	}
+	rs, err := (&stages.Runner{Stages: b.Stages()}).Run(context.Background(), &stages.State{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := resultOf(rs, "manifest"); r.Status != stages.OK {
+		t.Fatalf("manifest %s %v %v", r.Status, r.Err, r.Findings)
+	}
+	if r := resultOf(rs, "network"); r.Status != stages.Failed || !errors.Is(r.Err, context.DeadlineExceeded) {
+		t.Errorf("network %s %v, want failed at passage.net_timeout", r.Status, r.Err)
+	}
+	if r := resultOf(rs, "publish"); r.Status != stages.Skipped || !strings.Contains(fmt.Sprint(r.Err), "needs network") {
+		t.Errorf("publish %s %v, want skipped: needs network", r.Status, r.Err)
+	}
+	m, err := bn.envelopeOnDisk()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := stageNames(m); !reflect.DeepEqual(got, preManifest) {
+		t.Errorf("manifest stages %v, want %v", got, preManifest)
+	}
+}
+
+// TestHostEarlyLinkUp: the host stage sets the network stage's links up after loading the
+// host drivers, only when the network stage will run, and a refusal is a finding.
+func TestHostEarlyLinkUp(t *testing.T) {
+	refused := errors.New("operation not permitted")
+	tests := []struct {
+		name       string
+		cmdline    string
+		dryRun     bool
+		fail       error
+		wantStatus stages.Status
+		wantCalls  []string
+		wantChange string // prefix of a host stage change
+		wantFind   string // substring of a host stage finding
+	}{
+		{name: "auto picks the management NIC", cmdline: bootCmdline,
+			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantChange: "link eth0 up"},
+		{name: "named interface", cmdline: bootCmdline + " passage.net=eno1",
+			wantStatus: stages.OK, wantCalls: []string{"eno1"}, wantChange: "link eno1 up"},
+		{name: "refused is a finding", cmdline: bootCmdline, fail: refused,
+			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantFind: "early link-up eth0: operation not permitted"},
+		{name: "net off", cmdline: bootCmdline + " passage.net=off",
+			wantStatus: stages.OK, wantFind: "module bnxt_en: already loaded or built in"},
+		{name: "dry run", cmdline: bootCmdline, dryRun: true,
+			wantStatus: stages.OK, wantFind: "dry run: would load bnxt_en"},
+		{name: "no host modules, built-in NIC driver", cmdline: bootCmdline + " passage.host_modules=",
+			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantChange: "link eth0 up"},
+		{name: "no host modules, net off", cmdline: bootCmdline + " passage.host_modules= passage.net=off",
+			wantStatus: stages.Skipped},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			bn := newBootNode(t)
+			b := bn.boot(tt.cmdline)
+			b.DryRun = tt.dryRun
+			var calls []string
+			b.LinkUp = func(iface string) error {
+				calls = append(calls, iface)
+				return tt.fail
+			}
+			rs, _ := run(t, b, "scan", "label", "host")
+			h := rs[2]
+			if h.Status != tt.wantStatus {
+				t.Fatalf("host %s %v %v, want %s", h.Status, h.Err, h.Findings, tt.wantStatus)
+			}
+			if !reflect.DeepEqual(calls, tt.wantCalls) {
+				t.Errorf("link-up calls %q, want %q", calls, tt.wantCalls)
+			}
+			if tt.wantChange != "" && !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, tt.wantChange) }) {
+				t.Errorf("changes %q, want %q", h.Changes, tt.wantChange)
+			}
+			if tt.wantChange == "" && slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link ") }) {
+				t.Errorf("changes %q, want no link brought up", h.Changes)
+			}
+			if tt.wantFind != "" && !slices.ContainsFunc(h.Findings, func(f string) bool { return strings.Contains(f, tt.wantFind) }) {
+				t.Errorf("findings %q, want %q", h.Findings, tt.wantFind)
+			}
+		})
+	}
+}
+
+// TestHostEarlyLinkUpWithoutNetdevs: a node whose /sys/class/net cannot be read still
+// finishes the host stage; the finding names the directory.
+func TestHostEarlyLinkUpWithoutNetdevs(t *testing.T) {
+	bn := newBootNode(t)
+	if err := os.RemoveAll(filepath.Join(bn.node.Root, "sys/class/net")); err != nil {
+		t.Fatal(err)
+	}
+	b := bn.boot(bootCmdline)
+	b.LinkUp = func(iface string) error {
+		t.Errorf("link-up %s without a netdev", iface)
+		return nil
+	}
+	rs, _ := run(t, b, "scan", "label", "host")
+	h := rs[2]
+	if h.Status != stages.OK || !slices.ContainsFunc(h.Findings, func(f string) bool {
+		return strings.Contains(f, "early link-up") && strings.Contains(f, "class/net")
+	}) {
+		t.Errorf("host %s %v, findings %q", h.Status, h.Err, h.Findings)
+	}
+}
