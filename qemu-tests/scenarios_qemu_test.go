@@ -153,6 +153,36 @@ func stage(m *manifest.Manifest, name string) *manifest.StageResult {
 	return nil
 }
 
+// logStage is one stage line of the guest's /run/passage/log.jsonl (stages.Result).
+type logStage struct {
+	Type     string   `json:"type"`
+	Name     string   `json:"name"`
+	Status   string   `json:"status"`
+	Findings []string `json:"findings"`
+	Changes  []string `json:"changes"`
+	Error    string   `json:"error"`
+}
+
+// logStages reads every stage's result from log.jsonl, in the order they ran: the record
+// of the stages that come after the manifest (network, publish).
+func logStages(t *testing.T, run *Run) []logStage {
+	t.Helper()
+	var out []logStage
+	for i, line := range strings.Split(strings.TrimSpace(string(run.Files["log.jsonl"])), "\n") {
+		var s logStage
+		if err := json.Unmarshal([]byte(line), &s); err != nil {
+			t.Fatalf("log.jsonl line %d: %v", i+1, err)
+		}
+		if s.Type == "stage" {
+			out = append(out, s)
+		}
+	}
+	if len(out) == 0 {
+		t.Fatalf("log.jsonl from the guest has no stage line; files: %v", keys(run.Files))
+	}
+	return out
+}
+
 func unitWith(m *manifest.Manifest, bdf string) *manifest.Unit {
 	for i := range m.Units {
 		for _, f := range m.Units[i].Functions {
@@ -272,8 +302,34 @@ func TestScenario1CleanBoot(t *testing.T) {
 	if !slices.ContainsFunc(rb.Leases, func(l string) bool { return strings.Contains(l, "10.0.2.15/24") }) {
 		t.Errorf("leases %q, want 10.0.2.15/24 from QEMU's user network", rb.Leases)
 	}
-	if s := stage(m, "network"); s == nil || s.Status != "ok" {
-		t.Errorf("network stage %+v, want ok (DHCP lease from QEMU's user network)", s)
+	// The manifest is written before the network comes up: it carries the stages up to
+	// host and nothing of network or publish, whose results are in log.jsonl.
+	var inManifest []string
+	for _, s := range m.Stages {
+		inManifest = append(inManifest, s.Name)
+	}
+	if want := []string{"modules", "scan", "label", "firmware", "acs", "vfio", "host"}; !slices.Equal(inManifest, want) {
+		t.Errorf("manifest stages %v, want %v (network and publish come after the manifest)", inManifest, want)
+	}
+	logged := map[string]logStage{}
+	var order []string
+	for _, s := range logStages(t, run) {
+		logged[s.Name] = s
+		order = append(order, s.Name)
+	}
+	if want := slices.Concat(inManifest, []string{"manifest", "network", "publish"}); !slices.Equal(order, want) {
+		t.Errorf("log.jsonl stages %v, want %v", order, want)
+	}
+	net := logged["network"]
+	if net.Status != "ok" || !slices.ContainsFunc(net.Changes, func(c string) bool { return strings.Contains(c, "10.0.2.15/24") }) {
+		t.Errorf("log.jsonl network stage %+v, want ok with QEMU's DHCP lease", net)
+	}
+	// The host stage set the leased interface up early, through the kernel's netlink.
+	if len(net.Changes) > 0 {
+		iface, _, _ := strings.Cut(net.Changes[0], " ")
+		if h := logged["host"]; !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link "+iface+" up") }) {
+			t.Errorf("log.jsonl host stage changes %q, want %s set up early", h.Changes, iface)
+		}
 	}
 	if m.KernelRelease == "" || !strings.Contains(m.KernelCmdline, "passage.profile=qemu") {
 		t.Errorf("kernel %q cmdline %q", m.KernelRelease, m.KernelCmdline)
