@@ -69,6 +69,9 @@ type Lease struct {
 	Server  net.IP     `json:"server,omitempty"`
 	LeaseS  int        `json:"lease_s,omitempty"`
 	Elapsed string     `json:"elapsed"`
+	// CarrierWait is how long Up waited for carrier after setting the link up: what is
+	// left of the PHY's negotiation when the link was set up earlier (LinkUp).
+	CarrierWait string `json:"carrier_wait,omitempty"`
 }
 
 // DHCPPolicy bounds one interface's DHCP exchange. nclient4 doubles the wait after each
@@ -149,9 +152,11 @@ func Up(ctx context.Context, iface string, p DHCPPolicy) (Lease, error) {
 	if err != nil {
 		return Lease{}, err
 	}
+	waitStart := time.Now()
 	if err := waitCarrier(ctx, iface); err != nil {
 		return Lease{}, err
 	}
+	carrierWait := time.Since(waitStart).Round(time.Millisecond).String()
 	client, err := nclient4.New(iface, nclient4.WithTimeout(p.Timeout), nclient4.WithRetry(p.Tries))
 	if err != nil {
 		return Lease{}, fmt.Errorf("dhcp %s: %w", iface, err)
@@ -161,6 +166,7 @@ func Up(ctx context.Context, iface string, p DHCPPolicy) (Lease, error) {
 	if err != nil {
 		return Lease{}, err
 	}
+	le.CarrierWait = carrierWait
 	if err := netlink.AddrReplace(link, &netlink.Addr{IPNet: le.Addr}); err != nil {
 		return le, fmt.Errorf("net %s: add %s: %w", iface, le.CIDR, err)
 	}
@@ -230,8 +236,15 @@ func (l Lease) Describe() string {
 	if l.Router != nil {
 		fmt.Fprintf(&b, " via %s", l.Router)
 	}
+	var notes []string
 	if l.Server != nil {
-		fmt.Fprintf(&b, " (server %s, %s)", l.Server, l.Elapsed)
+		notes = append(notes, fmt.Sprintf("server %s, %s", l.Server, l.Elapsed))
+	}
+	if l.CarrierWait != "" {
+		notes = append(notes, "carrier wait "+l.CarrierWait)
+	}
+	if len(notes) > 0 {
+		fmt.Fprintf(&b, " (%s)", strings.Join(notes, ", "))
 	}
 	return b.String()
 }

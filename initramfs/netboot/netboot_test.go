@@ -123,8 +123,12 @@ func TestAcquire(t *testing.T) {
 			le.LeaseS != 86400 || le.MAC != "52:54:00:12:34:56" || le.Iface != "eth0" {
 			t.Errorf("lease (mask %v) = %+v", withMask, le)
 		}
-		if d := le.Describe(); !strings.Contains(d, "eth0 52:54:00:12:34:56: "+wantCIDR+" via 10.0.2.2") {
+		if d := le.Describe(); !strings.Contains(d, "eth0 52:54:00:12:34:56: "+wantCIDR+" via 10.0.2.2 (server 10.0.2.2, ") {
 			t.Errorf("Describe = %q", d)
+		}
+		le.CarrierWait = "1.5s"
+		if d := le.Describe(); !strings.HasSuffix(d, ", carrier wait 1.5s)") {
+			t.Errorf("Describe with a carrier wait = %q", d)
 		}
 	}
 }
