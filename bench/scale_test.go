@@ -46,3 +46,24 @@ func benchScanPlan(b *testing.B, units, perPF int, planToo bool) {
 func BenchmarkScanPlan1000(b *testing.B)  { benchScanPlan(b, 8, 54, true) }
 func BenchmarkScanPlan10000(b *testing.B) { benchScanPlan(b, 8, 617, true) }
 func BenchmarkScan10000(b *testing.B)     { benchScanPlan(b, 8, 617, false) }
+
+// BenchmarkSyscallFloor10000 is SyscallFloor on the 10 000-function tree: the system calls
+// alone, for comparison with BenchmarkScan10000.
+func BenchmarkSyscallFloor10000(b *testing.B) {
+	dir, err := ScratchDir("bench-floor-")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { removeAll(b, dir) })
+	n, err := pcitest.Build(dir, B300Scaled(8, 617))
+	if err != nil {
+		b.Fatal(err)
+	}
+	fns := 0
+	for b.Loop() {
+		if fns, err = SyscallFloor(n.Root); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*fns), "ns/fn")
+}

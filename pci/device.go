@@ -56,6 +56,27 @@ func (d *Device) PortType() (PortType, bool) {
 	return d.Express.Type, true
 }
 
+// VFs returns the addresses of the SR-IOV virtual functions the function's SR-IOV
+// capability has enabled: routing ID + First VF Offset + i * VF Stride for i below NumVFs
+// (SR-IOV 1.1 3.3.10-11), in the function's domain. It stops at a routing ID past bus 255
+// and at a zero offset or stride, which no enabled PF has; nil without VFs enabled.
+func (d *Device) VFs() []Address {
+	sr := d.SRIOV
+	if sr == nil || !sr.VFEnable || sr.NumVFs == 0 || sr.FirstVF == 0 {
+		return nil
+	}
+	rid := int(d.Addr.Bus)<<8 | int(d.Addr.Device)<<3 | int(d.Addr.Function)
+	out := make([]Address, 0, sr.NumVFs)
+	for i := 0; i < sr.NumVFs; i++ {
+		v := rid + sr.FirstVF + i*sr.VFStride
+		if v > 0xffff || i > 0 && sr.VFStride == 0 {
+			break
+		}
+		out = append(out, Address{Domain: d.Addr.Domain, Bus: uint8(v >> 8), Device: uint8(v>>3) & 0x1f, Function: uint8(v) & 7})
+	}
+	return out
+}
+
 // IDs renders "vvvv:dddd" as lspci -n does.
 func (d *Device) IDs() string { return fmt.Sprintf("%04x:%04x", d.VendorID, d.DeviceID) }
 

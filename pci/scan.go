@@ -89,88 +89,151 @@ func (s scanner) note(rel string, kind readKind, data []byte) {
 	}
 }
 
-// scanState is what the copies of a scanner share: a read buffer, and the directory the
-// last read was in, held open so that a function's attributes are opened relative to it
-// (openat) instead of walking its deep /sys/devices path once per file.
+// scanState is what the copies of a scanner share: a read buffer, config space storage,
+// and two directories held open so that each attribute is opened with openat relative to
+// a near directory instead of walking the deep /sys/devices path once per file: the
+// devices listing (every function's link is read there) and the parent of the last
+// function's directory. A bridge's functions, a PF's VFs, are siblings, so most functions
+// are read as "<bdf>/config" and so on relative to a parent already open; opening each
+// function's own directory instead costs an open and a close more per function.
 type scanState struct {
-	buf   []byte
-	dir   string
-	dirfd int
+	buf  []byte
+	slab []byte // config space storage: see configSlot
+	dirs [2]heldDir
 }
+
+// heldDir is an O_PATH descriptor for dir (slash-separated, relative to the root).
+type heldDir struct {
+	dir string
+	fd  int
+}
+
+const (
+	heldDevices = iota
+	heldParent
+)
 
 func (st *scanState) close() {
-	if st.dir != "" {
-		unix.Close(st.dirfd)
-		st.dir = ""
-	}
-}
-
-// at returns a descriptor for the directory holding rel and rel's last element.
-func (s scanner) at(rel string) (int, string, string, error) {
-	dir, name := path.Split(rel)
-	full := filepath.Join(s.root, filepath.FromSlash(rel))
-	if s.st.dir != dir || dir == "" {
-		s.st.close()
-		fd, err := unix.Open(filepath.Join(s.root, filepath.FromSlash(dir)), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return -1, "", full, err
+	for i := range st.dirs {
+		if st.dirs[i].dir != "" {
+			unix.Close(st.dirs[i].fd)
+			st.dirs[i] = heldDir{}
 		}
-		s.st.dir, s.st.dirfd = dir, fd
 	}
-	return s.st.dirfd, name, full, nil
 }
 
-// readFile reads a whole sysfs attribute with openat, read and close alone: os.ReadFile
-// adds an fstat, fcntls and a poller registration per file, and a path walk from the
-// root, which together more than double the cost of a scan.
-func (s scanner) readFile(rel string) ([]byte, error) {
-	dirfd, name, full, err := s.at(rel)
+// hold returns a descriptor for dir in slot, opening it (and closing what the slot held)
+// unless the slot holds it already.
+func (s scanner) hold(slot int, dir string) (int, error) {
+	h := &s.st.dirs[slot]
+	if h.dir == dir {
+		return h.fd, nil
+	}
+	fd, err := unix.Open(s.full(dir), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, &fs.PathError{Op: "open", Path: full, Err: err}
+		return -1, err
+	}
+	if h.dir != "" {
+		unix.Close(h.fd)
+	}
+	*h = heldDir{dir, fd}
+	return fd, nil
+}
+
+// at returns a directory descriptor and a path relative to it for rel: a function's
+// attribute is "<bdf>/<attr>" relative to the function's parent directory.
+func (s scanner) at(rel string) (int, string, error) {
+	dir, name := path.Split(rel)
+	dir = strings.TrimSuffix(dir, "/")
+	if dir == DevicesDir {
+		fd, err := s.hold(heldDevices, dir)
+		return fd, name, err
+	}
+	parent, base := path.Split(dir)
+	parent = strings.TrimSuffix(parent, "/")
+	switch parent {
+	case "":
+		return unix.AT_FDCWD, s.full(rel), nil
+	case DevicesDir:
+		// A function read through its link (the link could not be resolved).
+		fd, err := s.hold(heldDevices, parent)
+		return fd, base + "/" + name, err
+	}
+	fd, err := s.hold(heldParent, parent)
+	return fd, base + "/" + name, err
+}
+
+func (s scanner) full(rel string) string { return filepath.Join(s.root, filepath.FromSlash(rel)) }
+
+// pageSize is the most a kernfs (sysfs) file hands out per read; a read that returns less
+// ended the file, as it does for a regular file (a snapshot, a synthetic tree).
+const pageSize = 4096
+
+// readFile reads a sysfs attribute into dst (from its length) with openat, read and close
+// alone: os.ReadFile adds an fstat, fcntls and a poller registration per file, and a path
+// walk from the root, which together more than double the cost of a scan. It stops at
+// limit bytes, at a short read when short is set (sysfs text attributes and config space
+// come whole in one read: the extra read that would return 0 is a syscall per file), or
+// at EOF. The bytes are dst's: a caller passing the scan's shared buffer copies what it keeps.
+func (s scanner) readFile(rel string, dst []byte, limit int, short bool) ([]byte, error) {
+	dirfd, name, err := s.at(rel)
+	if err != nil {
+		return nil, &fs.PathError{Op: "open", Path: s.full(rel), Err: err}
 	}
 	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, &fs.PathError{Op: "open", Path: full, Err: err}
+		return nil, &fs.PathError{Op: "open", Path: s.full(rel), Err: err}
 	}
 	defer unix.Close(fd)
-	b := s.st.buf[:0]
-	for {
+	b := dst
+	for len(b) < limit {
 		if len(b) == cap(b) {
 			b = append(b, 0)[:len(b)]
 		}
-		n, err := unix.Read(fd, b[len(b):cap(b)])
+		want := min(cap(b), limit) - len(b)
+		n, err := unix.Read(fd, b[len(b):len(b)+want])
 		if err == unix.EINTR {
 			continue
 		}
 		if err != nil {
-			s.st.buf = b
-			return nil, &fs.PathError{Op: "read", Path: full, Err: err}
-		}
-		if n == 0 {
-			break
+			return nil, &fs.PathError{Op: "read", Path: s.full(rel), Err: err}
 		}
 		b = b[:len(b)+n]
+		if n == 0 || short && n < want && n < pageSize {
+			break
+		}
 	}
-	s.st.buf = b
-	out := append([]byte(nil), b...)
-	s.note(rel, readFile, out)
-	return out, nil
+	if s.seen != nil {
+		s.note(rel, readFile, append([]byte(nil), b...))
+	}
+	return b, nil
+}
+
+// configSlot returns an empty slice with room for one function's config space, cut from
+// a slab shared by the functions of a scan (one allocation per 64 functions, not one each).
+func (st *scanState) configSlot() []byte {
+	if len(st.slab) < ExtendedSize {
+		st.slab = make([]byte, 64*ExtendedSize)
+	}
+	b := st.slab[:0:ExtendedSize]
+	st.slab = st.slab[ExtendedSize:]
+	return b
 }
 
 func (s scanner) readlink(rel string) (string, error) {
-	dirfd, name, full, err := s.at(rel)
+	dirfd, name, err := s.at(rel)
 	if err != nil {
-		return "", &fs.PathError{Op: "readlink", Path: full, Err: err}
+		return "", &fs.PathError{Op: "readlink", Path: s.full(rel), Err: err}
 	}
 	var buf [512]byte
 	n, err := unix.Readlinkat(dirfd, name, buf[:])
 	if err != nil {
-		return "", &fs.PathError{Op: "readlink", Path: full, Err: err}
+		return "", &fs.PathError{Op: "readlink", Path: s.full(rel), Err: err}
 	}
 	t := string(buf[:n])
 	if n == len(buf) {
 		// Possibly truncated: fall back to the growing reader.
-		if t, err = os.Readlink(full); err != nil {
+		if t, err = os.Readlink(s.full(rel)); err != nil {
 			return "", err
 		}
 	}
@@ -202,13 +265,14 @@ func (s scanner) scan() (*Tree, error) {
 	s.note(DevicesDir, readDir, nil)
 	t := &Tree{Root: s.root}
 	parents := map[Address]Address{}
+	var vfs []pendingVF
 	for _, e := range ents {
 		a, err := ParseAddress(e.Name())
 		if err != nil {
 			t.Problems = append(t.Problems, fmt.Sprintf("%s: not a PCI address, skipped", e.Name()))
 			continue
 		}
-		d, parent, err := s.readDevice(a)
+		d, parent, vfDir, err := s.readDevice(a, e.Name())
 		if err != nil {
 			t.Problems = append(t.Problems, err.Error())
 			continue
@@ -216,10 +280,52 @@ func (s scanner) scan() (*Tree, error) {
 		if parent != nil {
 			parents[a] = *parent
 		}
+		if vfDir != "" {
+			vfs = append(vfs, pendingVF{d, vfDir})
+		}
 		t.Devices = append(t.Devices, d)
 	}
+	s.vfIDs(t.Devices, vfs)
 	t.link(parents)
 	return t, nil
+}
+
+// pendingVF is a function whose Vendor and Device ID registers read 0xffff, as an SR-IOV
+// VF's do (SR-IOV 1.1 3.4.1.1), and the sysfs directory to read its IDs from.
+type pendingVF struct {
+	d   *Device
+	dir string
+}
+
+// vfIDs names the VFs the way the kernel does when it creates them (pci_iov_add_virtfn:
+// the PF's Vendor ID, and the VF Device ID from the PF's SR-IOV capability), for every
+// VF whose routing ID one of the PFs' SR-IOV capabilities accounts for (First VF Offset,
+// VF Stride, NumVFs). That is what the kernel's vendor and device files say, without two
+// reads per VF; a VF no PF accounts for has its files read.
+func (s scanner) vfIDs(devs []*Device, vfs []pendingVF) {
+	if len(vfs) == 0 {
+		return
+	}
+	type ids struct{ vendor, device uint16 }
+	byRID := map[Address]ids{}
+	for _, pf := range devs {
+		if pf.VendorID == 0xffff {
+			continue
+		}
+		for _, a := range pf.VFs() {
+			byRID[a] = ids{pf.VendorID, pf.SRIOV.VFDeviceID}
+		}
+	}
+	for _, p := range vfs {
+		if id, ok := byRID[p.d.Addr]; ok {
+			p.d.VendorID, p.d.DeviceID = id.vendor, id.device
+			continue
+		}
+		s.readIDFiles(p.d, p.dir, "vendor", "device")
+		if p.d.VendorID == 0xffff && p.d.DeviceID == 0xffff {
+			p.d.problem("ID registers read 0xffff, no PF's SR-IOV capability accounts for it, and its vendor and device files are missing")
+		}
+	}
 }
 
 // NewTree links functions read from elsewhere (a dump) into a tree; a function's parent
@@ -287,13 +393,14 @@ func (t *Tree) link(parents map[Address]Address) {
 	}
 }
 
-// readDevice reads one function. The error return is for a function that is gone (its
-// directory vanished between listing and reading); everything else becomes a problem.
-func (s scanner) readDevice(a Address) (*Device, *Address, error) {
-	d := &Device{Addr: a, NUMANode: -1, IOMMUGroup: -1}
-	link := path.Join(DevicesDir, a.String())
+// readDevice reads one function, listed as name. The error return is for a function that
+// is gone (its directory vanished between listing and reading); everything else becomes a
+// problem. vfDir is the function's directory when its ID registers read 0xffff (a VF):
+// the scan names it once it has read the PFs.
+func (s scanner) readDevice(a Address, name string) (d *Device, parent *Address, vfDir string, err error) {
+	d = &Device{Addr: a, NUMANode: -1, IOMMUGroup: -1}
+	link := DevicesDir + "/" + name
 	dir := link
-	var parent *Address
 	if target, err := s.readlink(link); err == nil {
 		// /sys/bus/pci/devices/<bdf> -> ../../../devices/pci0000:00/0000:00:01.0/<bdf>
 		rel := path.Clean(path.Join(DevicesDir, filepath.ToSlash(target)))
@@ -307,22 +414,20 @@ func (s scanner) readDevice(a Address) (*Device, *Address, error) {
 			}
 		}
 	} else if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil, fmt.Errorf("%s: vanished during scan", a)
+		return nil, nil, "", fmt.Errorf("%s: vanished during scan", a)
 	}
 
-	cfg, err := s.readFile(path.Join(dir, "config"))
+	cfg, err := s.readFile(dir+"/config", s.st.configSlot(), ExtendedSize, true)
 	switch {
 	case err == nil:
 		d.Config = cfg
 		d.decodeConfig()
-		// An SR-IOV VF's Vendor and Device ID registers read 0xffff (SR-IOV 1.1 3.4.1.1);
-		// the kernel's files hold the IDs it took from the PF, as lspci shows them.
 		if d.VendorID == 0xffff && d.DeviceID == 0xffff {
-			s.readIDFiles(d, dir, "vendor", "device")
+			vfDir = dir
 		}
 	case errors.Is(err, fs.ErrNotExist):
 		if serr := s.statDir(dir); errors.Is(serr, fs.ErrNotExist) {
-			return nil, nil, fmt.Errorf("%s: vanished during scan", a)
+			return nil, nil, "", fmt.Errorf("%s: vanished during scan", a)
 		}
 		d.problem("config: %v", unwrapPath(err))
 		s.readIDFiles(d, dir)
@@ -354,7 +459,7 @@ func (s scanner) readDevice(a Address) (*Device, *Address, error) {
 	// Reading vpd makes the kernel talk to the device (and can be slow on some), so it is
 	// read only where config space advertises a VPD capability.
 	if Find(d.Caps, CapVPD) != 0 {
-		if b, err := s.readFile(path.Join(dir, "vpd")); err == nil {
+		if b, err := s.readFile(dir+"/vpd", nil, vpdMaxBytes+1, false); err == nil {
 			v, perr := ParseVPD(b)
 			d.VPD = v
 			if perr != nil {
@@ -364,7 +469,7 @@ func (s scanner) readDevice(a Address) (*Device, *Address, error) {
 			d.problem("vpd: %v", unwrapPath(err))
 		}
 	}
-	return d, parent, nil
+	return d, parent, vfDir, nil
 }
 
 // readIDFiles is the fallback when config space cannot be read: the kernel's own text
@@ -400,7 +505,7 @@ func (s scanner) readIDFiles(d *Device, dir string, names ...string) {
 // readText reads a one-line sysfs attribute. A missing file is not a problem (optional
 // attributes come and go with kernel versions); an unreadable one is.
 func (s scanner) readText(d *Device, dir, name string) (string, bool) {
-	b, err := s.readFile(path.Join(dir, name))
+	b, err := s.readFile(dir+"/"+name, s.st.buf[:0], pageSize, true)
 	if err != nil {
 		if !errors.Is(err, fs.ErrNotExist) {
 			d.problem("%s: %v", name, unwrapPath(err))
@@ -411,7 +516,7 @@ func (s scanner) readText(d *Device, dir, name string) (string, bool) {
 }
 
 func (s scanner) readLinkBase(d *Device, dir, name string) (string, bool) {
-	t, err := s.readlink(path.Join(dir, name))
+	t, err := s.readlink(dir + "/" + name)
 	if err != nil {
 		if !errors.Is(err, fs.ErrNotExist) {
 			d.problem("%s: %v", name, unwrapPath(err))

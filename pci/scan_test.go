@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -440,5 +441,115 @@ func TestScanMissingRoot(t *testing.T) {
 	_, err := pci.Scan(t.TempDir())
 	if err == nil || !strings.Contains(err.Error(), "sys/bus/pci/devices") {
 		t.Fatalf("err %v", err)
+	}
+}
+
+// sriovSmall is one ConnectX-8 PF with three VFs below a root port.
+func sriovSmall() pcitest.Spec {
+	return pcitest.Spec{Hosts: []pcitest.Host{{Bus: 0, Fns: []pcitest.Fn{{
+		Name: "rp", Dev: 1, Vendor: pcitest.VendorIntel, Device: pcitest.DevRootPort, Class: pcitest.ClassBridge,
+		Port: pci.PortRootPort, Link: pcitest.Link{Speed: 5, Width: 16}, Driver: "pcieport",
+		ACS: &pcitest.ACS{Cap: pci.ACSIsolation, Ctl: pci.ACSIsolation},
+		Below: []pcitest.Fn{{Name: "pf", Vendor: pcitest.VendorMellanox, Device: pcitest.DevCX8, Class: pcitest.ClassEthernet,
+			Port: pci.PortEndpoint, Link: pcitest.Link{Speed: 6, Width: 16}, Driver: "mlx5_core",
+			SRIOV: &pcitest.SRIOV{Total: 3, Num: 3, VFDevice: pcitest.DevCX8VF, VFDriver: "mlx5_core"}}},
+	}}}}}
+}
+
+// TestScanVFIDs: a VF's IDs come from its PF's SR-IOV capability as the kernel sets them,
+// without its vendor and device files; a VF that no PF accounts for has them read, and
+// one that has neither is a problem, not a guess.
+func TestScanVFIDs(t *testing.T) {
+	n := pcitest.New(t, sriovSmall())
+	pf := lookup(t, scan(t, n.Root), n, "pf")
+	var vfDirs []string
+	for i := 1; i <= 3; i++ {
+		a := pf.Addr
+		a.Function += uint8(i) // First VF Offset and Stride put them right after the PF here
+		d, err := filepath.EvalSymlinks(filepath.Join(n.Root, pci.DevicesDir, a.String()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		vfDirs = append(vfDirs, d)
+	}
+	// VF 1's files go: the PF still names it. The PF is edited to account for only
+	// VFs 1 and 2, and VF 2's device file is edited: VF 2 keeps the PF's word, VF 3
+	// (unaccounted) is read from its files, and without files it is a problem.
+	for _, f := range []string{"vendor", "device"} {
+		if err := os.Remove(filepath.Join(vfDirs[0], f)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(vfDirs[1], "device"), []byte("0x1234\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(vfDirs[2], "device"), []byte("0x4321\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sriovOff := 0
+	for _, c := range pf.ExtCaps {
+		if c.ID == pci.ExtCapSRIOV {
+			sriovOff = c.Offset
+		}
+	}
+	rewriteConfig(t, devDir(t, n, "pf"), func(c []byte) []byte {
+		c[sriovOff+pci.SRIOVNum] = 2
+		return c
+	})
+	tree := scan(t, n.Root)
+	want := []string{"15b3:101e", "15b3:101e", "15b3:4321"}
+	for i, w := range want {
+		a := pf.Addr
+		a.Function += uint8(i + 1)
+		d := tree.Lookup(a)
+		if d == nil || d.IDs() != w || d.Err() != nil {
+			t.Errorf("VF %d: %v IDs %s problems %v, want %s and none", i+1, d, d.IDs(), d.Err(), w)
+		}
+	}
+	for _, f := range []string{"vendor", "device"} {
+		if err := os.Remove(filepath.Join(vfDirs[2], f)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tree = scan(t, n.Root)
+	a := pf.Addr
+	a.Function += 3
+	if d := tree.Lookup(a); d == nil || d.IDs() != "ffff:ffff" || !hasProblem(d, "no PF's SR-IOV capability accounts for it") {
+		t.Errorf("unaccounted VF without files: %v %v", d, d.Problems)
+	}
+}
+
+func TestVFs(t *testing.T) {
+	pf := pci.Address{Domain: 1, Bus: 0xfe, Device: 31, Function: 0}
+	for _, tc := range []struct {
+		name string
+		sr   *pci.SRIOV
+		want []string
+	}{
+		{"no capability", nil, nil},
+		{"VFs disabled", &pci.SRIOV{NumVFs: 2, FirstVF: 1, VFStride: 1}, nil},
+		{"none enabled", &pci.SRIOV{VFEnable: true, FirstVF: 1, VFStride: 1}, nil},
+		{"zero offset", &pci.SRIOV{VFEnable: true, NumVFs: 2, VFStride: 1}, nil},
+		{"stride 2 across a bus", &pci.SRIOV{VFEnable: true, NumVFs: 3, FirstVF: 7, VFStride: 2},
+			[]string{"0001:fe:1f.7", "0001:ff:00.1", "0001:ff:00.3"}},
+		{"zero stride stops after one", &pci.SRIOV{VFEnable: true, NumVFs: 3, FirstVF: 1},
+			[]string{"0001:fe:1f.1"}},
+		{"past bus 255 stops", &pci.SRIOV{VFEnable: true, NumVFs: 300, FirstVF: 8, VFStride: 1}, nil},
+	} {
+		d := &pci.Device{Addr: pf, SRIOV: tc.sr}
+		var got []string
+		for _, a := range d.VFs() {
+			got = append(got, a.String())
+		}
+		if tc.name == "past bus 255 stops" {
+			// 0xfe:1f.0 + 8 is 0xff:00.0; 256 VFs fit on bus 0xff, the rest would not.
+			if len(got) != 256 || got[255] != "0001:ff:1f.7" {
+				t.Errorf("%s: %d VFs, last %v", tc.name, len(got), got[len(got)-1:])
+			}
+			continue
+		}
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }

@@ -111,15 +111,22 @@ func (c *straceCount) String() string {
 // floorOf counts the sysfs files a scan must read for what it reports: the devices
 // listing, and per function its devices/<bdf> link (the parent bridge), config, numa_node,
 // driver, driver_override and iommu_group; vpd where config space advertises VPD; vendor
-// and device where config space reads 0xffff (SR-IOV VFs).
+// and device where config space reads 0xffff (an SR-IOV VF) and no PF's SR-IOV capability
+// accounts for the function (the kernel names a VF from its PF: pci_iov_add_virtfn).
 func floorOf(tree *pci.Tree) int {
+	named := map[pci.Address]bool{}
+	for _, d := range tree.Devices {
+		for _, a := range d.VFs() {
+			named[a] = true
+		}
+	}
 	n := 1
 	for _, d := range tree.Devices {
 		n += 6
 		if pci.Find(d.Caps, pci.CapVPD) != 0 {
 			n++
 		}
-		if vid, ok := d.Config.U16(pci.ConfigVendorID); ok && vid == 0xffff {
+		if vid, ok := d.Config.U16(pci.ConfigVendorID); ok && vid == 0xffff && !named[d.Addr] {
 			n += 2
 		}
 	}
@@ -143,7 +150,8 @@ func rowFloor(e *env, t *table, w io.Writer) error {
 		"Counted with `strace -f` (path syscalls below the tree's root; the scan's own hook is test-only). "+
 		"The floor is the files a scan must read for what it reports: the devices listing, and per function its "+
 		"`devices/<bdf>` link, config, numa_node, driver, driver_override, iommu_group (6), vpd where VPD is advertised, "+
-		"vendor+device where config reads 0xffff (VFs).\n\n")
+		"vendor+device where config reads 0xffff (a VF) and no PF's SR-IOV capability accounts for it "+
+		"(the kernel names a VF from its PF, and so does the scan).\n\n")
 	fmt.Fprintf(w, "| tree | tool | path syscalls | distinct paths | files opened twice | per fn | distinct per fn | floor per fn | processes | detail |\n|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, tc := range []struct {
 		name string
