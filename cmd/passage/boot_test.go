@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -138,7 +139,9 @@ func TestBootDryRun(t *testing.T) {
 	for _, s := range m.Stages {
 		names = append(names, s.Name)
 	}
-	if strings.Join(names, " ") != "modules scan label firmware acs vfio host network" {
+	// The manifest is written before the network and publish stages: it records the
+	// stages that prepared the node, not its delivery.
+	if strings.Join(names, " ") != "modules scan label firmware acs vfio host" {
 		t.Errorf("manifest stages = %v", names)
 	}
 
@@ -149,6 +152,7 @@ func TestBootDryRun(t *testing.T) {
 	}
 	defer f.Close()
 	var stagesN, unitsN int
+	var order []string
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		var rec map[string]any
@@ -158,12 +162,16 @@ func TestBootDryRun(t *testing.T) {
 		switch rec["type"] {
 		case "stage":
 			stagesN++
+			order = append(order, fmt.Sprint(rec["name"]))
 		case "unit":
 			unitsN++
 		}
 	}
 	if stagesN != 10 || unitsN != 8 {
 		t.Errorf("log has %d stage and %d unit lines, want 10 and 8", stagesN, unitsN)
+	}
+	if got := strings.Join(order, " "); got != "modules scan label firmware acs vfio host manifest network publish" {
+		t.Errorf("log's stage order %q", got)
 	}
 }
 
