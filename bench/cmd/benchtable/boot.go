@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strings"
 	"time"
@@ -17,36 +18,54 @@ import (
 	qemutest "github.com/passage-boot/passage/qemu-tests"
 )
 
-// moduleStages load kernel modules: the vfio stack first, host drivers later. The stage's
-// own time excludes them (a node's image decides what they cost, not passage).
-var moduleStages = map[string]bool{"modules": true, "host": true}
+// The stage's own time excludes module loading (a node's image decides what that costs,
+// not passage): the whole modules stage (the vfio stack), and in the host stage the
+// loads it reports ("module e1000e loaded (145.91ms)"), not the rest of that stage (the
+// early link-up is passage's and stays in).
+var moduleLoaded = regexp.MustCompile(`^module \S+ loaded \(([^)]+)\)$`)
 
 type bootTimes struct {
 	uinit, manifest, handoff float64 // guest seconds since kernel start
-	modules                  float64 // seconds in module-loading stages
+	modules                  float64 // seconds loading modules (see moduleLoaded)
 	stages                   map[string]float64
 	wall                     time.Duration
 }
 
 // stageDurations reads log.jsonl's stage lines: {"type":"stage","name":..,"duration_ms":..}.
-func stageDurations(log []byte) (map[string]float64, error) {
+func stageDurations(log []byte) (stages map[string]float64, modules float64, err error) {
 	out := map[string]float64{}
 	sc := bufio.NewScanner(bytes.NewReader(log))
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		var l struct {
-			Type       string  `json:"type"`
-			Name       string  `json:"name"`
-			DurationMS float64 `json:"duration_ms"`
+			Type       string   `json:"type"`
+			Name       string   `json:"name"`
+			DurationMS float64  `json:"duration_ms"`
+			Changes    []string `json:"changes"`
 		}
 		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
-			return nil, fmt.Errorf("log.jsonl: %w", err)
+			return nil, 0, fmt.Errorf("log.jsonl: %w", err)
 		}
-		if l.Type == "stage" {
-			out[l.Name] += l.DurationMS / 1e3
+		if l.Type != "stage" {
+			continue
+		}
+		out[l.Name] += l.DurationMS / 1e3
+		switch l.Name {
+		case "modules":
+			modules += l.DurationMS / 1e3
+		case "host":
+			for _, c := range l.Changes {
+				if m := moduleLoaded.FindStringSubmatch(c); m != nil {
+					d, err := time.ParseDuration(m[1])
+					if err != nil {
+						return nil, 0, fmt.Errorf("log.jsonl: host change %q: %w", c, err)
+					}
+					modules += d.Seconds()
+				}
+			}
 		}
 	}
-	return out, sc.Err()
+	return out, modules, sc.Err()
 }
 
 func rowBoot(e *env, t *table, w io.Writer, boots int) error {
@@ -88,13 +107,8 @@ func rowBoot(e *env, t *table, w io.Writer, boots int) error {
 		if !ok {
 			return fmt.Errorf("boot %d: no log.jsonl from the guest", i+1)
 		}
-		if bt.stages, err = stageDurations(log); err != nil {
+		if bt.stages, bt.modules, err = stageDurations(log); err != nil {
 			return fmt.Errorf("boot %d: %w", i+1, err)
-		}
-		for name, d := range bt.stages {
-			if moduleStages[name] {
-				bt.modules += d
-			}
 		}
 		runs = append(runs, bt)
 		fmt.Fprintf(e.log, "bench: boot %d: uinit %.2fs manifest %.2fs handoff %.2fs (modules %.2fs)\n",
@@ -121,14 +135,14 @@ func rowBoot(e *env, t *table, w io.Writer, boots int) error {
 	add("7b", "boot: uinit start -> manifest written", med(func(b bootTimes) float64 { return b.manifest - b.uinit }),
 		fmt.Sprintf("module loading %s of it", dur(med(func(b bootTimes) float64 { return b.modules }))))
 	own := med(func(b bootTimes) float64 { return b.manifest - b.uinit - b.modules })
-	add("7c", "boot: passage's own time (7b minus module loading)", own, "scan, label, firmware, ACS, vfio bind, network, manifest")
-	noNet := med(func(b bootTimes) float64 { return b.manifest - b.uinit - b.modules - b.stages["network"] })
-	add("7c'", "boot: 7c minus the network stage", noNet,
-		fmt.Sprintf("network stage (management NIC DHCP, mostly waiting on the lease) %s", dur(med(func(b bootTimes) float64 { return b.stages["network"] }))))
-	add("7d", "boot: manifest written -> handoff", med(func(b bootTimes) float64 { return b.handoff - b.manifest }), "")
+	add("7c", "boot: passage's own time (7b minus module loading)", own, "scan, label, firmware, ACS, vfio bind, manifest")
+	netStage := med(func(b bootTimes) float64 { return b.stages["network"] })
+	add("7d", "boot: manifest written -> handoff", med(func(b bootTimes) float64 { return b.handoff - b.manifest }),
+		fmt.Sprintf("network stage (management NIC carrier + DHCP, after the manifest) %s of it", dur(netStage)))
 	add("7e", "boot: kernel start -> handoff", med(func(b bootTimes) float64 { return b.handoff }),
 		fmt.Sprintf("host wall time QEMU start -> PASSAGE-DONE %s", dur(med(func(b bootTimes) float64 { return b.wall.Seconds() }))))
-	t.target(own < time.Second, "stage's own time in the QEMU boot (uinit -> manifest written, module loading excluded) < 1 s: %s (%s without the network stage's DHCP)", dur(own), dur(noNet))
+	t.target(own < time.Second, "stage's own time in the QEMU boot (uinit -> manifest written, module loading excluded) < 1 s: %s "+
+		"(the network stage, %s, follows the manifest)", dur(own), dur(netStage))
 
 	names := map[string]bool{}
 	for _, r := range runs {
@@ -145,11 +159,15 @@ func rowBoot(e *env, t *table, w io.Writer, boots int) error {
 	for _, n := range sorted {
 		d := med(func(b bootTimes) float64 { return b.stages[n] })
 		mark := ""
-		if moduleStages[n] {
+		switch n {
+		case "modules":
 			mark = " (module loading)"
+		case "host":
+			mark = " (module loading, then the early link-up)"
 		}
 		fmt.Fprintf(w, "| %s%s | %s |\n", n, mark, dur(d))
 	}
+	fmt.Fprintf(w, "| module loading in all (excluded from 7c) | %s |\n", dur(med(func(b bootTimes) float64 { return b.modules })))
 	for _, f := range failures {
 		fmt.Fprintf(w, "\nFailed and retried: %s\n", f)
 	}
