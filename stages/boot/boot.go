@@ -51,6 +51,8 @@ type Boot struct {
 	// netboot.UpAny with netboot.DefaultDHCP. Tests put a fake DHCP exchange here.
 	NetUp func(ctx context.Context, ifaces []string) ([]netboot.Lease, error)
 
+	earlyLinks chan []string // the host stage's background link-up; see joinEarlyLinks
+
 	Release  string
 	Modules  *kmod.Index
 	Tree     *pci.Tree
@@ -473,9 +475,11 @@ func (b *Boot) loadHostModules(r *stages.Result) error {
 	return nil
 }
 
-// linkUpEarly sets the network stage's interfaces up without waiting: the PHY negotiates
-// (about 2 s for an e1000e) while the manifest is built and signed instead of while the
-// network stage waits for carrier. The network stage sets them up again and waits, so
+// linkUpEarly starts setting the network stage's interfaces up, in the background and
+// without waiting for carrier: the driver's open (rings, PHY reset) and the PHY's
+// negotiation (about 2 s for an e1000e) run while the manifest is built and signed
+// instead of in front of it or in the network stage's wait. The network stage joins it
+// (joinEarlyLinks) and reports how each went; it sets the links up again and waits, so
 // this is only a head start and its failure only a finding.
 func (b *Boot) linkUpEarly(r *stages.Result) {
 	ifs, _, err := b.netIfaces()
@@ -491,16 +495,38 @@ func (b *Boot) linkUpEarly(r *stages.Result) {
 	if up == nil {
 		up = netboot.LinkUp
 	}
-	for _, n := range ifs {
-		start := time.Now()
-		if err := up(n); err != nil {
-			r.Findingf("early link-up %s: %v", n, err)
-			continue
+	done := make(chan []string, 1)
+	b.earlyLinks = done
+	go func() {
+		var out []string
+		for _, n := range ifs {
+			start := time.Now()
+			if err := up(n); err != nil {
+				out = append(out, fmt.Sprintf("early link-up %s: %v", n, err))
+				continue
+			}
+			out = append(out, fmt.Sprintf("early link-up %s: up in %s, before the manifest was written", n, time.Since(start).Round(time.Microsecond)))
 		}
-		// The driver's open (ring allocation, PHY reset) runs inside the call, so its
-		// cost lands before the manifest: say how much.
-		r.Changef("link %s up (%s; negotiating while the manifest is written)", n, time.Since(start).Round(time.Microsecond))
+		done <- out
+	}()
+	r.Changef("link-up of %s started in the background (the network stage reports it)", strings.Join(ifs, ", "))
+}
+
+// joinEarlyLinks waits for the host stage's early link-up, if it started one, and makes
+// its outcome findings of the network stage.
+func (b *Boot) joinEarlyLinks(ctx context.Context, r *stages.Result) {
+	if b.earlyLinks == nil {
+		return
 	}
+	select {
+	case lines := <-b.earlyLinks:
+		for _, l := range lines {
+			r.Findingf("%s", l)
+		}
+	case <-ctx.Done():
+		r.Findingf("early link-up: still running when the network stage's time ran out")
+	}
+	b.earlyLinks = nil
 }
 
 func contains(xs []string, x string) bool {
@@ -565,6 +591,7 @@ func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) e
 		r.Findingf("dry run: would bring up %v", ifs)
 		return stages.Skip("dry run")
 	}
+	b.joinEarlyLinks(ctx, r)
 	up := b.NetUp
 	if up == nil {
 		up = func(ctx context.Context, ifs []string) ([]netboot.Lease, error) {

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/netboot"
@@ -170,9 +171,19 @@ func TestBootManifestBeforeNetwork(t *testing.T) {
 	bn := newBootNode(t)
 	b := bn.boot(bootCmdline)
 	var ev events
+	// The early link-up runs in the background: one that takes until the manifest is on
+	// disk must not hold the manifest back (were it in the host stage's path, this would
+	// wait out its bound and the test fail).
 	b.LinkUp = func(iface string) error {
-		ev.add("link-up %s", iface)
-		return nil
+		for i := 0; i < 2000; i++ {
+			if _, err := bn.envelopeOnDisk(); err == nil {
+				ev.add("link-up %s after the manifest", iface)
+				return nil
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		ev.add("link-up %s: no manifest in 10 s", iface)
+		return errors.New("no manifest")
 	}
 	var atNetwork *manifest.Manifest
 	b.NetUp = func(_ context.Context, ifs []string) ([]netboot.Lease, error) {
@@ -197,11 +208,14 @@ func TestBootManifestBeforeNetwork(t *testing.T) {
 	if r := resultOf(rs, "publish"); r.Status != stages.Skipped || !strings.Contains(fmt.Sprint(r.Err), "passage.url") {
 		t.Errorf("publish %s %v, want skipped for passage.url", r.Status, r.Err)
 	}
-	if got, want := ev.list(), []string{"link-up eth0", "net-up eth0"}; !reflect.DeepEqual(got, want) {
-		t.Errorf("network events %q, want %q (management NIC only, early link-up first)", got, want)
+	if got, want := ev.list(), []string{"link-up eth0 after the manifest", "net-up eth0"}; !reflect.DeepEqual(got, want) {
+		t.Errorf("network events %q, want %q (management NIC only, early link-up joined before DHCP)", got, want)
 	}
-	if h := resultOf(rs, "host"); !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link eth0 up") }) {
-		t.Errorf("host stage changes %q, want eth0's early link-up", h.Changes)
+	if h := resultOf(rs, "host"); !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link-up of eth0 started") }) {
+		t.Errorf("host stage changes %q, want eth0's early link-up started", h.Changes)
+	}
+	if n := resultOf(rs, "network"); !slices.ContainsFunc(n.Findings, func(f string) bool { return strings.HasPrefix(f, "early link-up eth0: up in") }) {
+		t.Errorf("network findings %q, want the early link-up's outcome", n.Findings)
 	}
 	if atNetwork == nil {
 		t.Fatal("the network stage saw no manifest")
@@ -281,19 +295,21 @@ func TestHostEarlyLinkUp(t *testing.T) {
 		wantCalls  []string
 		wantChange string // prefix of a host stage change
 		wantFind   string // substring of a host stage finding
+		wantJoin   string // prefix of what the network stage's join reports
 	}{
 		{name: "auto picks the management NIC", cmdline: bootCmdline,
-			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantChange: "link eth0 up"},
+			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantChange: "link-up of eth0 started", wantJoin: "early link-up eth0: up in"},
 		{name: "named interface", cmdline: bootCmdline + " passage.net=eno1",
-			wantStatus: stages.OK, wantCalls: []string{"eno1"}, wantChange: "link eno1 up"},
+			wantStatus: stages.OK, wantCalls: []string{"eno1"}, wantChange: "link-up of eno1 started", wantJoin: "early link-up eno1: up in"},
 		{name: "refused is a finding", cmdline: bootCmdline, fail: refused,
-			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantFind: "early link-up eth0: operation not permitted"},
+			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantChange: "link-up of eth0 started",
+			wantJoin: "early link-up eth0: operation not permitted"},
 		{name: "net off", cmdline: bootCmdline + " passage.net=off",
 			wantStatus: stages.OK, wantFind: "module bnxt_en: already loaded or built in"},
 		{name: "dry run", cmdline: bootCmdline, dryRun: true,
 			wantStatus: stages.OK, wantFind: "dry run: would load bnxt_en"},
 		{name: "no host modules, built-in NIC driver", cmdline: bootCmdline + " passage.host_modules=",
-			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantChange: "link eth0 up"},
+			wantStatus: stages.OK, wantCalls: []string{"eth0"}, wantChange: "link-up of eth0 started", wantJoin: "early link-up eth0: up in"},
 		{name: "no host modules, net off", cmdline: bootCmdline + " passage.host_modules= passage.net=off",
 			wantStatus: stages.Skipped},
 	}
@@ -312,13 +328,22 @@ func TestHostEarlyLinkUp(t *testing.T) {
 			if h.Status != tt.wantStatus {
 				t.Fatalf("host %s %v %v, want %s", h.Status, h.Err, h.Findings, tt.wantStatus)
 			}
+			// The link-up runs in the background; the network stage joins it.
+			joined := &stages.Result{}
+			b.joinEarlyLinks(context.Background(), joined)
+			if tt.wantJoin != "" && !slices.ContainsFunc(joined.Findings, func(f string) bool { return strings.HasPrefix(f, tt.wantJoin) }) {
+				t.Errorf("joined %q, want %q", joined.Findings, tt.wantJoin)
+			}
+			if tt.wantJoin == "" && len(joined.Findings) > 0 {
+				t.Errorf("joined %q, want no early link-up", joined.Findings)
+			}
 			if !reflect.DeepEqual(calls, tt.wantCalls) {
 				t.Errorf("link-up calls %q, want %q", calls, tt.wantCalls)
 			}
 			if tt.wantChange != "" && !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, tt.wantChange) }) {
 				t.Errorf("changes %q, want %q", h.Changes, tt.wantChange)
 			}
-			if tt.wantChange == "" && slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link ") }) {
+			if tt.wantChange == "" && slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link-up ") }) {
 				t.Errorf("changes %q, want no link brought up", h.Changes)
 			}
 			if tt.wantFind != "" && !slices.ContainsFunc(h.Findings, func(f string) bool { return strings.Contains(f, tt.wantFind) }) {
@@ -346,5 +371,28 @@ func TestHostEarlyLinkUpWithoutNetdevs(t *testing.T) {
 		return strings.Contains(f, "early link-up") && strings.Contains(f, "class/net")
 	}) {
 		t.Errorf("host %s %v, findings %q", h.Status, h.Err, h.Findings)
+	}
+}
+
+// TestEarlyLinkUpOutlivesNetworkDeadline: a link-up still running when the network stage's
+// time is up is a finding; the stage does not wait past its deadline for it.
+func TestEarlyLinkUpOutlivesNetworkDeadline(t *testing.T) {
+	bn := newBootNode(t)
+	b := bn.boot(bootCmdline)
+	release := make(chan struct{})
+	b.LinkUp = func(string) error {
+		<-release
+		return nil
+	}
+	defer close(release)
+	if rs, _ := run(t, b, "scan", "label", "host"); rs[2].Status != stages.OK {
+		t.Fatalf("host %s %v", rs[2].Status, rs[2].Err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	r := &stages.Result{}
+	b.joinEarlyLinks(ctx, r)
+	if !slices.ContainsFunc(r.Findings, func(f string) bool { return strings.Contains(f, "still running") }) {
+		t.Errorf("findings %q, want the early link-up still running", r.Findings)
 	}
 }
