@@ -505,7 +505,7 @@ func (b *Boot) linkUpEarly(r *stages.Result) {
 				out = append(out, fmt.Sprintf("early link-up %s: %v", n, err))
 				continue
 			}
-			out = append(out, fmt.Sprintf("early link-up %s: up in %s, before the manifest was written", n, time.Since(start).Round(time.Microsecond)))
+			out = append(out, fmt.Sprintf("early link-up %s: up in %s, in the background from the host stage", n, time.Since(start).Round(time.Microsecond)))
 		}
 		done <- out
 	}()
