@@ -3,6 +3,7 @@
 package qemutest
 
 import (
+	"bytes"
 	"context"
 	"encoding/hex"
 	"encoding/json"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/stages"
 )
 
 // testKey makes an ed25519 pair for one test; the private half goes into the image.
@@ -153,29 +155,13 @@ func stage(m *manifest.Manifest, name string) *manifest.StageResult {
 	return nil
 }
 
-// logStage is one stage line of the guest's /run/passage/log.jsonl (stages.Result).
-type logStage struct {
-	Type     string   `json:"type"`
-	Name     string   `json:"name"`
-	Status   string   `json:"status"`
-	Findings []string `json:"findings"`
-	Changes  []string `json:"changes"`
-	Error    string   `json:"error"`
-}
-
 // logStages reads every stage's result from log.jsonl, in the order they ran: the record
 // of the stages that come after the manifest (network, publish).
-func logStages(t *testing.T, run *Run) []logStage {
+func logStages(t *testing.T, run *Run) []stages.ResultRecord {
 	t.Helper()
-	var out []logStage
-	for i, line := range strings.Split(strings.TrimSpace(string(run.Files["log.jsonl"])), "\n") {
-		var s logStage
-		if err := json.Unmarshal([]byte(line), &s); err != nil {
-			t.Fatalf("log.jsonl line %d: %v", i+1, err)
-		}
-		if s.Type == "stage" {
-			out = append(out, s)
-		}
+	out, err := stages.ReadStages(bytes.NewReader(run.Files["log.jsonl"]))
+	if err != nil {
+		t.Fatalf("log.jsonl: %v", err)
 	}
 	if len(out) == 0 {
 		t.Fatalf("log.jsonl from the guest has no stage line; files: %v", keys(run.Files))
@@ -311,7 +297,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 	if want := []string{"modules", "scan", "label", "firmware", "acs", "vfio", "host"}; !slices.Equal(inManifest, want) {
 		t.Errorf("manifest stages %v, want %v (network and publish come after the manifest)", inManifest, want)
 	}
-	logged := map[string]logStage{}
+	logged := map[string]stages.ResultRecord{}
 	var order []string
 	for _, s := range logStages(t, run) {
 		logged[s.Name] = s
@@ -321,7 +307,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 		t.Errorf("log.jsonl stages %v, want %v", order, want)
 	}
 	net := logged["network"]
-	if net.Status != "ok" || !slices.ContainsFunc(net.Changes, func(c string) bool { return strings.Contains(c, "10.0.2.15/24") }) {
+	if net.Status != stages.OK || !slices.ContainsFunc(net.Changes, func(c string) bool { return strings.Contains(c, "10.0.2.15/24") }) {
 		t.Errorf("log.jsonl network stage %+v, want ok with QEMU's DHCP lease", net)
 	}
 	// The host stage started setting the leased interface up in the background, through

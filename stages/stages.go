@@ -11,6 +11,8 @@
 package stages
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -79,7 +81,9 @@ func (r *Result) Degrade(format string, args ...any) {
 	r.Findingf(format, args...)
 }
 
-type resultJSON struct {
+// ResultRecord is a Result as JSON: one "stage" line of log.jsonl. ReadStages reads them
+// back (the QEMU tests and the boot benchmark do, from the guest's log).
+type ResultRecord struct {
 	Type       string   `json:"type"`
 	Name       string   `json:"name"`
 	Status     Status   `json:"status"`
@@ -89,9 +93,30 @@ type resultJSON struct {
 	Error      string   `json:"error,omitempty"`
 }
 
+// ReadStages returns the stage lines of a log.jsonl in the order the stages ran; the
+// other lines (units) are passed over. A line that is not JSON is an error naming it.
+func ReadStages(r io.Reader) ([]ResultRecord, error) {
+	var out []ResultRecord
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for n := 1; sc.Scan(); n++ {
+		if len(bytes.TrimSpace(sc.Bytes())) == 0 {
+			continue
+		}
+		var rec ResultRecord
+		if err := json.Unmarshal(sc.Bytes(), &rec); err != nil {
+			return nil, fmt.Errorf("log line %d: %w", n, err)
+		}
+		if rec.Type == "stage" {
+			out = append(out, rec)
+		}
+	}
+	return out, sc.Err()
+}
+
 // MarshalJSON writes the error as text and the duration in milliseconds.
 func (r Result) MarshalJSON() ([]byte, error) {
-	j := resultJSON{Type: "stage", Name: r.Name, Status: r.Status,
+	j := ResultRecord{Type: "stage", Name: r.Name, Status: r.Status,
 		DurationMS: float64(r.Duration.Microseconds()) / 1000, Findings: r.Findings, Changes: r.Changes}
 	if r.Err != nil {
 		j.Error = r.Err.Error()

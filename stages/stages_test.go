@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"reflect"
 	"strings"
 	"testing"
@@ -264,6 +265,7 @@ func TestJSONLinesAndConsole(t *testing.T) {
 	if _, err := rn.Run(context.Background(), &State{}); err != nil {
 		t.Fatal(err)
 	}
+	logged := append([]byte(nil), log.Bytes()...)
 	var got []map[string]any
 	sc := bufio.NewScanner(&log)
 	for sc.Scan() {
@@ -312,6 +314,18 @@ func TestJSONLinesAndConsole(t *testing.T) {
 	}
 	if u["type"] != "unit" || u["id"] != "gpu0" || u["status"] != "degraded" || len(u["nics"].([]any)) != 2 {
 		t.Errorf("unit line = %v", u)
+	}
+	// ReadStages gives the stage lines back in order, passing over the unit line.
+	recs, err := ReadStages(io.MultiReader(bytes.NewReader(logged), bytes.NewReader(ub.Bytes())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(recs) != 3 || recs[0].Name != "acs" || recs[0].DurationMS != 250 || len(recs[0].Changes) != 1 ||
+		recs[1].Status != Failed || recs[1].Error != "boom" || recs[2].Name != "publish" || recs[2].Status != Skipped {
+		t.Errorf("ReadStages = %+v", recs)
+	}
+	if _, err := ReadStages(strings.NewReader("{\"type\":\"stage\"}\nnot json\n")); err == nil || !strings.Contains(err.Error(), "log line 2") {
+		t.Errorf("a malformed line: %v, want an error naming line 2", err)
 	}
 	var tb bytes.Buffer
 	if err := WriteUnitTable(&tb, units); err != nil {

@@ -1,10 +1,8 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -15,6 +13,7 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/bench"
+	"github.com/passage-boot/passage/stages"
 	qemutest "github.com/passage-boot/passage/qemu-tests"
 )
 
@@ -32,23 +31,13 @@ type bootTimes struct {
 }
 
 // stageDurations reads log.jsonl's stage lines: {"type":"stage","name":..,"duration_ms":..}.
-func stageDurations(log []byte) (stages map[string]float64, modules float64, err error) {
+func stageDurations(log []byte) (durations map[string]float64, modules float64, err error) {
+	recs, err := stages.ReadStages(bytes.NewReader(log))
+	if err != nil {
+		return nil, 0, fmt.Errorf("log.jsonl: %w", err)
+	}
 	out := map[string]float64{}
-	sc := bufio.NewScanner(bytes.NewReader(log))
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		var l struct {
-			Type       string   `json:"type"`
-			Name       string   `json:"name"`
-			DurationMS float64  `json:"duration_ms"`
-			Changes    []string `json:"changes"`
-		}
-		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
-			return nil, 0, fmt.Errorf("log.jsonl: %w", err)
-		}
-		if l.Type != "stage" {
-			continue
-		}
+	for _, l := range recs {
 		out[l.Name] += l.DurationMS / 1e3
 		switch l.Name {
 		case "modules":
@@ -65,7 +54,7 @@ func stageDurations(log []byte) (stages map[string]float64, modules float64, err
 			}
 		}
 	}
-	return out, modules, sc.Err()
+	return out, modules, nil
 }
 
 func rowBoot(e *env, t *table, w io.Writer, boots int) error {
