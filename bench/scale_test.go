@@ -1,11 +1,13 @@
 package bench
 
 import (
+	"path/filepath"
 	"testing"
 
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/topology"
+	"golang.org/x/sys/unix"
 )
 
 // benchScanPlan is scan+plan (what `passage plan` computes) on a B300 node with perPF
@@ -66,4 +68,43 @@ func BenchmarkSyscallFloor10000(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*fns), "ns/fn")
+}
+
+// BenchmarkSysfsCall is the price of one file of a function on this machine, on the
+// B300 tree: openat+read+close of its config and of numa_node, readlinkat of its
+// iommu_group, each relative to the function's parent directory as the scan opens them.
+// SyscallFloor is about a dozen of these per function.
+func BenchmarkSysfsCall(b *testing.B) {
+	n := pcitest.New(b, pcitest.B300())
+	link := filepath.Join(n.Root, pci.DevicesDir, n.Addr("gpu0").String())
+	dir, err := filepath.EvalSymlinks(link)
+	if err != nil {
+		b.Fatal(err)
+	}
+	pfd, err := unix.Open(filepath.Dir(dir), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Close(pfd)
+	base := filepath.Base(dir)
+	buf := make([]byte, 2*pci.ExtendedSize)
+	for _, f := range []string{"config", "numa_node"} {
+		b.Run("openat+read+close "+f, func(b *testing.B) {
+			for b.Loop() {
+				fd, err := unix.Openat(pfd, base+"/"+f, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+				if err != nil {
+					b.Fatal(err)
+				}
+				unix.Read(fd, buf)
+				unix.Close(fd)
+			}
+		})
+	}
+	b.Run("readlinkat iommu_group", func(b *testing.B) {
+		for b.Loop() {
+			if _, err := unix.Readlinkat(pfd, base+"/iommu_group", buf); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 }

@@ -13,8 +13,8 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/bench"
-	"github.com/passage-boot/passage/stages"
 	qemutest "github.com/passage-boot/passage/qemu-tests"
+	"github.com/passage-boot/passage/stages"
 )
 
 // The stage's own time excludes module loading (a node's image decides what that costs,
