@@ -24,8 +24,11 @@ initramfs: kernel
 ipxe: initramfs
 	@bash image/ipxe.sh $(BUILD)
 
-# unit runs vet and the race-enabled unit tests (synthetic trees, lspci oracle, TPM simulator).
+# unit checks formatting, runs vet and the race-enabled unit tests (synthetic trees, lspci
+# oracle, TPM simulator).
 unit: deps
+	@unformatted=$$("$$($(GO) env GOROOT)/bin/gofmt" -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')); \
+	if [ -n "$$unformatted" ]; then echo "gofmt: not formatted:" $$unformatted; exit 1; fi
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
 
