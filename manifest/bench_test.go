@@ -23,7 +23,7 @@ func BenchmarkBuildSignWriteEd25519(b *testing.B) {
 			b.Fatal(err)
 		}
 		m.Generation, m.Profile, m.Units, m.GuestPlan, m.Stages = uint64(i), full.Profile, full.Units, full.GuestPlan, full.Stages
-		signed, err := WriteSigned(context.Background(), m, dir, "manifest.dsse.json", s, nil)
+		signed, err := WriteSigned(context.Background(), m, dir, "manifest.dsse.json", nil, s)
 		if err != nil {
 			b.Fatal(err)
 		}

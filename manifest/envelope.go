@@ -32,40 +32,62 @@ type Envelope struct {
 type Signed struct {
 	Envelope []byte
 	Payload  []byte
-	Digest   string // "sha256:<hex>"
+	Digest   string   // "sha256:<hex>"
+	KeyIDs   []string // the keys that signed it, in signer order
 }
 
-// Sign marshals m canonically and wraps it in a DSSE envelope signed by s.
-func Sign(ctx context.Context, m *Manifest, s Signer) (*Signed, error) {
+// Sign marshals m canonically and wraps it in a DSSE envelope signed by each of signers
+// (see SignPayload).
+func Sign(ctx context.Context, m *Manifest, signers ...Signer) (*Signed, error) {
 	payload, err := Marshal(m)
 	if err != nil {
 		return nil, err
 	}
-	return SignPayload(ctx, payload, s)
+	return SignPayload(ctx, payload, signers...)
 }
 
-// SignPayload wraps already-canonical payload bytes in a DSSE envelope signed by s.
-func SignPayload(ctx context.Context, payload []byte, s Signer) (*Signed, error) {
-	es, err := dsse.NewEnvelopeSigner(s)
-	if err != nil {
-		return nil, fmt.Errorf("manifest: sign: %w", err)
+// SignPayload wraps already-canonical payload bytes in one DSSE envelope signed by each of
+// signers in turn (the TPM key and a key file, so a hypervisor that enrolled either
+// verifies it). A signer that fails is left out and named in the error: the envelope
+// comes back while at least one signature is in it, nil when none is.
+func SignPayload(ctx context.Context, payload []byte, signers ...Signer) (*Signed, error) {
+	if len(signers) == 0 {
+		return nil, errors.New("manifest: sign: no signer")
 	}
-	env, err := es.SignPayload(ctx, PayloadType, payload)
-	if err != nil {
-		return nil, fmt.Errorf("manifest: sign: %w", err)
+	var sigs []dsse.Signature
+	var ids []string
+	var errs []error
+	var env *dsse.Envelope
+	for i, s := range signers {
+		es, err := dsse.NewEnvelopeSigner(s)
+		if err == nil {
+			env, err = es.SignPayload(ctx, PayloadType, payload)
+		}
+		if err != nil {
+			id, _ := s.KeyID()
+			errs = append(errs, fmt.Errorf("manifest: sign with signer %d (key %q): %w", i+1, id, err))
+			continue
+		}
+		sigs = append(sigs, env.Signatures...)
+		for _, sig := range env.Signatures {
+			ids = append(ids, sig.KeyID)
+		}
+	}
+	if len(sigs) == 0 {
+		return nil, errors.Join(errs...)
 	}
 	digest := Digest(payload)
 	out := Envelope{
-		PayloadType:   env.PayloadType,
-		Payload:       env.Payload,
-		Signatures:    env.Signatures,
+		PayloadType:   PayloadType,
+		Payload:       base64.StdEncoding.EncodeToString(payload),
+		Signatures:    sigs,
 		PayloadDigest: digest,
 	}
 	b, err := json.MarshalIndent(out, "", "  ")
 	if err != nil {
 		return nil, fmt.Errorf("manifest: sign: %w", err)
 	}
-	return &Signed{Envelope: append(b, '\n'), Payload: payload, Digest: digest}, nil
+	return &Signed{Envelope: append(b, '\n'), Payload: payload, Digest: digest, KeyIDs: ids}, errors.Join(errs...)
 }
 
 // Verification failures. Verify returns a *VerifyError whose Kind is one of these, so

@@ -8,6 +8,7 @@ import (
 	"crypto/sha512"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash"
 	"os"
@@ -168,36 +169,38 @@ func appendEvent(dir, name, bootID string, pcr int, ev Event) error {
 	return WriteAtomic(dir, name, append(b, '\n'))
 }
 
-// WriteSigned is the boot stage's last step: sign m, write the envelope atomically to
-// dir/name and, when meas is not nil, log and extend the payload digest. The event is
-// logged before the PCR is extended, so a crash in between leaves a log one event ahead
-// of the PCR (a verifier matches a prefix) rather than a PCR nobody can explain.
-func WriteSigned(ctx context.Context, m *Manifest, dir, name string, s Signer, meas Measurer) (*Signed, error) {
-	signed, err := Sign(ctx, m, s)
-	if err != nil {
-		return nil, err
+// WriteSigned is the boot stage's last step: sign m with each of signers (SignPayload),
+// write the envelope atomically to dir/name and, when meas is not nil, log and extend the
+// payload digest. The event is logged before the PCR is extended, so a crash in between
+// leaves a log one event ahead of the PCR (a verifier matches a prefix) rather than a PCR
+// nobody can explain. With a non-nil error the envelope may still have been written: the
+// returned Signed says so (a signer that failed, a measurement that failed).
+func WriteSigned(ctx context.Context, m *Manifest, dir, name string, meas Measurer, signers ...Signer) (*Signed, error) {
+	signed, signErr := Sign(ctx, m, signers...)
+	if signed == nil {
+		return nil, signErr
 	}
 	if err := WriteAtomic(dir, name, signed.Envelope); err != nil {
 		return nil, fmt.Errorf("manifest: %w", err)
 	}
 	if meas == nil {
-		return signed, nil
+		return signed, signErr
 	}
 	banks := append([]string(nil), meas.Banks()...)
 	sort.Strings(banks)
 	digests, err := BankDigests(signed.Payload, banks)
 	if err != nil {
-		return signed, fmt.Errorf("manifest: measure: %w", err)
+		return signed, errors.Join(signErr, fmt.Errorf("manifest: measure: %w", err))
 	}
 	ev := Event{Generation: m.Generation, Manifest: name, PayloadDigest: signed.Digest, Digests: map[string]string{}}
 	for b, d := range digests {
 		ev.Digests[b] = hex.EncodeToString(d)
 	}
 	if err := appendEvent(dir, name+EventLogSuffix, m.BootID, meas.PCR(), ev); err != nil {
-		return signed, fmt.Errorf("manifest: measure: %w", err)
+		return signed, errors.Join(signErr, fmt.Errorf("manifest: measure: %w", err))
 	}
 	if err := meas.Extend(digests); err != nil {
-		return signed, fmt.Errorf("manifest: measure: PCR %d: %w", meas.PCR(), err)
+		return signed, errors.Join(signErr, fmt.Errorf("manifest: measure: PCR %d: %w", meas.PCR(), err))
 	}
-	return signed, nil
+	return signed, signErr
 }

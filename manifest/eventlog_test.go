@@ -46,7 +46,7 @@ func TestEventLogReplay(t *testing.T) {
 	var digests []string
 	for gen := uint64(1); gen <= 3; gen++ {
 		m.Generation = gen
-		s, err := WriteSigned(context.Background(), m, dir, name, testSigner(t, 1), pcr)
+		s, err := WriteSigned(context.Background(), m, dir, name, pcr, testSigner(t, 1))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -83,7 +83,7 @@ func TestEventLogReplay(t *testing.T) {
 	// A failed extend leaves the log one event ahead; the previous prefix still matches.
 	pcr.fail = true
 	m.Generation = 4
-	if _, err := WriteSigned(context.Background(), m, dir, name, testSigner(t, 1), pcr); err == nil || !strings.Contains(err.Error(), "PCR 13") {
+	if _, err := WriteSigned(context.Background(), m, dir, name, pcr, testSigner(t, 1)); err == nil || !strings.Contains(err.Error(), "PCR 13") {
 		t.Fatalf("failed extend: err = %v", err)
 	}
 	l, _ = ReadEventLog(logPath)
@@ -96,7 +96,7 @@ func TestEventLogReplay(t *testing.T) {
 	// A new boot starts a new log.
 	pcr.fail = false
 	m.BootID = "aaaaaaaa-0000-0000-0000-000000000000"
-	if _, err := WriteSigned(context.Background(), m, dir, name, testSigner(t, 1), pcr); err != nil {
+	if _, err := WriteSigned(context.Background(), m, dir, name, pcr, testSigner(t, 1)); err != nil {
 		t.Fatal(err)
 	}
 	if l, _ = ReadEventLog(logPath); len(l.Events) != 1 || l.BootID != m.BootID {

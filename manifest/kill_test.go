@@ -47,7 +47,7 @@ func writerChild(dir string) int {
 		}
 		m.Generation, m.GenerationSource = gen, src
 		m.Errors = []string{strings.Repeat("x", int(gen%97)*40)}
-		if _, err := WriteSigned(context.Background(), m, dir, "manifest.dsse.json", s, nil); err != nil {
+		if _, err := WriteSigned(context.Background(), m, dir, "manifest.dsse.json", nil, s); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 3
 		}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -252,6 +253,49 @@ func TestVerifyTwoSignatures(t *testing.T) {
 	}
 	if _, err := Verify(env, testVerifier(t, 2), VerifyOptions{}); !errors.Is(err, ErrWrongKey) {
 		t.Fatalf("err = %v, want wrong key", err)
+	}
+}
+
+// failingSigner is a signer whose key is gone (a TPM that stops answering).
+type failingSigner struct{}
+
+func (failingSigner) Sign(context.Context, []byte) ([]byte, error) {
+	return nil, errors.New("tpm: no response")
+}
+func (failingSigner) KeyID() (string, error) { return "SHA256:gone", nil }
+
+// TestSignSeveral: one envelope carries a signature per signer, each key verifies it on
+// its own; a signer that fails is left out and named, and with none left there is no
+// envelope.
+func TestSignSeveral(t *testing.T) {
+	ctx := context.Background()
+	m := manifesttest.B300(1)
+	signed, err := Sign(ctx, m, testSigner(t, 1), testSigner(t, 2))
+	id1, _ := testSigner(t, 1).KeyID()
+	id2, _ := testSigner(t, 2).KeyID()
+	if err != nil || !slices.Equal(signed.KeyIDs, []string{id1, id2}) {
+		t.Fatalf("two signers: %v, signed by %q", err, signed.KeyIDs)
+	}
+	for _, seed := range []byte{1, 2} {
+		if _, err := Verify(signed.Envelope, testVerifier(t, seed), VerifyOptions{}); err != nil {
+			t.Errorf("key %d: %v", seed, err)
+		}
+	}
+	one, err := Sign(ctx, m, failingSigner{}, testSigner(t, 2))
+	if one == nil || !slices.Equal(one.KeyIDs, []string{id2}) || err == nil || !strings.Contains(err.Error(), "SHA256:gone") || !strings.Contains(err.Error(), "no response") {
+		t.Fatalf("a failing signer: %+v, %v; want one signature and an error naming the key", one, err)
+	}
+	if _, err := Verify(one.Envelope, testVerifier(t, 2), VerifyOptions{}); err != nil {
+		t.Errorf("the signature that was made: %v", err)
+	}
+	if !bytes.Equal(one.Payload, signed.Payload) || one.Digest != signed.Digest {
+		t.Error("the payload depends on who signed")
+	}
+	if none, err := Sign(ctx, m, failingSigner{}); none != nil || err == nil {
+		t.Errorf("no signer left: %+v, %v; want no envelope", none, err)
+	}
+	if none, err := Sign(ctx, m); none != nil || err == nil {
+		t.Errorf("no signer given: %+v, %v; want an error", none, err)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -266,6 +267,54 @@ func TestManifestWithoutKeyIsWrittenUnsigned(t *testing.T) {
 	}
 	if errors.Is(rs[0].Err, os.ErrNotExist) == false {
 		t.Errorf("err %v does not wrap the missing key", rs[0].Err)
+	}
+}
+
+// mutedTPM is a TPM key that stops answering when asked to sign.
+type mutedTPM struct{}
+
+func (mutedTPM) Sign(context.Context, []byte) ([]byte, error) { return nil, errors.New("tpm: timeout") }
+func (mutedTPM) KeyID() (string, error)                       { return "SHA256:tpm", nil }
+
+// TestManifestOneSignerFails: the TPM key fails to sign, the key file signs: one envelope
+// with the key file's signature, written once, and the stage degraded naming the TPM key
+// (passage.tpm=auto) or failed (passage.tpm=on: the TPM's signature was required).
+func TestManifestOneSignerFails(t *testing.T) {
+	for _, tc := range []struct {
+		tpm  string
+		want stages.Status
+	}{{"auto", stages.Degraded}, {"on", stages.Failed}} {
+		root := pcitest.New(t, pcitest.B300()).Root
+		os.MkdirAll(filepath.Join(root, "proc/sys/kernel/random"), 0o755)
+		os.WriteFile(filepath.Join(root, "proc/sys/kernel/random/boot_id"), []byte("b0071d\n"), 0o644)
+		keyDir := filepath.Join(root, "etc/passage")
+		os.MkdirAll(keyDir, 0o755)
+		_, pub, err := manifest.GenerateKey(keyDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		edv, err := manifest.LoadVerifier(pub)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b := &Boot{Root: root, OpenTPM: func(string) (manifest.Signer, manifest.Measurer, error) { return mutedTPM{}, nil, nil },
+			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
+		rs, _ := run(t, b, "scan", "label", "manifest")
+		mr := rs[2]
+		named := strings.Contains(fmt.Sprint(mr.Err, mr.Findings), "SHA256:tpm") && strings.Contains(fmt.Sprint(mr.Err, mr.Findings), "tpm: timeout")
+		if mr.Status != tc.want || !named {
+			t.Fatalf("passage.tpm=%s: manifest %s %v %q, want %s naming the TPM key", tc.tpm, mr.Status, mr.Err, mr.Findings, tc.want)
+		}
+		env, err := os.ReadFile(filepath.Join(root, "run/passage", EnvelopeName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := manifest.Verify(env, edv, manifest.VerifyOptions{}); err != nil {
+			t.Errorf("passage.tpm=%s: the key file's signature: %v", tc.tpm, err)
+		}
+		if b.Signed == nil || len(b.Signed.KeyIDs) != 1 {
+			t.Errorf("passage.tpm=%s: signed %+v, want one signature", tc.tpm, b.Signed)
+		}
 	}
 }
 

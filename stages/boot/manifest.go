@@ -11,6 +11,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 
@@ -271,25 +272,21 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	if serr != nil {
 		r.Findingf("%v", serr)
 	}
-	signed, err := manifest.WriteSigned(ctx, m, dir, EnvelopeName, signers[0], tpm.measurer)
+	signed, err := manifest.WriteSigned(ctx, m, dir, EnvelopeName, tpm.measurer, signers...)
 	if signed == nil {
 		b.Mark("manifest-written")
 		return err
 	}
 	b.Signed = signed
 	if err != nil {
-		// Signed and written, not measured: the hypervisor can still verify it.
+		// Written and signed, short of a signature or a measurement: the hypervisor can
+		// still verify it with the keys that signed.
 		r.Degrade("%v", err)
 	} else if tpm.measurer != nil {
 		r.Changef("PCR %d extended with %s (event log %s)", tpm.measurer.PCR(), signed.Digest, EnvelopeName+manifest.EventLogSuffix)
 	}
-	for _, s := range signers[1:] {
-		if err := addSignature(ctx, dir, signed, s); err != nil {
-			r.Degrade("%v", err)
-		}
-	}
 	b.Mark("manifest-written")
-	r.Changef("%s %s generation %d (%s), %d signatures", EnvelopeName, signed.Digest, m.Generation, m.GenerationSource, len(signers))
+	r.Changef("%s %s generation %d (%s), %d signatures", EnvelopeName, signed.Digest, m.Generation, m.GenerationSource, len(signed.KeyIDs))
 
 	if outDir != "" {
 		if err := copyFiles(dir, outDir); err != nil {
@@ -303,6 +300,11 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	if serr != nil && b.Config.TPM == initramfs.TPMOn && tpm.signer == nil {
 		return fmt.Errorf("passage.tpm=on: signed without the TPM: %w", serr)
+	}
+	if b.Config.TPM == initramfs.TPMOn && tpm.signer != nil {
+		if id, _ := tpm.signer.KeyID(); !slices.Contains(signed.KeyIDs, id) {
+			return fmt.Errorf("passage.tpm=on: the TPM key did not sign: %w", err)
+		}
 	}
 	return nil
 }
@@ -357,33 +359,6 @@ func (b *Boot) signers(tpm bootTPM) ([]manifest.Signer, error) {
 		out = append(out, s)
 	}
 	return out, errors.Join(errs...)
-}
-
-// addSignature signs the written envelope's payload with s too and rewrites the envelope
-// with both signatures. The payload, its digest and the PCR event do not change.
-func addSignature(ctx context.Context, dir string, signed *manifest.Signed, s manifest.Signer) error {
-	more, err := manifest.SignPayload(ctx, signed.Payload, s)
-	if err != nil {
-		return err
-	}
-	var env, add manifest.Envelope
-	if err := json.Unmarshal(signed.Envelope, &env); err != nil {
-		return fmt.Errorf("manifest: add signature: %w", err)
-	}
-	if err := json.Unmarshal(more.Envelope, &add); err != nil {
-		return fmt.Errorf("manifest: add signature: %w", err)
-	}
-	env.Signatures = append(env.Signatures, add.Signatures...)
-	out, err := json.MarshalIndent(env, "", "  ")
-	if err != nil {
-		return fmt.Errorf("manifest: add signature: %w", err)
-	}
-	out = append(out, '\n')
-	if err := manifest.WriteAtomic(dir, EnvelopeName, out); err != nil {
-		return fmt.Errorf("manifest: add signature: %w", err)
-	}
-	signed.Envelope = out
-	return nil
 }
 
 // copyFiles copies every regular file of src into dst atomically, so a power cut leaves

@@ -98,7 +98,7 @@ func rowManifest(e *env, t *table, w io.Writer) error {
 			if err != nil {
 				return err
 			}
-			signed, err := manifest.WriteSigned(ctx, m, outDir, "ed.dsse.json", ed, nil)
+			signed, err := manifest.WriteSigned(ctx, m, outDir, "ed.dsse.json", nil, ed)
 			if err == nil {
 				edEnv = signed.Envelope
 			}
