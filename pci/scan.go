@@ -459,7 +459,7 @@ func (s scanner) readDevice(a Address, name string) (d *Device, parent *Address,
 	// Reading vpd makes the kernel talk to the device (and can be slow on some), so it is
 	// read only where config space advertises a VPD capability.
 	if Find(d.Caps, CapVPD) != 0 {
-		if b, err := s.readFile(dir+"/vpd", nil, vpdMaxBytes+1, false); err == nil {
+		if b, err := s.readFile(dir+"/vpd", s.st.buf[:0], vpdMaxBytes+1, false); err == nil {
 			v, perr := ParseVPD(b)
 			d.VPD = v
 			if perr != nil {
