@@ -2,117 +2,11 @@ package qemutest
 
 import (
 	"bytes"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/passage-boot/passage/initramfs/emit"
 )
-
-func encode(t testing.TB, name string, data []byte) string {
-	t.Helper()
-	var b bytes.Buffer
-	if err := emit.File(&b, name, data); err != nil {
-		t.Fatal(err)
-	}
-	return b.String()
-}
-
-func TestParseConsoleRoundTrip(t *testing.T) {
-	manifest := bytes.Repeat([]byte(`{"unit":"gpu0","bdf":"0000:09:00.0"}`+"\n"), 40)
-	empty := []byte{}
-	blockM := encode(t, "manifest.json", manifest)
-	// Kernel messages interleave inside a block; base64-alphabet-free lines are dropped.
-	lines := strings.Split(blockM, "\n")
-	withNoise := strings.Join(append(append(append([]string{}, lines[:3]...),
-		"[   10.123456] vfio-pci 0000:09:00.0: enabling device (0000 -> 0002)\r"), lines[3:]...), "\n")
-	log := "SeaBIOS (version 1.16.2)\r\n" +
-		"[    0.000000] Linux version 6.1.0-57-amd64\r\n" +
-		"PASSAGE-T uinit-start 7.012\r\n" +
-		withNoise +
-		encode(t, "empty", empty) +
-		"PASSAGE-T manifest-written 9.500\n" +
-		"PASSAGE-T handoff 9.750\n" +
-		"===PASSAGE-DONE degraded===\r\n" +
-		"[   10.0] reboot: Power down\n"
-	rep, err := ParseConsole(strings.NewReader(log))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(rep.Errors) != 0 {
-		t.Fatalf("errors: %v", rep.Errors)
-	}
-	if !bytes.Equal(rep.Files["manifest.json"], manifest) {
-		t.Errorf("manifest.json: got %d bytes, want %d", len(rep.Files["manifest.json"]), len(manifest))
-	}
-	if d, ok := rep.Files["empty"]; !ok || len(d) != 0 {
-		t.Errorf("empty file: %q, %v", d, ok)
-	}
-	if rep.Done != "degraded" {
-		t.Errorf("Done = %q", rep.Done)
-	}
-	want := map[string]float64{"uinit-start": 7.012, "manifest-written": 9.5, "handoff": 9.75}
-	for k, v := range want {
-		if rep.Markers[k] != v {
-			t.Errorf("marker %s = %v, want %v", k, rep.Markers[k], v)
-		}
-	}
-	tl := rep.Timeline()
-	if !strings.Contains(tl, "uinit-start") || strings.Index(tl, "kernel-start") > strings.Index(tl, "handoff") {
-		t.Errorf("timeline:\n%s", tl)
-	}
-}
-
-func TestParseConsoleDamage(t *testing.T) {
-	data := []byte("the quick brown fox jumps over the lazy dog, twice: the quick brown fox jumps over the lazy dog")
-	good := encode(t, "f", data)
-	lines := strings.Split(strings.TrimSuffix(good, "\n"), "\n")
-	for _, tc := range []struct {
-		name, log, want string
-	}{
-		{"line lost", strings.Join(append([]string{lines[0]}, lines[2:]...), "\n"), "console file f:"},
-		{"line altered", strings.Replace(good, lines[1], strings.ToUpper(lines[1]), 1), "sha256"},
-		{"size lie", strings.Replace(good, fmt.Sprintf(" %d ", len(data)), fmt.Sprintf(" %d ", len(data)+1), 1), "BEGIN said"},
-		{"no end", strings.Join(lines[:len(lines)-1], "\n"), "no END"},
-		{"end without begin", "===PASSAGE-FILE-END x===\n", "END without BEGIN"},
-		{"end names another", strings.Replace(good, "FILE-END f", "FILE-END g", 1), "END names g"},
-		{"sent twice", good + good, "sent twice"},
-		{"nested begin", lines[0] + "\n" + good, "no END before BEGIN"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			rep, err := ParseConsole(strings.NewReader(tc.log))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(rep.Errors) == 0 {
-				t.Fatalf("no error; files %q", rep.Files)
-			}
-			if !strings.Contains(fmt.Sprint(rep.Errors), tc.want) {
-				t.Errorf("errors %v, want %q", rep.Errors, tc.want)
-			}
-		})
-	}
-}
-
-func FuzzParseConsole(f *testing.F) {
-	f.Add([]byte(encode(f, "a", []byte("hello")) + "===PASSAGE-DONE ok===\nPASSAGE-T handoff 1.000\n"))
-	f.Add([]byte("===PASSAGE-FILE-BEGIN x 99999999999999999999 " + strings.Repeat("0", 64) + "===\n"))
-	f.Fuzz(func(t *testing.T, data []byte) {
-		rep, err := ParseConsole(bytes.NewReader(data))
-		if err != nil {
-			return
-		}
-		for name, d := range rep.Files {
-			// Whatever decodes must re-encode to a block that decodes to the same bytes.
-			again, _ := ParseConsole(strings.NewReader(encode(t, name, d)))
-			if !bytes.Equal(again.Files[name], d) {
-				t.Fatalf("file %s does not round-trip", name)
-			}
-		}
-	})
-}
 
 func TestTopologyArgs(t *testing.T) {
 	for _, topo := range []Topology{{}, {Units: 4}, {ATSOff: true, SharedGroup: true, NoACSPort: true}} {

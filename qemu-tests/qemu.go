@@ -12,6 +12,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/passage-boot/passage/initramfs/emit"
 )
 
 // Options says what to boot. Zero values give the default: the image from Build, the
@@ -220,12 +222,12 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	if err != nil {
 		return nil, err
 	}
+	// HostAt counts from the parser's creation: made here, it is QEMU's start.
+	p := emit.NewParser(time.Now)
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("boot: start qemu-system-x86_64: %w", err)
 	}
-	p := newParser(time.Now)
-	p.start = start
 	// With KeepTPM the guest holds after its report: QEMU is killed once the handoff
 	// marker is out (or shortly after PASSAGE-DONE, should it never come).
 	var killed bool
@@ -248,13 +250,13 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 			if o.Log != nil {
 				fmt.Fprintln(o.Log, line)
 			}
-			p.line(line)
+			p.Line(line)
 			if !o.KeepTPM {
 				continue
 			}
-			if _, ok := p.rep.Markers["handoff"]; ok {
+			if _, ok := p.Report().Markers["handoff"]; ok {
 				kill()
-			} else if p.rep.Done != "" && killTimer == nil {
+			} else if p.Report().Done != "" && killTimer == nil {
 				killTimer = time.AfterFunc(3*time.Second, func() { cmd.Process.Kill() })
 			}
 		}
@@ -264,7 +266,7 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	if killTimer != nil {
 		killTimer.Stop()
 	}
-	if o.KeepTPM && p.rep.Done != "" {
+	if o.KeepTPM && p.Report().Done != "" {
 		// Killed on purpose after the report.
 		run.ExitErr = nil
 		if tpm != nil {
@@ -274,7 +276,7 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		}
 	}
 	run.Wall = time.Since(start)
-	run.Report = p.finish()
+	run.Report = p.Finish()
 	run.WallDone = run.HostAt["done"]
 	name := o.Name
 	if name == "" {

@@ -83,9 +83,15 @@ func TestBootDryRun(t *testing.T) {
 	}
 
 	// What left over the console is what is on disk, and the envelope verifies.
-	got, err := emit.Read(strings.NewReader(con))
+	got, err := emit.Parse(strings.NewReader(con))
 	if err != nil {
 		t.Fatal(err)
+	}
+	if len(got.Errors) != 0 {
+		t.Errorf("console blocks damaged: %v", got.Errors)
+	}
+	if got.Done != "failed" || got.Markers["uinit-start"] != 7.25 || got.Markers["manifest-written"] != 7.25 {
+		t.Errorf("read back PASSAGE-DONE %q, markers %v", got.Done, got.Markers)
 	}
 	for _, n := range []string{"manifest.dsse.json", "manifest.json", "log.jsonl", "readback.json"} {
 		disk, err := os.ReadFile(filepath.Join(root, "run/passage", n))

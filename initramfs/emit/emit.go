@@ -1,7 +1,8 @@
-// Package emit is the guest side of the console protocol between `passage boot` and the
-// QEMU harness: the files of /run/passage leave the guest as base64 blocks on the serial
+// Package emit is both ends of the console protocol between `passage boot` and the QEMU
+// harness: the files of /run/passage leave the guest as base64 blocks on the serial
 // console, then one PASSAGE-DONE line; timeline markers say when each step happened.
-// Read parses the same blocks back, tolerating kernel messages interleaved on the console.
+// File, Dir, Done and Mark write it; Parser (live, line by line) and Parse (a whole
+// capture) read it back, tolerating kernel messages interleaved on the console.
 //
 //	===PASSAGE-FILE-BEGIN <name> <size> <sha256-hex>===
 //	<standard base64, wrapped at 76 columns>
@@ -11,36 +12,58 @@
 package emit
 
 import (
-	"bufio"
-	"bytes"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
 )
 
+// The protocol's words, written by the encoder below and compiled into the decoder's
+// patterns in parse.go, so the two cannot drift apart.
 const (
 	beginPrefix = "===PASSAGE-FILE-BEGIN "
 	endPrefix   = "===PASSAGE-FILE-END "
 	donePrefix  = "===PASSAGE-DONE "
-	marker      = "==="
+	closer      = "==="
+	markPrefix  = "PASSAGE-T "
 	lineWidth   = 76
+
+	// namePattern is one path element a BEGIN line can carry: the fields are split on
+	// spaces, and the reader may write the file under its name.
+	namePattern = `[^\s/]+`
+	// eventPattern keeps a marker's event apart from kernel text on the same line.
+	eventPattern = `[a-z][a-z0-9-]*`
 )
+
+// summaries are the PASSAGE-DONE words, the boot's overall status.
+var summaries = []string{"ok", "degraded", "failed"}
+
+var (
+	nameRE  = regexp.MustCompile(`^` + namePattern + `$`)
+	eventRE = regexp.MustCompile(`^` + eventPattern + `$`)
+)
+
+func validName(name string) bool {
+	return nameRE.MatchString(name) && name != "." && name != ".."
+}
 
 // File writes one file's block. Each line goes out in one Write so that a kernel message
 // can only land between lines, never inside one.
 func File(w io.Writer, name string, content []byte) error {
-	if name == "" || strings.ContainsAny(name, " \t\n/") {
-		return fmt.Errorf("emit %q: name must be one path element without spaces", name)
+	if !validName(name) {
+		return fmt.Errorf("emit %q: name must be one path element, without spaces", name)
 	}
 	sum := sha256.Sum256(content)
-	if _, err := fmt.Fprintf(w, "%s%s %d %s%s\n", beginPrefix, name, len(content), hex.EncodeToString(sum[:]), marker); err != nil {
+	if _, err := fmt.Fprintf(w, "%s%s %d %s%s\n", beginPrefix, name, len(content), hex.EncodeToString(sum[:]), closer); err != nil {
 		return fmt.Errorf("emit %s: %w", name, err)
 	}
 	enc := base64.StdEncoding.EncodeToString(content)
@@ -51,7 +74,7 @@ func File(w io.Writer, name string, content []byte) error {
 		}
 		enc = enc[n:]
 	}
-	if _, err := fmt.Fprintf(w, "%s%s%s\n", endPrefix, name, marker); err != nil {
+	if _, err := fmt.Fprintf(w, "%s%s%s\n", endPrefix, name, closer); err != nil {
 		return fmt.Errorf("emit %s: %w", name, err)
 	}
 	return nil
@@ -85,10 +108,16 @@ func Dir(w io.Writer, dir string) error {
 	return nil
 }
 
-// Done writes the final line; summary is ok, degraded or failed.
+// Done writes the final line; summary is ok, degraded or failed (anything else is
+// refused: the reader would not take it).
 func Done(w io.Writer, summary string) error {
-	_, err := fmt.Fprintf(w, "%s%s%s\n", donePrefix, summary, marker)
-	return err
+	if !slices.Contains(summaries, summary) {
+		return fmt.Errorf("emit done %q: summary must be one of %s", summary, strings.Join(summaries, ", "))
+	}
+	if _, err := fmt.Fprintf(w, "%s%s%s\n", donePrefix, summary, closer); err != nil {
+		return fmt.Errorf("emit done %s: %w", summary, err)
+	}
+	return nil
 }
 
 // Uptime reads the seconds since boot from root/proc/uptime.
@@ -106,109 +135,25 @@ func Uptime(root string) (float64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("uptime %s: %w", p, err)
 	}
+	// ParseFloat takes "NaN" and "Inf"; a marker must carry a time the reader can parse.
+	if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+		return 0, fmt.Errorf("uptime %s: %q is not a time since boot", p, f[0])
+	}
 	return v, nil
 }
 
 // Mark writes a timeline marker `PASSAGE-T <event> <seconds>` with the uptime read under
-// root, and returns the uptime. An unreadable uptime writes -1 so the event still shows.
+// root, and returns the uptime. An unreadable uptime writes -1 so the event still shows
+// (the reader keeps it as -1: time unknown). An event name the reader would not
+// recognise (lower case, digits and dashes) writes nothing.
 func Mark(w io.Writer, root, event string) (float64, error) {
+	if !eventRE.MatchString(event) {
+		return -1, fmt.Errorf("emit mark %q: event must match %s", event, eventPattern)
+	}
 	up, err := Uptime(root)
 	if err != nil {
 		up = -1
 	}
-	fmt.Fprintf(w, "PASSAGE-T %s %.3f\n", event, up)
+	fmt.Fprintf(w, "%s%s %.3f\n", markPrefix, event, up)
 	return up, err
-}
-
-// Output is what Read recovers from a console capture.
-type Output struct {
-	Files    map[string][]byte
-	Done     string             // the PASSAGE-DONE summary; empty if the line never came
-	Timeline map[string]float64 // PASSAGE-T event -> seconds since boot
-}
-
-func isBase64Line(s string) bool {
-	if s == "" || len(s) > lineWidth {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if !(c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '+' || c == '/' || c == '=') {
-			return false
-		}
-	}
-	return true
-}
-
-// Read parses a console capture. Lines that are not part of the protocol are ignored;
-// inside a block only base64-alphabet lines count. A block whose size or sha256 does not
-// match is an error naming the file.
-func Read(r io.Reader) (*Output, error) {
-	out := &Output{Files: map[string][]byte{}, Timeline: map[string]float64{}}
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64*1024), 16*1024*1024)
-	var (
-		cur     string
-		size    int
-		sum     string
-		payload bytes.Buffer
-		inBlock bool
-	)
-	for sc.Scan() {
-		line := strings.TrimRight(sc.Text(), "\r")
-		switch {
-		case strings.HasPrefix(line, beginPrefix) && strings.HasSuffix(line, marker):
-			f := strings.Fields(strings.TrimSuffix(strings.TrimPrefix(line, beginPrefix), marker))
-			if len(f) != 3 {
-				return nil, fmt.Errorf("emit: malformed begin line %q", line)
-			}
-			if strings.Contains(f[0], "/") {
-				return nil, fmt.Errorf("emit %q: file name with a path", f[0])
-			}
-			n, err := strconv.Atoi(f[1])
-			if err != nil || n < 0 {
-				return nil, fmt.Errorf("emit %s: bad size %q", f[0], f[1])
-			}
-			cur, size, sum, inBlock = f[0], n, f[2], true
-			payload.Reset()
-		case inBlock && strings.HasPrefix(line, endPrefix):
-			name := strings.TrimSuffix(strings.TrimPrefix(line, endPrefix), marker)
-			if name != cur {
-				return nil, fmt.Errorf("emit %s: end line names %q", cur, name)
-			}
-			b, err := base64.StdEncoding.DecodeString(payload.String())
-			if err != nil {
-				return nil, fmt.Errorf("emit %s: %w", cur, err)
-			}
-			if len(b) != size {
-				return nil, fmt.Errorf("emit %s: %d bytes, begin line says %d", cur, len(b), size)
-			}
-			got := sha256.Sum256(b)
-			if hex.EncodeToString(got[:]) != sum {
-				return nil, fmt.Errorf("emit %s: sha256 mismatch", cur)
-			}
-			out.Files[cur] = b
-			inBlock = false
-		case inBlock:
-			if isBase64Line(line) {
-				payload.WriteString(line)
-			}
-		case strings.HasPrefix(line, donePrefix) && strings.HasSuffix(line, marker):
-			out.Done = strings.TrimSuffix(strings.TrimPrefix(line, donePrefix), marker)
-		case strings.HasPrefix(line, "PASSAGE-T "):
-			f := strings.Fields(line)
-			if len(f) == 3 {
-				if v, err := strconv.ParseFloat(f[2], 64); err == nil {
-					out.Timeline[f[1]] = v
-				}
-			}
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return out, fmt.Errorf("emit: read console: %w", err)
-	}
-	if inBlock {
-		return out, fmt.Errorf("emit %s: no end line", cur)
-	}
-	return out, nil
 }
