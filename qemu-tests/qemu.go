@@ -239,10 +239,19 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		}
 	}
 	var wg sync.WaitGroup
+	var readErr error
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		sc := bufio.NewScanner(out)
+		defer func() {
+			// A line beyond the scanner's buffer ends the scan; QEMU must still have
+			// its stdout drained, or it blocks writing and the boot only times out.
+			if readErr = sc.Err(); readErr != nil {
+				fmt.Fprintf(logf, "\n# harness: console read: %v; the rest is kept unparsed\n", readErr)
+				io.Copy(logf, out)
+			}
+		}()
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
 		for sc.Scan() {
 			line := sc.Text()
@@ -296,6 +305,9 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	if ctx.Err() != nil {
 		run.ExitErr = fmt.Errorf("boot: no power-off within %v (console %s): %w", timeout, run.Console, ctx.Err())
 		return run, run.ExitErr
+	}
+	if readErr != nil {
+		return run, fmt.Errorf("boot: console %s: read: %w", run.Console, readErr)
 	}
 	if len(run.Errors) > 0 {
 		return run, fmt.Errorf("boot: console %s: %w", run.Console, errors.Join(run.Errors...))
