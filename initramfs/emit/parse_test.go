@@ -379,3 +379,27 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkParseQEMUCapture is the decoder's cost on a real boot's console (117 KB).
+func BenchmarkParseQEMUCapture(b *testing.B) {
+	f, err := os.Open(filepath.Join("testdata", "qemu-demo-console.log.gz"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	zr, err := gzip.NewReader(f)
+	if err != nil {
+		b.Fatal(err)
+	}
+	capture, err := io.ReadAll(zr)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(capture)))
+	for b.Loop() {
+		rep, err := Parse(bytes.NewReader(capture))
+		if err != nil || len(rep.Errors) != 0 || len(rep.Files) != 5 {
+			b.Fatalf("err %v, errors %v, %d files", err, rep.Errors, len(rep.Files))
+		}
+	}
+}
