@@ -28,21 +28,7 @@ import (
 	"github.com/passage-boot/passage/initramfs/kmod"
 )
 
-func uptime() string {
-	b, err := os.ReadFile("/proc/uptime")
-	if err != nil {
-		return "0.000"
-	}
-	f := strings.Fields(string(b))
-	if len(f) == 0 {
-		return "0.000"
-	}
-	var v float64
-	fmt.Sscanf(f[0], "%f", &v)
-	return fmt.Sprintf("%.3f", v)
-}
-
-func marker(ev string) { fmt.Printf("PASSAGE-T %s %s\n", ev, uptime()) }
+func marker(ev string) { emit.Mark(os.Stdout, "/", ev) }
 
 type modResult struct {
 	Name          string
@@ -297,7 +283,9 @@ func main() {
 		emit.File(os.Stdout, n, out[n])
 	}
 	marker("handoff")
-	fmt.Printf("===PASSAGE-DONE %s===\n", summary)
+	if err := emit.Done(os.Stdout, summary); err != nil {
+		fmt.Printf("fakeuinit: %v\n", err)
+	}
 	if err := emit.Drain(os.Stdout); err != nil {
 		fmt.Printf("fakeuinit: %v\n", err)
 	}
