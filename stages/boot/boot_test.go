@@ -270,6 +270,26 @@ func TestManifestWithoutKeyIsWrittenUnsigned(t *testing.T) {
 	}
 }
 
+// signingNode is a B300 tree with a boot id and a key file at /etc/passage/passage.key;
+// it returns the root and the key file's verifier.
+func signingNode(t *testing.T) (string, *manifest.PublicKeyVerifier) {
+	t.Helper()
+	root := pcitest.New(t, pcitest.B300()).Root
+	os.MkdirAll(filepath.Join(root, "proc/sys/kernel/random"), 0o755)
+	os.WriteFile(filepath.Join(root, "proc/sys/kernel/random/boot_id"), []byte("b0071d\n"), 0o644)
+	keyDir := filepath.Join(root, "etc/passage")
+	os.MkdirAll(keyDir, 0o755)
+	_, pub, err := manifest.GenerateKey(keyDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	edv, err := manifest.LoadVerifier(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root, edv
+}
+
 // mutedTPM is a TPM key that stops answering when asked to sign.
 type mutedTPM struct{}
 
@@ -284,19 +304,7 @@ func TestManifestOneSignerFails(t *testing.T) {
 		tpm  string
 		want stages.Status
 	}{{"auto", stages.Degraded}, {"on", stages.Failed}} {
-		root := pcitest.New(t, pcitest.B300()).Root
-		os.MkdirAll(filepath.Join(root, "proc/sys/kernel/random"), 0o755)
-		os.WriteFile(filepath.Join(root, "proc/sys/kernel/random/boot_id"), []byte("b0071d\n"), 0o644)
-		keyDir := filepath.Join(root, "etc/passage")
-		os.MkdirAll(keyDir, 0o755)
-		_, pub, err := manifest.GenerateKey(keyDir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		edv, err := manifest.LoadVerifier(pub)
-		if err != nil {
-			t.Fatal(err)
-		}
+		root, edv := signingNode(t)
 		b := &Boot{Root: root, OpenTPM: func(string) (manifest.Signer, manifest.Measurer, error) { return mutedTPM{}, nil, nil },
 			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
 		rs, _ := run(t, b, "scan", "label", "manifest")
@@ -340,19 +348,7 @@ func TestManifestTPM(t *testing.T) {
 		}
 		return k, k, nil
 	}
-	root := pcitest.New(t, pcitest.B300()).Root
-	os.MkdirAll(filepath.Join(root, "proc/sys/kernel/random"), 0o755)
-	os.WriteFile(filepath.Join(root, "proc/sys/kernel/random/boot_id"), []byte("b0071d\n"), 0o644)
-	keyDir := filepath.Join(root, "etc/passage")
-	os.MkdirAll(keyDir, 0o755)
-	_, pub, err := manifest.GenerateKey(keyDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	edv, err := manifest.LoadVerifier(pub)
-	if err != nil {
-		t.Fatal(err)
-	}
+	root, edv := signingNode(t)
 	var gens []uint64
 	for boot := 0; boot < 2; boot++ {
 		b := &Boot{Root: root, OpenTPM: open,
