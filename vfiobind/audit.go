@@ -27,6 +27,11 @@ const (
 	KindIsolationGap = "isolation-gap"
 	// KindBadUnit: the unit itself is malformed (no GPU, a nil function).
 	KindBadUnit = "bad-unit"
+	// KindSRIOVActive: a passthrough PF has SR-IOV VFs enabled. Its host driver removes
+	// them when it lets the PF go (or cannot let go while one is assigned), so the host
+	// or another guest would lose them. The unit is refused; the detail says how to
+	// disable SR-IOV first.
+	KindSRIOVActive = "sriov-active"
 )
 
 // Member is one function of an IOMMU group, with who holds it.
@@ -135,6 +140,11 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 		if us, ok := twice[d.Addr]; ok {
 			out = append(out, Finding{Kind: KindSharedFunction, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
 				Detail: fmt.Sprintf("also in the passthrough set of unit(s) %v", others(us, u.ID))})
+		}
+		if vfs := d.VFs(); len(vfs) > 0 {
+			out = append(out, Finding{Kind: KindSRIOVActive, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
+				Detail: fmt.Sprintf("%d SR-IOV VFs enabled (%s..%s): releasing the PF would remove them; write 0 to its sriov_numvfs first",
+					len(vfs), vfs[0], vfs[len(vfs)-1])})
 		}
 		if d.IOMMUGroup < 0 {
 			out = append(out, Finding{Kind: KindNoGroup, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: -1,

@@ -488,3 +488,40 @@ func TestAuditLiveACS(t *testing.T) {
 		t.Errorf("unreadable ACSCtl: %v", f)
 	}
 }
+
+// TestSRIOVActiveRefusesUnit: a unit whose CX-8 PF has VFs enabled is refused, named with
+// its VFs and how to turn them off, and nothing of it is written; the other units bind.
+func TestSRIOVActiveRefusesUnit(t *testing.T) {
+	spec := pcitest.B300()
+	findFn(&spec, "nic2.1").SRIOV = &pcitest.SRIOV{Total: 8, Num: 4, VFDevice: pcitest.DevCX8VF, VFDriver: "mlx5_core"}
+	n := newNode(t, spec)
+	units := allUnits(n)
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pf := n.dev("nic2.1")
+	var got []vfiobind.Finding
+	for _, f := range rep.Findings {
+		if f.Kind == vfiobind.KindSRIOVActive {
+			got = append(got, f)
+		}
+	}
+	if len(got) != 1 || got[0].Unit != 2 || got[0].Addr != pf.Addr || !got[0].Refuses() ||
+		!strings.Contains(got[0].Detail, "4 SR-IOV VFs") || !strings.Contains(got[0].Detail, "sriov_numvfs") {
+		t.Fatalf("findings %v, want one sriov-active refusal of unit 2 naming %s", got, pf.Addr)
+	}
+	if units[2].Status != topology.StatusFailed {
+		t.Errorf("unit 2: %s, want failed", units[2].Status)
+	}
+	for _, d := range units[2].Functions() {
+		if w := n.k.Touched(d.Addr); len(w) != 0 {
+			t.Errorf("%s of refused unit touched: %v", d.Addr, w)
+		}
+	}
+	for _, o := range units {
+		if o.ID != 2 && o.Status == topology.StatusFailed {
+			t.Errorf("unit %d failed too: %v", o.ID, o.Reasons)
+		}
+	}
+}
