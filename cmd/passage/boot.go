@@ -104,6 +104,8 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		logw = f
 	}
 
+	// The TPM's slow start (key creation, counter increment) overlaps the PCIe stages.
+	b.StartTPM()
 	st := &stages.State{}
 	rn := &stages.Runner{Stages: b.Stages(), Timeout: cfg.StageTimeout, Console: console, Log: logw}
 	results, err := rn.Run(context.Background(), st)

@@ -52,6 +52,7 @@ type Boot struct {
 	NetUp func(ctx context.Context, ifaces []string) ([]netboot.Lease, error)
 
 	earlyLinks chan []string // the host stage's background link-up; see joinEarlyLinks
+	tpmReady   chan tpmPrep  // the TPM opened ahead of the manifest stage; see StartTPM
 
 	Release  string
 	Modules  *kmod.Index

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/google/go-tpm-tools/simulator"
 	"github.com/google/go-tpm/tpm2/transport"
@@ -472,5 +473,93 @@ func TestManifestContent(t *testing.T) {
 	}
 	if strings.Join(names, " ") != "scan label firmware acs" {
 		t.Errorf("stages %v", names)
+	}
+}
+
+// TestStartTPMAhead: StartTPM opens the TPM and advances its counter before the manifest
+// stage runs, once; the manifest stage uses that key and that generation.
+func TestStartTPMAhead(t *testing.T) {
+	sim, err := simulator.Get()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sim.Close()
+	root, _ := signingNode(t)
+	opened := make(chan struct{}, 4)
+	opens := 0
+	open := func(string) (manifest.Signer, manifest.Measurer, error) {
+		opens++
+		defer func() { opened <- struct{}{} }()
+		k, err := tpmkey.New(transport.FromReadWriteCloser(keepOpen{sim}))
+		if err != nil {
+			return nil, nil, err
+		}
+		return k, k, nil
+	}
+	var gens []uint64
+	for boot := 0; boot < 2; boot++ {
+		b := &Boot{Root: root, OpenTPM: open,
+			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key")}
+		b.StartTPM()
+		select {
+		case <-opened:
+		case <-time.After(30 * time.Second):
+			t.Fatal("StartTPM did not open the TPM")
+		}
+		rs, _ := run(t, b, "scan", "label", "manifest")
+		if mr := rs[2]; mr.Status != stages.OK {
+			t.Fatalf("boot %d: manifest %s %v %v", boot, mr.Status, mr.Err, mr.Findings)
+		}
+		if opens != boot+1 {
+			t.Errorf("boot %d: TPM opened %d times in all, want once per boot", boot, opens)
+		}
+		if b.Manifest.GenerationSource != manifest.GenerationTPMNV || len(b.Signed.KeyIDs) != 2 {
+			t.Errorf("boot %d: generation from %s, signed by %q", boot, b.Manifest.GenerationSource, b.Signed.KeyIDs)
+		}
+		gens = append(gens, b.Manifest.Generation)
+	}
+	if gens[1] != gens[0]+1 {
+		t.Errorf("generations %v, want one step per boot", gens)
+	}
+}
+
+// TestStartTPMSilent: a TPM that never answers does not hold the manifest back: it is
+// signed with the key file before the stage's deadline, degraded (passage.tpm=auto) or
+// failed (passage.tpm=on).
+func TestStartTPMSilent(t *testing.T) {
+	for _, tc := range []struct {
+		tpm  string
+		want stages.Status
+	}{{"auto", stages.Degraded}, {"on", stages.Failed}} {
+		root, edv := signingNode(t)
+		hang := make(chan struct{})
+		b := &Boot{Root: root, OpenTPM: func(string) (manifest.Signer, manifest.Measurer, error) {
+			<-hang
+			return nil, nil, errors.New("tpm: gone")
+		}, Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
+		b.StartTPM()
+		var list []stages.Stage
+		for _, s := range b.Stages() {
+			if s.Name == "manifest" {
+				list = append(list, s)
+			}
+		}
+		rs, err := (&stages.Runner{Stages: list, Timeout: 800 * time.Millisecond}).Run(context.Background(), &stages.State{})
+		close(hang)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mr := rs[0]
+		if mr.Status != tc.want || !strings.Contains(fmt.Sprint(mr.Err, mr.Findings), "no answer in time") ||
+			strings.Contains(fmt.Sprint(mr.Err), "deadline") {
+			t.Fatalf("passage.tpm=%s: manifest %s %v %q, want %s before the deadline, naming the silent TPM", tc.tpm, mr.Status, mr.Err, mr.Findings, tc.want)
+		}
+		env, err := os.ReadFile(filepath.Join(root, "run/passage", EnvelopeName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := manifest.Verify(env, edv, manifest.VerifyOptions{}); err != nil {
+			t.Errorf("passage.tpm=%s: the key file's signature: %v", tc.tpm, err)
+		}
 	}
 }

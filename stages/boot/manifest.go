@@ -14,6 +14,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
@@ -220,7 +221,15 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	m.Stages = stageResults(st.Results())
 
-	tpm := b.openTPM(r)
+	prep := b.joinTPM(ctx)
+	for _, f := range prep.findings {
+		r.Findingf("%s", f)
+	}
+	if prep.silent {
+		// The finding comes with the signers' below.
+		r.Status = stages.Worse(r.Status, stages.Degraded)
+	}
+	tpm := prep.tpm
 	if tpm.closer != nil {
 		defer tpm.closer.Close()
 	}
@@ -233,7 +242,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	// the generation is 0 from source "none", which a verifier cannot order.
 	var counters []manifest.Counter
 	if tpm.counter != nil {
-		counters = append(counters, tpm.counter)
+		counters = append(counters, prep.counted)
 	}
 	if outDir != "" {
 		counters = append(counters, manifest.FileCounter{Path: filepath.Join(outDir, GenerationFile)})
@@ -308,6 +317,87 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	return nil
 }
+
+// tpmPrep is the TPM opened and its generation counter advanced, ahead of the manifest
+// stage when StartTPM ran, else by the manifest stage itself.
+type tpmPrep struct {
+	tpm      bootTPM
+	counted  countedGeneration // the NV counter's answer, when tpm.counter is set
+	findings []string          // what opening the TPM found, for the manifest stage's result
+	silent   bool              // the TPM did not answer in time (joinTPM)
+}
+
+// countedGeneration is a generation counter that was already advanced: Next returns
+// what the counter said then, once.
+type countedGeneration struct {
+	gen uint64
+	err error
+}
+
+func (c countedGeneration) Next() (uint64, error)           { return c.gen, c.err }
+func (countedGeneration) Source() manifest.GenerationSource { return manifest.GenerationTPMNV }
+
+// StartTPM opens the TPM and advances its NV generation counter in the background, so
+// the TPM's own latency (CreatePrimary of the signing key, an NV increment: 108 ms under
+// QEMU with swtpm, and more on a discrete TPM) passes while the PCIe stages run instead
+// of inside the manifest stage. Neither depends on the PCIe stages: the key and the
+// counter are the TPM's. The manifest stage joins it (joinTPM); without StartTPM it does
+// the same work itself. passage boot calls it before running the stages.
+func (b *Boot) StartTPM() {
+	if b.Config.TPM == initramfs.TPMOff || b.tpmReady != nil {
+		return
+	}
+	ch := make(chan tpmPrep, 1)
+	b.tpmReady = ch
+	go func() { ch <- b.prepareTPM() }()
+}
+
+func (b *Boot) prepareTPM() tpmPrep {
+	var r stages.Result
+	p := tpmPrep{tpm: b.openTPM(&r)}
+	if p.tpm.counter != nil {
+		p.counted.gen, p.counted.err = p.tpm.counter.Next()
+	}
+	p.findings = r.Findings
+	return p
+}
+
+// joinTPM takes StartTPM's result, waiting for it while the manifest stage still has
+// time to sign and write without it (a quarter of what is left, at most tpmReserve): a
+// TPM that has not answered by then is left behind (closed whenever it answers) and the
+// manifest is signed without it. Without StartTPM it prepares the TPM now.
+func (b *Boot) joinTPM(ctx context.Context) tpmPrep {
+	ch := b.tpmReady
+	if ch == nil {
+		if b.Config.TPM == initramfs.TPMOff {
+			return tpmPrep{}
+		}
+		return b.prepareTPM()
+	}
+	b.tpmReady = nil
+	wait := ctx
+	if dl, ok := ctx.Deadline(); ok {
+		var cancel context.CancelFunc
+		wait, cancel = context.WithDeadline(ctx, dl.Add(-min(tpmReserve, time.Until(dl)/4)))
+		defer cancel()
+	}
+	select {
+	case p := <-ch:
+		return p
+	case <-wait.Done():
+		go func() {
+			if p := <-ch; p.tpm.closer != nil {
+				p.tpm.closer.Close()
+			}
+		}()
+		err := errors.New("tpm: no answer in time for the manifest; signing without it")
+		return tpmPrep{tpm: bootTPM{err: err}, silent: true}
+	}
+}
+
+// tpmReserve is the most of the manifest stage's time kept for signing and writing when
+// the TPM is slow to answer.
+const tpmReserve = 5 * time.Second
 
 // bootTPM is the TPM as the manifest stage uses it; every field nil without one.
 type bootTPM struct {
