@@ -24,12 +24,15 @@ initramfs: kernel
 ipxe: initramfs
 	@bash image/ipxe.sh $(BUILD)
 
-# unit checks formatting, runs vet and the race-enabled unit tests (synthetic trees, lspci
-# oracle, TPM simulator).
+# unit checks formatting, runs vet, staticcheck and the race-enabled unit tests (synthetic
+# trees, lspci oracle, TPM simulator). staticcheck runs from its own module at a pinned
+# version, so it adds nothing to passage's dependencies.
+STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 unit: deps
 	@unformatted=$$("$$($(GO) env GOROOT)/bin/gofmt" -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt: not formatted:" $$unformatted; exit 1; fi
 	$(GO) vet ./...
+	$(GO) run $(STATICCHECK) ./...
 	$(GO) test -race -count=1 ./...
 
 # qemu-test boots the real initramfs on Debian's kernel under QEMU (see qemu-tests/).

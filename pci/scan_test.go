@@ -270,7 +270,8 @@ func TestScanMalformed(t *testing.T) {
 		{"extended capability loop", func(t *testing.T, n *pcitest.Node) {
 			// AER at 0x100 -> ATS at 0x150 -> back to 0x100.
 			rewriteConfig(t, devDir(t, n, "nic"), func(c []byte) []byte {
-				c[0x152] = c[0x152]&0x0f | 0x00
+				// Next pointer, bits 31:20 of the header at 0x150, := 0x100.
+				c[0x152] &= 0x0f
 				c[0x153] = 0x10
 				return c
 			})

@@ -337,7 +337,7 @@ func FuzzParse(f *testing.F) {
 	var con bytes.Buffer
 	File(&con, "manifest.json", []byte(`{"schema":1}`))
 	Done(&con, "ok")
-	f.Add([]byte(con.String()))
+	f.Add(con.Bytes())
 	f.Add([]byte("PASSAGE-T uinit-start 7.001\n" + beginPrefix + "x 0 e3b0===\n" + endPrefix + "x===\n"))
 	f.Add([]byte(encode(f, "a", []byte("hello")) + "===PASSAGE-DONE ok===\nPASSAGE-T handoff 1.000\n"))
 	f.Add([]byte(beginPrefix + "x 99999999999999999999 " + strings.Repeat("0", 64) + "===\n"))

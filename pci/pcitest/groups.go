@@ -28,10 +28,10 @@ func assignGroups(all []*built) map[*built]int {
 			groups[b] = g
 			return g
 		}
-		for up := b.parent; up != nil; up = up.parent {
-			if acsPathEnabled(up) {
-				break
-			}
+		// The kernel walks up the buses, but returns at the first bridge without an ACS
+		// path to the root: bridges are grouped before the functions below them, so
+		// that bridge always has a group to join.
+		if up := b.parent; up != nil && !acsPathEnabled(up) {
 			g := groupOf(up)
 			groups[b] = g
 			return g
