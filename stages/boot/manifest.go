@@ -369,9 +369,6 @@ func (b *Boot) prepareTPM() tpmPrep {
 func (b *Boot) joinTPM(ctx context.Context) tpmPrep {
 	ch := b.tpmReady
 	if ch == nil {
-		if b.Config.TPM == initramfs.TPMOff {
-			return tpmPrep{}
-		}
 		return b.prepareTPM()
 	}
 	b.tpmReady = nil
