@@ -1,8 +1,8 @@
 // Package apply executes the ACS plan: for each planned port it reads ACS Control,
 // computes (ctl &^ mask) | flags, writes the 16-bit register through pci.WriteRegister
-// (which reads it back), and records before, target and after. A failure on one port
-// lowers its unit's status and never stops the other units; no failure leaves a port
-// with SV, RR, CR or UF cleared.
+// (which reads it back), and records before, target and after. It judges no unit: a
+// failure on one port stops that unit's later ports and never the other units, and the
+// decision reads the report; no failure leaves a port with SV, RR, CR or UF cleared.
 package apply
 
 import (
@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"sort"
 	"syscall"
 	"time"
 
@@ -18,17 +17,18 @@ import (
 	"github.com/passage-boot/passage/topology"
 )
 
-// Result is what happened to one port.
+// Result is what happened to one port. The words are the manifest's too.
 type Result string
 
 const (
-	ResultWritten    Result = "written"
-	ResultAlreadySet Result = "already set"
-	ResultVerified   Result = "verified" // the kernel applied pci=config_acs= from the command line
-	ResultDryRun     Result = "would write"
+	ResultApplied    Result = "applied"     // written and read back as the target
+	ResultUnchanged  Result = "unchanged"   // already at the target
+	ResultVerified   Result = "verified"    // the kernel applied pci=config_acs= from the command line
+	ResultWouldApply Result = "would apply" // dry run: differs from the target
 	ResultNoACS      Result = "no ACS capability"
-	ResultSkipped    Result = "skipped: unit failed"
+	ResultSkipped    Result = "skipped" // not to be written (Change.Note says why)
 	ResultLockedDown Result = "locked down"
+	ResultMismatch   Result = "mismatch" // written, reads back otherwise
 	ResultFailed     Result = "failed"
 )
 
@@ -71,10 +71,15 @@ type Report struct {
 	Advice []string `json:"advice,omitempty"`
 }
 
+// Failed says whether the port did not reach its target and cannot be left as it is.
+func (c Change) Failed() bool {
+	return c.Result == ResultFailed || c.Result == ResultMismatch || c.Result == ResultLockedDown
+}
+
 // Failed says whether any port failed or was refused.
 func (r Report) Failed() bool {
 	for _, c := range r.Changes {
-		if c.Result == ResultFailed || c.Result == ResultLockedDown {
+		if c.Failed() {
 			return true
 		}
 	}
@@ -85,7 +90,7 @@ func (r Report) Failed() bool {
 func (r Report) Writes() int {
 	n := 0
 	for _, c := range r.Changes {
-		if c.Result == ResultWritten {
+		if c.Result == ResultApplied {
 			n++
 		}
 	}
@@ -101,6 +106,10 @@ type Options struct {
 	// KernelRelease ("6.1.0-57-amd64") goes into the lockdown advice.
 	KernelRelease string
 	DryRun        bool
+	// LockedDown says the kernel refuses config writes from user space
+	// (/sys/kernel/security/lockdown): a port that needs a write is reported locked down
+	// without one.
+	LockedDown bool
 	// Retries bounds the retries of a port whose access fails with EIO or EBUSY (0 means
 	// DefaultRetries; negative means none). The wait doubles from Backoff each time.
 	Retries int
@@ -119,16 +128,15 @@ type executor struct {
 	opt     Options
 	ctx     context.Context
 	cmdline map[pci.Address]acsSetting
-	units   map[int]*topology.Unit
-	failed  map[int]bool // units failed before the run
+	stopped map[int]string // unit -> the port whose failure stopped it
 }
 
-// ACS executes the plan. Each port's unit (looked up by ID in units; ports of unknown
-// units are recorded only) is degraded or failed when its port cannot be brought to the
-// target: degraded when config writes are locked down and the port already isolates (it
-// only misses DT), failed otherwise. Ports of a unit already failed are not touched: it
-// will not be passed through, and a failed unit is left as it was found.
-func ACS(ctx context.Context, ports []topology.ACSPort, units []*topology.Unit, opt Options) (Report, error) {
+// ACS executes the plan, port by port in plan order, and reports each; it judges no
+// unit (package decision does, from the report). A port whose Skip is set is not
+// touched. Once a port of a unit fails, the unit's later ports are skipped: the plan puts
+// a unit's DT ports last, so a unit whose isolation could not be finished never gets DT.
+// Once ctx is done nothing more is written.
+func ACS(ctx context.Context, ports []topology.ACSPort, opt Options) (Report, error) {
 	if opt.IO == nil {
 		return Report{}, errors.New("acs apply: no config space access")
 	}
@@ -144,56 +152,36 @@ func ACS(ctx context.Context, ports []topology.ACSPort, units []*topology.Unit, 
 	if opt.Sleep == nil {
 		opt.Sleep = sleepCtx
 	}
-	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), units: map[int]*topology.Unit{}, failed: map[int]bool{}}
-	for _, u := range units {
-		if u != nil {
-			x.units[u.ID] = u
-			x.failed[u.ID] = u.Status == topology.StatusFailed
+	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), stopped: map[int]string{}}
+	var write []topology.ACSPort
+	for _, p := range ports {
+		if p.Skip == "" {
+			write = append(write, p)
 		}
 	}
-	rep := Report{ConfigACS: topology.KernelArg(ports)}
+	rep := Report{ConfigACS: topology.KernelArg(write)}
 	var locked []topology.ACSPort
-	lockedByUnit := map[int][]Change{}
 	for _, p := range ports {
 		c := x.port(p)
 		rep.Changes = append(rep.Changes, c)
 		if c.Result == ResultLockedDown {
 			locked = append(locked, p)
-			lockedByUnit[p.Unit] = append(lockedByUnit[p.Unit], c)
 		}
-	}
-	// Lockdown refuses every write, so its advice is given once per unit (with that
-	// unit's argument) and once for the run.
-	ids := make([]int, 0, len(lockedByUnit))
-	for id := range lockedByUnit {
-		ids = append(ids, id)
-	}
-	sort.Ints(ids)
-	for _, id := range ids {
-		cs := lockedByUnit[id]
-		u := x.units[id]
-		if u == nil {
-			continue
-		}
-		status := topology.StatusDegraded
-		var ps []topology.ACSPort
-		for _, c := range cs {
-			if !c.isolated() {
-				status = topology.StatusFailed
+		if c.Failed() {
+			if _, ok := x.stopped[p.Unit]; !ok {
+				x.stopped[p.Unit] = p.Addr.String()
 			}
-			ps = append(ps, topology.ACSPort{Addr: c.Addr, Offset: c.Offset - pci.ACSCtlReg, Mask: c.Mask, Flags: c.Flags})
 		}
-		u.Degrade(status, "acs: %s", lockdownAdvice(topology.KernelArg(ps), opt.KernelRelease))
 	}
 	if len(locked) > 0 {
-		rep.Advice = append(rep.Advice, lockdownAdvice(topology.KernelArg(locked), opt.KernelRelease))
+		rep.Advice = append(rep.Advice, LockdownAdvice(topology.KernelArg(locked), opt.KernelRelease))
 	}
 	return rep, nil
 }
 
-// isolated says whether the port, as last read, holds every isolation bit the plan
+// Isolated says whether the port, as last read, holds every isolation bit the plan
 // wants: then a refused write costs DT only, not safety.
-func (c Change) isolated() bool {
+func (c Change) Isolated() bool {
 	want := c.Flags & pci.ACSIsolation
 	return c.After&want == want
 }
@@ -201,9 +189,6 @@ func (c Change) isolated() bool {
 func (x *executor) fail(c *Change, format string, args ...any) {
 	c.Result = ResultFailed
 	c.Error = fmt.Sprintf(format, args...)
-	if u := x.units[c.Unit]; u != nil {
-		u.Degrade(topology.StatusFailed, "acs %s (%s): %s", c.Addr, c.Position, c.Error)
-	}
 }
 
 func (x *executor) port(p topology.ACSPort) Change {
@@ -214,8 +199,12 @@ func (x *executor) port(p topology.ACSPort) Change {
 		return c
 	}
 	c.Offset = p.CtlOffset()
-	if x.failed[p.Unit] {
-		c.Result = ResultSkipped
+	if p.Skip != "" {
+		c.Result, c.Note = ResultSkipped, p.Skip
+		return c
+	}
+	if at, ok := x.stopped[p.Unit]; ok {
+		c.Result, c.Note = ResultSkipped, fmt.Sprintf("port %s of the unit failed first", at)
 		return c
 	}
 	if p.Offset < pci.ConventionalSize || c.Offset+2 > pci.ExtendedSize {
@@ -238,15 +227,23 @@ func (x *executor) port(p topology.ACSPort) Change {
 		c.Result = ResultVerified
 		return c
 	case cur == c.Target:
-		c.Result = ResultAlreadySet
+		c.Result = ResultUnchanged
 		return c
 	case inCmdline:
 		// The kernel was asked to apply this and did not (a kernel before 6.11 ignores
 		// the argument): write it now rather than leave the unit without it.
 		c.Note = fmt.Sprintf("kernel did not apply pci=config_acs=%s", set.Entry)
 	}
-	if x.opt.DryRun {
-		c.Result = ResultDryRun
+	switch {
+	case x.opt.LockedDown:
+		c.Result = ResultLockedDown
+		c.Error = "the kernel is locked down: config writes from user space are refused"
+		return c
+	case x.opt.DryRun:
+		c.Result = ResultWouldApply
+		return c
+	case x.ctx.Err() != nil:
+		x.fail(&c, "not written: %v", x.ctx.Err())
 		return c
 	}
 	x.write(&c, p)
@@ -281,7 +278,7 @@ func (x *executor) write(c *Change, p topology.ACSPort) {
 	switch {
 	case err == nil:
 		c.After = pci.ACSBits(w.After)
-		c.Result = ResultWritten
+		c.Result = ResultApplied
 		return
 	case errors.Is(err, syscall.EPERM):
 		// Kernel lockdown (integrity) refuses config writes from user space
@@ -290,7 +287,8 @@ func (x *executor) write(c *Change, p topology.ACSPort) {
 		c.Error = fmt.Sprintf("write ACSCtl: %v", err)
 	case errors.Is(err, pci.ErrReadBack):
 		c.After = pci.ACSBits(w.After)
-		x.fail(c, "wrote 0x%04x, reads back 0x%04x", uint16(c.Target), uint16(w.After))
+		c.Result = ResultMismatch
+		c.Error = fmt.Sprintf("wrote 0x%04x, reads back 0x%04x", uint16(c.Target), uint16(w.After))
 	default:
 		x.failAccess(c, "write ACSCtl", attempts, err)
 	}
@@ -313,9 +311,14 @@ func (x *executor) failAccess(c *Change, what string, attempts int, err error) {
 // isolation bit that was set before or is planned, so a failure never opens peer-to-peer
 // paths the IOMMU cannot see.
 func (x *executor) secure(c *Change) {
+	if x.ctx.Err() != nil {
+		// Given up on: nothing more is written. The plan only ever sets isolation bits,
+		// so a write cut short cannot have cleared one.
+		return
+	}
 	cur, _, err := x.read(c.Addr, c.Offset)
 	if err != nil {
-		if c.Result != ResultFailed || !isVanished(err) {
+		if !c.Failed() || !isVanished(err) {
 			c.Note = joinNote(c.Note, fmt.Sprintf("could not re-read after the failure: %v", err))
 		}
 		return

@@ -94,8 +94,9 @@ func kernelHasConfigACS(release string) (has, known bool) {
 	return major > 6 || major == 6 && minor >= 11, true
 }
 
-// lockdownAdvice is what an operator must do when config writes are refused.
-func lockdownAdvice(arg, release string) string {
+// LockdownAdvice is what an operator must do when config writes are refused: arg is the
+// refused ports' plan as a kernel argument, release the running kernel's.
+func LockdownAdvice(arg, release string) string {
 	s := "config writes are locked down; boot with: " + arg + " (pci=config_acs= needs Linux 6.11 or newer"
 	switch has, known := kernelHasConfigACS(release); {
 	case !known && release == "":

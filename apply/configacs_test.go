@@ -66,7 +66,7 @@ func TestLockdownAdvice(t *testing.T) {
 		"weird":          "running weird)",
 		"":               "needs Linux 6.11 or newer)",
 	} {
-		got := lockdownAdvice("pci=config_acs=1x111x1@0000:ec:00.0", rel)
+		got := LockdownAdvice("pci=config_acs=1x111x1@0000:ec:00.0", rel)
 		if !strings.HasPrefix(got, "config writes are locked down; boot with: pci=config_acs=1x111x1@0000:ec:00.0 (pci=config_acs= needs Linux 6.11 or newer") || !strings.Contains(got, want) {
 			t.Errorf("%q: %q lacks %q", rel, got, want)
 		}

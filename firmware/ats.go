@@ -66,17 +66,15 @@ func (f Finding) String() string {
 const enableNote = "ATSCtl Enable- as expected before attach: the IOMMU sets it when the function joins a translating domain"
 
 // CheckATS checks every NIC PF and data-direct function of every unit for the ATS
-// capability and lowers the status of a unit where one lacks it: degraded under
-// PolicyPrefer (its ports lose DT: see DropDT), failed under PolicyRequire.
+// capability and returns one finding per function. It changes nothing: what a missing
+// capability makes of a unit (degraded under PolicyPrefer, its ports losing DT: see
+// DropDT; failed under PolicyRequire) is the decision's (package decision, Verdict).
 //
 // Which functions need ATS is the unit's NIC-side membership, not a device-ID list: on
 // HGX B300 those are ConnectX-8 PFs (15b3:1023) and data-direct functions (15b3:2100);
 // in the QEMU profile the stand-ins are virtio-net (1af4:1041) with ats=on. The GPU and
 // NVMe are not checked.
-func CheckATS(units []*topology.Unit, policy Policy) []Finding {
-	if policy == "" {
-		policy = PolicyPrefer
-	}
+func CheckATS(units []*topology.Unit) []Finding {
 	var out []Finding
 	for _, u := range units {
 		if u == nil {
@@ -102,15 +100,6 @@ func CheckATS(units []*topology.Unit, policy Policy) []Finding {
 				f.Note = fmt.Sprintf("config space is %d bytes: capabilities unknown", len(d.Config))
 			}
 			out = append(out, f)
-			if f.ATS {
-				return
-			}
-			switch policy {
-			case PolicyRequire:
-				u.Degrade(topology.StatusFailed, "ats: %s %s (%s) has no ATS capability (passage.ats=require)", role, d.Addr, d.IDs())
-			default:
-				u.Degrade(topology.StatusDegraded, "ats: %s %s (%s) has no ATS capability: no Direct Translated P2P for this unit", role, d.Addr, d.IDs())
-			}
 		}
 		for _, d := range u.NICs {
 			check(d, topology.RoleGPUNIC)
@@ -120,6 +109,19 @@ func CheckATS(units []*topology.Unit, policy Policy) []Finding {
 		}
 	}
 	return out
+}
+
+// Verdict is what a finding makes of its unit under the policy, with the reason: ""
+// for a function that has ATS.
+func (f Finding) Verdict(policy Policy) (topology.Status, string) {
+	switch {
+	case f.ATS:
+		return "", ""
+	case policy == PolicyRequire:
+		return topology.StatusFailed, fmt.Sprintf("ats: %s %s (%s) has no ATS capability (passage.ats=require)", f.Role, f.Addr, f.IDs)
+	default:
+		return topology.StatusDegraded, fmt.Sprintf("ats: %s %s (%s) has no ATS capability: no Direct Translated P2P for this unit", f.Role, f.Addr, f.IDs)
+	}
 }
 
 // NoDT returns the units that must not get Direct Translated P2P: those with a NIC-side

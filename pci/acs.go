@@ -170,3 +170,17 @@ func decodeSRIOV(c Config, off int) (*SRIOV, error) {
 		VFDeviceID: c.r16(off + SRIOVVFDID),
 	}, nil
 }
+
+// MarshalText writes a register value as JSON carries it everywhere passage prints one:
+// "0x005d", the form setpci and lspci -x use.
+func (b ACSBits) MarshalText() ([]byte, error) { return []byte(fmt.Sprintf("0x%04x", uint16(b))), nil }
+
+// UnmarshalText reads what MarshalText writes.
+func (b *ACSBits) UnmarshalText(t []byte) error {
+	var v uint16
+	if _, err := fmt.Sscanf(string(t), "0x%04x", &v); err != nil {
+		return fmt.Errorf("acs bits %q: want 0xNNNN", t)
+	}
+	*b = ACSBits(v)
+	return nil
+}

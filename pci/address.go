@@ -77,3 +77,17 @@ func MustParseAddress(s string) Address {
 	}
 	return a
 }
+
+// MarshalText writes the address as the kernel names it ("0000:f2:00.0"), so every JSON
+// document passage prints carries BDF strings, never the struct's fields.
+func (a Address) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
+
+// UnmarshalText reads what MarshalText writes (and "BB:DD.F", domain 0).
+func (a *Address) UnmarshalText(b []byte) error {
+	v, err := ParseAddress(string(b))
+	if err != nil {
+		return err
+	}
+	*a = v
+	return nil
+}

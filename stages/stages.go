@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"io"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -216,7 +217,8 @@ func (s *State) Eligible() []Unit {
 	return out
 }
 
-// Mark worsens a unit's status to st (never improves it) and records why. It returns an
+// Mark worsens a unit's status to st (never improves it) and records why; a reason the
+// unit already holds is not recorded twice. It returns an
 // error for an unknown unit so a stage cannot silently mark nothing.
 func (s *State) Mark(id string, st Status, reason string) error {
 	s.mu.Lock()
@@ -224,7 +226,7 @@ func (s *State) Mark(id string, st Status, reason string) error {
 	for _, u := range s.units {
 		if u.ID == id {
 			u.Status = Worse(u.Status, st)
-			if reason != "" {
+			if reason != "" && !slices.Contains(u.Reasons, reason) {
 				u.Reasons = append(u.Reasons, reason)
 			}
 			return nil

@@ -26,11 +26,16 @@ const (
 // egress control and translation blocking are left as they are. The isolation bits are
 // only ever set: RR/CR/SV/UF are never cleared on a path to a passthrough device.
 //
-// A port without the ACS capability makes its unit failed (its traffic would bypass
-// the IOMMU); a NIC port without DT degrades the unit (no direct GPU-NIC path). Upstream
-// ports are not planned: PCIe requires ACS on downstream-facing ports (PCIe 6.0
-// 6.12.1.1) and the kernel checks only those. A port on several units' paths is planned
-// once, for the lowest unit.
+// A port without the ACS capability says its unit must fail (its traffic would bypass
+// the IOMMU); a NIC port without DT says the unit is degraded (no direct GPU-NIC path):
+// Verdict and Problem carry it, the unit itself is not touched. Upstream ports are not
+// planned: PCIe requires ACS on downstream-facing ports (PCIe 6.0 6.12.1.1) and the
+// kernel checks only those. A port on several units' paths is planned once, for the
+// lowest unit.
+//
+// Within a unit the ports that only isolate come first and the ports that gain DT last:
+// an executor that stops a unit at its first failure then never leaves DT open above a
+// unit whose isolation it could not finish.
 func ACSPlan(units []*Unit) []ACSPort {
 	var out []ACSPort
 	seen := map[pci.Address]bool{}
@@ -54,6 +59,7 @@ func ACSPlan(units []*Unit) []ACSPort {
 			}
 			return false
 		}
+		var unit []ACSPort
 		bridges := append([]*pci.Device{}, u.Bridges...)
 		sort.Slice(bridges, func(i, j int) bool { return bridges[i].Addr.Less(bridges[j].Addr) })
 		for _, b := range bridges {
@@ -78,8 +84,8 @@ func ACSPlan(units []*Unit) []ACSPort {
 			}
 			if b.ACS == nil {
 				p.Reason = "no ACS capability: peer traffic below this port cannot be redirected to the IOMMU"
-				u.Degrade(StatusFailed, "acs %s (%s): no ACS capability", b.Addr, p.Position)
-				out = append(out, p)
+				p.Verdict, p.Problem = StatusFailed, fmt.Sprintf("acs %s (%s): no ACS capability", b.Addr, p.Position)
+				unit = append(unit, p)
 				continue
 			}
 			p.Offset, p.Cap, p.Current = b.ACS.Offset, b.ACS.Cap, b.ACS.Ctl
@@ -90,7 +96,7 @@ func ACSPlan(units []*Unit) []ACSPort {
 				notes = append(notes, "above the CX-8 PFs: SV RR CR UF DT (translated GPU-NIC P2P stays in the switch)")
 				if p.Cap&pci.ACSDT == 0 {
 					notes = append(notes, "port does not advertise DT: GPU-NIC traffic goes through the root complex")
-					u.Degrade(StatusDegraded, "acs %s (%s): no DT capability", b.Addr, p.Position)
+					p.Verdict, p.Problem = StatusDegraded, fmt.Sprintf("acs %s (%s): no DT capability", b.Addr, p.Position)
 				}
 			} else {
 				notes = append(notes, p.Position+": SV RR CR UF, DT off (isolation default)")
@@ -102,8 +108,10 @@ func ACSPlan(units []*Unit) []ACSPort {
 				notes = append(notes, "already set")
 			}
 			p.Reason = strings.Join(notes, "; ")
-			out = append(out, p)
+			unit = append(unit, p)
 		}
+		sort.SliceStable(unit, func(i, j int) bool { return unit[i].Flags&pci.ACSDT == 0 && unit[j].Flags&pci.ACSDT != 0 })
+		out = append(out, unit...)
 	}
 	return out
 }

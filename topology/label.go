@@ -83,10 +83,19 @@ func Label(tree *pci.Tree, p *Profile) (*Labels, error) {
 			}
 			continue
 		}
-		fl.Role, fl.Rule = hits[0].Role, hits[0].Name
+		// The most specific rule wins, as in a driver's ID table: vendor+device beats
+		// vendor+class beats class alone, and position constraints add to it. Only
+		// rules equally specific that give different roles conflict.
+		best := hits[0]
 		for _, h := range hits[1:] {
-			if h.Role != fl.Role {
-				fl.Reason = fmt.Sprintf("rules %q (%s) and %q (%s) both match", hits[0].Name, hits[0].Role, h.Name, h.Role)
+			if h.Match.Specificity().Beats(best.Match.Specificity()) {
+				best = h
+			}
+		}
+		fl.Role, fl.Rule = best.Role, best.Name
+		for _, h := range hits {
+			if h.Role != best.Role && !best.Match.Specificity().Beats(h.Match.Specificity()) {
+				fl.Reason = fmt.Sprintf("rules %q (%s) and %q (%s) both match, equally specific", best.Name, best.Role, h.Name, h.Role)
 				fl.Role, fl.Rule = RoleUnlabeled, ""
 				errs = append(errs, fmt.Errorf("label %s (%s): %s", d.Addr, d.IDs(), fl.Reason))
 				break
@@ -172,9 +181,6 @@ func (l *Labels) group() error {
 			} else if fl.Unit != u.ID {
 				l.Problems = append(l.Problems, fmt.Sprintf("%s: bridge on the paths of units %d and %d", b.Addr, fl.Unit, u.ID))
 			}
-		}
-		if len(u.NICs) == 0 {
-			u.Degrade(StatusDegraded, "no GPU-adjacent NIC found for GPU %s", u.GPU.Addr)
 		}
 	}
 	return nil
@@ -272,4 +278,52 @@ func nearestGPU(d *pci.Device, gpus []*pci.Device) *pci.Device {
 		return nil
 	}
 	return best
+}
+
+// Specificity orders rules that match one function. IDs is the identity a rule names:
+// 4 for a device ID (with its vendor), 2 for a vendor, 1 for a class, summed (vendor+device
+// 6 or 7, vendor+class 3, class alone 1). Constraints counts the other conditions
+// (subsystem IDs, port type, bridge, slot, position in the tree, not); ClassBits the
+// class bits compared.
+type Specificity struct{ IDs, Constraints, ClassBits int }
+
+// Beats says whether s is strictly more specific than o.
+func (s Specificity) Beats(o Specificity) bool {
+	if s.IDs != o.IDs {
+		return s.IDs > o.IDs
+	}
+	if s.Constraints != o.Constraints {
+		return s.Constraints > o.Constraints
+	}
+	return s.ClassBits > o.ClassBits
+}
+
+// Specificity is how precisely the match names a function (see Specificity).
+func (m Match) Specificity() Specificity {
+	var s Specificity
+	if len(m.Device) > 0 {
+		s.IDs += 4
+	}
+	if len(m.Vendor) > 0 {
+		s.IDs += 2
+	}
+	if m.Class != nil {
+		s.IDs++
+		mask := uint32(0xffffff)
+		if m.ClassMask != nil {
+			mask = uint32(*m.ClassMask) & 0xffffff
+		}
+		for ; mask != 0; mask &= mask - 1 {
+			s.ClassBits++
+		}
+	}
+	for _, set := range []bool{len(m.SubsystemVendor) > 0, len(m.SubsystemDevice) > 0, len(m.PortType) > 0, m.Bridge != nil,
+		len(m.DeviceNumber) > 0, len(m.Function) > 0, m.Parent != nil, m.Sibling != nil, m.NoSibling != nil,
+		m.DepthMin != nil, m.DepthMax != nil, m.Not != nil} {
+		if set {
+			s.Constraints++
+		}
+	}
+	s.Constraints += len(m.Below) + len(m.NotBelow)
+	return s
 }

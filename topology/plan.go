@@ -10,8 +10,9 @@ import (
 	"github.com/passage-boot/passage/pci"
 )
 
-// Plan is everything topology decides for one node: labels and units, the ACS plan,
-// the host matrix, and the guest plan for the chosen units with its matrix.
+// Plan is what topology contributes to a node's decision, laid out to print: labels and
+// units, the ACS plan, the host matrix, and the guest plan for the chosen units with its
+// matrix. package decision fills it; the units' statuses are the decision's.
 type Plan struct {
 	Labels      *Labels
 	ACS         []ACSPort
@@ -19,30 +20,6 @@ type Plan struct {
 	Host        *Matrix
 	Guest       *Guest
 	GuestMatrix *Matrix
-}
-
-// NewPlan labels the tree and plans ACS for every unit and the guest for the chosen
-// ones. A labelling error (conflicting rules, forbidden unlabeled functions) is returned
-// with the plan, which is complete as far as it goes; a guest that cannot be laid out
-// leaves Guest nil and is an error.
-func NewPlan(tree *pci.Tree, p *Profile, opt GuestOptions) (*Plan, error) {
-	l, lerr := Label(tree, p)
-	if l == nil {
-		return nil, lerr
-	}
-	pl := &Plan{Labels: l}
-	pl.ACS = ACSPlan(l.Units)
-	pl.KernelArg = KernelArg(pl.ACS)
-	pl.Host = HostMatrix(l.Units, p.NVLinks)
-	g, gerr := GuestPlan(l.Units, opt)
-	if gerr == nil {
-		pl.Guest = g
-		pl.GuestMatrix = g.Matrix(p.NVLinks)
-	}
-	if lerr != nil {
-		return pl, lerr
-	}
-	return pl, gerr
 }
 
 // UnitJSON is a unit as passage inspect --json and the manifest list it.
@@ -102,9 +79,11 @@ type acsJSON struct {
 	CtlTo    string `json:"ctl_target"`
 	Flags    string `json:"config_acs"`
 	Reason   string `json:"reason"`
+	Skip     string `json:"skip,omitempty"`
 }
 
-type planJSON struct {
+// PlanDoc is the plan as JSON; package decision adds its own fields beside these.
+type PlanDoc struct {
 	Profile     string         `json:"profile"`
 	Functions   []functionJSON `json:"functions"`
 	Units       []UnitJSON     `json:"units"`
@@ -116,10 +95,10 @@ type planJSON struct {
 	GuestMatrix *Matrix        `json:"guest_matrix,omitempty"`
 }
 
-// WriteJSON writes the plan as one JSON document.
-func (pl *Plan) WriteJSON(w io.Writer) error {
+// Doc is the plan as one JSON document.
+func (pl *Plan) Doc() PlanDoc {
 	l := pl.Labels
-	doc := planJSON{Profile: l.Profile.Name, Units: l.UnitsJSON(), Problems: l.Problems, KernelArg: pl.KernelArg,
+	doc := PlanDoc{Profile: l.Profile.Name, Units: l.UnitsJSON(), Problems: l.Problems, KernelArg: pl.KernelArg,
 		Host: pl.Host, Guest: pl.Guest, GuestMatrix: pl.GuestMatrix, ACS: []acsJSON{}}
 	for _, d := range l.Tree.Devices {
 		fl := l.Of(d.Addr)
@@ -132,12 +111,10 @@ func (pl *Plan) WriteJSON(w io.Writer) error {
 	}
 	for _, p := range pl.ACS {
 		doc.ACS = append(doc.ACS, acsJSON{Addr: p.Addr.String(), Unit: p.Unit, Position: p.Position, Cap: p.Cap.String(),
-			Current: p.Current.String(), Target: p.Target().String(), CtlFrom: fmt.Sprintf("%#04x", uint16(p.Current)),
-			CtlTo: fmt.Sprintf("%#04x", uint16(p.Target())), Flags: ConfigACSFlags(p.Mask, p.Flags), Reason: p.Reason})
+			Current: p.Current.String(), Target: p.Target().String(), CtlFrom: fmt.Sprintf("0x%04x", uint16(p.Current)),
+			CtlTo: fmt.Sprintf("0x%04x", uint16(p.Target())), Flags: ConfigACSFlags(p.Mask, p.Flags), Reason: p.Reason, Skip: p.Skip})
 	}
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(doc)
+	return doc
 }
 
 // WriteText writes the plan for a person: the tree with a role column (lspci -t's
@@ -195,7 +172,11 @@ func (pl *Plan) WriteText(w io.Writer) error {
 			target = fmt.Sprintf("%#04x %s", uint16(p.Target()), p.Target())
 			flags = ConfigACSFlags(p.Mask, p.Flags)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", p.Addr, p.Unit, p.Position, now, target, flags, p.Reason)
+		reason := p.Reason
+		if p.Skip != "" {
+			reason = "not written: " + p.Skip
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", p.Addr, p.Unit, p.Position, now, target, flags, reason)
 	}
 	tw.Flush()
 	if pl.KernelArg != "" {

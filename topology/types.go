@@ -92,6 +92,14 @@ type ACSPort struct {
 	Mask     pci.ACSBits
 	Flags    pci.ACSBits
 	Reason   string
+	// Verdict is what the port makes of its unit when it cannot be planned as wanted
+	// (failed: no ACS capability; degraded: a NIC port without DT), Problem says why. The
+	// decision (package decision) applies it; the plan only reports it.
+	Verdict Status
+	Problem string
+	// Skip says why the port is not to be written ("" to write it): the decision sets it
+	// for the ports of a unit that will not be passed through.
+	Skip string
 }
 
 // Target is the control value the plan wants.

@@ -71,23 +71,22 @@ func (f Finding) String() string {
 func (f Finding) Refuses() bool { return f.Status == topology.StatusFailed }
 
 // Audit checks every unit's passthrough set against the tree's IOMMU groups and the ACS
-// of the ports above it. It reads only the tree and the units; it changes nothing.
-// Findings come in unit order, then address order.
+// of the ports above it, as the tree holds them. It reads only the tree and the units;
+// it changes nothing. Findings come in unit order, then address order.
 func Audit(tree *pci.Tree, units []*topology.Unit) []Finding {
-	return AuditLive(tree, units, nil)
+	return AuditPlanned(tree, units, nil)
 }
 
-// AuditLive is Audit with each judged port's ACS Control register read now through cfg
-// instead of taken from the tree: after the ACS stage has written the ports, a tree
-// scanned before it holds the old values. The groups stay the tree's (the kernel forms
-// them at enumeration and never again). A nil cfg is Audit.
-func AuditLive(tree *pci.Tree, units []*topology.Unit, cfg pci.ConfigIO) []Finding {
-	ctl := func(p *pci.Device) (pci.ACSBits, error) { return p.ACS.Ctl, nil }
-	if cfg != nil {
-		ctl = func(p *pci.Device) (pci.ACSBits, error) {
-			v, err := pci.ReadRegister(cfg, p.Addr, p.ACS.CtlOffset(), 2)
-			return pci.ACSBits(v), err
+// AuditPlanned is Audit with the ports in planned judged by the ACS Control they will
+// hold once the plan is written, so the audit runs before any write: the decision
+// checks what the node will be, not what it was. The groups stay the tree's (the kernel
+// forms them at enumeration and never again). A nil map is Audit.
+func AuditPlanned(tree *pci.Tree, units []*topology.Unit, planned map[pci.Address]pci.ACSBits) []Finding {
+	ctl := func(p *pci.Device) pci.ACSBits {
+		if v, ok := planned[p.Addr]; ok {
+			return v
 		}
+		return p.ACS.Ctl
 	}
 	var out []Finding
 	owner := map[pci.Address]int{} // function -> unit ID
@@ -117,7 +116,7 @@ func AuditLive(tree *pci.Tree, units []*topology.Unit, cfg pci.ConfigIO) []Findi
 }
 
 func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Address]int, twice map[pci.Address][]int, u *topology.Unit,
-	ctl func(*pci.Device) (pci.ACSBits, error)) []Finding {
+	ctl func(*pci.Device) pci.ACSBits) []Finding {
 	var out []Finding
 	if u.GPU == nil {
 		out = append(out, Finding{Kind: KindBadUnit, Unit: u.ID, Status: topology.StatusFailed, Group: -1, Detail: "unit has no GPU"})
@@ -192,17 +191,24 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 	return out
 }
 
-// isolationGap says what a port on the path lacks, or "". Only ports that forward peer
-// traffic between functions below them are judged: root and downstream ports (PCIe 6.0
-// 6.12.1.1), and conventional bridges, which can never isolate (all functions behind
-// one alias to the bridge's requester ID).
-func isolationGap(p *pci.Device, ctl func(*pci.Device) (pci.ACSBits, error)) string {
+// isolationGap says what a port on the path lacks, or "". It follows the kernel's
+// pci_acs_enabled (drivers/pci/pci.c): a conventional bridge, a PCIe-to-PCI bridge, a
+// PCI-to-PCIe bridge (its primary side is PCI) and an RCEC never isolate; root and
+// downstream ports isolate when their ACS Control has every isolation flag they
+// advertise (PCIe 6.0 6.12.1.1); other ports (upstream) are not judged.
+func isolationGap(p *pci.Device, ctl func(*pci.Device) pci.ACSBits) string {
 	t, express := p.PortType()
 	switch {
 	case !express && p.IsBridge():
 		return "conventional PCI bridge: no ACS possible"
+	case !express:
+		return ""
 	case t == pci.PortPCIeToPCI:
 		return "PCIe-to-PCI bridge: functions behind it share its requester ID"
+	case t == pci.PortPCIToPCIe:
+		return "PCI-to-PCIe bridge: its primary side is PCI, where ACS does not apply"
+	case t == pci.PortRCEC:
+		return "root complex event collector: ACS does not apply"
 	case !t.IsDownstreamFacing():
 		return ""
 	case p.ACS == nil:
@@ -210,10 +216,7 @@ func isolationGap(p *pci.Device, ctl func(*pci.Device) (pci.ACSBits, error)) str
 	}
 	// A flag the port does not advertise is hard-wired: it cannot forward the traffic
 	// that flag would redirect (the kernel's pci_acs_flags_enabled reads it the same).
-	c, err := ctl(p)
-	if err != nil {
-		return fmt.Sprintf("ACSCtl unreadable: %v", err)
-	}
+	c := ctl(p)
 	want := pci.ACSIsolation & p.ACS.Cap
 	if off := want &^ c; off != 0 {
 		return fmt.Sprintf("ACSCtl has %s off (ACSCap %s, ACSCtl %s)", off, p.ACS.Cap, c)

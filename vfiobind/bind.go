@@ -48,9 +48,6 @@ type Options struct {
 	PollInterval time.Duration
 	// Clock defaults to the wall clock.
 	Clock Clock
-	// Config, when set, is read for the ports' ACS Control now (AuditLive): give it
-	// when the tree was scanned before the ACS stage wrote the ports.
-	Config pci.ConfigIO
 }
 
 func (o Options) withDefaults() Options {
@@ -85,19 +82,20 @@ type FunctionReport struct {
 	Writes []string `json:"writes,omitempty"`
 }
 
-// UnitReport is one unit's outcome.
+// UnitReport is one unit's outcome: bound when Error is "".
 type UnitReport struct {
 	ID        int              `json:"id"`
-	Status    topology.Status  `json:"status"`
-	Reasons   []string         `json:"reasons,omitempty"`
+	Error     string           `json:"error,omitempty"`
 	Functions []FunctionReport `json:"functions,omitempty"`
 }
+
+// Bound says whether every function of the unit ended on vfio-pci.
+func (u UnitReport) Bound() bool { return u.Error == "" }
 
 // Report is Bind's outcome.
 type Report struct {
 	// ModulesErr is why loading the vfio stack failed, "" when it did not.
 	ModulesErr string        `json:"modules_error,omitempty"`
-	Findings   []Finding     `json:"findings,omitempty"`
 	Units      []UnitReport  `json:"units"`
 	Duration   time.Duration `json:"duration_ns"`
 }
@@ -112,20 +110,22 @@ func (r *Report) Unit(id int) *UnitReport {
 	return nil
 }
 
-// Bind audits the units (Audit), loads the vfio stack, and binds every function of each
-// unit that is not refused to vfio-pci. A unit whose binding fails is returned to its
-// state before (override restored, host driver re-probed where one was unbound), so no
-// IOMMU group ends half on vfio-pci; the other units proceed. Devices outside the units'
-// passthrough sets are never written. Units are updated in place (Status, Reasons) and
-// summarised in the report. The error is for what stops the whole run: bad arguments or
-// a cancelled context (the report then covers what was done).
+// Bind loads the vfio stack and binds every function of each unit to vfio-pci. Which
+// units go is the caller's decision (package decision: audited, isolated, none failed);
+// Bind executes it and reports, unit by unit, and judges nothing. A unit whose binding
+// fails is returned to its state before (override restored, host driver re-probed where
+// one was unbound), so no IOMMU group ends half on vfio-pci; the other units proceed.
+// Devices outside the units' passthrough sets are never written, and nothing at all is
+// written once ctx is done: a unit cut short then stays as it is, and its report says so.
+// The error is for what stops the whole run: bad arguments or a cancelled context (the
+// report then covers what was done).
 func Bind(ctx context.Context, sys Sysfs, tree *pci.Tree, units []*topology.Unit, opts Options) (*Report, error) {
 	if sys == nil || tree == nil {
 		return nil, errors.New("vfiobind: nil sysfs or tree")
 	}
 	opts = opts.withDefaults()
 	start := opts.Clock.Now()
-	rep := &Report{Findings: AuditLive(tree, units, opts.Config)}
+	rep := &Report{}
 	defer func() { rep.Duration = opts.Clock.Now().Sub(start) }()
 
 	sorted := make([]*topology.Unit, 0, len(units))
@@ -136,52 +136,28 @@ func Bind(ctx context.Context, sys Sysfs, tree *pci.Tree, units []*topology.Unit
 	}
 	sort.SliceStable(sorted, func(i, j int) bool { return sorted[i].ID < sorted[j].ID })
 
-	refused := map[int]bool{}
-	for _, f := range rep.Findings {
-		for _, u := range sorted {
-			if u.ID == f.Unit {
-				u.Degrade(f.Status, "%s", f.String())
-			}
-		}
-		if f.Refuses() {
-			refused[f.Unit] = true
-		}
-	}
-	var todo []*topology.Unit
-	for _, u := range sorted {
-		if !refused[u.ID] && u.Status != topology.StatusFailed {
-			todo = append(todo, u)
-		}
-	}
-
 	var stackErr error
-	if len(todo) > 0 {
+	if len(sorted) > 0 {
 		stackErr = loadStack(sys, opts.Modules, rep)
 	}
 	var runErr error
 	for _, u := range sorted {
 		ur := UnitReport{ID: u.ID}
 		switch {
-		case refused[u.ID] || u.Status == topology.StatusFailed:
-			// Refused: not one of its functions is written.
 		case stackErr != nil:
-			u.Degrade(topology.StatusFailed, "vfio stack: %v", stackErr)
+			ur.Error = fmt.Sprintf("vfio stack: %v", stackErr)
 		case runErr != nil:
-			u.Degrade(topology.StatusFailed, "not bound: %v", runErr)
+			ur.Error = fmt.Sprintf("not bound: %v", runErr)
 		default:
 			var err error
 			ur.Functions, err = bindUnit(ctx, sys, tree, u, opts)
 			if err != nil {
-				u.Degrade(topology.StatusFailed, "%v", err)
+				ur.Error = err.Error()
 				if ctx.Err() != nil {
 					runErr = ctx.Err()
 				}
 			}
 		}
-		if u.Status == "" {
-			u.Status = topology.StatusReady
-		}
-		ur.Status, ur.Reasons = u.Status, append([]string(nil), u.Reasons...)
 		rep.Units = append(rep.Units, ur)
 	}
 	return rep, runErr
@@ -240,10 +216,15 @@ func bindUnit(ctx context.Context, sys Sysfs, tree *pci.Tree, u *topology.Unit, 
 	if failure == nil {
 		return reps, nil
 	}
+	if ctx.Err() != nil {
+		// Cut short: nothing more is written, rollback included. The unit is off
+		// vfio-pci or half on it, and its report (and so the manifest) says failed.
+		return reps, failure
+	}
 	for i := len(touched) - 1; i >= 0; i-- {
 		st := touched[i]
 		fr := &reps[st.reportIdx]
-		after, err := restore(sys, st, fr)
+		after, err := restore(ctx, sys, st, fr)
 		fr.RolledBack = true
 		fr.DriverAfter = after
 		if err != nil {
@@ -254,8 +235,13 @@ func bindUnit(ctx context.Context, sys Sysfs, tree *pci.Tree, u *topology.Unit, 
 	return reps, failure
 }
 
-// write performs one sysfs write and logs it in the function's report.
-func write(sys Sysfs, fr *FunctionReport, name, value string) error {
+// write performs one sysfs write and logs it in the function's report. Once ctx is done
+// it writes nothing: a stage past its deadline has been given up on, and whatever it
+// would still write would race with what runs after it.
+func write(ctx context.Context, sys Sysfs, fr *FunctionReport, name, value string) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%s: not written: %w", name, err)
+	}
 	fr.Writes = append(fr.Writes, name+" <- "+strings.TrimSpace(value))
 	return sys.WriteFile(name, []byte(value))
 }
@@ -283,18 +269,18 @@ func bindFunction(ctx context.Context, sys Sysfs, st *fnState, opts Options) (fr
 	}
 	st.driver, fr.DriverBefore = before, before
 
-	if err := write(sys, &fr, devPath(a, "driver_override"), VFIODriver); err != nil {
+	if err := write(ctx, sys, &fr, devPath(a, "driver_override"), VFIODriver); err != nil {
 		// A sysfs store that fails changes nothing: no override to restore.
 		return fr, fmt.Errorf("%s: write driver_override: %w", a, err)
 	}
 	st.wroteOvr = true
 	if before != VFIODriver {
 		if before != "" {
-			if err := write(sys, &fr, driverPath(before, "unbind"), a.String()); err != nil {
+			if err := write(ctx, sys, &fr, driverPath(before, "unbind"), a.String()); err != nil {
 				return fr, fmt.Errorf("%s: unbind %s: %w", a, before, err)
 			}
 		}
-		if err := write(sys, &fr, driversProbe, a.String()); err != nil {
+		if err := write(ctx, sys, &fr, driversProbe, a.String()); err != nil {
 			return fr, fmt.Errorf("%s: drivers_probe: %w", a, err)
 		}
 	}
@@ -344,7 +330,7 @@ func verify(ctx context.Context, sys Sysfs, a pci.Address, group int, opts Optio
 // restore returns a function to its state before binding: the old override back (the
 // kernel clears it on an empty write), vfio-pci off if it got the function, and the
 // host driver re-probed if one was unbound. It returns the driver it ends on.
-func restore(sys Sysfs, st *fnState, fr *FunctionReport) (string, error) {
+func restore(ctx context.Context, sys Sysfs, st *fnState, fr *FunctionReport) (string, error) {
 	a := st.dev.Addr
 	var errs []error
 	if st.wroteOvr {
@@ -352,7 +338,7 @@ func restore(sys Sysfs, st *fnState, fr *FunctionReport) (string, error) {
 		if val == "" {
 			val = "\n"
 		}
-		if err := write(sys, fr, devPath(a, "driver_override"), val); err != nil {
+		if err := write(ctx, sys, fr, devPath(a, "driver_override"), val); err != nil {
 			errs = append(errs, fmt.Errorf("%s: restore driver_override: %w", a, err))
 		}
 	}
@@ -364,12 +350,12 @@ func restore(sys Sysfs, st *fnState, fr *FunctionReport) (string, error) {
 		return cur, errors.Join(errs...)
 	}
 	if cur != "" {
-		if err := write(sys, fr, driverPath(cur, "unbind"), a.String()); err != nil {
+		if err := write(ctx, sys, fr, driverPath(cur, "unbind"), a.String()); err != nil {
 			errs = append(errs, fmt.Errorf("%s: unbind %s: %w", a, cur, err))
 		}
 	}
 	if st.driver != "" {
-		if err := write(sys, fr, driversProbe, a.String()); err != nil {
+		if err := write(ctx, sys, fr, driversProbe, a.String()); err != nil {
 			errs = append(errs, fmt.Errorf("%s: re-probe %s: %w", a, st.driver, err))
 		}
 	}

@@ -58,7 +58,7 @@ func Release(ctx context.Context, sys Sysfs, fns []*pci.Device, opts Options) ([
 		if err := ctx.Err(); err != nil {
 			return reps, errors.Join(append(errs, err)...)
 		}
-		fr, err := releaseFunction(sys, d, opts)
+		fr, err := releaseFunction(ctx, sys, d, opts)
 		reps = append(reps, fr)
 		if err != nil {
 			errs = append(errs, err)
@@ -67,7 +67,7 @@ func Release(ctx context.Context, sys Sysfs, fns []*pci.Device, opts Options) ([
 	return reps, errors.Join(errs...)
 }
 
-func releaseFunction(sys Sysfs, d *pci.Device, opts Options) (fr FunctionReport, err error) {
+func releaseFunction(ctx context.Context, sys Sysfs, d *pci.Device, opts Options) (fr FunctionReport, err error) {
 	a := d.Addr
 	start := opts.Clock.Now()
 	fr = FunctionReport{Addr: a, Group: d.IOMMUGroup}
@@ -85,12 +85,12 @@ func releaseFunction(sys Sysfs, d *pci.Device, opts Options) (fr FunctionReport,
 		return fr, err
 	}
 	fr.DriverBefore = before
-	if err := write(sys, &fr, devPath(a, "driver_override"), "\n"); err != nil {
+	if err := write(ctx, sys, &fr, devPath(a, "driver_override"), "\n"); err != nil {
 		return fr, fmt.Errorf("%s: clear driver_override: %w", a, err)
 	}
 	switch before {
 	case VFIODriver:
-		if err := write(sys, &fr, driverPath(VFIODriver, "unbind"), a.String()); err != nil {
+		if err := write(ctx, sys, &fr, driverPath(VFIODriver, "unbind"), a.String()); err != nil {
 			return fr, fmt.Errorf("%s: unbind %s: %w", a, VFIODriver, err)
 		}
 	case "":
@@ -98,7 +98,7 @@ func releaseFunction(sys Sysfs, d *pci.Device, opts Options) (fr FunctionReport,
 		// Already on a host driver: nothing to hand back.
 		return fr, nil
 	}
-	if err := write(sys, &fr, driversProbe, a.String()); err != nil {
+	if err := write(ctx, sys, &fr, driversProbe, a.String()); err != nil {
 		return fr, fmt.Errorf("%s: drivers_probe: %w", a, err)
 	}
 	return fr, nil

@@ -3,16 +3,14 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"io/fs"
-	"os"
 	"path/filepath"
 	"strings"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/kmod"
@@ -23,25 +21,37 @@ import (
 
 // applyOutput is what passage apply --json prints.
 type applyOutput struct {
-	Profile  string              `json:"profile"`
-	DryRun   bool                `json:"dry_run"`
-	Problems []string            `json:"problems,omitempty"`
-	ATS      []firmware.Finding  `json:"ats"`
-	ACS      apply.Report        `json:"acs"`
-	VFIO     *vfiobind.Report    `json:"vfio,omitempty"`
-	Audit    []vfiobind.Finding  `json:"vfio_audit,omitempty"`
-	Units    []topology.UnitJSON `json:"units"`
-	Stages   map[string]string   `json:"stages"`
+	Profile   string              `json:"profile"`
+	DryRun    bool                `json:"dry_run"`
+	Lockdown  string              `json:"lockdown,omitempty"`
+	Problems  []string            `json:"problems,omitempty"`
+	ATS       []firmware.Finding  `json:"ats"`
+	Audit     []vfiobind.Finding  `json:"audit"`
+	KernelArg string              `json:"kernel_arg"`
+	ACS       apply.Report        `json:"acs"`
+	VFIO      *vfiobind.Report    `json:"vfio,omitempty"`
+	Units     []topology.UnitJSON `json:"units"`
+	Stages    map[string]string   `json:"stages"`
 }
 
-// cmdApply does on a running node what the boot stage does before the manifest: label,
-// check ATS, program ACS, bind to vfio-pci. With --dry-run it writes nothing and says what
-// it would write; binding is then only audited.
+// applyEnv is what apply writes through; tests put a simulated kernel here.
+type applyEnv struct {
+	sysfs   func(root string) vfiobind.Sysfs
+	modules func(root, release string) vfiobind.ModuleLoader
+}
+
+// cmdApply does on a running node what the boot does before the manifest: decide
+// (label, ATS, audit, ACS targets), then write ACS and bind to vfio-pci. With --dry-run
+// it writes nothing and reports the decision against the live node.
 func cmdApply(args []string, stdout, stderr io.Writer) int {
+	return runApply(args, stdout, stderr, applyEnv{})
+}
+
+func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	fs := flag.NewFlagSet("apply", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	root := fs.String("root", "/", "root of the sysfs (and /proc) tree to read and write")
-	dryRun := fs.Bool("dry-run", false, "write nothing: report what ACS would change and audit binding")
+	dryRun := fs.Bool("dry-run", false, "write nothing: report the decision and what ACS would change")
 	profile := fs.String("profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
 	ats := fs.String("ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
 	cmdline := fs.String("cmdline", "", "kernel command line (default: <root>/proc/cmdline); a pci=config_acs= on it makes matching ports verify-only")
@@ -59,24 +69,20 @@ func cmdApply(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage apply: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
 		return 2
 	}
+	live, err := decision.ReadLive(*root)
+	if err != nil {
+		return usageErr(err)
+	}
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	if !set["cmdline"] {
-		s, err := readProcFile(*root, "proc/cmdline")
-		if err != nil {
-			return usageErr(err)
-		}
-		*cmdline = s
+	if set["cmdline"] {
+		live.Cmdline = *cmdline
 	}
-	if !set["kernel"] {
-		s, err := readProcFile(*root, "proc/sys/kernel/osrelease")
-		if err != nil {
-			return usageErr(err)
-		}
-		*release = s
+	if set["kernel"] {
+		live.Release = *release
 	}
 	if !set["ats"] {
-		*ats = string(initramfs.ParseCmdline(*cmdline).ATS)
+		*ats = string(initramfs.ParseCmdline(live.Cmdline).ATS)
 	}
 	policy, err := firmware.ParsePolicy(*ats)
 	if err != nil {
@@ -90,66 +96,68 @@ func cmdApply(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return usageErr(err)
 	}
-
-	out := applyOutput{Profile: prof.Name, DryRun: *dryRun, Stages: map[string]string{}}
-	labels, err := topology.Label(tree, prof)
-	if labels == nil {
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Live: live})
+	if err != nil {
 		return usageErr(err)
 	}
-	if err != nil {
+
+	out := applyOutput{Profile: prof.Name, DryRun: *dryRun, Lockdown: live.Lockdown, Stages: map[string]string{},
+		ATS: d.ATS, Audit: d.Audit, KernelArg: d.KernelArg}
+	out.Problems = append(out.Problems, d.Labels.Problems...)
+	if d.LabelErr != nil {
 		// Labels that contradict each other name the wrong functions for passthrough:
 		// nothing may be written on their strength.
-		out.Problems = append(out.Problems, err.Error())
+		out.Problems = append(out.Problems, d.LabelErr.Error())
 		out.Stages["label"] = "failed: nothing written"
-		out.Units = labels.UnitsJSON()
+		vs := d.Decided()
+		out.Units = d.UnitsJSON(vs)
 		writeApply(stdout, stderr, out, *asJSON)
 		return 1
 	}
-	out.Problems = append(out.Problems, labels.Problems...)
-	out.Stages["label"] = fmt.Sprintf("%d units", len(labels.Units))
-	units := labels.Units
+	out.Stages["label"] = fmt.Sprintf("%d units", len(d.Units()))
+	out.Stages["ats"] = fmt.Sprintf("%d functions checked, %d without ATS (policy %s)", len(d.ATS), len(firmware.NoDT(d.ATS)), policy)
 
-	out.ATS = firmware.CheckATS(units, policy)
-	out.Stages["ats"] = fmt.Sprintf("%d functions checked, %d without ATS (policy %s)", len(out.ATS), len(firmware.NoDT(out.ATS)), policy)
-
-	plan := firmware.DropDT(topology.ACSPlan(units), out.ATS)
 	ctx := context.Background()
 	cfg := pci.SysfsConfig{Root: *root}
-	out.ACS, err = apply.ACS(ctx, plan, units, apply.Options{
-		IO: cfg, Cmdline: *cmdline, KernelRelease: *release, DryRun: *dryRun,
-	})
+	x := decision.Execution{DryRun: *dryRun, Binding: !*dryRun && !*noBind}
+	out.ACS, err = d.ExecuteACS(ctx, cfg, *dryRun)
 	if err != nil {
 		return usageErr(err)
 	}
+	x.ACS = &out.ACS
 	out.Stages["acs"] = fmt.Sprintf("%d ports, %d written", len(out.ACS.Changes), out.ACS.Writes())
 
 	switch {
 	case *dryRun:
-		out.Audit = vfiobind.AuditLive(tree, units, cfg)
 		out.Stages["vfio"] = "dry run: audited only"
 	case *noBind:
 		out.Stages["vfio"] = "skipped (--no-bind)"
 	default:
-		// The tree was scanned before the ACS writes: the groups in it stand (the kernel
-		// forms them at enumeration only), the ports' ACS Control is read again.
-		opts := vfiobind.Options{Config: cfg}
-		// Load the vfio stack from the node's own modules when it has them; a tree
-		// without /lib/modules (a synthetic root) relies on vfio-pci being registered.
-		if *release != "" {
-			if ix, err := kmod.Open(filepath.Join(*root, "lib", "modules", *release)); err == nil {
+		sys := vfiobind.Sysfs(vfiobind.Root(*root))
+		if env.sysfs != nil {
+			sys = env.sysfs(*root)
+		}
+		var opts vfiobind.Options
+		if env.modules != nil {
+			opts.Modules = env.modules(*root, live.Release)
+		} else if live.Release != "" {
+			// Load the vfio stack from the node's own modules when it has them; a tree
+			// without /lib/modules (a synthetic root) relies on vfio-pci being registered.
+			if ix, err := kmod.Open(filepath.Join(*root, "lib", "modules", live.Release)); err == nil {
 				opts.Modules = &vfiobind.Kmod{Index: ix}
 			}
 		}
-		out.VFIO, err = vfiobind.Bind(ctx, vfiobind.Root(*root), tree, units, opts)
-		if err != nil && out.VFIO == nil {
-			return usageErr(err)
+		out.VFIO, x.BindErr = d.ExecuteBind(ctx, sys, x.ACS, opts)
+		x.Bind = out.VFIO
+		if x.BindErr != nil && out.VFIO == nil {
+			return usageErr(x.BindErr)
 		}
-		if err != nil {
-			out.Problems = append(out.Problems, err.Error())
+		if x.BindErr != nil {
+			out.Problems = append(out.Problems, x.BindErr.Error())
 		}
 		bound := 0
 		for _, u := range out.VFIO.Units {
-			if u.Status != topology.StatusFailed {
+			if u.Bound() {
 				bound++
 			}
 		}
@@ -158,30 +166,13 @@ func cmdApply(args []string, stdout, stderr io.Writer) int {
 			out.Stages["vfio"] += "; vfio stack: " + out.VFIO.ModulesErr
 		}
 	}
-	out.Units = labels.UnitsJSON()
+	vs := d.Conclude(x)
+	out.Units = d.UnitsJSON(vs)
 	writeApply(stdout, stderr, out, *asJSON)
-	for _, u := range units {
-		if u.Status != topology.StatusReady {
-			return 1
-		}
-	}
-	if out.ACS.Failed() {
+	if decision.Failed(vs) {
 		return 1
 	}
 	return 0
-}
-
-// readProcFile reads a one-line /proc file under root; a tree without /proc (a synthetic
-// one, a snapshot) reads as "".
-func readProcFile(root, name string) (string, error) {
-	b, err := os.ReadFile(filepath.Join(root, name))
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", nil
-	}
-	if err != nil {
-		return "", err
-	}
-	return strings.TrimSpace(string(b)), nil
 }
 
 func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
@@ -222,7 +213,7 @@ func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
 		w("advice: %s", a)
 	}
 	for _, f := range out.Audit {
-		w("  vfio audit: %s", f)
+		w("  isolation audit: %s", f)
 	}
 	if out.VFIO != nil {
 		for _, u := range out.VFIO.Units {

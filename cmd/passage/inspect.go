@@ -7,6 +7,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 )
@@ -193,9 +194,18 @@ type inspectDoc struct {
 // unlabeled functions a profile forbids) is reported in problems, not fatal: inspect
 // shows what is there.
 func inspectJSON(tree *pci.Tree, prof *topology.Profile) inspectDoc {
-	labels, lerr := topology.Label(tree, prof)
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof})
 	tj := tree.JSON()
-	doc := inspectDoc{Units: labels.UnitsJSON(), Problems: append([]string{}, tj.Problems...)}
+	doc := inspectDoc{Units: []topology.UnitJSON{}, Problems: append([]string{}, tj.Problems...)}
+	if d == nil {
+		doc.Problems = append(doc.Problems, err.Error())
+		for i := range tree.Devices {
+			doc.Devices = append(doc.Devices, labelledDevice{DeviceJSON: tj.Devices[i], Role: string(topology.RoleUnlabeled)})
+		}
+		return doc
+	}
+	labels, lerr := d.Labels, d.LabelErr
+	doc.Units = d.UnitsJSON(d.Decided())
 	doc.Problems = append(doc.Problems, labels.Problems...)
 	if lerr != nil {
 		doc.Problems = append(doc.Problems, lerr.Error())

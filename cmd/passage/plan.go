@@ -8,6 +8,9 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/passage-boot/passage/decision"
+	"github.com/passage-boot/passage/firmware"
+	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/topology"
 )
 
@@ -15,6 +18,7 @@ import (
 type planFlags struct {
 	src            treeSource
 	profile, units string
+	ats, cmdline   string
 	numa           bool
 }
 
@@ -23,14 +27,17 @@ func (f *planFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.profile, "profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
 	fs.StringVar(&f.units, "units", "all", "units to pass through: all, or IDs like 0,1")
 	fs.BoolVar(&f.numa, "numa", false, "one pxb-pcie expander per unit on its NUMA node (guest NODE/SYS distances)")
+	fs.StringVar(&f.ats, "ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
+	fs.StringVar(&f.cmdline, "cmdline", "", "kernel command line (default: <root>/proc/cmdline with --root)")
 }
 
 // errUsage marks bad input (exit 2); other errors are failed checks (exit 1).
 type errUsage struct{ error }
 
-// plan loads the tree and the profile and builds the plan. A labelling error comes
-// back with the plan.
-func (f *planFlags) plan(fs *flag.FlagSet) (*topology.Plan, error) {
+// decide loads the tree and the profile and computes the decision. With --root it reads
+// the kernel's state under the root too (command line, lockdown), as apply does, so the
+// two agree; a snapshot or a dump has none.
+func (f *planFlags) decide(fs *flag.FlagSet) (*decision.Decision, error) {
 	var units []int
 	if f.units != "all" {
 		for _, s := range strings.Split(f.units, ",") {
@@ -49,15 +56,48 @@ func (f *planFlags) plan(fs *flag.FlagSet) (*topology.Plan, error) {
 	if err != nil {
 		return nil, errUsage{err}
 	}
-	pl, err := topology.NewPlan(tree, prof, topology.GuestOptions{Units: units, NUMA: f.numa})
-	if pl == nil {
+	var live decision.Live
+	if f.src.snapshot == "" && f.src.dump == "" {
+		if live, err = decision.ReadLive(f.src.root); err != nil {
+			return nil, errUsage{err}
+		}
+	}
+	set := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	if set["cmdline"] {
+		live.Cmdline = f.cmdline
+	}
+	if !set["ats"] {
+		f.ats = string(initramfs.ParseCmdline(live.Cmdline).ATS)
+	}
+	policy, err := firmware.ParsePolicy(f.ats)
+	if err != nil {
+		return nil, errUsage{fmt.Errorf("--ats: %w", err)}
+	}
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Live: live,
+		Guest: topology.GuestOptions{Units: units, NUMA: f.numa}})
+	if err != nil {
 		return nil, errUsage{err}
 	}
-	if err != nil && pl.Guest == nil && units != nil {
+	if d.GuestErr != nil && units != nil {
 		// A unit the operator named does not exist or is failed: bad input.
-		return pl, errUsage{err}
+		return d, errUsage{d.GuestErr}
 	}
-	return pl, err
+	return d, nil
+}
+
+// verdictErr is the exit status of a decision's verdicts: labelling that contradicts
+// itself or a failed unit is 1; degraded units are usable and exit 0.
+func verdictErr(d *decision.Decision, vs []decision.Verdict) error {
+	if d.LabelErr != nil {
+		return d.LabelErr
+	}
+	for _, v := range vs {
+		if v.Status == topology.StatusFailed {
+			return fmt.Errorf("unit %d failed: %s", v.Unit, strings.Join(v.Reasons, "; "))
+		}
+	}
+	return nil
 }
 
 func exitFor(stderr io.Writer, err error) int {
@@ -85,27 +125,22 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage plan: unexpected argument %q\n", fs.Arg(0))
 		return 2
 	}
-	pl, err := f.plan(fs)
-	if pl == nil {
+	d, err := f.decide(fs)
+	if d == nil {
 		return exitFor(stderr, err)
 	}
 	var werr error
 	if *asJSON {
-		werr = pl.WriteJSON(stdout)
+		werr = d.WriteJSON(stdout)
 	} else {
-		werr = pl.WriteText(stdout)
+		werr = d.WriteText(stdout)
 	}
 	if werr != nil {
 		fmt.Fprintf(stderr, "passage plan: %v\n", werr)
 		return 1
 	}
 	if err == nil {
-		for _, u := range pl.Labels.Units {
-			if u.Status == topology.StatusFailed {
-				err = fmt.Errorf("unit %d failed: %s", u.ID, strings.Join(u.Reasons, "; "))
-				break
-			}
-		}
+		err = verdictErr(d, d.Decided())
 	}
 	return exitFor(stderr, err)
 }

@@ -25,11 +25,18 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage render: --format %q: want qemu, libvirt or nccl-xml\n", *format)
 		return 2
 	}
-	pl, err := f.plan(fs)
-	if err != nil {
+	d, err := f.decide(fs)
+	if err == nil && d.LabelErr != nil {
 		// A guest must not be rendered from a labelling the rules disagree on.
+		err = d.LabelErr
+	}
+	if err == nil && d.Guest == nil {
+		err = d.GuestErr
+	}
+	if err != nil {
 		return exitFor(stderr, err)
 	}
+	pl := d.Plan()
 	var out []byte
 	switch *format {
 	case "qemu":

@@ -11,9 +11,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/emit"
@@ -54,20 +56,54 @@ type Boot struct {
 	earlyLinks chan []string // the host stage's background link-up; see joinEarlyLinks
 	tpmReady   chan tpmPrep  // the TPM opened ahead of the manifest stage; see StartTPM
 
-	Release  string
-	Modules  *kmod.Index
-	Tree     *pci.Tree
-	Profile  *topology.Profile
-	Labels   *topology.Labels
-	Units    []*topology.Unit
-	ATS      []firmware.Finding
-	ACSPlan  []topology.ACSPort           // after DropDT
-	ACSRun   *apply.Report                // what the acs stage did, port by port
-	ACS      map[int][]manifest.ACSChange // by unit
-	Bind     *vfiobind.Report
+	Release string
+	Modules *kmod.Index
+	Tree    *pci.Tree
+	Profile *topology.Profile
+
+	// mu guards what the stages hand on: a stage keeps its results only if it finished
+	// within its deadline (commit), so a stage the runner abandoned can change nothing
+	// that the stages after it, or the manifest, read.
+	mu sync.Mutex
+	// Decision is the decide stage's verdict, before anything is written.
+	Decision *decision.Decision
+	// ACSRun is what the acs stage did, port by port; nil unless the stage completed.
+	ACSRun *apply.Report
+	// Bind is what the vfio stage did; nil unless the stage completed.
+	Bind *vfiobind.Report
+	// Verdicts are the units' final verdicts (Decision.Conclude), from the manifest stage.
+	Verdicts []decision.Verdict
 	Leases   []netboot.Lease
 	Manifest *manifest.Manifest
 	Signed   *manifest.Signed
+}
+
+// commit keeps a stage's result, unless the stage's time is up: the runner has then
+// failed it (or is about to), and what it still produces must reach nobody.
+func (b *Boot) commit(ctx context.Context, keep func()) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if ctx.Err() != nil {
+		return false
+	}
+	keep()
+	return true
+}
+
+// results returns what the stages committed.
+func (b *Boot) results() (*decision.Decision, *apply.Report, *vfiobind.Report) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.Decision, b.ACSRun, b.Bind
+}
+
+// Units are the decision's units (nil before the decide stage completed).
+func (b *Boot) Units() []*topology.Unit {
+	d, _, _ := b.results()
+	if d == nil {
+		return nil
+	}
+	return d.Units()
 }
 
 func (b *Boot) path(p string) string { return filepath.Join(b.Root, p) }
@@ -113,29 +149,6 @@ func toStatus(s topology.Status) stages.Status {
 	return stages.OK
 }
 
-// syncUnits copies the topology units' statuses and reasons (which the domain packages
-// update in place) into the runner's state, where status only worsens.
-func (b *Boot) syncUnits(st *stages.State, stage string) {
-	seen := map[string]int{}
-	for _, u := range st.Units() {
-		seen[u.ID] = len(u.Reasons)
-	}
-	for _, u := range b.Units {
-		id := UnitID(u.ID)
-		// Reasons the state already holds are not added twice.
-		var newReasons []string
-		if n := seen[id]; n < len(u.Reasons) {
-			newReasons = u.Reasons[n:]
-		}
-		for _, r := range newReasons {
-			st.Mark(id, toStatus(u.Status), r)
-		}
-		if len(newReasons) == 0 {
-			st.Mark(id, toStatus(u.Status), "")
-		}
-	}
-}
-
 // Stages returns the boot's stage list. The handoff is not a stage: it never returns, so
 // cmd/passage/boot.go does it after the report.
 //
@@ -151,10 +164,9 @@ func (b *Boot) Stages() []stages.Stage {
 	return []stages.Stage{
 		{Name: "modules", Run: b.modules},
 		{Name: "scan", Run: b.scan},
-		{Name: "label", Needs: []string{"scan"}, Run: b.label},
-		{Name: "firmware", Needs: []string{"label"}, Run: b.firmware},
-		{Name: "acs", Needs: []string{"label"}, Run: b.acs},
-		{Name: "vfio", Needs: []string{"label"}, Run: b.vfio},
+		{Name: "decide", Needs: []string{"scan"}, Run: b.decide},
+		{Name: "acs", Needs: []string{"decide"}, Run: b.acs},
+		{Name: "vfio", Needs: []string{"decide", "acs"}, Run: b.vfio},
 		{Name: "host", Run: b.host},
 		{Name: "manifest", Always: true, Run: b.manifest},
 		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
@@ -245,21 +257,51 @@ func (b *Boot) scan(_ context.Context, _ *stages.State, r *stages.Result) error 
 	return nil
 }
 
-func (b *Boot) label(_ context.Context, st *stages.State, r *stages.Result) error {
+// decide computes the node's decision (package decision): labels and units, ATS under
+// passage.ats=, the isolation audit against the planned ACS, lockdown, the ACS targets
+// and the kernel argument, every unit's verdict. It writes nothing; the stages after it
+// execute it, and the manifest stage concludes.
+func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) error {
 	p, err := topology.LoadProfile(b.Config.Profile)
 	if err != nil {
 		return err
 	}
 	b.Profile = p
-	l, err := topology.Label(b.Tree, p)
+	policy, err := firmware.ParsePolicy(string(b.Config.ATS))
 	if err != nil {
 		return err
 	}
-	b.Labels, b.Units = l, l.Units
-	units := l.Units
-	for _, pr := range l.Problems {
+	live, err := decision.ReadLive(b.Root)
+	if err != nil {
+		r.Degrade("%v", err)
+	}
+	live.Cmdline = b.Config.Cmdline
+	b.Release = live.Release
+	d, err := decision.Decide(decision.Input{Tree: b.Tree, Profile: p, ATS: policy, Live: live})
+	if err != nil {
+		return err
+	}
+	for _, pr := range d.Labels.Problems {
 		r.Degrade("%s", pr)
 	}
+	if d.LabelErr != nil {
+		r.Degrade("labelling: %s: every unit failed, nothing will be written", strings.ReplaceAll(d.LabelErr.Error(), "\n", "; "))
+	}
+	for _, f := range d.ATS {
+		if f.Missing() {
+			r.Degrade("%s", f)
+		}
+	}
+	for _, f := range d.Audit {
+		r.Findingf("%s", f)
+	}
+	if live.LockedDown() {
+		r.Degrade("kernel lockdown %s: config writes will be refused", live.Lockdown)
+	}
+	if d.KernelArg != "" {
+		r.Findingf("the plan as a kernel argument: %s", d.KernelArg)
+	}
+	units := d.Units()
 	su := make([]stages.Unit, 0, len(units))
 	for _, u := range units {
 		x := stages.Unit{ID: UnitID(u.ID), Status: toStatus(u.Status), Reasons: append([]string(nil), u.Reasons...)}
@@ -276,53 +318,32 @@ func (b *Boot) label(_ context.Context, st *stages.State, r *stages.Result) erro
 		}
 		su = append(su, x)
 	}
-	st.SetUnits(su)
 	r.Findingf("profile %s: %d units", p.Name, len(units))
 	if len(units) == 0 {
 		r.Degrade("no GPU units found")
 	}
+	if !b.commit(ctx, func() { b.Decision = d }) {
+		return ctx.Err()
+	}
+	st.SetUnits(su)
 	return nil
 }
 
-func (b *Boot) firmware(_ context.Context, st *stages.State, r *stages.Result) error {
-	policy, err := firmware.ParsePolicy(string(b.Config.ATS))
+// acs executes the decision's ACS plan (apply.ACS: write, read back, stop a unit at its
+// first failure, restore isolation bits a failed write may have cost).
+func (b *Boot) acs(ctx context.Context, _ *stages.State, r *stages.Result) error {
+	d, _, _ := b.results()
+	rep, err := d.ExecuteACS(ctx, b.configIO(), b.DryRun)
 	if err != nil {
 		return err
 	}
-	b.ATS = firmware.CheckATS(b.Units, policy)
-	for _, f := range b.ATS {
-		if f.Missing() {
-			r.Degrade("%s", f)
-		}
-	}
-	b.syncUnits(st, "firmware")
-	return nil
-}
-
-// acs plans ACS Control for every unit's ports (topology.ACSPlan, which fails a unit with
-// a port lacking ACS), drops DT where a unit's NIC lacks ATS (firmware.DropDT), and has
-// apply.ACS write and read back each port. apply lowers the units it cannot finish and
-// gives the lockdown advice (pci=config_acs=, with the kernel version that has it).
-func (b *Boot) acs(ctx context.Context, st *stages.State, r *stages.Result) error {
-	// ACSPlan degrades units in place: it runs once per boot.
-	b.ACSPlan = firmware.DropDT(topology.ACSPlan(b.Units), b.ATS)
-	rep, err := apply.ACS(ctx, b.ACSPlan, b.Units, apply.Options{
-		IO: b.configIO(), Cmdline: b.Config.Cmdline, KernelRelease: b.kernelRelease(), DryRun: b.DryRun,
-	})
-	if err != nil {
-		return err
-	}
-	b.ACSRun = &rep
-	b.ACS = map[int][]manifest.ACSChange{}
 	for _, c := range rep.Changes {
-		mc := acsChange(c)
-		b.ACS[c.Unit] = append(b.ACS[c.Unit], mc)
 		line := fmt.Sprintf("acs %s (unit %s, %s): ACSCtl %#04x -> %#04x, reads %#04x: %s",
-			c.Addr, UnitID(c.Unit), c.Position, uint16(c.Before), uint16(c.Target), uint16(c.After), mc.Result)
+			c.Addr, UnitID(c.Unit), c.Position, uint16(c.Before), uint16(c.Target), uint16(c.After), acsResult(c))
 		switch c.Result {
-		case apply.ResultWritten:
+		case apply.ResultApplied:
 			r.Changef("%s", line)
-		case apply.ResultFailed, apply.ResultLockedDown, apply.ResultNoACS:
+		case apply.ResultFailed, apply.ResultMismatch, apply.ResultLockedDown, apply.ResultNoACS:
 			r.Degrade("%s", line)
 		default:
 			r.Findingf("%s", line)
@@ -331,80 +352,57 @@ func (b *Boot) acs(ctx context.Context, st *stages.State, r *stages.Result) erro
 	for _, a := range rep.Advice {
 		r.Degrade("%s", a)
 	}
-	if rep.ConfigACS != "" {
-		r.Findingf("the plan as a kernel argument: %s", rep.ConfigACS)
+	if !b.commit(ctx, func() { b.ACSRun = &rep }) {
+		return fmt.Errorf("acs: %w", ctx.Err())
 	}
-	b.syncUnits(st, "acs")
 	return nil
 }
 
-// acsChange is apply's record of one port in the manifest's words (SCHEMA.md: result is
-// applied, unchanged, mismatch or failed: ...).
-func acsChange(c apply.Change) manifest.ACSChange {
-	mc := manifest.ACSChange{Port: c.Addr.String(), Target: c.Target.Lspci()}
-	read := c.Offset != 0 && c.Result != apply.ResultSkipped
-	if read {
-		mc.Before, mc.After = c.Before.Lspci(), c.After.Lspci()
-	}
-	switch c.Result {
-	case apply.ResultWritten:
-		mc.Result = "applied"
-	case apply.ResultAlreadySet:
-		mc.Result = "unchanged"
-	case apply.ResultVerified:
-		mc.Result = "unchanged: applied by the kernel (pci=config_acs=)"
-	case apply.ResultDryRun:
-		mc.Result = "unchanged: dry run"
-	case apply.ResultSkipped:
-		mc.Result = "unchanged: unit failed before the acs stage"
-	case apply.ResultNoACS:
-		mc.Result = "failed: no ACS capability"
-	case apply.ResultLockedDown:
-		mc.Result = "failed: locked down: " + c.Error
-	case apply.ResultFailed:
-		if c.After != c.Target && c.Error != "" && strings.Contains(c.Error, "reads back") {
-			mc.Result = "mismatch: " + c.Error
-		} else {
-			mc.Result = "failed: " + c.Error
-		}
-	default:
-		mc.Result = string(c.Result)
+// acsResult is apply's record of one port in one line, in apply's words (SCHEMA.md).
+func acsResult(c apply.Change) string {
+	s := string(c.Result)
+	if c.Error != "" {
+		s += ": " + c.Error
 	}
 	if c.Note != "" {
-		mc.Result += " (" + c.Note + ")"
+		s += " (" + c.Note + ")"
+	}
+	return s
+}
+
+// acsChange is apply's record of one port in the manifest.
+func acsChange(c apply.Change) manifest.ACSChange {
+	mc := manifest.ACSChange{Port: c.Addr.String(), Target: c.Target.Lspci(), Result: acsResult(c)}
+	if c.Offset != 0 && c.Result != apply.ResultSkipped {
+		mc.Before, mc.After = c.Before.Lspci(), c.After.Lspci()
 	}
 	return mc
 }
 
-func (b *Boot) vfio(ctx context.Context, st *stages.State, r *stages.Result) error {
+// vfio binds the units the decision passes through and the acs stage left bindable.
+func (b *Boot) vfio(ctx context.Context, _ *stages.State, r *stages.Result) error {
+	d, acsRun, _ := b.results()
 	if b.DryRun {
-		for _, f := range vfiobind.AuditLive(b.Tree, b.Units, b.configIO()) {
-			r.Findingf("%s", f)
-		}
 		return stages.Skip("dry run")
 	}
-	// Every unit goes to Bind: it binds none of a failed unit's functions, and its audit
-	// still says what else is wrong with it (a group shared with a host device).
-	units := b.Units
-	for _, u := range units {
-		if u.Status == topology.StatusFailed {
-			r.Findingf("unit %s: failed before binding, left untouched", UnitID(u.ID))
+	bind := d.Bindable(acsRun)
+	in := map[int]bool{}
+	for _, u := range bind {
+		in[u.ID] = true
+	}
+	for _, u := range d.Units() {
+		if !in[u.ID] {
+			r.Findingf("unit %s: not to be bound (failed), left untouched", UnitID(u.ID))
 		}
 	}
-	// The tree was scanned before the acs stage wrote the ports: the audit reads their
-	// ACS Control as it is now.
 	var sys vfiobind.Sysfs = vfiobind.Root(b.Root)
 	if b.Sysfs != nil {
 		sys = b.Sysfs
 	}
-	rep, err := vfiobind.Bind(ctx, sys, b.Tree, units, vfiobind.Options{Config: b.configIO()})
-	b.Bind = rep
+	rep, err := d.ExecuteBind(ctx, sys, acsRun, vfiobind.Options{})
 	if rep != nil {
 		if rep.ModulesErr != "" {
 			r.Degrade("vfio modules: %s", rep.ModulesErr)
-		}
-		for _, f := range rep.Findings {
-			r.Findingf("%s", f)
 		}
 		for _, ur := range rep.Units {
 			for _, f := range ur.Functions {
@@ -415,10 +413,18 @@ func (b *Boot) vfio(ctx context.Context, st *stages.State, r *stages.Result) err
 					r.Findingf("%s: %s", f.Addr, f.Err)
 				}
 			}
+			if !ur.Bound() {
+				r.Degrade("unit %s: %s", UnitID(ur.ID), ur.Error)
+			}
 		}
 	}
-	b.syncUnits(st, "vfio")
-	return err
+	if err != nil {
+		return err
+	}
+	if !b.commit(ctx, func() { b.Bind = rep }) {
+		return fmt.Errorf("vfio: %w", ctx.Err())
+	}
+	return nil
 }
 
 func orNone(s string) string {
@@ -551,7 +557,7 @@ func (b *Boot) netIfaces() (ifs, notes []string, err error) {
 		return nil, nil, err
 	}
 	pass := map[string]bool{}
-	for _, u := range b.Units {
+	for _, u := range b.Units() {
 		for _, f := range u.Functions() {
 			if f != nil {
 				pass[f.Addr.String()] = true
@@ -560,8 +566,8 @@ func (b *Boot) netIfaces() (ifs, notes []string, err error) {
 	}
 	var out, mgmt []string
 	for _, c := range cands {
-		if b.Labels != nil {
-			if a, err := pci.ParseAddress(c.BDF); err == nil && b.Labels.RoleOf(a) == topology.RoleMgmtNIC {
+		if d, _, _ := b.results(); d != nil {
+			if a, err := pci.ParseAddress(c.BDF); err == nil && d.Labels.RoleOf(a) == topology.RoleMgmtNIC {
 				mgmt = append(mgmt, c.Name)
 			}
 		}

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
@@ -75,47 +76,93 @@ func link(d *pci.Device) manifest.Link {
 	return manifest.Link{Speed: e.Speed.String(), Width: int(e.Width), MaxSpeed: e.MaxSpeed.String(), MaxWidth: int(e.MaxWidth)}
 }
 
-func (b *Boot) manifestUnits() []manifest.Unit {
+// conclude is every unit's final verdict: the decision's, worsened by what the acs and
+// vfio stages completed (decision.Conclude). A stage that failed, panicked, ran past
+// its deadline or was skipped committed no report, and its units end failed.
+func (b *Boot) conclude(st *stages.State) []decision.Verdict {
+	d, acsRun, bind := b.results()
+	if d == nil {
+		return nil
+	}
+	stageErr := map[string]error{}
+	for _, r := range st.Results() {
+		if r.Err != nil {
+			stageErr[r.Name] = fmt.Errorf("stage %s %s: %w", r.Name, r.Status, r.Err)
+		} else {
+			stageErr[r.Name] = fmt.Errorf("stage %s %s", r.Name, r.Status)
+		}
+	}
+	errOf := func(name string) error {
+		if e, ok := stageErr[name]; ok {
+			return e
+		}
+		return fmt.Errorf("stage %s did not run", name)
+	}
+	return d.Conclude(decision.Execution{DryRun: b.DryRun, ACS: acsRun, ACSErr: errOf("acs"),
+		Binding: !b.DryRun, Bind: bind, BindErr: errOf("vfio")})
+}
+
+func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
+	d, acsRun, bindRep := b.results()
+	if d == nil {
+		return nil
+	}
 	bind := map[string]vfiobind.FunctionReport{}
-	if b.Bind != nil {
-		for _, u := range b.Bind.Units {
+	if bindRep != nil {
+		for _, u := range bindRep.Units {
 			for _, f := range u.Functions {
 				bind[f.Addr.String()] = f
 			}
 		}
 	}
+	acs := map[int][]manifest.ACSChange{}
+	if acsRun != nil {
+		for _, c := range acsRun.Changes {
+			acs[c.Unit] = append(acs[c.Unit], acsChange(c))
+		}
+	}
 	ats := map[int][]manifest.Finding{}
-	for _, f := range b.ATS {
+	for _, f := range d.ATS {
 		sev := "info"
 		if f.Missing() {
 			sev = "warning"
 		}
 		ats[f.Unit] = append(ats[f.Unit], manifest.Finding{Object: f.Addr.String(), Severity: sev, Message: f.String()})
 	}
+	verdict := map[int]decision.Verdict{}
+	for _, v := range vs {
+		verdict[v.Unit] = v
+	}
 	var out []manifest.Unit
-	for _, u := range b.Units {
-		mu := manifest.Unit{ID: UnitID(u.ID), Status: string(u.Status), Reasons: u.Reasons, NUMANode: u.NUMANode,
-			ACSChanges: b.ACS[u.ID], ATSFindings: ats[u.ID]}
+	for _, u := range d.Units() {
+		v := verdict[u.ID]
+		mu := manifest.Unit{ID: UnitID(u.ID), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
+			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID]}
 		if mu.Status == "" {
-			mu.Status = string(topology.StatusReady)
+			// No verdict for a unit is no promise about it.
+			mu.Status = string(topology.StatusFailed)
 		}
-		for _, d := range u.Functions() {
-			if d == nil {
+		for _, fn := range u.Functions() {
+			if fn == nil {
 				continue
 			}
-			bdf := d.Addr.String()
+			bdf := fn.Addr.String()
 			f := manifest.Function{
-				BDF: bdf, Vendor: fmt.Sprintf("0x%04x", d.VendorID), Device: fmt.Sprintf("0x%04x", d.DeviceID),
-				SubsystemVendor: fmt.Sprintf("0x%04x", d.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", d.SubsystemDevice),
-				Class: fmt.Sprintf("0x%06x", d.Class), Role: string(b.Labels.RoleOf(d.Addr)), IOMMUGroup: d.IOMMUGroup, NUMANode: d.NUMANode,
-				DriverBefore: d.Driver, DriverAfter: d.Driver, Link: link(d),
+				BDF: bdf, Vendor: fmt.Sprintf("0x%04x", fn.VendorID), Device: fmt.Sprintf("0x%04x", fn.DeviceID),
+				SubsystemVendor: fmt.Sprintf("0x%04x", fn.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", fn.SubsystemDevice),
+				Class: fmt.Sprintf("0x%06x", fn.Class), Role: string(d.Labels.RoleOf(fn.Addr)), IOMMUGroup: fn.IOMMUGroup, NUMANode: fn.NUMANode,
+				DriverBefore: fn.Driver, DriverAfter: fn.Driver, Link: link(fn),
 			}
 			if br, ok := bind[bdf]; ok {
 				f.DriverBefore, f.DriverAfter, f.IOMMUGroup = br.DriverBefore, br.DriverAfter, br.Group
-			} else if drv, ok := b.driverNow(d); ok {
-				// Not bound by this boot (unit refused or failed, dry run): what sysfs
-				// says now, so the hypervisor never trusts a stale scan.
-				f.DriverAfter = drv
+			}
+			if br, ok := bind[bdf]; !ok || br.Err != "" || !verdictOK(v) {
+				// Not bound by this boot, or not cleanly (unit refused or failed, a stage
+				// cut short, dry run): what sysfs says now, so the hypervisor never trusts
+				// a stale scan.
+				if drv, ok := b.driverNow(fn); ok {
+					f.DriverAfter = drv
+				}
 			}
 			mu.Functions = append(mu.Functions, f)
 		}
@@ -123,6 +170,8 @@ func (b *Boot) manifestUnits() []manifest.Unit {
 	}
 	return out
 }
+
+func verdictOK(v decision.Verdict) bool { return v.Status == topology.StatusReady || v.Status == topology.StatusDegraded }
 
 // driverNow reads the function's driver link; ok is false when sysfs cannot say.
 func (b *Boot) driverNow(d *pci.Device) (string, bool) {
@@ -136,23 +185,36 @@ func (b *Boot) driverNow(d *pci.Device) (string, bool) {
 	return filepath.Base(t), true
 }
 
-// guestPlan is the guest topology of the units that may be passed through, with the
-// host matrix over the same units and the matrix the guest should show.
-func (b *Boot) guestPlan() (*manifest.GuestPlan, error) {
-	var chosen []*topology.Unit
-	for _, u := range b.Units {
-		if u.Status != topology.StatusFailed {
-			chosen = append(chosen, u)
+// guestPlan is the guest topology of the units that may be passed through (their final
+// verdict is not failed), with the host matrix over the same units and the matrix the
+// guest should show.
+func (b *Boot) guestPlan(vs []decision.Verdict) (*manifest.GuestPlan, error) {
+	d, _, _ := b.results()
+	if d == nil {
+		return nil, nil
+	}
+	var ids []int
+	for _, v := range vs {
+		if verdictOK(v) {
+			ids = append(ids, v.Unit)
 		}
 	}
-	if len(chosen) == 0 {
+	if len(ids) == 0 {
 		return nil, nil
+	}
+	var chosen []*topology.Unit
+	for _, u := range d.Units() {
+		for _, id := range ids {
+			if u.ID == id {
+				chosen = append(chosen, u)
+			}
+		}
 	}
 	nv := 0
 	if b.Profile != nil {
 		nv = b.Profile.NVLinks
 	}
-	g, err := topology.GuestPlan(b.Units, topology.GuestOptions{})
+	g, err := topology.GuestPlan(d.Units(), topology.GuestOptions{Units: ids})
 	if err != nil {
 		return nil, err
 	}
@@ -212,8 +274,18 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	} else {
 		m.Profile = manifest.Profile{Name: b.Config.Profile}
 	}
-	m.Units = b.manifestUnits()
-	if gp, err := b.guestPlan(); err != nil {
+	vs := b.conclude(st)
+	b.mu.Lock()
+	b.Verdicts = vs
+	b.mu.Unlock()
+	for _, v := range vs {
+		st.Mark(UnitID(v.Unit), toStatus(v.Status), "")
+		for _, why := range v.Reasons {
+			st.Mark(UnitID(v.Unit), toStatus(v.Status), why)
+		}
+	}
+	m.Units = b.manifestUnits(vs)
+	if gp, err := b.guestPlan(vs); err != nil {
 		errs = append(errs, err.Error())
 		r.Degrade("%v", err)
 	} else {

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -12,9 +13,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/bench"
-	"github.com/passage-boot/passage/firmware"
+	"github.com/passage-boot/passage/decision"
+
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/topology"
@@ -86,10 +87,14 @@ func planInProcess(root string, want int) (*topology.Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	pl, err := topology.NewPlan(tree, b300Profile, topology.GuestOptions{})
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: b300Profile})
 	if err != nil {
 		return nil, err
 	}
+	if d.LabelErr != nil || d.GuestErr != nil {
+		return nil, errors.Join(d.LabelErr, d.GuestErr)
+	}
+	pl := d.Plan()
 	if len(pl.Labels.Units) == 0 || len(pl.ACS) == 0 {
 		return nil, fmt.Errorf("plan %s: %d units, %d ACS ports", root, len(pl.Labels.Units), len(pl.ACS))
 	}
@@ -183,14 +188,12 @@ func applyInProcess(root string, k *vfiotest.Kernel) error {
 	if err != nil {
 		return err
 	}
-	labels, err := topology.Label(tree, b300Profile)
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: b300Profile})
 	if err != nil {
 		return err
 	}
-	ats := firmware.CheckATS(labels.Units, firmware.PolicyPrefer)
-	plan := firmware.DropDT(topology.ACSPlan(labels.Units), ats)
 	cfg := pci.SysfsConfig{Root: root}
-	rep, err := apply.ACS(context.Background(), plan, labels.Units, apply.Options{IO: cfg})
+	rep, err := d.ExecuteACS(context.Background(), cfg, false)
 	if err != nil {
 		return err
 	}
@@ -200,13 +203,13 @@ func applyInProcess(root string, k *vfiotest.Kernel) error {
 	if k == nil {
 		return nil
 	}
-	br, err := vfiobind.Bind(context.Background(), k, tree, labels.Units, vfiobind.Options{Modules: k, Config: cfg})
+	br, err := d.ExecuteBind(context.Background(), k, &rep, vfiobind.Options{Modules: k})
 	if err != nil {
 		return err
 	}
-	for _, u := range br.Units {
-		if u.Status != topology.StatusReady {
-			return fmt.Errorf("bind %s: unit %d %s %v", root, u.ID, u.Status, u.Reasons)
+	for _, v := range d.Conclude(decision.Execution{ACS: &rep, Binding: true, Bind: br}) {
+		if v.Status != topology.StatusReady {
+			return fmt.Errorf("bind %s: unit %d %s %v", root, v.Unit, v.Status, v.Reasons)
 		}
 	}
 	return nil

@@ -1,0 +1,403 @@
+// Package decision computes what passage will do to a node, once, as a value: roles and
+// units, ATS findings under the ATS policy, group viability and the isolation audit, the
+// ACS targets and their kernel argument, every unit's status with its reasons, the bind
+// set, and the guest plan. Decide reads a scanned tree and the running kernel's state
+// and writes nothing; every check runs before any write. `passage plan` prints a
+// decision, `apply --dry-run` is one against the live node, `apply` and `boot` execute
+// one (package apply for ACS, vfiobind for binding) and Conclude folds what execution
+// reported back into the units' verdicts, failing closed: a unit whose execution did not
+// complete, for whatever reason, ends failed, never ready.
+//
+// This is the only place a unit's status is decided. The packages below report what
+// they find or did (a port without ACS, a function without ATS, a shared IOMMU group, a
+// write that failed); only Decide and Conclude turn that into a verdict.
+package decision
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/firmware"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
+)
+
+// Live is the running kernel's state a decision depends on, read under a root so the
+// same code reads a node, a QEMU guest or a synthetic tree.
+type Live struct {
+	Cmdline string // /proc/cmdline: pci=config_acs= makes matching ports verify-only
+	Release string // /proc/sys/kernel/osrelease: only sharpens advice
+	// Lockdown is the selected mode of /sys/kernel/security/lockdown ("none",
+	// "integrity", "confidentiality"); "" when the file is absent (no securityfs, or a
+	// tree without it), which reads as not locked down.
+	Lockdown string
+}
+
+// LockedDown says the kernel refuses config-space writes from user space: both
+// integrity and confidentiality modes do (pci_write_config in drivers/pci/pci-sysfs.c).
+func (l Live) LockedDown() bool { return l.Lockdown == "integrity" || l.Lockdown == "confidentiality" }
+
+// ReadLive reads the kernel's state under root. A file that is absent (a synthetic
+// tree, a snapshot) reads as ""; one that cannot be read is an error naming it.
+func ReadLive(root string) (Live, error) {
+	var l Live
+	var errs []error
+	read := func(name string) string {
+		b, err := os.ReadFile(filepath.Join(root, name))
+		if err != nil {
+			if !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, err)
+			}
+			return ""
+		}
+		return strings.TrimSpace(string(b))
+	}
+	l.Cmdline = read("proc/cmdline")
+	l.Release = read("proc/sys/kernel/osrelease")
+	l.Lockdown = ParseLockdown(read("sys/kernel/security/lockdown"))
+	return l, errors.Join(errs...)
+}
+
+// ParseLockdown returns the selected mode of the lockdown file ("none [integrity]
+// confidentiality" -> "integrity"); a single word is taken as it is.
+func ParseLockdown(s string) string {
+	for _, w := range strings.Fields(s) {
+		if strings.HasPrefix(w, "[") && strings.HasSuffix(w, "]") {
+			return strings.Trim(w, "[]")
+		}
+	}
+	if f := strings.Fields(s); len(f) == 1 {
+		return f[0]
+	}
+	return ""
+}
+
+// Input is everything a decision depends on.
+type Input struct {
+	Tree    *pci.Tree
+	Profile *topology.Profile
+	ATS     firmware.Policy // "" is prefer
+	Live    Live
+	Guest   topology.GuestOptions
+}
+
+// Decision is the node's verdict before anything is written.
+type Decision struct {
+	Input
+	Labels *topology.Labels
+	// LabelErr is why labelling is unusable (rules that conflict, unlabeled functions a
+	// profile forbids): every unit is then failed and nothing is written.
+	LabelErr error
+	ATS      []firmware.Finding
+	Audit    []vfiobind.Finding
+	// ACS is the plan, port by port: DT dropped for units without ATS, Skip set on the
+	// ports of failed units.
+	ACS       []topology.ACSPort
+	KernelArg string
+	Host      *topology.Matrix
+	// Guest is the guest plan of the chosen units (GuestErr why there is none).
+	Guest       *topology.Guest
+	GuestMatrix *topology.Matrix
+	GuestErr    error
+}
+
+// Units are the decision's units, their Status and Reasons the decided ones.
+func (d *Decision) Units() []*topology.Unit { return d.Labels.Units }
+
+// Decide computes the decision. The error is only for inputs it cannot decide on (no
+// tree, no profile); everything the node itself gets wrong is in the verdicts.
+func Decide(in Input) (*Decision, error) {
+	if in.Tree == nil || in.Profile == nil {
+		return nil, errors.New("decision: needs a tree and a profile")
+	}
+	if in.ATS == "" {
+		in.ATS = firmware.PolicyPrefer
+	}
+	labels, lerr := topology.Label(in.Tree, in.Profile)
+	if labels == nil {
+		return nil, lerr
+	}
+	d := &Decision{Input: in, Labels: labels, LabelErr: lerr}
+	units := labels.Units
+	byID := map[int]*topology.Unit{}
+	for _, u := range units {
+		u.Status, u.Reasons = topology.StatusReady, nil
+		byID[u.ID] = u
+	}
+	mark := func(id int, s topology.Status, reason string) {
+		if u := byID[id]; u != nil && s != "" {
+			u.Degrade(s, "%s", reason)
+		}
+	}
+	if lerr != nil {
+		why := "label: " + strings.ReplaceAll(lerr.Error(), "\n", "; ") + ": nothing is written on a labelling that contradicts itself"
+		for _, u := range units {
+			mark(u.ID, topology.StatusFailed, why)
+		}
+	}
+	for _, u := range units {
+		if len(u.NICs) == 0 {
+			mark(u.ID, topology.StatusDegraded, fmt.Sprintf("no GPU-adjacent NIC found for GPU %s", u.GPU.Addr))
+		}
+	}
+
+	d.ATS = firmware.CheckATS(units)
+	for _, f := range d.ATS {
+		s, why := f.Verdict(in.ATS)
+		mark(f.Unit, s, why)
+	}
+
+	ports := firmware.DropDT(topology.ACSPlan(units), d.ATS)
+	for _, p := range ports {
+		mark(p.Unit, p.Verdict, p.Problem)
+	}
+
+	// A locked-down kernel refuses every config write: the ports keep what they hold.
+	locked := in.Live.LockedDown()
+	if locked {
+		need := map[int][]topology.ACSPort{}
+		var order []int
+		for _, p := range ports {
+			if p.Offset == 0 || p.Target() == p.Current || byID[p.Unit] == nil || byID[p.Unit].Status == topology.StatusFailed {
+				continue
+			}
+			if need[p.Unit] == nil {
+				order = append(order, p.Unit)
+			}
+			need[p.Unit] = append(need[p.Unit], p)
+		}
+		for _, id := range order {
+			s := topology.StatusDegraded
+			for _, p := range need[id] {
+				if want := p.Flags & pci.ACSIsolation; p.Current&want != want {
+					s = topology.StatusFailed
+				}
+			}
+			mark(id, s, lockdownReason(need[id], in.Live.Release))
+		}
+	}
+
+	// The audit judges the ports as they will be once the plan is written, before
+	// anything is.
+	planned := map[pci.Address]pci.ACSBits{}
+	for _, p := range ports {
+		if p.Offset != 0 && !locked && byID[p.Unit] != nil && byID[p.Unit].Status != topology.StatusFailed {
+			planned[p.Addr] = p.Target()
+		}
+	}
+	d.Audit = vfiobind.AuditPlanned(in.Tree, units, planned)
+	for _, f := range d.Audit {
+		mark(f.Unit, f.Status, f.String())
+	}
+
+	var write []topology.ACSPort
+	for i := range ports {
+		if u := byID[ports[i].Unit]; u == nil || u.Status == topology.StatusFailed {
+			ports[i].Skip = "unit failed: not passed through, its ports are left as they are"
+			continue
+		}
+		write = append(write, ports[i])
+	}
+	d.ACS = ports
+	d.KernelArg = topology.KernelArg(write)
+
+	nv := in.Profile.NVLinks
+	d.Host = topology.HostMatrix(units, nv)
+	d.Guest, d.GuestErr = topology.GuestPlan(units, in.Guest)
+	if d.Guest != nil {
+		d.GuestMatrix = d.Guest.Matrix(nv)
+	}
+	return d, nil
+}
+
+func lockdownReason(ports []topology.ACSPort, release string) string {
+	return "acs: " + apply.LockdownAdvice(topology.KernelArg(ports), release)
+}
+
+// Verdict is one unit's status and the reasons for it.
+type Verdict struct {
+	Unit    int             `json:"unit"`
+	Status  topology.Status `json:"status"`
+	Reasons []string        `json:"reasons,omitempty"`
+}
+
+// Decided returns the verdicts as decided, before execution.
+func (d *Decision) Decided() []Verdict {
+	out := make([]Verdict, 0, len(d.Units()))
+	for _, u := range d.Units() {
+		out = append(out, Verdict{Unit: u.ID, Status: u.Status, Reasons: append([]string(nil), u.Reasons...)})
+	}
+	return out
+}
+
+func (d *Decision) unit(id int) *topology.Unit {
+	for _, u := range d.Units() {
+		if u.ID == id {
+			return u
+		}
+	}
+	return nil
+}
+
+// Execution is what executing a decision reported. A step that did not complete (an
+// error, a panic, a deadline) leaves its report nil and says why in its Err.
+type Execution struct {
+	// DryRun: nothing was to be written; the verdicts are the decision's.
+	DryRun bool
+	ACS    *apply.Report
+	ACSErr error
+	// Binding says binding was part of the execution (false for apply --no-bind).
+	Binding bool
+	Bind    *vfiobind.Report
+	BindErr error
+}
+
+// Conclude is each unit's final verdict: the decided one, worsened by what execution
+// reported. It fails closed: a unit the decision passes through ends ready or degraded
+// only when every step that covers it completed and reported it done.
+func (d *Decision) Conclude(x Execution) []Verdict {
+	out := d.Decided()
+	if x.DryRun {
+		return out
+	}
+	for i := range out {
+		v := &out[i]
+		if v.Status == topology.StatusFailed {
+			continue
+		}
+		add := func(s topology.Status, reason string) {
+			v.Status = v.Status.Worse(s)
+			for _, r := range v.Reasons {
+				if r == reason {
+					return
+				}
+			}
+			v.Reasons = append(v.Reasons, reason)
+		}
+		if x.ACS == nil {
+			add(topology.StatusFailed, "acs: did not complete: "+errText(x.ACSErr))
+		} else {
+			s, reasons := d.acsVerdict(v.Unit, x.ACS)
+			for _, r := range reasons {
+				add(s, r)
+			}
+		}
+		if !x.Binding || v.Status == topology.StatusFailed {
+			continue
+		}
+		var ur *vfiobind.UnitReport
+		if x.Bind != nil {
+			ur = x.Bind.Unit(v.Unit)
+		}
+		switch {
+		case x.Bind == nil:
+			add(topology.StatusFailed, "vfio: did not complete: "+errText(x.BindErr))
+		case ur == nil:
+			add(topology.StatusFailed, "vfio: not bound: "+errText(x.BindErr))
+		case !ur.Bound():
+			add(topology.StatusFailed, "vfio: "+ur.Error)
+		}
+	}
+	return out
+}
+
+func errText(err error) string {
+	if err == nil {
+		return "no report"
+	}
+	return strings.ReplaceAll(err.Error(), "\n", "; ")
+}
+
+// acsVerdict is what the ACS report makes of a unit beyond what the decision foresaw.
+func (d *Decision) acsVerdict(id int, rep *apply.Report) (topology.Status, []string) {
+	var s topology.Status
+	var reasons []string
+	var locked []topology.ACSPort
+	for _, c := range rep.Changes {
+		if c.Unit != id {
+			continue
+		}
+		switch c.Result {
+		case apply.ResultFailed, apply.ResultMismatch:
+			s = s.Worse(topology.StatusFailed)
+			reasons = append(reasons, fmt.Sprintf("acs %s (%s): %s: %s", c.Addr, c.Position, c.Result, c.Error))
+		case apply.ResultLockedDown:
+			if d.Live.LockedDown() {
+				continue // foreseen: the decision gave the verdict
+			}
+			if !c.Isolated() {
+				s = s.Worse(topology.StatusFailed)
+			} else {
+				s = s.Worse(topology.StatusDegraded)
+			}
+			locked = append(locked, topology.ACSPort{Addr: c.Addr, Offset: c.Offset - pci.ACSCtlReg, Mask: c.Mask, Flags: c.Flags})
+		}
+	}
+	if len(locked) > 0 {
+		reasons = append(reasons, lockdownReason(locked, d.Live.Release))
+	}
+	return s, reasons
+}
+
+// Bindable are the units to bind after the ACS step reported rep: those the decision
+// passes through whose ports all reached a state they may be passed through in.
+func (d *Decision) Bindable(rep *apply.Report) []*topology.Unit {
+	var out []*topology.Unit
+	for _, u := range d.Units() {
+		if u.Status == topology.StatusFailed {
+			continue
+		}
+		if rep != nil {
+			if s, _ := d.acsVerdict(u.ID, rep); s == topology.StatusFailed {
+				continue
+			}
+		}
+		out = append(out, u)
+	}
+	return out
+}
+
+// Failed says whether the verdicts hold a failed unit: then the command exits 1. A
+// degraded unit is usable with a documented loss, and exits 0 like a ready one.
+func Failed(vs []Verdict) bool {
+	for _, v := range vs {
+		if v.Status == topology.StatusFailed {
+			return true
+		}
+	}
+	return false
+}
+
+// UnitsJSON lists the units as inspect, plan, apply and the manifest's readers see them,
+// with the given verdicts.
+func (d *Decision) UnitsJSON(vs []Verdict) []topology.UnitJSON {
+	out := []topology.UnitJSON{}
+	for _, v := range vs {
+		u := d.unit(v.Unit)
+		if u == nil {
+			continue
+		}
+		j := u.JSON()
+		j.Status, j.Reasons = v.Status, v.Reasons
+		out = append(out, j)
+	}
+	return out
+}
+
+// ExecuteACS writes the decision's ACS plan through cfg (read only with dryRun) and
+// reports port by port. The ports of failed units are not touched.
+func (d *Decision) ExecuteACS(ctx context.Context, cfg pci.ConfigIO, dryRun bool) (apply.Report, error) {
+	return apply.ACS(ctx, d.ACS, apply.Options{IO: cfg, Cmdline: d.Live.Cmdline, KernelRelease: d.Live.Release,
+		DryRun: dryRun, LockedDown: d.Live.LockedDown()})
+}
+
+// ExecuteBind binds the units the ACS step left bindable (Bindable) to vfio-pci.
+func (d *Decision) ExecuteBind(ctx context.Context, sys vfiobind.Sysfs, acs *apply.Report, opts vfiobind.Options) (*vfiobind.Report, error) {
+	return vfiobind.Bind(ctx, sys, d.Tree, d.Bindable(acs), opts)
+}

@@ -1,0 +1,86 @@
+package decision
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/passage-boot/passage/firmware"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
+)
+
+// Plan is the decision's topology part, laid out to print.
+func (d *Decision) Plan() *topology.Plan {
+	return &topology.Plan{Labels: d.Labels, ACS: d.ACS, KernelArg: d.KernelArg, Host: d.Host, Guest: d.Guest, GuestMatrix: d.GuestMatrix}
+}
+
+// Doc is the decision as `passage plan --json` prints it: the plan (functions, units
+// with their decided verdicts, ACS targets, kernel argument, matrices, guest) and what
+// the verdicts rest on.
+type Doc struct {
+	topology.PlanDoc
+	ATSPolicy  firmware.Policy    `json:"ats_policy"`
+	Lockdown   string             `json:"lockdown,omitempty"`
+	LabelError string             `json:"label_error,omitempty"`
+	ATS        []firmware.Finding `json:"ats"`
+	Audit      []vfiobind.Finding `json:"audit"`
+	GuestError string             `json:"guest_error,omitempty"`
+}
+
+// Doc returns the decision as one JSON document.
+func (d *Decision) Doc() Doc {
+	doc := Doc{PlanDoc: d.Plan().Doc(), ATSPolicy: d.Input.ATS, Lockdown: d.Live.Lockdown,
+		ATS: append([]firmware.Finding{}, d.ATS...), Audit: append([]vfiobind.Finding{}, d.Audit...)}
+	if d.LabelErr != nil {
+		doc.LabelError = d.LabelErr.Error()
+	}
+	if d.GuestErr != nil {
+		doc.GuestError = d.GuestErr.Error()
+	}
+	return doc
+}
+
+// WriteJSON writes Doc.
+func (d *Decision) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(d.Doc())
+}
+
+// WriteText writes the decision for a person: the plan, then what the verdicts rest on
+// beyond it (ATS, the isolation audit, lockdown).
+func (d *Decision) WriteText(w io.Writer) error {
+	if err := d.Plan().WriteText(w); err != nil {
+		return err
+	}
+	var b strings.Builder
+	if d.LabelErr != nil {
+		fmt.Fprintf(&b, "\nlabelling failed: %s\n", strings.ReplaceAll(d.LabelErr.Error(), "\n", "; "))
+	}
+	fmt.Fprintf(&b, "\nats (policy %s)\n", d.Input.ATS)
+	missing := 0
+	for _, f := range d.ATS {
+		if f.Missing() {
+			fmt.Fprintf(&b, "  %s\n", f)
+			missing++
+		}
+	}
+	fmt.Fprintf(&b, "  %d functions checked, %d without ATS\n", len(d.ATS), missing)
+	b.WriteString("\nisolation audit\n")
+	for _, f := range d.Audit {
+		fmt.Fprintf(&b, "  %s\n", f)
+	}
+	if len(d.Audit) == 0 {
+		b.WriteString("  every unit's groups and ports isolate it\n")
+	}
+	if d.Live.LockedDown() {
+		fmt.Fprintf(&b, "\nlockdown: %s (config writes are refused)\n", d.Live.Lockdown)
+	}
+	if d.GuestErr != nil {
+		fmt.Fprintf(&b, "\nguest: %v\n", d.GuestErr)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
