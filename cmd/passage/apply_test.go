@@ -64,7 +64,7 @@ func TestApplyCLI(t *testing.T) {
 	if code != 0 || errs != "" {
 		t.Fatalf("dry run: exit %d\n%s\n%s", code, out, errs)
 	}
-	if got := strings.Count(out, ": would write"); got != 8 {
+	if got := strings.Count(out, ": would apply"); got != 8 {
 		t.Errorf("dry run: %d would-writes, want 8\n%s", got, out)
 	}
 	if !strings.Contains(out, "dry run: audited only") {
@@ -117,7 +117,7 @@ func TestApplyCLI(t *testing.T) {
 		t.Fatalf("second run: %d ports, %d units", len(rep.ACS.Changes), len(rep.Units))
 	}
 	for _, c := range rep.ACS.Changes {
-		if c.Result != "already set" {
+		if c.Result != "unchanged" {
 			t.Errorf("second run: %s", c.Result)
 		}
 	}

@@ -64,9 +64,9 @@ func TestBootDryRun(t *testing.T) {
 		`cmdline "passage.bogus=1": unknown passage argument`,
 		"passage: modules   failed",
 		"passage: scan      ok",
-		"passage: label     ok",
+		"passage: decide    ok",
 		"passage: acs       ok",
-		"reads 0x001d: unchanged: dry run",
+		"reads 0x001d: would apply",
 		"passage: vfio      skipped",
 		"passage: manifest  ok",
 		"passage: publish   skipped",
@@ -124,7 +124,7 @@ func TestBootDryRun(t *testing.T) {
 	for _, u := range m.Units {
 		dry := 0
 		for _, c := range u.ACSChanges {
-			if c.Result == "unchanged: dry run" && strings.Contains(c.Target, "DirectTrans+") && !strings.Contains(c.After, "DirectTrans+") {
+			if c.Result == "would apply" && strings.Contains(c.Target, "DirectTrans+") && !strings.Contains(c.After, "DirectTrans+") {
 				dry++
 			}
 		}
@@ -147,7 +147,7 @@ func TestBootDryRun(t *testing.T) {
 	}
 	// The manifest is written before the network and publish stages: it records the
 	// stages that prepared the node, not its delivery.
-	if strings.Join(names, " ") != "modules scan label firmware acs vfio host" {
+	if strings.Join(names, " ") != "modules scan decide acs vfio host" {
 		t.Errorf("manifest stages = %v", names)
 	}
 
@@ -173,10 +173,10 @@ func TestBootDryRun(t *testing.T) {
 			unitsN++
 		}
 	}
-	if stagesN != 10 || unitsN != 8 {
-		t.Errorf("log has %d stage and %d unit lines, want 10 and 8", stagesN, unitsN)
+	if stagesN != 9 || unitsN != 8 {
+		t.Errorf("log has %d stage and %d unit lines, want 9 and 8", stagesN, unitsN)
 	}
-	if got := strings.Join(order, " "); got != "modules scan label firmware acs vfio host manifest network publish" {
+	if got := strings.Join(order, " "); got != "modules scan decide acs vfio host manifest network publish" {
 		t.Errorf("log's stage order %q", got)
 	}
 }

@@ -66,13 +66,13 @@ func acsPathEnabled(b *built) bool {
 	return true
 }
 
-// acsEnabled mirrors pci_acs_enabled: conventional functions and PCIe-to-PCI bridges never
-// isolate; root and downstream ports and multi-function devices need the flags (those a
+// acsEnabled mirrors pci_acs_enabled (drivers/pci/pci.c): conventional functions,
+// PCIe-to-PCI and PCI-to-PCIe bridges and RCECs never isolate; root and downstream ports and multi-function devices need the flags (those a
 // port does not advertise count as hard-wired on); upstream ports and single-function
 // endpoints are fine.
 func acsEnabled(b *built) bool {
 	f := b.fn
-	if f.Conventional || f.Port == pci.PortPCIeToPCI {
+	if f.Conventional || f.Port == pci.PortPCIeToPCI || f.Port == pci.PortPCIToPCIe || f.Port == pci.PortRCEC {
 		return false
 	}
 	if f.Port == pci.PortRootPort || f.Port == pci.PortDownstream || b.multi {

@@ -171,7 +171,9 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 	return out
 }
 
-func verdictOK(v decision.Verdict) bool { return v.Status == topology.StatusReady || v.Status == topology.StatusDegraded }
+func verdictOK(v decision.Verdict) bool {
+	return v.Status == topology.StatusReady || v.Status == topology.StatusDegraded
+}
 
 // driverNow reads the function's driver link; ok is false when sysfs cannot say.
 func (b *Boot) driverNow(d *pci.Device) (string, bool) {
