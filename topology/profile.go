@@ -388,3 +388,16 @@ func siblings(d *pci.Device) []*pci.Device {
 	}
 	return out
 }
+
+// MarshalJSON writes the number as ParseProfile reads it back: "0x10de". (JSON has no
+// hex literals, and a bare number would be read back as hex digits.)
+func (h Hex) MarshalJSON() ([]byte, error) { return []byte(fmt.Sprintf(`"0x%x"`, uint32(h))), nil }
+
+// MarshalJSON writes the IDs as ParseProfile reads them back: ["0x10de"].
+func (ids IDs) MarshalJSON() ([]byte, error) {
+	parts := make([]string, len(ids))
+	for i, id := range ids {
+		parts[i] = fmt.Sprintf(`"0x%04x"`, id)
+	}
+	return []byte("[" + strings.Join(parts, ",") + "]"), nil
+}

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strings"
 
@@ -58,6 +59,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	release := fs.String("kernel", "", "running kernel release for the advice (default: <root>/proc/sys/kernel/osrelease)")
 	noBind := fs.Bool("no-bind", false, "program ACS only; leave drivers as they are")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
+	planFile := fs.String("plan", "", "execute the decision saved by plan --out `FILE`, and only if the node still matches it (profile and policy come from the file)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -81,14 +83,34 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	if set["kernel"] {
 		live.Release = *release
 	}
-	if !set["ats"] {
+	var saved *decision.Saved
+	if *planFile != "" {
+		if set["profile"] || set["ats"] {
+			return usageErr(fmt.Errorf("--plan takes the profile and the ATS policy from the plan: drop --profile and --ats"))
+		}
+		f, err := os.Open(*planFile)
+		if err != nil {
+			return usageErr(err)
+		}
+		saved, err = decision.ReadSaved(f)
+		f.Close()
+		if err != nil {
+			return usageErr(fmt.Errorf("%s: %w", *planFile, err))
+		}
+		*ats = string(saved.ATS)
+	} else if !set["ats"] {
 		*ats = string(initramfs.ParseCmdline(live.Cmdline).ATS)
 	}
 	policy, err := firmware.ParsePolicy(*ats)
 	if err != nil {
 		return usageErr(fmt.Errorf("--ats: %w", err))
 	}
-	prof, err := topology.LoadProfile(*profile)
+	var prof *topology.Profile
+	if saved != nil {
+		prof, err = saved.LoadProfile()
+	} else {
+		prof, err = topology.LoadProfile(*profile)
+	}
 	if err != nil {
 		return usageErr(err)
 	}
@@ -99,6 +121,15 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Live: live})
 	if err != nil {
 		return usageErr(err)
+	}
+	if saved != nil {
+		if diff := saved.Diff(d); len(diff) > 0 {
+			fmt.Fprintf(stderr, "passage apply: the node no longer matches the plan in %s; nothing written:\n", *planFile)
+			for _, l := range diff {
+				fmt.Fprintf(stderr, "  %s\n", l)
+			}
+			return 1
+		}
 	}
 
 	out := applyOutput{Profile: prof.Name, DryRun: *dryRun, Lockdown: live.Lockdown, Stages: map[string]string{},

@@ -1,16 +1,19 @@
 package main
 
 import (
+	"bytes"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"path/filepath"
 	"strconv"
 	"strings"
 
 	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/topology"
 )
 
@@ -118,6 +121,7 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 	var f planFlags
 	f.register(fs)
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
+	outFile := fs.String("out", "", "also save the decision to `FILE`, for apply --plan (applies only while the node still matches it)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -128,6 +132,12 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 	d, err := f.decide(fs)
 	if d == nil {
 		return exitFor(stderr, err)
+	}
+	if *outFile != "" {
+		if serr := saveDecision(d, *outFile); serr != nil {
+			fmt.Fprintf(stderr, "passage plan: %v\n", serr)
+			return 2
+		}
 	}
 	var werr error
 	if *asJSON {
@@ -143,4 +153,17 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 		err = verdictErr(d, d.Decided())
 	}
 	return exitFor(stderr, err)
+}
+
+// saveDecision writes the decision for apply --plan, atomically.
+func saveDecision(d *decision.Decision, path string) error {
+	s, err := d.Save()
+	if err != nil {
+		return err
+	}
+	var b bytes.Buffer
+	if err := s.Write(&b); err != nil {
+		return err
+	}
+	return manifest.WriteAtomic(filepath.Dir(path), filepath.Base(path), b.Bytes())
 }

@@ -1,0 +1,179 @@
+package decision
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+
+	"github.com/passage-boot/passage/firmware"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+)
+
+// SavedVersion is the version of the saved-plan format.
+const SavedVersion = 1
+
+// Saved is a decision written down by `passage plan --out F`, for `passage apply --plan
+// F`: as with a saved Terraform plan, apply decides again on the node as it is now, with
+// the saved profile and policy, and executes only when the new decision is the saved
+// one, port for port and unit for unit; otherwise it refuses and names the difference.
+type Saved struct {
+	Version int `json:"version"`
+	// Profile is the profile as the plan used it (ParseProfile reads it back).
+	Profile   json.RawMessage  `json:"profile"`
+	ATS       firmware.Policy  `json:"ats_policy"`
+	Live      Live             `json:"live"`
+	Verdicts  []Verdict        `json:"verdicts"`
+	ACS       []SavedPort      `json:"acs"`
+	KernelArg string           `json:"kernel_arg"`
+	Bind      []pci.Address    `json:"bind"`
+	Groups    map[string][]int `json:"iommu_groups"` // unit -> its functions' groups, in function order
+}
+
+// SavedPort is one port of the ACS plan as saved.
+type SavedPort struct {
+	Addr    pci.Address `json:"addr"`
+	Unit    int         `json:"unit"`
+	Offset  int         `json:"offset"`
+	Current pci.ACSBits `json:"current"`
+	Target  pci.ACSBits `json:"target"`
+	Skip    string      `json:"skip,omitempty"`
+}
+
+// Save writes the decision down.
+func (d *Decision) Save() (*Saved, error) {
+	prof, err := json.Marshal(d.Profile)
+	if err != nil {
+		return nil, fmt.Errorf("saved plan: profile: %w", err)
+	}
+	s := &Saved{Version: SavedVersion, Profile: prof, ATS: d.Input.ATS, Live: d.Live, Verdicts: d.Decided(),
+		KernelArg: d.KernelArg, ACS: []SavedPort{}, Bind: []pci.Address{}, Groups: map[string][]int{}}
+	for _, p := range d.ACS {
+		sp := SavedPort{Addr: p.Addr, Unit: p.Unit, Offset: p.Offset, Skip: p.Skip}
+		if p.Offset != 0 {
+			sp.Current, sp.Target = p.Current, p.Target()
+		}
+		s.ACS = append(s.ACS, sp)
+	}
+	for _, u := range d.Units() {
+		var gs []int
+		for _, f := range u.Functions() {
+			gs = append(gs, f.IOMMUGroup)
+			if u.Status != topology.StatusFailed {
+				s.Bind = append(s.Bind, f.Addr)
+			}
+		}
+		s.Groups[fmt.Sprint(u.ID)] = gs
+	}
+	return s, nil
+}
+
+// Write writes the saved plan as JSON.
+func (s *Saved) Write(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(s)
+}
+
+// maxSaved bounds a saved plan read from a file: a node's plan is tens of kilobytes.
+const maxSaved = 16 << 20
+
+// ReadSaved reads a saved plan.
+func ReadSaved(r io.Reader) (*Saved, error) {
+	b, err := io.ReadAll(io.LimitReader(r, maxSaved+1))
+	if err != nil {
+		return nil, fmt.Errorf("saved plan: %w", err)
+	}
+	if len(b) > maxSaved {
+		return nil, fmt.Errorf("saved plan: larger than %d bytes", maxSaved)
+	}
+	var s Saved
+	if err := json.Unmarshal(b, &s); err != nil {
+		return nil, fmt.Errorf("saved plan: %w", err)
+	}
+	if s.Version != SavedVersion {
+		return nil, fmt.Errorf("saved plan: version %d, this passage reads %d", s.Version, SavedVersion)
+	}
+	if len(s.Profile) == 0 {
+		return nil, errors.New("saved plan: no profile")
+	}
+	return &s, nil
+}
+
+// LoadProfile is the saved profile.
+func (s *Saved) LoadProfile() (*topology.Profile, error) {
+	return topology.ParseProfile("saved plan", s.Profile)
+}
+
+// Diff names every way the decision d differs from the saved one: an empty result means
+// d is the saved decision, and executing d executes exactly the saved plan.
+func (s *Saved) Diff(d *Decision) []string {
+	now, err := d.Save()
+	if err != nil {
+		return []string{err.Error()}
+	}
+	var out []string
+	diff := func(what string, was, is any) {
+		a, _ := json.Marshal(was)
+		b, _ := json.Marshal(is)
+		if string(a) != string(b) {
+			out = append(out, fmt.Sprintf("%s: planned %s, now %s", what, a, b))
+		}
+	}
+	diff("profile", s.Profile, now.Profile)
+	diff("ats policy", s.ATS, now.ATS)
+	diff("lockdown", s.Live.Lockdown, now.Live.Lockdown)
+	diff("kernel command line", s.Live.Cmdline, now.Live.Cmdline)
+	verdicts := func(vs []Verdict) map[int]Verdict {
+		m := map[int]Verdict{}
+		for _, v := range vs {
+			m[v.Unit] = v
+		}
+		return m
+	}
+	was, is := verdicts(s.Verdicts), verdicts(now.Verdicts)
+	ids := []int{}
+	for id := range was {
+		ids = append(ids, id)
+	}
+	for id := range is {
+		if _, ok := was[id]; !ok {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		w, ok1 := was[id]
+		n, ok2 := is[id]
+		switch {
+		case !ok1:
+			out = append(out, fmt.Sprintf("unit %d: not in the plan, now %s", id, n.Status))
+		case !ok2:
+			out = append(out, fmt.Sprintf("unit %d: planned %s, now gone", id, w.Status))
+		default:
+			diff(fmt.Sprintf("unit %d", id), w, n)
+			diff(fmt.Sprintf("unit %d iommu groups", id), s.Groups[fmt.Sprint(id)], now.Groups[fmt.Sprint(id)])
+		}
+	}
+	ports := func(ps []SavedPort) map[pci.Address]SavedPort {
+		m := map[pci.Address]SavedPort{}
+		for _, p := range ps {
+			m[p.Addr] = p
+		}
+		return m
+	}
+	wp, np := ports(s.ACS), ports(now.ACS)
+	for _, p := range s.ACS {
+		diff("acs "+p.Addr.String(), p, np[p.Addr])
+	}
+	for _, p := range now.ACS {
+		if _, ok := wp[p.Addr]; !ok {
+			diff("acs "+p.Addr.String(), nil, p)
+		}
+	}
+	diff("kernel argument", s.KernelArg, now.KernelArg)
+	diff("bind set", s.Bind, now.Bind)
+	return out
+}
