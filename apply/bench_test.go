@@ -17,7 +17,7 @@ func BenchmarkACSB300(b *testing.B) {
 		b.StopTimer()
 		sharedB300(b)
 		b.StartTimer()
-		rep, err := ACS(context.Background(), plan, tb.units, Options{IO: io})
+		rep, err := ACS(context.Background(), plan, Options{IO: io})
 		if err != nil || rep.Writes() != 8 {
 			b.Fatalf("%v, %d writes", err, rep.Writes())
 		}
@@ -29,11 +29,11 @@ func BenchmarkACSB300Idempotent(b *testing.B) {
 	tb := newB300(b, nil)
 	plan := tb.plan(b)
 	io := pci.SysfsConfig{Root: tb.node.Root}
-	if _, err := ACS(context.Background(), plan, tb.units, Options{IO: io}); err != nil {
+	if _, err := ACS(context.Background(), plan, Options{IO: io}); err != nil {
 		b.Fatal(err)
 	}
 	for b.Loop() {
-		rep, err := ACS(context.Background(), plan, tb.units, Options{IO: io})
+		rep, err := ACS(context.Background(), plan, Options{IO: io})
 		if err != nil || rep.Writes() != 0 {
 			b.Fatalf("%v, %d writes", err, rep.Writes())
 		}

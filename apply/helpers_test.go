@@ -113,11 +113,10 @@ func (f *faultIO) landed() int {
 	return n
 }
 
-// b300 is a scanned reference tree with its units.
+// b300 is a scanned reference tree.
 type b300 struct {
-	node  *pcitest.Node
-	tree  *pci.Tree
-	units []*topology.Unit
+	node *pcitest.Node
+	tree *pci.Tree
 }
 
 // shared is one reference tree for the tests that do not alter its shape: building a
@@ -167,8 +166,8 @@ func sharedB300(t testing.TB) (*pcitest.Node, *pci.Tree) {
 	return shared.node, shared.tree
 }
 
-// newB300 returns the reference tree with fresh units: the shared one (config restored)
-// when edit is nil, else a tree of its own built from the edited spec.
+// newB300 returns the reference tree: the shared one (config restored) when edit is nil,
+// else a tree of its own built from the edited spec.
 func newB300(t testing.TB, edit func(s *pcitest.Spec)) *b300 {
 	t.Helper()
 	var n *pcitest.Node
@@ -184,13 +183,7 @@ func newB300(t testing.TB, edit func(s *pcitest.Spec)) *b300 {
 			t.Fatal(err)
 		}
 	}
-	b := &b300{node: n, tree: tr}
-	for i := 0; i < 8; i++ {
-		u := &topology.Unit{ID: i, GPU: b.dev(t, fmt.Sprintf("gpu%d", i)), Status: topology.StatusReady}
-		u.NICs = []*pci.Device{b.dev(t, fmt.Sprintf("nic%d.0", i)), b.dev(t, fmt.Sprintf("nic%d.1", i))}
-		b.units = append(b.units, u)
-	}
-	return b
+	return &b300{node: n, tree: tr}
 }
 
 func (b *b300) dev(t testing.TB, name string) *pci.Device {
@@ -222,18 +215,32 @@ func (b *b300) port(t testing.TB, name string, unit int, pos string, want pci.AC
 }
 
 // plan is the B300 policy for every unit: the CX-8 switch's NIC-side downstream port gets
-// SV RR CR UF DT; the GPU-side downstream ports and the root port SV RR CR UF.
+// SV RR CR UF DT; the GPU-side downstream ports and the root port SV RR CR UF. As in
+// topology.ACSPlan, a unit's ports that only isolate come first and its DT port last.
 func (b *b300) plan(t testing.TB) []topology.ACSPort {
 	var ps []topology.ACSPort
 	for i := 0; i < 8; i++ {
 		ps = append(ps,
-			b.port(t, fmt.Sprintf("cx-dsp-nic%d", i), i, posNIC, pci.ACSIsolation|pci.ACSDT),
-			b.port(t, fmt.Sprintf("cx-dsp-gpu%d", i), i, posGPU, pci.ACSIsolation),
-			b.port(t, fmt.Sprintf("gpu-dsp%d", i), i, posGPU, pci.ACSIsolation),
 			b.port(t, fmt.Sprintf("rp%d", i), i, posRoot, pci.ACSIsolation),
+			b.port(t, fmt.Sprintf("gpu-dsp%d", i), i, posGPU, pci.ACSIsolation),
+			b.port(t, fmt.Sprintf("cx-dsp-gpu%d", i), i, posGPU, pci.ACSIsolation),
+			b.port(t, fmt.Sprintf("cx-dsp-nic%d", i), i, posNIC, pci.ACSIsolation|pci.ACSDT),
 		)
 	}
 	return ps
+}
+
+// planPort returns the plan's entry for the named port.
+func (b *b300) planPort(t testing.TB, plan []topology.ACSPort, name string) topology.ACSPort {
+	t.Helper()
+	a := b.node.Addr(name)
+	for _, p := range plan {
+		if p.Addr == a {
+			return p
+		}
+	}
+	t.Fatalf("%s not in the plan", name)
+	return topology.ACSPort{}
 }
 
 // configs reads the whole config space of every function.

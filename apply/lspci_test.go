@@ -63,7 +63,7 @@ func TestApplyLspci(t *testing.T) {
 		t.Fatalf("lspci decoded ACSCtl on %d functions only", withACS)
 	}
 
-	rep := run(t, b, newFaultIO(b.node.Root), b.plan(t), Options{})
+	rep := run(t, newFaultIO(b.node.Root), b.plan(t), Options{})
 	if rep.Failed() || rep.Writes() != 8 {
 		t.Fatalf("apply: failed=%v writes=%d", rep.Failed(), rep.Writes())
 	}

@@ -84,13 +84,19 @@ func TestCheckATSReference(t *testing.T) {
 	withDataDirect(t, s)
 	n, tr := scan(t, s)
 	us := units(t, n, tr, 8)
-	fs := CheckATS(us, PolicyRequire)
+	fs := CheckATS(us)
 	if len(fs) != 8*3 {
 		t.Fatalf("%d findings, want 24 (2 PFs + 1 data-direct per unit)", len(fs))
 	}
 	for _, f := range fs {
-		if !f.ATS || f.Enable || f.Offset < pci.ConventionalSize || !strings.Contains(f.Note, "IOMMU sets it") {
+		if !f.ATS || f.Missing() || f.Enable || f.Offset < pci.ConventionalSize || !strings.Contains(f.Note, "IOMMU sets it") {
 			t.Errorf("%s: %+v", f.Addr, f)
+		}
+		// ATS present: no verdict under any policy.
+		for _, p := range []Policy{PolicyPrefer, PolicyRequire, ""} {
+			if s, why := f.Verdict(p); s != "" || why != "" {
+				t.Errorf("%s under %q: %s %q", f.Addr, p, s, why)
+			}
 		}
 	}
 	dd := 0
@@ -102,74 +108,96 @@ func TestCheckATSReference(t *testing.T) {
 	if dd != 8 {
 		t.Errorf("%d data-direct findings, want 8", dd)
 	}
-	for _, u := range us {
-		if u.Status != topology.StatusReady || len(u.Reasons) != 0 {
-			t.Errorf("unit %d: %s %v", u.ID, u.Status, u.Reasons)
-		}
-	}
+	unchanged(t, us)
 	if len(NoDT(fs)) != 0 {
 		t.Errorf("NoDT = %v on a tree with ATS everywhere", NoDT(fs))
 	}
 }
 
+// unchanged checks that the units are as units built them: CheckATS only reports.
+func unchanged(t *testing.T, us []*topology.Unit) {
+	t.Helper()
+	for _, u := range us {
+		if u.Status != topology.StatusReady || len(u.Reasons) != 0 {
+			t.Errorf("unit %d changed: %s %v", u.ID, u.Status, u.Reasons)
+		}
+	}
+}
+
 func TestCheckATSMissing(t *testing.T) {
-	// One tree serves every policy: unit 3 lacks ATS on a PF, unit 5 on its data-direct
-	// function; units are built afresh for each policy.
+	// Unit 3 lacks ATS on a PF, unit 5 on its data-direct function.
 	s := pcitest.B300()
 	withDataDirect(t, s)
 	mustFind(t, s, "nic3.1").ATS = nil
 	mustFind(t, s, "dd5").ATS = nil
 	n, tr := scan(t, s)
 	missing := map[int]string{3: "nic3.1", 5: "dd5"}
+	us := units(t, n, tr, 8)
+	fs := CheckATS(us)
+	if len(fs) != 8*3 {
+		t.Fatalf("%d findings, want 24", len(fs))
+	}
+	unchanged(t, us)
+	bad := map[int]Finding{}
+	for _, f := range fs {
+		if f.Missing() != !f.ATS {
+			t.Errorf("%s: missing=%v ats=%v", f.Addr, f.Missing(), f.ATS)
+		}
+		if f.Missing() {
+			if _, dup := bad[f.Unit]; dup {
+				t.Errorf("unit %d: second missing finding %s", f.Unit, f)
+			}
+			bad[f.Unit] = f
+		}
+	}
+	if len(bad) != 2 {
+		t.Fatalf("missing findings %v, want units 3 and 5", bad)
+	}
+	for id, name := range missing {
+		f := bad[id]
+		if f.Addr != n.Addr(name) || f.Enable || f.Offset != 0 || !strings.Contains(f.String(), n.Addr(name).String()) || !strings.Contains(f.String(), "no ATS capability") {
+			t.Errorf("unit %d: finding %q does not name %s and what is missing", id, f, name)
+		}
+	}
+	if bad[5].Role != string(topology.RoleDataDirect) || bad[5].IDs != "15b3:2100" || bad[3].Role != string(topology.RoleGPUNIC) || bad[3].IDs != "15b3:1023" {
+		t.Errorf("roles: %s, %s", bad[3], bad[5])
+	}
+	if got := NoDT(fs); len(got) != 2 || !got[3] || !got[5] {
+		t.Errorf("NoDT = %v, want units 3 and 5", got)
+	}
+
+	// What the findings make of the units depends on the policy alone.
 	for _, tc := range []struct {
 		policy Policy
 		want   topology.Status
+		why    string
 	}{
-		{PolicyPrefer, topology.StatusDegraded},
-		{PolicyRequire, topology.StatusFailed},
-		{"", topology.StatusDegraded},
+		{PolicyPrefer, topology.StatusDegraded, "has no ATS capability: no Direct Translated P2P for this unit"},
+		{PolicyRequire, topology.StatusFailed, "has no ATS capability (passage.ats=require)"},
+		{"", topology.StatusDegraded, "has no ATS capability: no Direct Translated P2P for this unit"},
 	} {
 		t.Run(string(tc.policy), func(t *testing.T) {
-			us := units(t, n, tr, 8)
-			fs := CheckATS(us, tc.policy)
-			bad := map[int]Finding{}
+			got := map[int]topology.Status{}
 			for _, f := range fs {
-				if f.Missing() {
-					if _, dup := bad[f.Unit]; dup {
-						t.Errorf("unit %d: second missing finding %s", f.Unit, f)
+				s, why := f.Verdict(tc.policy)
+				if !f.Missing() {
+					if s != "" || why != "" {
+						t.Errorf("%s has ATS, yet %s %q", f.Addr, s, why)
 					}
-					bad[f.Unit] = f
+					continue
+				}
+				got[f.Unit] = s
+				if s != tc.want || !strings.HasPrefix(why, "ats: ") || !strings.Contains(why, f.Addr.String()) ||
+					!strings.Contains(why, f.IDs) || !strings.Contains(why, f.Role) || !strings.Contains(why, tc.why) {
+					t.Errorf("unit %d: %s %q, want %s, naming %s and %q", f.Unit, s, why, tc.want, f.Addr, tc.why)
 				}
 			}
-			if len(bad) != 2 {
-				t.Fatalf("missing findings %v, want units 3 and 5", bad)
-			}
-			for id, name := range missing {
-				f := bad[id]
-				if f.Addr != n.Addr(name) || !strings.Contains(f.String(), n.Addr(name).String()) || !strings.Contains(f.String(), "no ATS capability") {
-					t.Errorf("unit %d: finding %q does not name %s and what is missing", id, f, name)
-				}
-				if len(us[id].Reasons) != 1 || !strings.Contains(us[id].Reasons[0], n.Addr(name).String()) {
-					t.Errorf("unit %d reasons %v", id, us[id].Reasons)
-				}
-			}
-			if bad[5].Role != string(topology.RoleDataDirect) || bad[5].IDs != "15b3:2100" || bad[3].Role != string(topology.RoleGPUNIC) {
-				t.Errorf("roles: %s, %s", bad[3], bad[5])
-			}
-			for _, u := range us {
-				want := topology.StatusReady
-				if _, ok := missing[u.ID]; ok {
-					want = tc.want
-				}
-				if u.Status != want {
-					t.Errorf("unit %d: status %s, want %s", u.ID, u.Status, want)
-				}
-			}
-			if got := NoDT(fs); len(got) != 2 || !got[3] || !got[5] {
-				t.Errorf("NoDT = %v, want units 3 and 5", got)
+			if len(got) != 2 || got[3] != tc.want || got[5] != tc.want {
+				t.Errorf("verdicts %v, want units 3 and 5 %s", got, tc.want)
 			}
 		})
 	}
+	unchanged(t, us)
 }
 
 // The QEMU profile's NIC stand-ins are virtio-net (1af4:1041): which functions need ATS
@@ -194,7 +222,7 @@ func TestCheckATSQEMUStandIn(t *testing.T) {
 		{ID: 0, GPU: tr.Lookup(n.Addr("gpu0")), NICs: []*pci.Device{tr.Lookup(n.Addr("nic0"))}, Status: topology.StatusReady},
 		{ID: 1, GPU: tr.Lookup(n.Addr("gpu1")), NICs: []*pci.Device{tr.Lookup(n.Addr("nic1"))}, Status: topology.StatusReady},
 	}
-	fs := CheckATS(us, PolicyPrefer)
+	fs := CheckATS(us)
 	if len(fs) != 2 {
 		t.Fatalf("findings %v", fs)
 	}
@@ -204,19 +232,30 @@ func TestCheckATSQEMUStandIn(t *testing.T) {
 	if fs[1].ATS || fs[1].IDs != "1af4:1041" {
 		t.Errorf("unit 1: %+v", fs[1])
 	}
-	if us[0].Status != topology.StatusReady || us[1].Status != topology.StatusDegraded {
-		t.Errorf("statuses %s %s", us[0].Status, us[1].Status)
+	if s, why := fs[0].Verdict(PolicyPrefer); s != "" || why != "" {
+		t.Errorf("unit 0 verdict %s %q", s, why)
 	}
+	if s, why := fs[1].Verdict(PolicyPrefer); s != topology.StatusDegraded || !strings.Contains(why, n.Addr("nic1").String()) || !strings.Contains(why, "1af4:1041") {
+		t.Errorf("unit 1 verdict %s %q", s, why)
+	}
+	if got := NoDT(fs); len(got) != 1 || !got[1] {
+		t.Errorf("NoDT = %v, want unit 1", got)
+	}
+	unchanged(t, us)
 }
 
 func TestCheckATSNilSafe(t *testing.T) {
 	u := &topology.Unit{ID: 0, NICs: []*pci.Device{nil, {Addr: pci.MustParseAddress("01:00.0"), Config: make(pci.Config, pci.HeaderSize)}}}
-	fs := CheckATS([]*topology.Unit{nil, u}, PolicyRequire)
-	if len(fs) != 1 || fs[0].ATS || !strings.Contains(fs[0].Note, "64 bytes") {
+	fs := CheckATS([]*topology.Unit{nil, u})
+	if len(fs) != 1 || fs[0].ATS || !fs[0].Missing() || !strings.Contains(fs[0].Note, "64 bytes") {
 		t.Fatalf("findings %+v", fs)
 	}
-	if u.Status != topology.StatusFailed {
-		t.Errorf("status %s", u.Status)
+	// Unknown capabilities count as missing: under require the unit fails.
+	if s, why := fs[0].Verdict(PolicyRequire); s != topology.StatusFailed || !strings.Contains(why, "01:00.0") {
+		t.Errorf("verdict %s %q", s, why)
+	}
+	if u.Status != "" || len(u.Reasons) != 0 {
+		t.Errorf("unit changed: %s %v", u.Status, u.Reasons)
 	}
 }
 

@@ -203,7 +203,13 @@ func bindUnit(ctx context.Context, sys Sysfs, tree *pci.Tree, u *topology.Unit, 
 			failure = fmt.Errorf("unit %d: %w", u.ID, err)
 			break
 		}
-		d := tree.Lookup(ud.Addr) // Audit vouched it is there
+		d := tree.Lookup(ud.Addr)
+		if d == nil {
+			// The decision refuses such a unit (bad-unit); a caller that did not ask it
+			// gets an error, not a crash.
+			failure = fmt.Errorf("unit %d: %s is not in the scanned tree", u.ID, ud.Addr)
+			break
+		}
 		st := &fnState{dev: d, override: d.DriverOverride, reportIdx: len(reps)}
 		fr, err := bindFunction(ctx, sys, st, opts)
 		reps = append(reps, fr)

@@ -2,10 +2,10 @@ package vfiobind_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -21,6 +21,7 @@ func TestAuditB300AllViable(t *testing.T) {
 	if f := vfiobind.Audit(n.tree, units); len(f) != 0 {
 		t.Fatalf("reference B300: want no findings, got %d:\n%v", len(f), f)
 	}
+	checkUnjudged(t, "Audit", units)
 	// The audit's premise, checked independently: each passthrough function's group
 	// holds only its unit's functions and bridges.
 	groups := n.tree.Groups()
@@ -62,14 +63,14 @@ func TestBindB300(t *testing.T) {
 		t.Fatalf("want 8 unit reports, got %d", len(rep.Units))
 	}
 	after := n.rescan(t)
-	ready := 0
+	bound := 0
 	for i, u := range units {
 		ur := rep.Unit(u.ID)
-		if u.Status != topology.StatusReady || ur.Status != topology.StatusReady {
-			t.Errorf("unit %d: status %s / report %s: %v", u.ID, u.Status, ur.Status, u.Reasons)
+		if ur == nil || !ur.Bound() {
+			t.Errorf("unit %d: report %+v, want bound", u.ID, ur)
 			continue
 		}
-		ready++
+		bound++
 		if len(ur.Functions) != 4 {
 			t.Errorf("unit %d: %d function reports, want 4", u.ID, len(ur.Functions))
 		}
@@ -94,14 +95,16 @@ func TestBindB300(t *testing.T) {
 				t.Errorf("%s: no function report", name)
 				continue
 			}
-			if fr.DriverBefore != before || fr.DriverAfter != vfiobind.VFIODriver || fr.Group != d.IOMMUGroup || fr.Err != "" {
+			if fr.DriverBefore != before || fr.DriverAfter != vfiobind.VFIODriver || fr.Group != d.IOMMUGroup || fr.Err != "" || fr.RolledBack {
 				t.Errorf("%s: report %+v, want %s -> vfio-pci in group %d", name, *fr, before, d.IOMMUGroup)
 			}
 		}
 	}
-	if ready != 8 {
-		t.Errorf("%d of 8 units ready", ready)
+	if bound != 8 {
+		t.Errorf("%d of 8 units bound", bound)
 	}
+	// Bind reports; it does not judge the units (package decision does).
+	checkUnjudged(t, "Bind", units)
 	// Host-kept functions keep their drivers and get no write at all.
 	for _, name := range []string{"mgmt0", "mgmt1", "nvswitch0", "nvswitch3", "holder0"} {
 		if w := n.k.Touched(n.Addr(name)); len(w) != 0 {
@@ -132,8 +135,11 @@ func TestBindIsIdempotent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if units[0].Status != topology.StatusReady {
-		t.Fatalf("second run: %s %v", units[0].Status, units[0].Reasons)
+	if !rep.Units[0].Bound() {
+		t.Fatalf("second run: %s", rep.Units[0].Error)
+	}
+	if len(rep.Units[0].Functions) != 4 {
+		t.Fatalf("second run: %d function reports, want 4", len(rep.Units[0].Functions))
 	}
 	for _, fr := range rep.Units[0].Functions {
 		if fr.DriverBefore != vfiobind.VFIODriver || len(fr.Writes) != 1 {
@@ -166,7 +172,11 @@ func withNVSwitchBesideNVMe() pcitest.Spec {
 	return spec
 }
 
-func TestSharedGroupRefusesUnitAndTouchesNothing(t *testing.T) {
+// A group shared with a host-kept function: the audit refuses the unit, naming the
+// group's members and who holds each. Bind, given the units the audit did not refuse
+// (what package decision hands it), binds those and writes nothing of the refused unit
+// nor of the host function, though it shares a group with nothing bound.
+func TestSharedGroupRefusesUnit(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
 		spec     pcitest.Spec
@@ -184,21 +194,14 @@ func TestSharedGroupRefusesUnitAndTouchesNothing(t *testing.T) {
 				t.Fatalf("variant tree: %s group %d, %s group %d; want one group", tc.host, host.IOMMUGroup, tc.withFunc, shared.IOMMUGroup)
 			}
 			units := allUnits(n)
-			rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
-			if err != nil {
-				t.Fatal(err)
+			findings := vfiobind.Audit(n.tree, units)
+			got := ofKind(findings, vfiobind.KindGroupShared)
+			if len(got) != 1 || got[0].Unit != tc.unit {
+				t.Fatalf("%s findings %v, want one, of unit %d", vfiobind.KindGroupShared, got, tc.unit)
 			}
-			var refusal *vfiobind.Finding
-			for i, f := range rep.Findings {
-				if f.Kind == vfiobind.KindGroupShared {
-					if f.Unit != tc.unit || refusal != nil {
-						t.Errorf("unexpected %s", f)
-					}
-					refusal = &rep.Findings[i]
-				}
-			}
-			if refusal == nil {
-				t.Fatalf("no %s finding: %v", vfiobind.KindGroupShared, rep.Findings)
+			refusal := got[0]
+			if !refusal.Refuses() || refusal.Status != topology.StatusFailed || refusal.Addr != shared.Addr || refusal.Group != shared.IOMMUGroup {
+				t.Errorf("finding %+v: want a refusal at %s in group %d", refusal, shared.Addr, shared.IOMMUGroup)
 			}
 			listed := map[pci.Address]string{}
 			for _, m := range refusal.Members {
@@ -207,13 +210,23 @@ func TestSharedGroupRefusesUnitAndTouchesNothing(t *testing.T) {
 			if listed[host.Addr] != "host" || listed[shared.Addr] != fmt.Sprintf("unit %d", tc.unit) || len(listed) != 3 {
 				t.Errorf("members %v: want %s (host), %s (unit %d) and the port", refusal.Members, tc.host, tc.withFunc, tc.unit)
 			}
+			if !strings.Contains(refusal.String(), host.Addr.String()) {
+				t.Errorf("finding does not name %s: %s", host.Addr, refusal)
+			}
+			drop := refused(findings)
+			if len(drop) != 1 || !drop[tc.unit] {
+				t.Errorf("refused units %v, want only %d", drop, tc.unit)
+			}
+			checkUnjudged(t, "Audit", units)
+
+			rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, without(units, drop), n.opts(&fakeClock{}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r := rep.Unit(tc.unit); r != nil {
+				t.Errorf("unit %d, not given, has a report: %+v", tc.unit, r)
+			}
 			u := units[tc.unit]
-			if u.Status != topology.StatusFailed || rep.Unit(tc.unit).Status != topology.StatusFailed {
-				t.Errorf("unit %d: %s, want failed", tc.unit, u.Status)
-			}
-			if !strings.Contains(strings.Join(u.Reasons, "\n"), host.Addr.String()) {
-				t.Errorf("reasons do not name %s: %v", host.Addr, u.Reasons)
-			}
 			// No file of the refused unit's devices, nor of the host device, was written.
 			for _, d := range append(u.Functions(), host) {
 				if w := n.k.Touched(d.Addr); len(w) != 0 {
@@ -221,23 +234,30 @@ func TestSharedGroupRefusesUnitAndTouchesNothing(t *testing.T) {
 				}
 			}
 			after := n.rescan(t)
-			for _, d := range u.Functions() {
+			for _, d := range append(u.Functions(), host) {
 				if got := after.Lookup(d.Addr).Driver; got != d.Driver {
 					t.Errorf("%s: driver %q -> %q", d.Addr, d.Driver, got)
 				}
 			}
 			for _, o := range units {
-				if o.ID != tc.unit && o.Status == topology.StatusFailed {
-					t.Errorf("unit %d failed too: %v", o.ID, o.Reasons)
+				if o.ID == tc.unit {
+					continue
 				}
-				if o.ID != tc.unit && after.Lookup(o.GPU.Addr).Driver != vfiobind.VFIODriver {
-					t.Errorf("unit %d GPU not on vfio-pci", o.ID)
+				if r := rep.Unit(o.ID); r == nil || !r.Bound() {
+					t.Errorf("unit %d: report %+v, want bound", o.ID, r)
+				}
+				for _, d := range o.Functions() {
+					if after.Lookup(d.Addr).Driver != vfiobind.VFIODriver {
+						t.Errorf("unit %d: %s not on vfio-pci", o.ID, d.Addr)
+					}
 				}
 			}
 		})
 	}
 }
 
+// An isolation gap degrades a unit, it does not refuse it: a degraded unit still goes to
+// Bind, and Bind binds it.
 func TestIsolationGapDegradesUnit(t *testing.T) {
 	spec := pcitest.B300()
 	// RR off on the CX-8 downstream port above unit 5's GPU: Linux still gives the GPU
@@ -247,15 +267,15 @@ func TestIsolationGapDegradesUnit(t *testing.T) {
 	findFn(&spec, "bcm-dsp-nvme1").ACS = nil
 	n := newNode(t, spec)
 	units := allUnits(n)
-	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
-	if err != nil {
-		t.Fatal(err)
-	}
+	findings := vfiobind.Audit(n.tree, units)
 	gaps := map[pci.Address]vfiobind.Finding{}
-	for _, f := range rep.Findings {
+	for _, f := range findings {
 		if f.Kind != vfiobind.KindIsolationGap {
 			t.Errorf("unexpected finding %s", f)
 			continue
+		}
+		if f.Refuses() {
+			t.Errorf("isolation gap refuses: %s", f)
 		}
 		gaps[f.Addr] = f
 	}
@@ -271,22 +291,140 @@ func TestIsolationGapDegradesUnit(t *testing.T) {
 	if len(gaps) != 2 {
 		t.Errorf("%d gaps, want 2", len(gaps))
 	}
+	if r := refused(findings); len(r) != 0 {
+		t.Errorf("refused %v, want none", r)
+	}
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, without(units, refused(findings)), n.opts(&fakeClock{}))
+	if err != nil {
+		t.Fatal(err)
+	}
 	after := n.rescan(t)
 	for _, u := range units {
-		want := topology.StatusReady
-		if u.ID == 5 || u.ID == 1 {
-			want = topology.StatusDegraded
+		if r := rep.Unit(u.ID); r == nil || !r.Bound() {
+			t.Errorf("unit %d: report %+v, want bound", u.ID, r)
 		}
-		if u.Status != want {
-			t.Errorf("unit %d: %s, want %s (%v)", u.ID, u.Status, want, u.Reasons)
-		}
-		// Degraded is still usable: the unit is bound.
 		for _, d := range u.Functions() {
 			if after.Lookup(d.Addr).Driver != vfiobind.VFIODriver {
 				t.Errorf("unit %d %s not bound", u.ID, d.Addr)
 			}
 		}
 	}
+	checkUnjudged(t, "Audit and Bind", units)
+}
+
+// A bridge type the kernel's pci_acs_enabled never counts as isolating, on the path of a
+// passthrough function, is an isolation gap, whatever the ports around it hold. No real
+// RCEC has a bus below it; the case checks that the rule follows the port type. An
+// upstream port in the same place is the control: the finding is the type's, not the
+// extra bridge's.
+func TestNonIsolatingBridgeIsGap(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		port   pci.PortType
+		detail string // "" for no finding
+	}{
+		{"PCI-to-PCIe bridge", pci.PortPCIToPCIe, "PCI-to-PCIe bridge"},
+		{"RCEC", pci.PortRCEC, "root complex event collector"},
+		{"upstream port", pci.PortUpstream, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := pcitest.B300()
+			dsp := findFn(&spec, "gpu-dsp5")
+			gpu := dsp.Below[0]
+			dsp.Below = []pcitest.Fn{{Name: "xbridge", Vendor: pcitest.VendorBroadcom, Device: pcitest.DevPEX890xx,
+				Class: pcitest.ClassBridge, Port: tc.port, Link: pcitest.Link{Speed: pcitest.Gen6, Width: 16}, Driver: "pcieport",
+				Below: []pcitest.Fn{gpu}}}
+			n := newNode(t, spec)
+			br, g := n.dev("xbridge"), n.dev("gpu5")
+			if pt, ok := br.PortType(); !ok || pt != tc.port || !br.IsBridge() || g.Parent != br {
+				t.Fatalf("variant tree: %s port type %v (express %v), bridge %v, GPU parent %v", br.Addr, pt, ok, br.IsBridge(), g.Parent)
+			}
+			units := allUnits(n)
+			findings := vfiobind.Audit(n.tree, units)
+			if tc.detail == "" {
+				if len(findings) != 0 {
+					t.Errorf("findings %v, want none", findings)
+				}
+				return
+			}
+			if len(findings) != 1 {
+				t.Fatalf("findings %v, want one isolation gap", findings)
+			}
+			f := findings[0]
+			if f.Kind != vfiobind.KindIsolationGap || f.Unit != 5 || f.Addr != br.Addr || f.Status != topology.StatusDegraded ||
+				!strings.Contains(f.Detail, tc.detail) || !strings.Contains(f.Detail, g.Addr.String()) {
+				t.Errorf("finding %+v: want unit 5 degraded by the %s at %s above %s", f, tc.name, br.Addr, g.Addr)
+			}
+			// A plan cannot close it: there is no ACS Control to write.
+			if p := vfiobind.AuditPlanned(n.tree, units, map[pci.Address]pci.ACSBits{br.Addr: pci.ACSIsolation}); !reflect.DeepEqual(p, findings) {
+				t.Errorf("planned ACS on the %s: %v, want %v", tc.name, p, findings)
+			}
+		})
+	}
+}
+
+// AuditPlanned judges a port the plan names by the ACS Control the plan gives it, before
+// anything is written, and every other port by the tree; it changes neither the tree nor
+// the units.
+func TestAuditPlannedACS(t *testing.T) {
+	spec := pcitest.B300()
+	// RR off in the tree above unit 5.
+	findFn(&spec, "cx-dsp-gpu5").ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSDT, Ctl: pci.ACSSV | pci.ACSCR | pci.ACSUF}
+	// No ACS capability above unit 7's NVMe.
+	findFn(&spec, "bcm-dsp-nvme7").ACS = nil
+	n := newNode(t, spec)
+	off, on, bare := n.dev("cx-dsp-gpu5"), n.dev("cx-dsp-gpu6"), n.dev("bcm-dsp-nvme7")
+	units := n.units(5, 6, 7)
+	gapsOf := func(what string, fs []vfiobind.Finding) map[pci.Address]vfiobind.Finding {
+		out := map[pci.Address]vfiobind.Finding{}
+		for _, f := range fs {
+			if f.Kind != vfiobind.KindIsolationGap || f.Status != topology.StatusDegraded {
+				t.Errorf("%s: unexpected finding %+v", what, f)
+			}
+			out[f.Addr] = f
+		}
+		return out
+	}
+
+	scanned := vfiobind.Audit(n.tree, units)
+	tree := gapsOf("tree", scanned)
+	if f, ok := tree[off.Addr]; !ok || f.Unit != 5 || !strings.Contains(f.Detail, "RR off") {
+		t.Errorf("tree: finding %+v, want RR off above unit 5", f)
+	}
+	if _, ok := tree[on.Addr]; ok {
+		t.Errorf("tree: gap at %s, whose ACS is on", on.Addr)
+	}
+	if len(tree) != 2 {
+		t.Errorf("tree: %d gaps, want 2: %v", len(tree), scanned)
+	}
+	if p := vfiobind.AuditPlanned(n.tree, units, nil); !reflect.DeepEqual(p, scanned) {
+		t.Errorf("nil plan: %v, want Audit's %v", p, scanned)
+	}
+
+	// The plan turns RR on above unit 5 and off above unit 6, and names the bare port,
+	// which has no ACS capability for a plan to set.
+	offCtl := pci.ACSSV | pci.ACSCR | pci.ACSUF
+	planned := map[pci.Address]pci.ACSBits{off.Addr: pci.ACSIsolation, on.Addr: offCtl, bare.Addr: pci.ACSIsolation}
+	planFindings := vfiobind.AuditPlanned(n.tree, units, planned)
+	plan := gapsOf("plan", planFindings)
+	if f, ok := plan[off.Addr]; ok {
+		t.Errorf("plan: %s, planned with every isolation flag on, still a gap: %s", off.Addr, f)
+	}
+	f, ok := plan[on.Addr]
+	if !ok || f.Unit != 6 || !strings.Contains(f.Detail, "RR off") || !strings.Contains(f.Detail, fmt.Sprintf("ACSCtl %s)", offCtl)) {
+		t.Errorf("plan: finding %+v, want RR off above unit 6, quoting the planned ACSCtl %s", f, offCtl)
+	}
+	if f, ok := plan[bare.Addr]; !ok || f.Unit != 7 || !strings.Contains(f.Detail, "no ACS capability") {
+		t.Errorf("plan: finding %+v, want no ACS capability above unit 7", f)
+	}
+	if len(plan) != 2 {
+		t.Errorf("plan: %d gaps, want 2: %v", len(plan), planFindings)
+	}
+	// The plan is judged, not written into the tree.
+	if off.ACS.Ctl != offCtl || on.ACS.Ctl != pci.ACSIsolation {
+		t.Errorf("tree changed: %s ACSCtl %s, %s ACSCtl %s", off.Addr, off.ACS.Ctl, on.Addr, on.ACS.Ctl)
+	}
+	checkUnjudged(t, "AuditPlanned", units)
 }
 
 func TestBadUnits(t *testing.T) {
@@ -296,46 +434,83 @@ func TestBadUnits(t *testing.T) {
 	units[1].NVMe = append(units[1].NVMe, units[2].GPU) // one function in two units
 	ghost := &pci.Device{Addr: pci.MustParseAddress("0000:ff:1f.7"), IOMMUGroup: 99}
 	units = append(units, &topology.Unit{ID: 9, GPU: ghost}, nil)
-	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
-	if err != nil {
-		t.Fatal(err)
-	}
+	findings := vfiobind.Audit(n.tree, units)
 	kinds := map[int][]string{}
-	for _, f := range rep.Findings {
+	for _, f := range findings {
 		kinds[f.Unit] = append(kinds[f.Unit], f.Kind)
 	}
+	drop := refused(findings)
 	want := map[int]string{0: vfiobind.KindBadUnit, 1: vfiobind.KindSharedFunction, 2: vfiobind.KindSharedFunction, 9: vfiobind.KindBadUnit}
 	for id, k := range want {
 		if !strings.Contains(strings.Join(kinds[id], " "), k) {
 			t.Errorf("unit %d: findings %v, want %s", id, kinds[id], k)
 		}
-		if u := rep.Unit(id); u == nil || u.Status != topology.StatusFailed {
-			t.Errorf("unit %d: report %+v, want failed", id, u)
+		if !drop[id] {
+			t.Errorf("unit %d not refused", id)
 		}
 	}
+	if len(drop) != len(want) {
+		t.Errorf("refused %v, want %v", drop, want)
+	}
+	// Nothing is left to bind, and Bind given nothing neither loads the vfio stack nor
+	// writes.
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, without(units, drop), n.opts(&fakeClock{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Units) != 0 || n.k.Loaded("vfio_pci") {
+		t.Errorf("nothing to bind: %d unit reports, vfio_pci loaded %v", len(rep.Units), n.k.Loaded("vfio_pci"))
+	}
 	if w := n.k.Writes(); len(w) != 0 {
-		t.Errorf("nothing viable, yet %d writes: %v", len(w), w)
+		t.Errorf("nothing to bind, yet %d writes: %v", len(w), w)
 	}
 	if _, err := vfiobind.Bind(context.Background(), n.k, nil, units, vfiobind.Options{}); err == nil {
 		t.Error("nil tree: no error")
 	}
+	if _, err := vfiobind.Bind(context.Background(), nil, n.tree, units, vfiobind.Options{}); err == nil {
+		t.Error("nil sysfs: no error")
+	}
 }
 
-func TestNoIOMMURefuses(t *testing.T) {
+// Without an IOMMU the audit refuses every function. Bind, handed the unit anyway (it
+// judges nothing), cannot bind it: vfio-pci's probe fails without a group, the bounded
+// wait runs out, and the unit goes back to its host drivers.
+func TestNoIOMMU(t *testing.T) {
 	spec := pcitest.B300()
 	spec.NoIOMMU = true
 	n := newNode(t, spec)
 	units := n.units(4)
+	findings := vfiobind.Audit(n.tree, units)
+	if len(findings) != 4 {
+		t.Errorf("no IOMMU: findings %v, want 4", findings)
+	}
+	for _, f := range findings {
+		if f.Kind != vfiobind.KindNoGroup || !f.Refuses() {
+			t.Errorf("no IOMMU: finding %s, want a %s refusal", f, vfiobind.KindNoGroup)
+		}
+	}
+	if r := refused(findings); len(r) != 1 || !r[4] {
+		t.Errorf("refused %v, want unit 4", r)
+	}
+
 	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if units[0].Status != topology.StatusFailed || len(rep.Findings) != 4 || rep.Findings[0].Kind != vfiobind.KindNoGroup {
-		t.Errorf("no IOMMU: status %s, findings %v", units[0].Status, rep.Findings)
+	ur := rep.Unit(4)
+	if ur == nil || ur.Bound() || !strings.Contains(ur.Error, "no driver bound after drivers_probe") {
+		t.Fatalf("unit 4 report %+v, want not bound: no driver after drivers_probe", ur)
 	}
-	if w := n.k.Writes(); len(w) != 0 {
-		t.Errorf("writes without an IOMMU: %v", w)
+	if len(ur.Functions) != 1 || !ur.Functions[0].RolledBack || ur.Functions[0].RollbackErr != "" {
+		t.Errorf("function reports %+v, want the GPU's alone, rolled back cleanly", ur.Functions)
 	}
+	after := n.rescan(t)
+	for _, d := range units[0].Functions() {
+		if a := after.Lookup(d.Addr); a.Driver != d.Driver || a.DriverOverride != "" {
+			t.Errorf("%s: driver %q override %q, want %q and none", d.Addr, a.Driver, a.DriverOverride, d.Driver)
+		}
+	}
+	checkUnjudged(t, "Bind", units)
 }
 
 func TestCancelled(t *testing.T) {
@@ -348,17 +523,20 @@ func TestCancelled(t *testing.T) {
 		t.Fatalf("err %v, want context.Canceled", err)
 	}
 	for _, u := range units {
-		if u.Status != topology.StatusFailed || rep.Unit(u.ID).Status != topology.StatusFailed {
-			t.Errorf("unit %d: %s after cancel", u.ID, u.Status)
+		ur := rep.Unit(u.ID)
+		if ur == nil || ur.Bound() || !strings.Contains(ur.Error, context.Canceled.Error()) || len(ur.Functions) != 0 {
+			t.Errorf("unit %d: report %+v after cancel", u.ID, ur)
 		}
 	}
 	if w := n.k.Writes(); len(w) != 0 {
 		t.Errorf("writes after cancel: %v", w)
 	}
+	checkUnjudged(t, "Bind", units)
 }
 
-// Two units whose functions share a group: neither can go to a VM alone, so both are
-// refused and neither is touched.
+// Two units whose functions share a group: neither can go to a VM alone, so the audit
+// refuses both, each finding listing both units' members; the third unit is bound and
+// the two are not touched.
 func TestGroupSharedBetweenUnits(t *testing.T) {
 	spec := pcitest.B300()
 	dsp := findFn(&spec, "gpu-dsp3")
@@ -369,23 +547,31 @@ func TestGroupSharedBetweenUnits(t *testing.T) {
 	n := newNode(t, spec)
 	units := n.units(2, 3, 4)
 	units[2].NVMe = []*pci.Device{n.dev("nvme-x")}
-	if _, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{})); err != nil {
+	findings := vfiobind.Audit(n.tree, units)
+	drop := refused(findings)
+	if len(drop) != 2 || !drop[3] || !drop[4] {
+		t.Errorf("refused %v, want units 3 and 4", drop)
+	}
+	for _, id := range []int{3, 4} {
+		var shared []string
+		for _, f := range ofKind(findings, vfiobind.KindGroupShared) {
+			if f.Unit == id {
+				shared = append(shared, f.String())
+			}
+		}
+		s := strings.Join(shared, " ")
+		if len(shared) != 1 || !strings.Contains(s, "(unit 3)") || !strings.Contains(s, "(unit 4)") {
+			t.Errorf("unit %d: %s findings %v, want one listing both units' members", id, vfiobind.KindGroupShared, shared)
+		}
+	}
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, without(units, drop), n.opts(&fakeClock{}))
+	if err != nil {
 		t.Fatal(err)
 	}
-	for _, u := range units {
-		want := topology.StatusFailed
-		if u.ID == 2 {
-			want = topology.StatusReady
-		}
-		if u.Status != want {
-			t.Errorf("unit %d: %s, want %s (%v)", u.ID, u.Status, want, u.Reasons)
-		}
-		if u.ID == 2 {
-			continue
-		}
-		if !strings.Contains(strings.Join(u.Reasons, " "), "(unit 3)") || !strings.Contains(strings.Join(u.Reasons, " "), "(unit 4)") {
-			t.Errorf("unit %d reasons do not list both units' members: %v", u.ID, u.Reasons)
-		}
+	if len(rep.Units) != 1 || rep.Units[0].ID != 2 || !rep.Units[0].Bound() {
+		t.Errorf("reports %+v, want unit 2 bound alone", rep.Units)
+	}
+	for _, u := range units[1:] {
 		for _, d := range u.Functions() {
 			if w := n.k.Touched(d.Addr); len(w) != 0 {
 				t.Errorf("unit %d %s touched: %v", u.ID, d.Addr, w)
@@ -394,25 +580,39 @@ func TestGroupSharedBetweenUnits(t *testing.T) {
 	}
 }
 
-// A unit an earlier stage failed (ATS required and missing, say) is left alone.
-func TestPreviouslyFailedUnitUntouched(t *testing.T) {
+// Bind binds exactly the units it is given and judges none: a unit an earlier stage
+// marked failed, if handed over, is bound (keeping it back is package decision's job)
+// and keeps its status and reasons; a unit not handed over is not written.
+func TestBindJudgesNothing(t *testing.T) {
 	n := newNode(t, pcitest.B300())
-	units := n.units(0, 1)
+	units := n.units(0, 1, 2)
 	units[1].Degrade(topology.StatusFailed, "ats: required and missing")
-	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units[:2], n.opts(&fakeClock{}))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r := rep.Unit(1); r.Status != topology.StatusFailed || len(r.Functions) != 0 || len(r.Reasons) != 1 {
-		t.Errorf("failed unit: %+v", r)
+	if len(rep.Units) != 2 || rep.Unit(2) != nil {
+		t.Errorf("reports %+v, want units 0 and 1 only", rep.Units)
 	}
-	for _, d := range units[1].Functions() {
-		if w := n.k.Touched(d.Addr); len(w) != 0 {
-			t.Errorf("%s touched: %v", d.Addr, w)
+	after := n.rescan(t)
+	for _, u := range units[:2] {
+		if r := rep.Unit(u.ID); r == nil || !r.Bound() || len(r.Functions) != 4 {
+			t.Errorf("unit %d: report %+v, want bound", u.ID, r)
+		}
+		for _, d := range u.Functions() {
+			if after.Lookup(d.Addr).Driver != vfiobind.VFIODriver {
+				t.Errorf("unit %d: %s not on vfio-pci", u.ID, d.Addr)
+			}
 		}
 	}
-	if units[0].Status != topology.StatusReady {
-		t.Errorf("unit 0: %s", units[0].Status)
+	if u := units[1]; u.Status != topology.StatusFailed || len(u.Reasons) != 1 || u.Reasons[0] != "ats: required and missing" {
+		t.Errorf("unit 1: status %s reasons %v, want as the earlier stage left them", u.Status, u.Reasons)
+	}
+	checkUnjudged(t, "Bind", []*topology.Unit{units[0], units[2]})
+	for _, d := range units[2].Functions() {
+		if w := n.k.Touched(d.Addr); len(w) != 0 {
+			t.Errorf("%s, of a unit not given, touched: %v", d.Addr, w)
+		}
 	}
 }
 
@@ -437,82 +637,56 @@ func TestLabelledB300AllViable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if len(rep.Units) != 8 {
+		t.Errorf("%d unit reports, want 8", len(rep.Units))
+	}
 	bound := 0
 	for _, ur := range rep.Units {
-		if ur.Status != topology.StatusReady {
-			t.Errorf("unit %d: %s %v", ur.ID, ur.Status, ur.Reasons)
+		if !ur.Bound() {
+			t.Errorf("unit %d: %s", ur.ID, ur.Error)
 		}
-		bound += len(ur.Functions)
+		for _, fr := range ur.Functions {
+			if fr.DriverAfter == vfiobind.VFIODriver && fr.Err == "" {
+				bound++
+			}
+		}
 	}
 	if bound != 32 {
 		t.Errorf("%d functions bound, want 32", bound)
 	}
 }
 
-// The audit judges ACS as the ports hold it when binding starts, not as the (earlier)
-// scan saw it.
-func TestAuditLiveACS(t *testing.T) {
-	spec := pcitest.B300()
-	findFn(&spec, "cx-dsp-gpu5").ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSDT, Ctl: pci.ACSSV | pci.ACSCR | pci.ACSUF}
-	n := newNode(t, spec)
-	cfg := pci.SysfsConfig{Root: n.Root}
-	fixed, broken := n.dev("cx-dsp-gpu5"), n.dev("cx-dsp-gpu6")
-	// The acs stage turns RR on above unit 5; something turns RR off above unit 6.
-	if _, err := pci.WriteRegister(cfg, fixed.Addr, fixed.ACS.CtlOffset(), 2, uint32(pci.ACSIsolation)); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pci.WriteRegister(cfg, broken.Addr, broken.ACS.CtlOffset(), 2, uint32(pci.ACSSV|pci.ACSCR|pci.ACSUF)); err != nil {
-		t.Fatal(err)
-	}
-	units := n.units(5, 6)
-	stale := vfiobind.Audit(n.tree, units)
-	if len(stale) != 1 || stale[0].Addr != fixed.Addr {
-		t.Errorf("audit of the scanned tree: %v, want the gap above unit 5 only", stale)
-	}
-	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, vfiobind.Options{Modules: n.k, Clock: &fakeClock{}, Config: cfg})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(rep.Findings) != 1 || rep.Findings[0].Addr != broken.Addr || rep.Findings[0].Unit != 6 || !strings.Contains(rep.Findings[0].Detail, "RR off") {
-		t.Errorf("live audit: %v, want RR off above unit 6 only", rep.Findings)
-	}
-	if units[0].Status != topology.StatusReady || units[1].Status != topology.StatusDegraded {
-		t.Errorf("statuses %s %s, want ready degraded", units[0].Status, units[1].Status)
-	}
-	// An unreadable register is a gap, not a pass.
-	if err := os.Remove(filepath.Join(n.Root, "sys/bus/pci/devices", fixed.Addr.String(), "config")); err != nil {
-		t.Fatal(err)
-	}
-	f := vfiobind.AuditLive(n.tree, n.units(5), cfg)
-	if len(f) != 1 || !strings.Contains(f[0].Detail, "unreadable") {
-		t.Errorf("unreadable ACSCtl: %v", f)
-	}
-}
-
-// TestSRIOVActiveRefusesUnit: a unit whose CX-8 PF has VFs enabled is refused, named with
-// its VFs and how to turn them off, and nothing of it is written; the other units bind.
+// TestSRIOVActiveRefusesUnit: the audit refuses a unit whose CX-8 PF has VFs enabled,
+// naming its VFs and how to turn them off; the other units bind, and nothing of the
+// refused unit (PF, VFs, or the rest) is written.
 func TestSRIOVActiveRefusesUnit(t *testing.T) {
 	spec := pcitest.B300()
 	findFn(&spec, "nic2.1").SRIOV = &pcitest.SRIOV{Total: 8, Num: 4, VFDevice: pcitest.DevCX8VF, VFDriver: "mlx5_core"}
 	n := newNode(t, spec)
 	units := allUnits(n)
-	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
-	if err != nil {
-		t.Fatal(err)
-	}
 	pf := n.dev("nic2.1")
-	var got []vfiobind.Finding
-	for _, f := range rep.Findings {
-		if f.Kind == vfiobind.KindSRIOVActive {
-			got = append(got, f)
-		}
-	}
+	findings := vfiobind.Audit(n.tree, units)
+	got := ofKind(findings, vfiobind.KindSRIOVActive)
 	if len(got) != 1 || got[0].Unit != 2 || got[0].Addr != pf.Addr || !got[0].Refuses() ||
 		!strings.Contains(got[0].Detail, "4 SR-IOV VFs") || !strings.Contains(got[0].Detail, "sriov_numvfs") {
 		t.Fatalf("findings %v, want one sriov-active refusal of unit 2 naming %s", got, pf.Addr)
 	}
-	if units[2].Status != topology.StatusFailed {
-		t.Errorf("unit 2: %s, want failed", units[2].Status)
+	drop := refused(findings)
+	if len(drop) != 1 || !drop[2] {
+		t.Errorf("refused %v, want unit 2 alone", drop)
+	}
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, without(units, drop), n.opts(&fakeClock{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	vfs := pf.VFs()
+	if len(vfs) != 4 {
+		t.Fatalf("variant tree: %d VFs, want 4", len(vfs))
+	}
+	for _, a := range vfs {
+		if w := n.k.Touched(a); len(w) != 0 {
+			t.Errorf("VF %s touched: %v", a, w)
+		}
 	}
 	for _, d := range units[2].Functions() {
 		if w := n.k.Touched(d.Addr); len(w) != 0 {
@@ -520,8 +694,45 @@ func TestSRIOVActiveRefusesUnit(t *testing.T) {
 		}
 	}
 	for _, o := range units {
-		if o.ID != 2 && o.Status == topology.StatusFailed {
-			t.Errorf("unit %d failed too: %v", o.ID, o.Reasons)
+		if o.ID == 2 {
+			continue
 		}
+		if r := rep.Unit(o.ID); r == nil || !r.Bound() {
+			t.Errorf("unit %d: report %+v, want bound", o.ID, r)
+		}
+	}
+}
+
+// Reports carry addresses as the kernel writes them, and read back.
+func TestReportJSON(t *testing.T) {
+	n := newNode(t, pcitest.B300())
+	units := n.units(0)
+	units[0].NICs, units[0].NVMe = nil, nil
+	rep, err := vfiobind.Bind(context.Background(), n.k, n.tree, units, n.opts(&fakeClock{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := n.Addr("gpu0")
+	b, err := json.Marshal(rep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `"addr":"` + gpu.String() + `"`; !strings.Contains(string(b), want) {
+		t.Errorf("report JSON %s: want %s", b, want)
+	}
+	var back vfiobind.Report
+	if err := json.Unmarshal(b, &back); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(&back, rep) {
+		t.Errorf("round trip: %+v, want %+v", back, *rep)
+	}
+	f := vfiobind.Finding{Kind: vfiobind.KindNoGroup, Addr: gpu, Group: -1, Members: []vfiobind.Member{{Addr: gpu, Owner: "unit 0"}}}
+	b, err = json.Marshal(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `"addr":"` + gpu.String() + `"`; strings.Count(string(b), want) != 2 {
+		t.Errorf("finding JSON %s: want %s for the finding and its member", b, want)
 	}
 }

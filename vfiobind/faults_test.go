@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"io/fs"
+	"reflect"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -58,12 +60,12 @@ func TestFaultsFailOneUnit(t *testing.T) {
 				t.Fatal(err)
 			}
 			u := units[1]
-			if u.Status != topology.StatusFailed {
-				t.Fatalf("unit 2: %s, want failed", u.Status)
+			ur := rep.Unit(2)
+			if ur == nil || ur.Bound() {
+				t.Fatalf("unit 2: report %+v, want not bound", ur)
 			}
-			reasons := strings.Join(u.Reasons, "\n")
-			if !strings.Contains(reasons, tc.reason) || !strings.Contains(reasons, victim.Addr.String()) {
-				t.Errorf("unit 2 reasons %q: want %q naming %s", reasons, tc.reason, victim.Addr)
+			if !strings.Contains(ur.Error, tc.reason) || !strings.Contains(ur.Error, victim.Addr.String()) {
+				t.Errorf("unit 2 error %q: want %q naming %s", ur.Error, tc.reason, victim.Addr)
 			}
 			after := n.rescan(t)
 			for _, d := range u.Functions() {
@@ -75,7 +77,6 @@ func TestFaultsFailOneUnit(t *testing.T) {
 					t.Errorf("%s: /dev/vfio/%d left behind", d.Addr, d.IOMMUGroup)
 				}
 			}
-			ur := rep.Unit(2)
 			var sawVictim bool
 			for _, fr := range ur.Functions {
 				if !fr.RolledBack || fr.RollbackErr != "" {
@@ -98,8 +99,8 @@ func TestFaultsFailOneUnit(t *testing.T) {
 				t.Errorf("no report for %s: %+v", victim.Addr, ur.Functions)
 			}
 			for _, o := range []*topology.Unit{units[0], units[2]} {
-				if o.Status != topology.StatusReady {
-					t.Errorf("unit %d: %s %v", o.ID, o.Status, o.Reasons)
+				if r := rep.Unit(o.ID); r == nil || !r.Bound() {
+					t.Errorf("unit %d: report %+v, want bound", o.ID, r)
 				}
 				for _, d := range o.Functions() {
 					if after.Lookup(d.Addr).Driver != vfiobind.VFIODriver {
@@ -123,8 +124,8 @@ func TestVFIOModuleMissing(t *testing.T) {
 		t.Errorf("modules error %q does not name vfio_pci", rep.ModulesErr)
 	}
 	for _, u := range units {
-		if u.Status != topology.StatusFailed || !strings.Contains(strings.Join(u.Reasons, " "), "vfio-pci not registered") {
-			t.Errorf("unit %d: %s %v", u.ID, u.Status, u.Reasons)
+		if r := rep.Unit(u.ID); r == nil || r.Bound() || !strings.Contains(r.Error, "vfio-pci not registered") || len(r.Functions) != 0 {
+			t.Errorf("unit %d: report %+v, want not bound: vfio-pci not registered", u.ID, r)
 		}
 	}
 	if w := n.k.Writes(); len(w) != 0 {
@@ -145,8 +146,8 @@ func TestModuleErrorWithDriverPresent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rep.ModulesErr == "" || units[0].Status != topology.StatusReady {
-		t.Errorf("modules error %q, unit %s %v", rep.ModulesErr, units[0].Status, units[0].Reasons)
+	if !strings.Contains(rep.ModulesErr, "vfio_iommu_type1") || !rep.Units[0].Bound() {
+		t.Errorf("modules error %q, unit error %q: want the module named and the unit bound", rep.ModulesErr, rep.Units[0].Error)
 	}
 }
 
@@ -175,8 +176,8 @@ func TestVerifyWaitsForDevNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	fr := rep.Units[0].Functions[0]
-	if units[0].Status != topology.StatusReady || fr.Duration != 50*time.Millisecond || clk.sleeps != 5 {
-		t.Errorf("status %s, duration %v, sleeps %d: want ready after 5 polls of 10ms", units[0].Status, fr.Duration, clk.sleeps)
+	if !rep.Units[0].Bound() || fr.Duration != 50*time.Millisecond || clk.sleeps != 5 {
+		t.Errorf("error %q, duration %v, sleeps %d: want bound after 5 polls of 10ms", rep.Units[0].Error, fr.Duration, clk.sleeps)
 	}
 }
 
@@ -254,5 +255,128 @@ func TestRootNeverCreates(t *testing.T) {
 	}
 	if l, err := r.ReadLink("sys/bus/pci/devices/" + a + "/driver"); err != nil || !strings.HasSuffix(l, "/nvidia") {
 		t.Errorf("driver link %q %v", l, err)
+	}
+}
+
+// expiringCtx is a context that ends with context.DeadlineExceeded when the test says
+// so, so that a write can be made to outlast the deadline without racing a timer.
+type expiringCtx struct {
+	context.Context
+	done chan struct{}
+	once sync.Once
+}
+
+func newExpiringCtx() *expiringCtx {
+	return &expiringCtx{Context: context.Background(), done: make(chan struct{})}
+}
+
+func (c *expiringCtx) Done() <-chan struct{} { return c.done }
+func (c *expiringCtx) expire()               { c.once.Do(func() { close(c.done) }) }
+
+func (c *expiringCtx) Err() error {
+	select {
+	case <-c.done:
+		return context.DeadlineExceeded
+	default:
+		return nil
+	}
+}
+
+// stuckWrite blocks one write (by path and value) until the context is done, then lets
+// it through: a host driver whose remove hangs past the stage's deadline and finishes
+// late. It reports how many writes the kernel had received when that write returned.
+type stuckWrite struct {
+	*vfiotest.Kernel
+	ctx         context.Context
+	path, value string
+	entered     chan struct{}
+	returned    chan int
+}
+
+func (s *stuckWrite) WriteFile(name string, data []byte) error {
+	if name != s.path || strings.TrimSpace(string(data)) != s.value {
+		return s.Kernel.WriteFile(name, data)
+	}
+	close(s.entered)
+	<-s.ctx.Done()
+	err := s.Kernel.WriteFile(name, data)
+	s.returned <- len(s.Kernel.Writes())
+	return err
+}
+
+// TestWriteOutlastsDeadline: unit 2's second function's unbind blocks past the deadline
+// (its GPU already on vfio-pci). Once the write returns, nothing more is written: no
+// drivers_probe for that function, no rollback of the unit, nothing of unit 3. Bind
+// returns the deadline error and the reports say where each unit was left.
+func TestWriteOutlastsDeadline(t *testing.T) {
+	n := newNode(t, pcitest.B300())
+	units := n.units(2, 3)
+	gpu, nic := n.dev("gpu2"), n.dev("nic2.0")
+	ctx := newExpiringCtx()
+	sys := &stuckWrite{Kernel: n.k, ctx: ctx, path: "sys/bus/pci/drivers/mlx5_core/unbind", value: nic.Addr.String(),
+		entered: make(chan struct{}), returned: make(chan int, 1)}
+	type result struct {
+		rep *vfiobind.Report
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		rep, err := vfiobind.Bind(ctx, sys, n.tree, units, n.opts(&fakeClock{}))
+		res <- result{rep, err}
+	}()
+	select {
+	case <-sys.entered:
+	case r := <-res:
+		t.Fatalf("Bind returned (%v) without reaching the blocking write", r.err)
+	}
+	ctx.expire()
+	writes := <-sys.returned
+	r := <-res
+	if !errors.Is(r.err, context.DeadlineExceeded) {
+		t.Fatalf("err %v, want context.DeadlineExceeded", r.err)
+	}
+	if all := n.k.Writes(); len(all) != writes {
+		t.Errorf("%d writes after the late one returned: %v", len(all)-writes, all[writes:])
+	}
+
+	ur := r.rep.Unit(2)
+	if ur == nil || ur.Bound() || !strings.Contains(ur.Error, context.DeadlineExceeded.Error()) {
+		t.Fatalf("unit 2 report %+v, want not bound: deadline exceeded", ur)
+	}
+	if len(ur.Functions) != 2 {
+		t.Fatalf("unit 2: %d function reports, want the GPU's and the cut-short NIC's", len(ur.Functions))
+	}
+	g, f := ur.Functions[0], ur.Functions[1]
+	if g.Addr != gpu.Addr || g.DriverAfter != vfiobind.VFIODriver || g.RolledBack || g.Err != "" {
+		t.Errorf("GPU report %+v: want bound, not rolled back", g)
+	}
+	wantWrites := []string{
+		"sys/bus/pci/devices/" + nic.Addr.String() + "/driver_override <- vfio-pci",
+		"sys/bus/pci/drivers/mlx5_core/unbind <- " + nic.Addr.String(),
+	}
+	if f.Addr != nic.Addr || f.RolledBack || f.Err == "" || !reflect.DeepEqual(f.Writes, wantWrites) {
+		t.Errorf("NIC report %+v: want an error, no rollback, and writes %v only", f, wantWrites)
+	}
+	if u3 := r.rep.Unit(3); u3 == nil || u3.Bound() || len(u3.Functions) != 0 || !strings.Contains(u3.Error, context.DeadlineExceeded.Error()) {
+		t.Errorf("unit 3 report %+v, want not bound for the deadline, no functions", u3)
+	}
+	for _, d := range units[1].Functions() {
+		if w := n.k.Touched(d.Addr); len(w) != 0 {
+			t.Errorf("unit 3 %s touched: %v", d.Addr, w)
+		}
+	}
+	// Where it was left: the GPU on vfio-pci with its override, the NIC unbound with its
+	// override; the rest of unit 2 never written.
+	after := n.rescan(t)
+	if a := after.Lookup(gpu.Addr); a.Driver != vfiobind.VFIODriver || a.DriverOverride != vfiobind.VFIODriver {
+		t.Errorf("GPU: driver %q override %q, want vfio-pci left as it was", a.Driver, a.DriverOverride)
+	}
+	if a := after.Lookup(nic.Addr); a.Driver != "" || a.DriverOverride != vfiobind.VFIODriver {
+		t.Errorf("NIC: driver %q override %q, want unbound with the override", a.Driver, a.DriverOverride)
+	}
+	for _, name := range []string{"nic2.1", "nvme2"} {
+		if w := n.k.Touched(n.Addr(name)); len(w) != 0 {
+			t.Errorf("%s touched: %v", name, w)
+		}
 	}
 }

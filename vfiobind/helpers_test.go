@@ -133,3 +133,48 @@ func findFn(spec *pcitest.Spec, name string) *pcitest.Fn {
 	}
 	panic("no function named " + name + " in spec")
 }
+
+// refused returns the IDs of the units a finding refuses.
+func refused(findings []vfiobind.Finding) map[int]bool {
+	out := map[int]bool{}
+	for _, f := range findings {
+		if f.Refuses() {
+			out[f.Unit] = true
+		}
+	}
+	return out
+}
+
+// without returns the units whose IDs are not in drop, as package decision hands Bind
+// only the units the audit did not refuse.
+func without(units []*topology.Unit, drop map[int]bool) []*topology.Unit {
+	var out []*topology.Unit
+	for _, u := range units {
+		if u != nil && !drop[u.ID] {
+			out = append(out, u)
+		}
+	}
+	return out
+}
+
+// ofKind returns the findings of one kind.
+func ofKind(findings []vfiobind.Finding, kind string) []vfiobind.Finding {
+	var out []vfiobind.Finding
+	for _, f := range findings {
+		if f.Kind == kind {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// checkUnjudged fails when units carry a status or reasons: neither Audit nor Bind
+// judges a unit (package decision does).
+func checkUnjudged(t testing.TB, who string, units []*topology.Unit) {
+	t.Helper()
+	for _, u := range units {
+		if u.Status != "" || len(u.Reasons) != 0 {
+			t.Errorf("%s changed unit %d: status %q reasons %v", who, u.ID, u.Status, u.Reasons)
+		}
+	}
+}
