@@ -1,0 +1,190 @@
+package decision
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
+
+	"github.com/passage-boot/passage/pci"
+)
+
+func b300Decision(t *testing.T, live Live) *Decision {
+	t.Helper()
+	tree, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := topology.Builtin("b300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := Decide(Input{Tree: tree, Profile: p, Live: live})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// report is an execution that did everything the decision asked, cleanly.
+func cleanRun(d *Decision) (*apply.Report, *vfiobind.Report) {
+	acs := &apply.Report{}
+	for _, p := range d.ACS {
+		acs.Changes = append(acs.Changes, apply.Change{Addr: p.Addr, Unit: p.Unit, Position: p.Position, Offset: p.CtlOffset(),
+			Mask: p.Mask, Flags: p.Flags, Before: p.Current, Target: p.Target(), After: p.Target(), Result: apply.ResultApplied})
+	}
+	bind := &vfiobind.Report{}
+	for _, u := range d.Bindable(acs) {
+		bind.Units = append(bind.Units, vfiobind.UnitReport{ID: u.ID})
+	}
+	return acs, bind
+}
+
+func statuses(vs []Verdict) map[int]topology.Status {
+	m := map[int]topology.Status{}
+	for _, v := range vs {
+		m[v.Unit] = v.Status
+	}
+	return m
+}
+
+// TestConcludeFailsClosed: a unit is ready after execution only when every step that
+// covers it completed and reported it done.
+func TestConcludeFailsClosed(t *testing.T) {
+	d := b300Decision(t, Live{})
+	acs, bind := cleanRun(d)
+	if got := statuses(d.Conclude(Execution{ACS: acs, Binding: true, Bind: bind})); len(got) != 8 {
+		t.Fatalf("%d verdicts", len(got))
+	} else {
+		for id, s := range got {
+			if s != topology.StatusReady {
+				t.Errorf("clean run: unit %d %s", id, s)
+			}
+		}
+	}
+
+	stageErr := errors.New("stage vfio failed: panic: test")
+	for _, c := range []struct {
+		name string
+		x    Execution
+		// unit -> the status it must end with and a word its last reason holds
+		want map[int]string
+	}{
+		{"acs did not complete", Execution{ACSErr: errors.New("deadline"), Binding: true, Bind: bind},
+			map[int]string{0: "failed acs: did not complete: deadline", 7: "failed acs: did not complete"}},
+		{"vfio did not complete", Execution{ACS: acs, Binding: true, BindErr: stageErr},
+			map[int]string{3: "failed vfio: did not complete: stage vfio failed: panic"}},
+		{"a unit missing from the bind report", Execution{ACS: acs, Binding: true, Bind: &vfiobind.Report{Units: bind.Units[1:]}},
+			map[int]string{0: "failed vfio: not bound", 1: "ready"}},
+		{"a unit whose binding failed", Execution{ACS: acs, Binding: true, Bind: &vfiobind.Report{Units: append([]vfiobind.UnitReport{{ID: 0, Error: "unit 0: EBUSY"}}, bind.Units[1:]...)}},
+			map[int]string{0: "failed vfio: unit 0: EBUSY", 2: "ready"}},
+		{"no binding asked (--no-bind)", Execution{ACS: acs}, map[int]string{0: "ready"}},
+		{"dry run", Execution{DryRun: true}, map[int]string{0: "ready", 5: "ready"}},
+	} {
+		vs := d.Conclude(c.x)
+		for id, w := range c.want {
+			var v Verdict
+			for _, x := range vs {
+				if x.Unit == id {
+					v = x
+				}
+			}
+			status, word, _ := strings.Cut(w, " ")
+			last := ""
+			if len(v.Reasons) > 0 {
+				last = v.Reasons[len(v.Reasons)-1]
+			}
+			if string(v.Status) != status || !strings.Contains(last, word) {
+				t.Errorf("%s: unit %d %s %q, want %s %q", c.name, id, v.Status, last, status, word)
+			}
+		}
+	}
+
+	// A port that failed or was refused at run time: the unit fails when the port no
+	// longer isolates, is degraded with the advice when it does (DT only is lost), and is
+	// not bound when it failed.
+	fail := *acs
+	fail.Changes = append([]apply.Change(nil), acs.Changes...)
+	for i, c := range fail.Changes {
+		switch {
+		case c.Unit == 1 && c.Flags&pci.ACSDT != 0:
+			fail.Changes[i].Result, fail.Changes[i].Error = apply.ResultMismatch, "wrote 0x005d, reads back 0x001d"
+		case c.Unit == 2 && c.Flags&pci.ACSDT != 0:
+			fail.Changes[i].Result, fail.Changes[i].After = apply.ResultLockedDown, c.Before
+		}
+	}
+	got := statuses(d.Conclude(Execution{ACS: &fail, Binding: true, Bind: bind}))
+	if got[1] != topology.StatusFailed || got[2] != topology.StatusDegraded || got[3] != topology.StatusReady {
+		t.Errorf("run-time port outcomes: %v", got)
+	}
+	for _, u := range d.Bindable(&fail) {
+		if u.ID == 1 {
+			t.Error("unit 1 bindable after its port failed")
+		}
+	}
+}
+
+// TestDecideLockdown: a locked-down kernel writes nothing, so a port that needs DT
+// degrades its unit and a port that needs isolation fails it, before anything runs.
+func TestDecideLockdown(t *testing.T) {
+	for _, mode := range []string{"none [integrity] confidentiality", "none integrity [confidentiality]", "[none] integrity confidentiality", ""} {
+		live := Live{Lockdown: ParseLockdown(mode), Release: "6.1.0-57-amd64"}
+		d := b300Decision(t, live)
+		for _, v := range d.Decided() {
+			want := topology.StatusReady
+			if live.LockedDown() {
+				want = topology.StatusDegraded
+			}
+			if v.Status != want {
+				t.Errorf("lockdown %q: unit %d %s %v", mode, v.Unit, v.Status, v.Reasons)
+			}
+			if live.LockedDown() && (len(v.Reasons) != 1 || !strings.Contains(v.Reasons[0], "pci=config_acs=1x111x1@")) {
+				t.Errorf("lockdown %q: unit %d reasons %q", mode, v.Unit, v.Reasons)
+			}
+		}
+	}
+	if ParseLockdown("none [integrity] confidentiality") != "integrity" || ParseLockdown("none") != "none" {
+		t.Error("ParseLockdown")
+	}
+}
+
+// TestDecideWritesNothingOnConflict: rules that contradict each other fail every unit
+// and leave every port unwritten.
+func TestDecideWritesNothingOnConflict(t *testing.T) {
+	tree, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := topology.ParseProfile("conflict", []byte(`name: conflict
+rules:
+  - {name: gpu, role: gpu, match: {vendor: 0x10de, class: 0x030200}}
+  - {name: nvme-a, role: gpu-nvme, match: {class: 0x010802}}
+  - {name: nvme-b, role: host-other, match: {class: 0x010802}}
+  - {name: nic, role: gpu-nic, match: {vendor: 0x15b3, device: 0x1023}}
+  - {name: bridge, role: switch-port, match: {class: 0x060400, class_mask: 0xffff00}}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := Decide(Input{Tree: tree, Profile: p})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.LabelErr == nil || d.KernelArg != "" || len(d.Units()) != 8 || len(d.ACS) == 0 {
+		t.Fatalf("label error %v, kernel argument %q, %d units, %d ports", d.LabelErr, d.KernelArg, len(d.Units()), len(d.ACS))
+	}
+	for _, port := range d.ACS {
+		if port.Skip == "" {
+			t.Errorf("port %s to be written under a conflicting labelling", port.Addr)
+		}
+	}
+	for _, v := range d.Decided() {
+		if v.Status != topology.StatusFailed {
+			t.Errorf("unit %d %s", v.Unit, v.Status)
+		}
+	}
+}
