@@ -108,21 +108,21 @@ func TestPanicRecovered(t *testing.T) {
 	var nilMap map[string]int
 	rn := &Runner{Stages: []Stage{
 		{Name: "scan", Run: func(context.Context, *State, *Result) error { panic("bad config space") }},
-		{Name: "label", Run: func(context.Context, *State, *Result) error { nilMap["x"] = 1; return nil }},
+		{Name: "decide", Run: func(context.Context, *State, *Result) error { nilMap["x"] = 1; return nil }},
 		{Name: "manifest", Run: ok},
 	}}
 	rs, err := rn.Run(context.Background(), &State{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := statuses(rs); !reflect.DeepEqual(got, map[string]Status{"scan": Failed, "label": Failed, "manifest": OK}) {
+	if got := statuses(rs); !reflect.DeepEqual(got, map[string]Status{"scan": Failed, "decide": Failed, "manifest": OK}) {
 		t.Fatalf("statuses = %v", got)
 	}
 	if !strings.Contains(rs[0].Err.Error(), "panic: bad config space") {
 		t.Errorf("scan err = %v", rs[0].Err)
 	}
 	if !strings.Contains(rs[1].Err.Error(), "nil map") {
-		t.Errorf("label err = %v", rs[1].Err)
+		t.Errorf("decide err = %v", rs[1].Err)
 	}
 }
 
@@ -194,26 +194,32 @@ func TestUnitsFailedExcluded(t *testing.T) {
 	st := &State{}
 	var bound []string
 	rn := &Runner{Stages: []Stage{
-		{Name: "label", Run: func(_ context.Context, st *State, _ *Result) error {
+		{Name: "decide", Run: func(_ context.Context, st *State, _ *Result) error {
 			st.SetUnits([]Unit{{ID: "gpu0", GPU: "0000:03:00.0", NICs: []string{"0000:04:00.0"}},
 				{ID: "gpu1", GPU: "0000:13:00.0"}, {ID: "gpu2", GPU: "0000:23:00.0"}})
 			return nil
 		}},
-		{Name: "firmware", Run: func(_ context.Context, st *State, r *Result) error {
-			if err := st.Mark("gpu1", Failed, "firmware: no ATS on 0000:14:00.0"); err != nil {
+		{Name: "check", Run: func(_ context.Context, st *State, r *Result) error {
+			if err := st.Mark("gpu1", Failed, "ats: no ATS on 0000:14:00.0"); err != nil {
 				return err
 			}
-			if err := st.Mark("gpu2", Degraded, "firmware: no DT"); err != nil {
+			if err := st.Mark("gpu2", Degraded, "ats: no DT"); err != nil {
 				return err
 			}
-			// A unit's status never improves.
+			// A unit's status never improves, and a reason it holds is not recorded twice.
 			if err := st.Mark("gpu1", Degraded, ""); err != nil {
+				return err
+			}
+			if err := st.Mark("gpu1", Failed, "ats: no ATS on 0000:14:00.0"); err != nil {
+				return err
+			}
+			if err := st.Mark("gpu2", Degraded, "acs: no DT on 0000:12:00.0"); err != nil {
 				return err
 			}
 			r.Degrade("2 units affected")
 			return st.Mark("gpu9", Failed, "x")
 		}},
-		{Name: "vfio", Needs: []string{"label"}, Run: func(_ context.Context, st *State, _ *Result) error {
+		{Name: "vfio", Needs: []string{"decide"}, Run: func(_ context.Context, st *State, _ *Result) error {
 			for _, u := range st.Eligible() {
 				bound = append(bound, u.ID)
 			}
@@ -228,8 +234,14 @@ func TestUnitsFailedExcluded(t *testing.T) {
 		t.Errorf("vfio acted on %v, want gpu0 gpu2", bound)
 	}
 	us := st.Units()
-	if us[1].Status != Failed || !reflect.DeepEqual(us[1].Reasons, []string{"firmware: no ATS on 0000:14:00.0"}) {
+	if us[1].Status != Failed || !reflect.DeepEqual(us[1].Reasons, []string{"ats: no ATS on 0000:14:00.0"}) {
 		t.Errorf("gpu1 = %+v", us[1])
+	}
+	if us[2].Status != Degraded || !reflect.DeepEqual(us[2].Reasons, []string{"ats: no DT", "acs: no DT on 0000:12:00.0"}) {
+		t.Errorf("gpu2 = %+v", us[2])
+	}
+	if us[0].Status != OK || len(us[0].Reasons) != 0 {
+		t.Errorf("gpu0 = %+v", us[0])
 	}
 	if id, ok := st.UnitOf("0000:04:00.0"); !ok || id != "gpu0" {
 		t.Errorf("UnitOf NIC = %q %v", id, ok)

@@ -266,7 +266,6 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 	if err != nil {
 		return err
 	}
-	b.Profile = p
 	policy, err := firmware.ParsePolicy(string(b.Config.ATS))
 	if err != nil {
 		return err
@@ -276,7 +275,10 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 		r.Degrade("%v", err)
 	}
 	live.Cmdline = b.Config.Cmdline
-	b.Release = live.Release
+	if b.Release != "" {
+		// Set by the caller: it knows better than a tree without /proc.
+		live.Release = b.Release
+	}
 	d, err := decision.Decide(decision.Input{Tree: b.Tree, Profile: p, ATS: policy, Live: live})
 	if err != nil {
 		return err
@@ -322,7 +324,7 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 	if len(units) == 0 {
 		r.Degrade("no GPU units found")
 	}
-	if !b.commit(ctx, func() { b.Decision = d }) {
+	if !b.commit(ctx, func() { b.Decision, b.Profile = d, p }) {
 		return ctx.Err()
 	}
 	st.SetUnits(su)

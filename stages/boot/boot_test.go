@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -16,6 +17,7 @@ import (
 	"github.com/google/go-tpm-tools/simulator"
 	"github.com/google/go-tpm/tpm2/transport"
 
+	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
@@ -50,94 +52,177 @@ type lockedDown struct{ pci.SysfsConfig }
 
 func (lockedDown) WriteConfig(pci.Address, int64, []byte) error { return syscall.EPERM }
 
-func TestACSAppliesAndSkipsFailedUnits(t *testing.T) {
-	root := pcitest.New(t, pcitest.B300()).Root
-	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.profile=b300")}
-	// A unit failed before acs is left alone: mark gpu3 failed from a stage in between.
-	list := b.Stages()
-	fail3 := stages.Stage{Name: "fail3", Needs: []string{"label"}, Run: func(_ context.Context, st *stages.State, _ *stages.Result) error {
-		b.Units[3].Degrade(topology.StatusFailed, "test: broken")
-		b.syncUnits(st, "fail3")
-		return nil
-	}}
-	var sel []stages.Stage
-	for _, s := range list {
-		switch s.Name {
-		case "scan", "label", "firmware":
-			sel = append(sel, s)
-		case "acs":
-			sel = append(sel, fail3, s)
-		}
-	}
-	st := &stages.State{}
-	rs, err := (&stages.Runner{Stages: sel}).Run(context.Background(), st)
-	if err != nil {
-		t.Fatal(err)
-	}
-	acs := rs[len(rs)-1]
-	if acs.Status != stages.OK {
-		t.Fatalf("acs %s: %v %v", acs.Status, acs.Err, acs.Findings)
-	}
-	if len(b.ACS) != 8 {
-		t.Fatalf("ACS changes for %d units", len(b.ACS))
-	}
-	applied, nicPorts := 0, 0
-	for id, chs := range b.ACS {
-		for _, ch := range chs {
-			if id == 3 {
-				if ch.Result != "unchanged: unit failed before the acs stage" {
-					t.Errorf("failed unit's port %s: %s", ch.Port, ch.Result)
+// noWrites fails the test on any config write; reads go to the tree.
+type noWrites struct {
+	pci.SysfsConfig
+	t *testing.T
+}
+
+func (n noWrites) WriteConfig(a pci.Address, off int64, _ []byte) error {
+	n.t.Errorf("config write to %s at %#x", a, off)
+	return syscall.EPERM
+}
+
+// TestACSLockdownAdvice: config writes refused, whether the kernel's lockdown file says
+// so beforehand (the decision foresees it and writes nothing) or only the write's EPERM
+// does: DT is lost, the isolation the kernel already set stays, so every unit ends
+// degraded, bound, with the advice naming pci=config_acs= and the running kernel.
+func TestACSLockdownAdvice(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		lockdown string // the lockdown file; "" for none
+		foreseen bool   // the decision knew before the acs stage
+	}{
+		{name: "write refused", foreseen: false},
+		{name: "lockdown file", lockdown: "none [integrity] confidentiality\n", foreseen: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bn := newBootNode(t)
+			root := bn.node.Root
+			files := map[string]string{"proc/sys/kernel/osrelease": "6.1.0-57-amd64\n"}
+			var cfg pci.ConfigIO = lockedDown{pci.SysfsConfig{Root: root}}
+			if tc.lockdown != "" {
+				files["sys/kernel/security/lockdown"] = tc.lockdown
+				cfg = noWrites{pci.SysfsConfig{Root: root}, t}
+			}
+			for p, c := range files {
+				if err := os.MkdirAll(filepath.Join(root, filepath.Dir(p)), 0o755); err != nil {
+					t.Fatal(err)
 				}
-				continue
+				if err := os.WriteFile(filepath.Join(root, p), []byte(c), 0o644); err != nil {
+					t.Fatal(err)
+				}
 			}
-			if ch.Result == "applied" {
-				applied++
+			b := bn.boot("passage.profile=b300 passage.tpm=off passage.key=/etc/passage/passage.key")
+			b.ConfigIO = cfg
+			rs, st := run(t, b, "scan", "decide", "acs", "vfio", "manifest")
+			decide, acs, vfio, mr := rs[1], rs[2], rs[3], rs[4]
+			if said := slices.Contains(decide.Findings, "kernel lockdown integrity: config writes will be refused"); said != tc.foreseen {
+				t.Errorf("decide %s %q: lockdown foreseen %v, want %v", decide.Status, decide.Findings, said, tc.foreseen)
 			}
-			if !strings.HasPrefix(ch.Result, "applied") && !strings.HasPrefix(ch.Result, "unchanged") {
-				t.Errorf("port %s: %s", ch.Port, ch.Result)
+			if acs.Status != stages.Degraded {
+				t.Fatalf("acs %s %v %v", acs.Status, acs.Err, acs.Findings)
 			}
-			if ch.After != ch.Target {
-				t.Errorf("port %s reads %q, target %q", ch.Port, ch.After, ch.Target)
+			if mr.Status != stages.OK {
+				t.Fatalf("manifest %s %v %v", mr.Status, mr.Err, mr.Findings)
 			}
-		}
-	}
-	for _, p := range b.ACSPlan {
-		if p.Position == topology.PosNICPort && p.Unit != 3 {
-			nicPorts++
-			if !strings.Contains(p.Target().Lspci(), "DirectTrans+") {
-				t.Errorf("NIC port %s target %s", p.Addr, p.Target().Lspci())
+			// Lockdown refuses config writes, not binding: every degraded unit is on vfio-pci.
+			if vfio.Status != stages.OK || b.Bind == nil {
+				t.Fatalf("vfio %s %v %v", vfio.Status, vfio.Err, vfio.Findings)
 			}
-		}
-	}
-	if nicPorts == 0 || applied < nicPorts {
-		t.Errorf("%d writes for %d NIC ports", applied, nicPorts)
-	}
-	if len(acs.Changes) != applied {
-		t.Errorf("%d changes recorded, %d applied", len(acs.Changes), applied)
-	}
-	// The writes reached the synthetic config space: a fresh scan reads DT back on every
-	// NIC port of the units that were not failed, and not on unit 3's.
-	tree, err := pci.Scan(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range b.ACSPlan {
-		if p.Position != topology.PosNICPort {
-			continue
-		}
-		d := tree.Lookup(p.Addr)
-		dt := d != nil && d.ACS != nil && d.ACS.Ctl&pci.ACSDT != 0
-		if dt != (p.Unit != 3) {
-			t.Errorf("unit %d NIC port %s: DT on disk %v", p.Unit, p.Addr, dt)
-		}
-	}
-	if u := st.Units()[3]; u.Status != stages.Failed {
-		t.Errorf("gpu3 = %+v", u)
+			bound := 0
+			for _, u := range b.Bind.Units {
+				if !u.Bound() {
+					t.Errorf("unit %d not bound: %s", u.ID, u.Error)
+				}
+				for _, f := range u.Functions {
+					if f.DriverAfter != "vfio-pci" {
+						t.Errorf("%s: driver %q after binding under lockdown", f.Addr, f.DriverAfter)
+					}
+					bound++
+				}
+			}
+			if len(b.Bind.Units) != 8 || bound < 8*4 {
+				t.Errorf("%d units, %d functions bound, want every unit's", len(b.Bind.Units), bound)
+			}
+			// The kernel's default leaves SV RR CR UF set: refusing DT only degrades. The
+			// verdicts, the manifest and the runner's state say the same.
+			advised := func(why string) bool {
+				return strings.Contains(why, "pci=config_acs=") && strings.Contains(why, "6.11") && strings.Contains(why, "6.1.0-57-amd64")
+			}
+			if len(b.Verdicts) != 8 {
+				t.Fatalf("%d verdicts, want 8", len(b.Verdicts))
+			}
+			for _, v := range b.Verdicts {
+				if why := strings.Join(v.Reasons, "; "); v.Status != topology.StatusDegraded || !advised(why) {
+					t.Errorf("verdict of unit %d: %s %q", v.Unit, v.Status, why)
+				}
+			}
+			if len(b.Manifest.Units) != 8 {
+				t.Fatalf("%d units in the manifest, want 8", len(b.Manifest.Units))
+			}
+			for _, u := range b.Manifest.Units {
+				if why := strings.Join(u.Reasons, "; "); u.Status != string(topology.StatusDegraded) || !advised(why) {
+					t.Errorf("manifest unit %s: %s %q", u.ID, u.Status, why)
+				}
+				locked := 0
+				for _, ch := range u.ACSChanges {
+					if strings.HasPrefix(ch.Result, "locked down: ") {
+						locked++
+						if strings.Contains(ch.After, "DirectTrans+") {
+							t.Errorf("port %s reads DT after a refused write", ch.Port)
+						}
+					}
+				}
+				if locked != 1 {
+					t.Errorf("unit %s: %d locked-down ports, want its NIC port: %+v", u.ID, locked, u.ACSChanges)
+				}
+			}
+			for _, u := range st.Units() {
+				if why := strings.Join(u.Reasons, "; "); u.Status != stages.Degraded || !advised(why) {
+					t.Errorf("unit %s: %s %q", u.ID, u.Status, why)
+				}
+			}
+			locked := 0
+			for _, c := range b.ACSRun.Changes {
+				if c.Result == apply.ResultLockedDown {
+					locked++
+					if c.Position != topology.PosNICPort {
+						t.Errorf("locked-down %s %s: only the NIC ports need a write", c.Position, c.Addr)
+					}
+				}
+			}
+			if locked != 8 {
+				t.Errorf("%d locked-down ports, want one NIC port per unit (8)", locked)
+			}
+			// Nothing reached the tree.
+			tree, err := pci.Scan(root)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range b.Decision.ACS {
+				if d := tree.Lookup(p.Addr); d == nil || d.ACS == nil || d.ACS.Ctl != p.Current {
+					t.Errorf("port %s changed under lockdown", p.Addr)
+				}
+			}
+		})
 	}
 }
 
-func TestACSLockdownAdvice(t *testing.T) {
-	root := pcitest.New(t, pcitest.B300()).Root
+// fnNamed finds the function called name anywhere in spec; a missing name is a bug in
+// the test.
+func fnNamed(t *testing.T, spec *pcitest.Spec, name string) *pcitest.Fn {
+	t.Helper()
+	var find func(fns []pcitest.Fn) *pcitest.Fn
+	find = func(fns []pcitest.Fn) *pcitest.Fn {
+		for i := range fns {
+			if fns[i].Name == name {
+				return &fns[i]
+			}
+			if f := find(fns[i].Below); f != nil {
+				return f
+			}
+		}
+		return nil
+	}
+	for i := range spec.Hosts {
+		if f := find(spec.Hosts[i].Fns); f != nil {
+			return f
+		}
+	}
+	t.Fatalf("no function %s in the spec", name)
+	return nil
+}
+
+// TestACSAppliesAndSkipsFailedUnits: the acs stage writes the decision's plan and leaves
+// the ports of a unit the decision failed as they are; vfio leaves that unit unbound.
+func TestACSAppliesAndSkipsFailedUnits(t *testing.T) {
+	spec := pcitest.B300()
+	// A NIC PF without ATS under passage.ats=require: the decision fails gpu3 before
+	// anything is written.
+	fnNamed(t, &spec, "nic3.1").ATS = nil
+	node := pcitest.New(t, spec)
+	root := node.Root
 	k, err := vfiotest.New(root)
 	if err != nil {
 		t.Fatal(err)
@@ -145,59 +230,109 @@ func TestACSLockdownAdvice(t *testing.T) {
 	if err := k.Load("vfio-pci"); err != nil {
 		t.Fatal(err)
 	}
-	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.profile=b300"), Release: "6.1.0-57-amd64",
-		ConfigIO: lockedDown{pci.SysfsConfig{Root: root}}, Sysfs: k}
-	rs, st := run(t, b, "scan", "label", "firmware", "acs", "vfio")
-	acs, vfio := rs[3], rs[4]
-	if acs.Status != stages.Degraded {
-		t.Fatalf("acs %s %v %v", acs.Status, acs.Err, acs.Findings)
+	before, err := pci.Scan(root)
+	if err != nil {
+		t.Fatal(err)
 	}
-	// Lockdown refuses config writes, not binding: every degraded unit is on vfio-pci.
-	if vfio.Status == stages.Failed || vfio.Status == stages.Skipped {
-		t.Fatalf("vfio %s %v %v", vfio.Status, vfio.Err, vfio.Findings)
+	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.profile=b300 passage.ats=require"), Sysfs: k}
+	rs, st := run(t, b, "scan", "decide", "acs", "vfio")
+	decide, acs, vfio := rs[1], rs[2], rs[3]
+	if decide.Status != stages.Degraded || !strings.Contains(strings.Join(decide.Findings, "\n"), node.Addr("nic3.1").String()) {
+		t.Errorf("decide %s %v %q, want degraded naming nic3.1", decide.Status, decide.Err, decide.Findings)
 	}
-	bound := 0
-	for _, u := range b.Bind.Units {
-		for _, f := range u.Functions {
-			if f.DriverAfter != "vfio-pci" {
-				t.Errorf("%s: driver %q after binding under lockdown", f.Addr, f.DriverAfter)
-			}
-			bound++
-		}
-	}
-	if bound < 8*4 {
-		t.Errorf("%d functions bound, want every unit's", bound)
-	}
+	// The runner's state holds the decided statuses: gpu3 failed, for the ATS policy.
 	for _, u := range st.Units() {
-		why := strings.Join(u.Reasons, "; ")
-		// The kernel's default leaves SV RR CR UF set: refusing DT only degrades.
-		if u.Status != stages.Degraded || !strings.Contains(why, "pci=config_acs=") || !strings.Contains(why, "6.11") ||
-			!strings.Contains(why, "6.1.0-57-amd64") {
-			t.Errorf("unit %s: %s %q", u.ID, u.Status, why)
+		if failed := u.Status == stages.Failed; failed != (u.ID == "gpu3") {
+			t.Errorf("unit %s after decide: %s %q", u.ID, u.Status, u.Reasons)
+		}
+		if u.ID == "gpu3" && !strings.Contains(strings.Join(u.Reasons, "; "), "passage.ats=require") {
+			t.Errorf("gpu3 reasons %q, want the ATS policy", u.Reasons)
 		}
 	}
-	locked := 0
-	for _, chs := range b.ACS {
-		for _, ch := range chs {
-			if strings.HasPrefix(ch.Result, "failed: locked down") {
-				locked++
-				if strings.Contains(ch.After, "DirectTrans+") {
-					t.Errorf("port %s reads DT after a refused write", ch.Port)
-				}
+	if acs.Status != stages.OK {
+		t.Fatalf("acs %s: %v %v", acs.Status, acs.Err, acs.Findings)
+	}
+	if b.ACSRun == nil {
+		t.Fatal("the acs stage completed and committed no report")
+	}
+	perUnit := map[int]int{}
+	applied, nicPorts := 0, 0
+	for _, c := range b.ACSRun.Changes {
+		perUnit[c.Unit]++
+		if c.Unit == 3 {
+			if c.Result != apply.ResultSkipped || !strings.HasPrefix(c.Note, "unit failed") {
+				t.Errorf("failed unit's port %s: %s (%s)", c.Addr, c.Result, c.Note)
+			}
+			if r := acsChange(c).Result; !strings.HasPrefix(r, "skipped (unit failed") {
+				t.Errorf("failed unit's port %s in the manifest: %q", c.Addr, r)
+			}
+			continue
+		}
+		switch c.Result {
+		case apply.ResultApplied:
+			applied++
+		case apply.ResultUnchanged:
+		default:
+			t.Errorf("port %s: %s", c.Addr, acsResult(c))
+		}
+		if c.After != c.Target {
+			t.Errorf("port %s reads %#04x, target %#04x", c.Addr, uint16(c.After), uint16(c.Target))
+		}
+		if c.Position == topology.PosNICPort {
+			nicPorts++
+			if c.Target&pci.ACSDT == 0 {
+				t.Errorf("NIC port %s target %s", c.Addr, c.Target.Lspci())
 			}
 		}
 	}
-	if locked != 8 {
-		t.Errorf("%d locked-down ports, want one NIC port per unit (8)", locked)
+	if len(perUnit) != 8 {
+		t.Errorf("ACS changes for %d units, want 8", len(perUnit))
 	}
-	// Nothing reached the tree.
+	if nicPorts != 7 || applied < nicPorts {
+		t.Errorf("%d writes for %d NIC ports of the 7 units passed through", applied, nicPorts)
+	}
+	if len(acs.Changes) != applied {
+		t.Errorf("%d changes recorded, %d applied", len(acs.Changes), applied)
+	}
+	// The writes reached the synthetic config space: a fresh scan reads every port of the
+	// units passed through at its target (DT on their NIC ports), and every port of gpu3
+	// as it was before the boot.
 	tree, err := pci.Scan(root)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range b.ACSPlan {
-		if d := tree.Lookup(p.Addr); d != nil && d.ACS != nil && d.ACS.Ctl != p.Current {
-			t.Errorf("port %s changed under lockdown", p.Addr)
+	for _, p := range b.Decision.ACS {
+		d, was := tree.Lookup(p.Addr), before.Lookup(p.Addr)
+		if d == nil || d.ACS == nil || was == nil || was.ACS == nil {
+			t.Errorf("port %s: no ACS in the scans", p.Addr)
+			continue
+		}
+		want := p.Target()
+		if p.Unit == 3 {
+			want = was.ACS.Ctl
+			if d.ACS.Ctl&pci.ACSDT != 0 {
+				t.Errorf("gpu3's %s %s has DT", p.Position, p.Addr)
+			}
+		}
+		if d.ACS.Ctl != want {
+			t.Errorf("unit %d %s %s: ACSCtl %#04x on disk, want %#04x", p.Unit, p.Position, p.Addr, uint16(d.ACS.Ctl), uint16(want))
+		}
+	}
+	// vfio binds the other seven units and leaves gpu3's functions on their drivers.
+	if vfio.Status != stages.OK || !slices.Contains(vfio.Findings, "unit gpu3: not to be bound (failed), left untouched") {
+		t.Errorf("vfio %s %v %q", vfio.Status, vfio.Err, vfio.Findings)
+	}
+	if b.Bind == nil || b.Bind.Unit(3) != nil || len(b.Bind.Units) != 7 {
+		t.Fatalf("bind report %+v, want the seven units other than gpu3", b.Bind)
+	}
+	for _, u := range b.Units() {
+		if u.ID != 3 {
+			continue
+		}
+		for _, f := range u.Functions() {
+			if f != nil && len(k.Touched(f.Addr)) > 0 {
+				t.Errorf("gpu3's %s touched: %v", f.Addr, k.Touched(f.Addr))
+			}
 		}
 	}
 }
@@ -231,7 +366,7 @@ func TestManifestGenerationOnOut(t *testing.T) {
 			}
 			return func() error { return os.Remove(dir) }, nil
 		}}
-		rs, _ := run(t, b, "scan", "label", "manifest")
+		rs, _ := run(t, b, "scan", "decide", "manifest")
 		mr := rs[2]
 		if mr.Status != stages.OK {
 			t.Fatalf("boot %d: manifest %s %v %v", gen, mr.Status, mr.Err, mr.Findings)
@@ -308,7 +443,7 @@ func TestManifestOneSignerFails(t *testing.T) {
 		root, edv := signingNode(t)
 		b := &Boot{Root: root, OpenTPM: func(string) (manifest.Signer, manifest.Measurer, error) { return mutedTPM{}, nil, nil },
 			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
-		rs, _ := run(t, b, "scan", "label", "manifest")
+		rs, _ := run(t, b, "scan", "decide", "manifest")
 		mr := rs[2]
 		named := strings.Contains(fmt.Sprint(mr.Err, mr.Findings), "SHA256:tpm") && strings.Contains(fmt.Sprint(mr.Err, mr.Findings), "tpm: timeout")
 		if mr.Status != tc.want || !named {
@@ -354,7 +489,7 @@ func TestManifestTPM(t *testing.T) {
 	for boot := 0; boot < 2; boot++ {
 		b := &Boot{Root: root, OpenTPM: open,
 			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key")}
-		rs, _ := run(t, b, "scan", "label", "manifest")
+		rs, _ := run(t, b, "scan", "decide", "manifest")
 		if mr := rs[2]; mr.Status != stages.OK {
 			t.Fatalf("boot %d: manifest %s %v %v", boot, mr.Status, mr.Err, mr.Findings)
 		}
@@ -425,19 +560,13 @@ func TestManifestTPMOnWithoutTPM(t *testing.T) {
 	}
 }
 
-// TestManifestContent: the manifest carries links, the ACS changes, ATS findings, the
-// guest plan with both matrices, and every earlier stage.
+// TestManifestContent: the manifest carries every unit's verdict, links, the ACS changes
+// in apply's words, ATS findings, the drivers after binding, the guest plan with both
+// matrices, and every earlier stage.
 func TestManifestContent(t *testing.T) {
-	root := pcitest.New(t, pcitest.B300()).Root
-	keyDir := filepath.Join(root, "etc/passage")
-	os.MkdirAll(keyDir, 0o755)
-	if _, _, err := manifest.GenerateKey(keyDir); err != nil {
-		t.Fatal(err)
-	}
-	os.MkdirAll(filepath.Join(root, "proc/sys/kernel/random"), 0o755)
-	os.WriteFile(filepath.Join(root, "proc/sys/kernel/random/boot_id"), []byte("b0071d\n"), 0o644)
-	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=off passage.key=/etc/passage/passage.key passage.bogus=1")}
-	rs, _ := run(t, b, "scan", "label", "firmware", "acs", "manifest")
+	bn := newBootNode(t)
+	b := bn.boot("passage.profile=b300 passage.tpm=off passage.key=/etc/passage/passage.key passage.bogus=1")
+	rs, st := run(t, b, "scan", "decide", "acs", "vfio", "manifest")
 	if mr := rs[4]; mr.Status != stages.OK {
 		t.Fatalf("manifest %s %v %v", mr.Status, mr.Err, mr.Findings)
 	}
@@ -445,15 +574,44 @@ func TestManifestContent(t *testing.T) {
 	if !strings.HasPrefix(m.Profile.Digest, "sha256:") || len(m.Errors) != 1 || !strings.Contains(m.Errors[0], "passage.bogus") {
 		t.Errorf("profile %+v errors %q", m.Profile, m.Errors)
 	}
-	for _, u := range m.Units {
+	if len(m.Units) != 8 || len(b.Verdicts) != 8 {
+		t.Fatalf("%d units in the manifest, %d verdicts, want 8", len(m.Units), len(b.Verdicts))
+	}
+	state := st.Units()
+	applied := 0
+	for i, u := range m.Units {
+		// The reference node has nothing wrong: every unit ready, in the verdicts, the
+		// manifest and the runner's state alike.
+		if v := b.Verdicts[i]; UnitID(v.Unit) != u.ID || v.Status != topology.StatusReady || u.Status != string(topology.StatusReady) ||
+			len(u.Reasons) != 0 || state[i].ID != u.ID || state[i].Status != stages.OK {
+			t.Errorf("unit %s: manifest %s %q, verdict %+v, state %+v", u.ID, u.Status, u.Reasons, v, state[i])
+		}
 		if len(u.ACSChanges) == 0 || len(u.ATSFindings) != 2 {
 			t.Errorf("unit %s: %d ACS changes, %d ATS findings", u.ID, len(u.ACSChanges), len(u.ATSFindings))
+		}
+		for _, ch := range u.ACSChanges {
+			if ch.Result == "applied" {
+				applied++
+			}
+			if ch.Result != "applied" && ch.Result != "unchanged" || ch.After != ch.Target || ch.Before == "" {
+				t.Errorf("unit %s: ACS change %+v", u.ID, ch)
+			}
+			if _, err := pci.ParseAddress(ch.Port); err != nil {
+				t.Errorf("unit %s: ACS change port %q: %v", u.ID, ch.Port, err)
+			}
 		}
 		for _, f := range u.Functions {
 			if f.Link.Speed == "" || f.Link.Speed == "unknown" || f.Link.MaxWidth == 0 {
 				t.Errorf("%s (%s): link %+v", f.BDF, f.Role, f.Link)
 			}
+			if f.DriverAfter != "vfio-pci" || f.DriverBefore == "" || f.DriverBefore == "vfio-pci" {
+				t.Errorf("%s (%s): driver %q -> %q", f.BDF, f.Role, f.DriverBefore, f.DriverAfter)
+			}
 		}
+	}
+	// DT on the NIC port of each of the eight units at least.
+	if applied < 8 {
+		t.Errorf("%d ACS changes applied, want at least the 8 NIC ports", applied)
 	}
 	g := m.GuestPlan
 	if g == nil {
@@ -471,7 +629,7 @@ func TestManifestContent(t *testing.T) {
 	for _, s := range m.Stages {
 		names = append(names, s.Name)
 	}
-	if strings.Join(names, " ") != "scan label firmware acs" {
+	if strings.Join(names, " ") != "scan decide acs vfio" {
 		t.Errorf("stages %v", names)
 	}
 }
@@ -506,7 +664,7 @@ func TestStartTPMAhead(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("StartTPM did not open the TPM")
 		}
-		rs, _ := run(t, b, "scan", "label", "manifest")
+		rs, _ := run(t, b, "scan", "decide", "manifest")
 		if mr := rs[2]; mr.Status != stages.OK {
 			t.Fatalf("boot %d: manifest %s %v %v", boot, mr.Status, mr.Err, mr.Findings)
 		}

@@ -212,10 +212,7 @@ func (b *Boot) guestPlan(vs []decision.Verdict) (*manifest.GuestPlan, error) {
 			}
 		}
 	}
-	nv := 0
-	if b.Profile != nil {
-		nv = b.Profile.NVLinks
-	}
+	nv := d.Profile.NVLinks
 	g, err := topology.GuestPlan(d.Units(), topology.GuestOptions{Units: ids})
 	if err != nil {
 		return nil, err
@@ -271,8 +268,8 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
-	if b.Profile != nil {
-		m.Profile = manifest.Profile{Name: b.Profile.Name, Digest: profileDigest(b.Profile)}
+	if d, _, _ := b.results(); d != nil {
+		m.Profile = manifest.Profile{Name: d.Profile.Name, Digest: profileDigest(d.Profile)}
 	} else {
 		m.Profile = manifest.Profile{Name: b.Config.Profile}
 	}

@@ -19,11 +19,12 @@ import (
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind/vfiotest"
 )
 
 // preManifest are the stages whose results the manifest carries: everything before it.
-var preManifest = []string{"modules", "scan", "label", "firmware", "acs", "vfio", "host"}
+var preManifest = []string{"modules", "scan", "decide", "acs", "vfio", "host"}
 
 func TestStageOrder(t *testing.T) {
 	b := &Boot{Config: initramfs.Defaults()}
@@ -46,6 +47,14 @@ func TestStageOrder(t *testing.T) {
 	}
 	if n := byName["publish"].Needs; !slices.Contains(n, "network") || !slices.Contains(n, "manifest") {
 		t.Errorf("publish needs %v, want network and manifest", n)
+	}
+	// Nothing is written before the decision, and nothing bound unless the acs stage
+	// completed: a vfio stage after a failed acs stage would bind units whose isolation
+	// was never written.
+	for name, want := range map[string][]string{"decide": {"scan"}, "acs": {"decide"}, "vfio": {"decide", "acs"}} {
+		if n := byName[name].Needs; !reflect.DeepEqual(n, want) {
+			t.Errorf("%s needs %v, want %v", name, n, want)
+		}
 	}
 	if byName["network"].Timeout != b.Config.NetTimeout || b.Config.NetTimeout <= 0 {
 		t.Errorf("network timeout %v, want passage.net_timeout (%v)", byName["network"].Timeout, b.Config.NetTimeout)
@@ -226,6 +235,26 @@ func TestBootManifestBeforeNetwork(t *testing.T) {
 	if got := stageNames(b.Manifest); !reflect.DeepEqual(got, preManifest) {
 		t.Errorf("b.Manifest stages %v, want %v", got, preManifest)
 	}
+	// A whole boot of the reference node passes every unit through: ready in the signed
+	// manifest, the verdicts and the runner's state, every function on vfio-pci.
+	if len(atNetwork.Units) != 8 || len(b.Verdicts) != 8 {
+		t.Fatalf("%d units in the manifest, %d verdicts, want 8", len(atNetwork.Units), len(b.Verdicts))
+	}
+	for i, u := range atNetwork.Units {
+		if u.Status != string(topology.StatusReady) || b.Verdicts[i].Status != topology.StatusReady || UnitID(b.Verdicts[i].Unit) != u.ID {
+			t.Errorf("unit %s: %s %q, verdict %+v", u.ID, u.Status, u.Reasons, b.Verdicts[i])
+		}
+		for _, f := range u.Functions {
+			if f.DriverAfter != "vfio-pci" {
+				t.Errorf("unit %s: %s on %q", u.ID, f.BDF, f.DriverAfter)
+			}
+		}
+	}
+	for _, u := range st.Units() {
+		if u.Status != stages.OK {
+			t.Errorf("unit %s in the runner's state: %s %q", u.ID, u.Status, u.Reasons)
+		}
+	}
 	if n := resultOf(rs, "network"); !slices.ContainsFunc(n.Changes, func(c string) bool { return strings.Contains(c, "10.0.2.15/24") }) {
 		t.Errorf("network changes %q, want the lease", n.Changes)
 	}
@@ -323,7 +352,7 @@ func TestHostEarlyLinkUp(t *testing.T) {
 				calls = append(calls, iface)
 				return tt.fail
 			}
-			rs, _ := run(t, b, "scan", "label", "host")
+			rs, _ := run(t, b, "scan", "decide", "host")
 			h := rs[2]
 			if h.Status != tt.wantStatus {
 				t.Fatalf("host %s %v %v, want %s", h.Status, h.Err, h.Findings, tt.wantStatus)
@@ -365,7 +394,7 @@ func TestHostEarlyLinkUpWithoutNetdevs(t *testing.T) {
 		t.Errorf("link-up %s without a netdev", iface)
 		return nil
 	}
-	rs, _ := run(t, b, "scan", "label", "host")
+	rs, _ := run(t, b, "scan", "decide", "host")
 	h := rs[2]
 	if h.Status != stages.OK || !slices.ContainsFunc(h.Findings, func(f string) bool {
 		return strings.Contains(f, "early link-up") && strings.Contains(f, "class/net")
@@ -385,7 +414,7 @@ func TestEarlyLinkUpOutlivesNetworkDeadline(t *testing.T) {
 		return nil
 	}
 	defer close(release)
-	if rs, _ := run(t, b, "scan", "label", "host"); rs[2].Status != stages.OK {
+	if rs, _ := run(t, b, "scan", "decide", "host"); rs[2].Status != stages.OK {
 		t.Fatalf("host %s %v", rs[2].Status, rs[2].Err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
