@@ -4,13 +4,14 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/topology"
 	"golang.org/x/sys/unix"
 )
 
-// benchScanPlan is scan+plan (what `passage plan` computes) on a B300 node with perPF
+// benchScanPlan is scan+decide (what `passage plan` computes: decision.Decide) on a B300 node with perPF
 // SR-IOV VFs per ConnectX-8 PF, per function; cmd/benchtable's row 4 reports the same at
 // 100, 1 000 and 10 000 functions. Run with -cpu 1 for the one-core target.
 func benchScanPlan(b *testing.B, units, perPF int, planToo bool) {
@@ -38,8 +39,21 @@ func benchScanPlan(b *testing.B, units, perPF int, planToo bool) {
 		if !planToo {
 			continue
 		}
-		if _, err := topology.NewPlan(tree, prof, topology.GuestOptions{}); err != nil {
+		d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof})
+		if err != nil {
 			b.Fatal(err)
+		}
+		if d.LabelErr != nil {
+			b.Fatal(d.LabelErr)
+		}
+		if len(d.Units()) != units || len(d.ACS) == 0 {
+			b.Fatalf("decision: %d units, %d ACS ports", len(d.Units()), len(d.ACS))
+		}
+		// With VFs enabled on every PF the audit fails every unit (releasing a PF would
+		// remove its VFs), so there is no guest to plan: that is the decision's answer,
+		// not the benchmark's failure. Without VFs the guest plan must succeed.
+		if d.GuestErr != nil && perPF == 0 {
+			b.Fatal(d.GuestErr)
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*fns), "ns/fn")

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/topology"
@@ -89,10 +90,14 @@ func TestGuestPlanRoundTrip(t *testing.T) {
 		{"numa", []int{0, 1, 4}, true, map[int]int{0: 0, 1: 0, 4: 1}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			pl, err := topology.NewPlan(tree, b300, topology.GuestOptions{Units: c.units, NUMA: c.numa})
+			d, err := decision.Decide(decision.Input{Tree: tree, Profile: b300, Guest: topology.GuestOptions{Units: c.units, NUMA: c.numa}})
 			if err != nil {
-				t.Fatalf("plan: %v", err)
+				t.Fatalf("decide: %v", err)
 			}
+			if d.LabelErr != nil || d.GuestErr != nil {
+				t.Fatalf("plan: label %v, guest %v", d.LabelErr, d.GuestErr)
+			}
+			pl := d.Plan()
 			g := pl.Guest
 			var devices []string
 			if c.numa {

@@ -294,7 +294,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 	for _, s := range m.Stages {
 		inManifest = append(inManifest, s.Name)
 	}
-	if want := []string{"modules", "scan", "label", "firmware", "acs", "vfio", "host"}; !slices.Equal(inManifest, want) {
+	if want := []string{"modules", "scan", "decide", "acs", "vfio", "host"}; !slices.Equal(inManifest, want) {
 		t.Errorf("manifest stages %v, want %v (network and publish come after the manifest)", inManifest, want)
 	}
 	logged := map[string]stages.ResultRecord{}
@@ -464,8 +464,9 @@ func TestScenario4Lockdown(t *testing.T) {
 		checkBound(t, u)
 	}
 	for port := range nicPorts {
-		if c := acsChange(m, port); c == nil || !strings.HasPrefix(c.Result, "failed: locked down") {
-			t.Errorf("ACS %s under lockdown: %+v, want a refused write", port, c)
+		// apply's word for a write the kernel refuses (manifest/SCHEMA.md), then why.
+		if c := acsChange(m, port); c == nil || !strings.HasPrefix(c.Result, "locked down: ") {
+			t.Errorf("ACS %s under lockdown: %+v, want a refused write (locked down)", port, c)
 		}
 		if ctl := rb.acsCtl(t, port); ctl != acsIsolation {
 			t.Errorf("guest reads ACSCtl %#04x on %s under lockdown, want the kernel's %#04x", ctl, port, acsIsolation)
@@ -493,6 +494,16 @@ func TestScenario5Isolation(t *testing.T) {
 	for _, f := range refused.Functions {
 		if f.DriverAfter == "vfio-pci" {
 			t.Errorf("refused unit %s: %s on vfio-pci", refused.ID, f.BDF)
+		}
+	}
+	// Its ports are left as they are: the decision failed the unit before the acs stage
+	// wrote anything (apply reports them skipped, and the port without ACS as such).
+	if len(refused.ACSChanges) == 0 {
+		t.Errorf("refused unit %s: no ACS record", refused.ID)
+	}
+	for _, c := range refused.ACSChanges {
+		if !strings.HasPrefix(c.Result, "skipped") && !strings.HasPrefix(c.Result, "no ACS capability") {
+			t.Errorf("refused unit %s: ACS %s %q, want skipped", refused.ID, c.Port, c.Result)
 		}
 	}
 	var vfioChanges []string

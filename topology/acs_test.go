@@ -68,14 +68,15 @@ func TestKernelArgB300(t *testing.T) {
 	var want []string
 	for i := 0; i < 8; i++ {
 		a := func(s string) string { return n.Addr(fmt.Sprintf(s, i)).String() }
-		// In address order, as the bridges are numbered depth first below each root port.
+		// Unit by unit; within a unit the isolation-only ports in address order (the
+		// bridges are numbered depth first below each root port), the DT port last.
 		want = append(want,
 			"xx111x1@"+a("rp%d"),
 			"0x111x1@"+a("bcm-dsp-cx%d"),
 			"0x111x1@"+a("bcm-dsp-nvme%d"),
-			"1x111x1@"+a("cx-dsp-nic%d"),
 			"0x111x1@"+a("cx-dsp-gpu%d"),
 			"0x111x1@"+a("gpu-dsp%d"),
+			"1x111x1@"+a("cx-dsp-nic%d"),
 		)
 	}
 	got := KernelArg(ACSPlan(l.Units))
@@ -88,7 +89,36 @@ func TestKernelArgB300(t *testing.T) {
 	}
 }
 
-func TestACSMissingCapabilityFailsUnit(t *testing.T) {
+// TestACSPlanOrderDTLast: within every unit the ports that gain DT come after all the
+// ports that only isolate, so an executor stopping at a unit's first failure never leaves
+// DT open above a unit it could not isolate. Units stay in ID order.
+func TestACSPlanOrderDTLast(t *testing.T) {
+	_, tree := reference(t, "b300")
+	l := mustLabel(t, tree, "b300")
+	ports := ACSPlan(l.Units)
+	lastUnit, seenDT := -1, false
+	for _, p := range ports {
+		if p.Unit != lastUnit {
+			if p.Unit < lastUnit {
+				t.Errorf("%s: unit %d after unit %d", p.Addr, p.Unit, lastUnit)
+			}
+			lastUnit, seenDT = p.Unit, false
+		}
+		dt := p.Flags&pci.ACSDT != 0
+		if seenDT && !dt {
+			t.Errorf("unit %d: isolation-only port %s after a DT port", p.Unit, p.Addr)
+		}
+		seenDT = seenDT || dt
+	}
+	if len(ports) != 8*6 {
+		t.Errorf("%d ports planned, want 48", len(ports))
+	}
+}
+
+// TestACSMissingCapabilityReported: a port on a unit's path without the ACS capability
+// is planned with no register to write and says its unit must fail; the plan leaves the
+// unit itself alone (package decision gives verdicts).
+func TestACSMissingCapabilityReported(t *testing.T) {
 	spec := pcitest.B300()
 	// Take the ACS capability off unit 2's CX-8 NIC port.
 	u := &spec.Hosts[3].Fns[0]
@@ -96,14 +126,68 @@ func TestACSMissingCapabilityFailsUnit(t *testing.T) {
 	n, tree := scan(t, spec)
 	l := mustLabel(t, tree, "b300")
 	ports := ACSPlan(l.Units)
-	if l.Units[2].Status != StatusFailed || !strings.Contains(strings.Join(l.Units[2].Reasons, ";"), "no ACS capability") {
-		t.Errorf("unit 2: %s %v", l.Units[2].Status, l.Units[2].Reasons)
+	nicPort := n.Addr("cx-dsp-nic2")
+	var found bool
+	for _, p := range ports {
+		if p.Addr != nicPort {
+			if p.Verdict != "" || p.Problem != "" {
+				t.Errorf("%s (unit %d): verdict %q problem %q", p.Addr, p.Unit, p.Verdict, p.Problem)
+			}
+			continue
+		}
+		found = true
+		if want := fmt.Sprintf("acs %s (%s): no ACS capability", nicPort, PosNICPort); p.Verdict != StatusFailed || p.Problem != want {
+			t.Errorf("port without ACS: verdict %q problem %q, want failed %q", p.Verdict, p.Problem, want)
+		}
+		if p.Offset != 0 || p.Unit != 2 || !strings.Contains(p.Reason, "no ACS capability") {
+			t.Errorf("port without ACS: %+v", p)
+		}
 	}
-	if l.Units[1].Status != StatusReady {
-		t.Errorf("unit 1: %s", l.Units[1].Status)
+	if !found {
+		t.Fatalf("port without ACS not in the plan")
 	}
-	if strings.Contains(KernelArg(ports), n.Addr("cx-dsp-nic2").String()) {
+	for _, u := range l.Units {
+		if u.Status != StatusReady || len(u.Reasons) != 0 {
+			t.Errorf("ACSPlan changed unit %d: %s %v", u.ID, u.Status, u.Reasons)
+		}
+	}
+	if strings.Contains(KernelArg(ports), nicPort.String()) {
 		t.Errorf("port without ACS in the kernel argument")
+	}
+}
+
+// TestACSNoDTReported: a NIC port that does not advertise DT is still planned for
+// isolation, without DT, and says its unit is degraded (no direct GPU-NIC path).
+func TestACSNoDTReported(t *testing.T) {
+	spec := pcitest.B300()
+	u := &spec.Hosts[5].Fns[0] // unit 4
+	nic := &u.Below[0].Below[0].Below[0].Below[0]
+	nic.ACS = &pcitest.ACS{Cap: pci.ACSSV | pci.ACSTB | pci.ACSRR | pci.ACSCR | pci.ACSUF, Ctl: pci.ACSIsolation}
+	n, tree := scan(t, spec)
+	l := mustLabel(t, tree, "b300")
+	ports := ACSPlan(l.Units)
+	nicPort := n.Addr("cx-dsp-nic4")
+	var found bool
+	for _, p := range ports {
+		if p.Addr != nicPort {
+			if p.Verdict != "" {
+				t.Errorf("%s: verdict %q %q", p.Addr, p.Verdict, p.Problem)
+			}
+			continue
+		}
+		found = true
+		if want := fmt.Sprintf("acs %s (%s): no DT capability", nicPort, PosNICPort); p.Verdict != StatusDegraded || p.Problem != want {
+			t.Errorf("NIC port without DT: verdict %q problem %q, want degraded %q", p.Verdict, p.Problem, want)
+		}
+		if p.Target()&pci.ACSDT != 0 || p.Target()&pci.ACSIsolation != pci.ACSIsolation {
+			t.Errorf("NIC port without DT: target %s", p.Target())
+		}
+	}
+	if !found {
+		t.Fatalf("NIC port not in the plan")
+	}
+	if u := l.Unit(4); u.Status != StatusReady {
+		t.Errorf("ACSPlan changed unit 4: %s %v", u.Status, u.Reasons)
 	}
 }
 
