@@ -41,13 +41,19 @@ func buildDir(t *testing.T) string {
 
 // fakeUinit builds the protocol test double as a static binary, overlaid as /bbin/uinit
 // (u-root's init tries /bbin/uinit before /bin/uinit).
-func fakeUinit(t *testing.T) OverlayFile {
+func fakeUinit(t *testing.T) OverlayFile { return uinitOverlay(t, "fakeuinit") }
+
+// preflightUinit builds internal/preflight, overlaid as /bbin/uinit: plan and apply
+// --dry-run on the guest's /sys, then the real passage boot.
+func preflightUinit(t *testing.T) OverlayFile { return uinitOverlay(t, "preflight") }
+
+func uinitOverlay(t *testing.T, name string) OverlayFile {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "fakeuinit")
-	cmd := exec.Command("go", "build", "-trimpath", "-o", bin, "./internal/fakeuinit")
+	bin := filepath.Join(t.TempDir(), name)
+	cmd := exec.Command("go", "build", "-trimpath", "-o", bin, "./internal/"+name)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build fakeuinit: %v\n%s", err, out)
+		t.Fatalf("build %s: %v\n%s", name, err, out)
 	}
 	data, err := os.ReadFile(bin)
 	if err != nil {

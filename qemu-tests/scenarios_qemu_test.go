@@ -427,9 +427,52 @@ func TestScenario2Reprovisioning(t *testing.T) {
 	}
 }
 
+// checkPreflight compares what plan and apply --dry-run decided on the guest's /sys
+// before the boot (internal/preflight) with what the boot then did: every unit's status
+// and reasons equal the manifest's, and each command's exit code follows the verdict.
+func checkPreflight(t *testing.T, run *Run, m *manifest.Manifest) {
+	t.Helper()
+	boot := map[string]string{}
+	failed := false
+	for _, u := range m.Units {
+		boot[u.ID] = u.Status + ": " + strings.Join(u.Reasons, "; ")
+		failed = failed || u.Status == manifest.StatusFailed
+	}
+	for _, name := range []string{"preflight-plan", "preflight-dryrun"} {
+		var doc struct {
+			Units []struct {
+				ID      int      `json:"id"`
+				Status  string   `json:"status"`
+				Reasons []string `json:"reasons"`
+			} `json:"units"`
+		}
+		if err := json.Unmarshal(run.Files[name+".json"], &doc); err != nil {
+			t.Errorf("%s.json from the guest: %v (exit: %s)", name, err, run.Files[name+".exit"])
+			continue
+		}
+		if len(doc.Units) != len(boot) {
+			t.Errorf("%s: %d units, the boot %d", name, len(doc.Units), len(boot))
+		}
+		for _, u := range doc.Units {
+			id := fmt.Sprintf("gpu%d", u.ID)
+			if got := u.Status + ": " + strings.Join(u.Reasons, "; "); got != boot[id] {
+				t.Errorf("%s decided %s %q; the boot's manifest says %q", name, id, got, boot[id])
+			}
+		}
+		want := "0"
+		if failed {
+			want = "1"
+		}
+		if code, _, _ := strings.Cut(string(run.Files[name+".exit"]), "\n"); code != want {
+			t.Errorf("%s exit %s, want %s (a unit failed: %v): %s", name, code, want, failed, run.Files[name+".exit"])
+		}
+	}
+}
+
 // Scenario 3: one NIC stand-in without ATS.
 func TestScenario3ATSMissing(t *testing.T) {
-	_, m := bootPassage(t, Options{Topology: Topology{ATSOff: true}})
+	run, m := bootPassage(t, Options{Topology: Topology{ATSOff: true}, Overlay: []OverlayFile{preflightUinit(t)}})
+	checkPreflight(t, run, m)
 	bad := unitWith(m, "0000:0f:00.1")
 	if bad == nil {
 		t.Fatal("no unit holds 0000:0f:00.1 (the ats=off PF)")
@@ -480,7 +523,9 @@ func TestScenario5Isolation(t *testing.T) {
 	run, m := bootPassage(t, Options{
 		Topology: Topology{SharedGroup: true, NoACSPort: true},
 		Append:   []string{"passage.host_modules=e1000e,e1000"},
+		Overlay:  []OverlayFile{preflightUinit(t)},
 	})
+	checkPreflight(t, run, m)
 	refused := unitWith(m, "0000:14:01.0")
 	if refused == nil {
 		t.Fatal("no unit holds 0000:14:01.0 (the e1000 behind the pcie-pci-bridge)")
