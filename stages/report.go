@@ -55,12 +55,7 @@ func WriteUnitTable(w io.Writer, units []Unit) error {
 				why += fmt.Sprintf(" (+%d more)", len(u.Reasons)-1)
 			}
 		}
-		// A unit's word is the manifest's: ready, degraded or failed.
-		status := string(u.Status)
-		if u.Status == OK {
-			status = "ready"
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", u.ID, u.GPU, nics, status, oneLine(why))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", u.ID, u.GPU, nics, UnitWord(u.Status), oneLine(why))
 	}
 	if len(units) == 0 {
 		fmt.Fprintln(tw, "(no units)\t\t\t\t")
@@ -71,12 +66,23 @@ func WriteUnitTable(w io.Writer, units []Unit) error {
 type unitJSON struct {
 	Type string `json:"type"`
 	Unit
+	// Status shadows Unit's: a unit's word is the manifest's (ready, degraded, failed).
+	Status string `json:"status"`
 }
 
-// WriteUnitsJSON appends one JSON line per unit ({"type":"unit",...}) to the log.
+// UnitWord is a unit status in the manifest's words: ok is "ready".
+func UnitWord(s Status) string {
+	if s == OK {
+		return "ready"
+	}
+	return string(s)
+}
+
+// WriteUnitsJSON appends one JSON line per unit ({"type":"unit",...}) to the log, its
+// status in the manifest's words.
 func WriteUnitsJSON(w io.Writer, units []Unit) error {
 	for _, u := range units {
-		b, err := json.Marshal(unitJSON{Type: "unit", Unit: u})
+		b, err := json.Marshal(unitJSON{Type: "unit", Unit: u, Status: UnitWord(u.Status)})
 		if err != nil {
 			return fmt.Errorf("unit %s: %w", u.ID, err)
 		}

@@ -358,3 +358,23 @@ func TestJSONLinesAndConsole(t *testing.T) {
 		t.Errorf("ok unit row %q", got)
 	}
 }
+
+// TestUnitsJSONWords: log.jsonl's unit lines say ready, degraded or failed, as the
+// manifest and the console do.
+func TestUnitsJSONWords(t *testing.T) {
+	var b bytes.Buffer
+	if err := WriteUnitsJSON(&b, []Unit{{ID: "gpu0", Status: OK}, {ID: "gpu1", Status: Degraded}, {ID: "gpu2", Status: Failed}}); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, line := range strings.Split(strings.TrimSpace(b.String()), "\n") {
+		var u struct{ Type, ID, Status string }
+		if err := json.Unmarshal([]byte(line), &u); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, u.Type+" "+u.ID+" "+u.Status)
+	}
+	if strings.Join(got, ", ") != "unit gpu0 ready, unit gpu1 degraded, unit gpu2 failed" {
+		t.Errorf("unit lines: %v", got)
+	}
+}
