@@ -152,7 +152,7 @@ func TestBindIsIdempotent(t *testing.T) {
 // downstream port and strips that port's ACS: the kernel then puts both in one group.
 func withHostDevInGroup() pcitest.Spec {
 	spec := pcitest.B300()
-	dsp := findFn(&spec, "gpu-dsp3")
+	dsp := spec.Fn("gpu-dsp3")
 	dsp.ACS = nil
 	mgmt := pcitest.MgmtNIC("mgmt2", 0, pcitest.VendorBCMNet, pcitest.DevBCM57414).Below[0]
 	mgmt.Dev = 1
@@ -164,9 +164,9 @@ func withHostDevInGroup() pcitest.Spec {
 // port, a port with ACS advertised but RR and CR left off.
 func withNVSwitchBesideNVMe() pcitest.Spec {
 	spec := pcitest.B300()
-	dsp := findFn(&spec, "bcm-dsp-nvme6")
+	dsp := spec.Fn("bcm-dsp-nvme6")
 	dsp.ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSTB, Ctl: pci.ACSSV | pci.ACSUF}
-	sw := *findFn(&spec, "nvswitch2")
+	sw := *spec.Fn("nvswitch2")
 	sw.Name, sw.Dev = "nvswitch-x", 1
 	dsp.Below = append(dsp.Below, sw)
 	return spec
@@ -262,9 +262,9 @@ func TestIsolationGapDegradesUnit(t *testing.T) {
 	spec := pcitest.B300()
 	// RR off on the CX-8 downstream port above unit 5's GPU: Linux still gives the GPU
 	// a group of its own bridges, but peer requests no longer reach the IOMMU.
-	findFn(&spec, "cx-dsp-gpu5").ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSDT, Ctl: pci.ACSSV | pci.ACSCR | pci.ACSUF}
+	spec.Fn("cx-dsp-gpu5").ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSDT, Ctl: pci.ACSSV | pci.ACSCR | pci.ACSUF}
 	// And a port with no ACS at all above unit 1's NVMe.
-	findFn(&spec, "bcm-dsp-nvme1").ACS = nil
+	spec.Fn("bcm-dsp-nvme1").ACS = nil
 	n := newNode(t, spec)
 	units := allUnits(n)
 	findings := vfiobind.Audit(n.tree, units)
@@ -329,7 +329,7 @@ func TestNonIsolatingBridgeIsGap(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := pcitest.B300()
-			dsp := findFn(&spec, "gpu-dsp5")
+			dsp := spec.Fn("gpu-dsp5")
 			gpu := dsp.Below[0]
 			dsp.Below = []pcitest.Fn{{Name: "xbridge", Vendor: pcitest.VendorBroadcom, Device: pcitest.DevPEX890xx,
 				Class: pcitest.ClassBridge, Port: tc.port, Link: pcitest.Link{Speed: pcitest.Gen6, Width: 16}, Driver: "pcieport",
@@ -369,9 +369,9 @@ func TestNonIsolatingBridgeIsGap(t *testing.T) {
 func TestAuditPlannedACS(t *testing.T) {
 	spec := pcitest.B300()
 	// RR off in the tree above unit 5.
-	findFn(&spec, "cx-dsp-gpu5").ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSDT, Ctl: pci.ACSSV | pci.ACSCR | pci.ACSUF}
+	spec.Fn("cx-dsp-gpu5").ACS = &pcitest.ACS{Cap: pci.ACSIsolation | pci.ACSDT, Ctl: pci.ACSSV | pci.ACSCR | pci.ACSUF}
 	// No ACS capability above unit 7's NVMe.
-	findFn(&spec, "bcm-dsp-nvme7").ACS = nil
+	spec.Fn("bcm-dsp-nvme7").ACS = nil
 	n := newNode(t, spec)
 	off, on, bare := n.dev("cx-dsp-gpu5"), n.dev("cx-dsp-gpu6"), n.dev("bcm-dsp-nvme7")
 	units := n.units(5, 6, 7)
@@ -539,9 +539,9 @@ func TestCancelled(t *testing.T) {
 // the two are not touched.
 func TestGroupSharedBetweenUnits(t *testing.T) {
 	spec := pcitest.B300()
-	dsp := findFn(&spec, "gpu-dsp3")
+	dsp := spec.Fn("gpu-dsp3")
 	dsp.ACS = nil
-	nvme := *findFn(&spec, "nvme4")
+	nvme := *spec.Fn("nvme4")
 	nvme.Name, nvme.Dev = "nvme-x", 1
 	dsp.Below = append(dsp.Below, nvme)
 	n := newNode(t, spec)
@@ -661,7 +661,7 @@ func TestLabelledB300AllViable(t *testing.T) {
 // refused unit (PF, VFs, or the rest) is written.
 func TestSRIOVActiveRefusesUnit(t *testing.T) {
 	spec := pcitest.B300()
-	findFn(&spec, "nic2.1").SRIOV = &pcitest.SRIOV{Total: 8, Num: 4, VFDevice: pcitest.DevCX8VF, VFDriver: "mlx5_core"}
+	spec.Fn("nic2.1").SRIOV = &pcitest.SRIOV{Total: 8, Num: 4, VFDevice: pcitest.DevCX8VF, VFDriver: "mlx5_core"}
 	n := newNode(t, spec)
 	units := allUnits(n)
 	pf := n.dev("nic2.1")

@@ -112,28 +112,6 @@ func (n *node) opts(c *fakeClock) vfiobind.Options {
 	return vfiobind.Options{Modules: n.k, Clock: c, VerifyTimeout: 2 * time.Second, PollInterval: 10 * time.Millisecond}
 }
 
-// findFn finds a named function in a spec, to make variants of the reference tree.
-func findFn(spec *pcitest.Spec, name string) *pcitest.Fn {
-	var walk func(fns []pcitest.Fn) *pcitest.Fn
-	walk = func(fns []pcitest.Fn) *pcitest.Fn {
-		for i := range fns {
-			if fns[i].Name == name {
-				return &fns[i]
-			}
-			if f := walk(fns[i].Below); f != nil {
-				return f
-			}
-		}
-		return nil
-	}
-	for h := range spec.Hosts {
-		if f := walk(spec.Hosts[h].Fns); f != nil {
-			return f
-		}
-	}
-	panic("no function named " + name + " in spec")
-}
-
 // refused returns the IDs of the units a finding refuses.
 func refused(findings []vfiobind.Finding) map[int]bool {
 	out := map[int]bool{}

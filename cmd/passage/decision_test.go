@@ -33,28 +33,6 @@ type variant struct {
 	want string
 }
 
-// findFn returns the function named name anywhere in spec.
-func findFn(s *pcitest.Spec, name string) *pcitest.Fn {
-	var walk func(fns []pcitest.Fn) *pcitest.Fn
-	walk = func(fns []pcitest.Fn) *pcitest.Fn {
-		for i := range fns {
-			if fns[i].Name == name {
-				return &fns[i]
-			}
-			if f := walk(fns[i].Below); f != nil {
-				return f
-			}
-		}
-		return nil
-	}
-	for i := range s.Hosts {
-		if f := walk(s.Hosts[i].Fns); f != nil {
-			return f
-		}
-	}
-	panic("no function " + name)
-}
-
 func b300With(edit func(s *pcitest.Spec)) func() pcitest.Spec {
 	return func() pcitest.Spec {
 		s := pcitest.B300()
@@ -69,46 +47,46 @@ func variants() []variant {
 	return []variant{
 		{name: "reference", spec: pcitest.B300, unit: 0, want: "ready"},
 		{name: "no-ats", spec: b300With(func(s *pcitest.Spec) {
-			findFn(s, "nic0.0").ATS, findFn(s, "nic0.1").ATS = nil, nil
+			s.Fn("nic0.0").ATS, s.Fn("nic0.1").ATS = nil, nil
 		}), unit: 0, want: "degraded"},
-		{name: "no-ats-require", spec: b300With(func(s *pcitest.Spec) { findFn(s, "nic1.1").ATS = nil }),
+		{name: "no-ats-require", spec: b300With(func(s *pcitest.Spec) { s.Fn("nic1.1").ATS = nil }),
 			files: map[string]string{"proc/cmdline": "passage.ats=require"}, unit: 1, want: "failed"},
-		{name: "port-without-acs", spec: b300With(func(s *pcitest.Spec) { findFn(s, "gpu-dsp1").ACS = nil }), unit: 1, want: "failed"},
+		{name: "port-without-acs", spec: b300With(func(s *pcitest.Spec) { s.Fn("gpu-dsp1").ACS = nil }), unit: 1, want: "failed"},
 		{name: "nic-port-without-dt", spec: b300With(func(s *pcitest.Spec) {
-			findFn(s, "cx-dsp-nic2").ACS = &pcitest.ACS{Cap: pci.ACSIsolation, Ctl: pci.ACSIsolation}
+			s.Fn("cx-dsp-nic2").ACS = &pcitest.ACS{Cap: pci.ACSIsolation, Ctl: pci.ACSIsolation}
 		}), unit: 2, want: "degraded"},
 		{name: "no-iommu-groups", spec: b300With(func(s *pcitest.Spec) { s.NoIOMMU = true }), unit: 3, want: "failed"},
 		{name: "nvme-shares-group-with-host-nic", spec: b300With(func(s *pcitest.Spec) {
-			dsp := findFn(s, "bcm-dsp-nvme2")
+			dsp := s.Fn("bcm-dsp-nvme2")
 			dsp.Below = append(dsp.Below, hostNIC)
 		}), unit: 2, want: "failed"},
 		{name: "host-nic-in-gpu-group", spec: b300With(func(s *pcitest.Spec) {
-			dsp := findFn(s, "gpu-dsp3")
+			dsp := s.Fn("gpu-dsp3")
 			dsp.Below = append(dsp.Below, hostNIC)
 		}), unit: 3, want: "failed"},
 		{name: "placeholder-class-0880", spec: b300With(func(s *pcitest.Spec) {
 			for i := 0; i < 8; i++ {
-				findFn(s, fmt.Sprintf("holder%d", i)).Class = 0x088000
+				s.Fn(fmt.Sprintf("holder%d", i)).Class = 0x088000
 			}
 		}), unit: 0, want: "ready"},
 		{name: "placeholder-class-0b40", spec: pcitest.B300, unit: 0, want: "ready"},
 		{name: "nvswitch-mgmt-class-0880", spec: b300With(func(s *pcitest.Spec) {
 			for k := 0; k < 4; k++ {
-				findFn(s, fmt.Sprintf("nvswitch%d", k)).Class = 0x088000
+				s.Fn(fmt.Sprintf("nvswitch%d", k)).Class = 0x088000
 			}
 		}), unit: 0, want: "ready"},
 		{name: "b200-mgmt-endpoint-class-0880", profile: "b200", spec: func() pcitest.Spec {
 			s := pcitest.B200()
 			for i := 0; i < 8; i++ {
-				findFn(&s, fmt.Sprintf("bcm-mgmt%d", i)).Class = 0x088000
+				s.Fn(fmt.Sprintf("bcm-mgmt%d", i)).Class = 0x088000
 			}
 			return s
 		}, unit: 0, want: "ready"},
 		{name: "b200-mgmt-endpoint-class-0b40", profile: "b200", spec: pcitest.B200, unit: 0, want: "ready"},
 		{name: "sriov-active", spec: b300With(func(s *pcitest.Spec) {
-			findFn(s, "nic4.0").SRIOV = &pcitest.SRIOV{Total: 8, Num: 2, VFDevice: pcitest.DevCX8VF, VFDriver: "mlx5_core"}
+			s.Fn("nic4.0").SRIOV = &pcitest.SRIOV{Total: 8, Num: 2, VFDevice: pcitest.DevCX8VF, VFDriver: "mlx5_core"}
 		}), unit: 4, want: "failed"},
-		{name: "unit-missing-nvme", spec: b300With(func(s *pcitest.Spec) { findFn(s, "bcm-dsp-nvme5").Below = nil }), unit: 5, want: "ready"},
+		{name: "unit-missing-nvme", spec: b300With(func(s *pcitest.Spec) { s.Fn("bcm-dsp-nvme5").Below = nil }), unit: 5, want: "ready"},
 		{name: "lockdown-integrity", spec: pcitest.B300,
 			files: map[string]string{"sys/kernel/security/lockdown": "none [integrity] confidentiality\n"}, unit: 6, want: "degraded"},
 	}

@@ -36,7 +36,7 @@ func TestPlanOutApplyPlan(t *testing.T) {
 		want  []string
 	}{
 		{"port lost its ACS", func() string {
-			return pcitest.New(t, b300With(func(s *pcitest.Spec) { findFn(s, "gpu-dsp1").ACS = nil })()).Root
+			return pcitest.New(t, b300With(func(s *pcitest.Spec) { s.Fn("gpu-dsp1").ACS = nil })()).Root
 		}, []string{"unit 1: planned", `"failed"`, "acs 0000:31:00.0"}},
 		{"locked down", func() string {
 			r := pcitest.New(t, pcitest.B300()).Root

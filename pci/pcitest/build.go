@@ -545,3 +545,26 @@ func writeFunction(root string, b *built, groups map[*built]int) error {
 	}
 	return nil
 }
+
+// Fn returns the function named name anywhere in the spec, to make variants of a
+// reference node; it panics on an unknown name, which is a bug in the test.
+func (s *Spec) Fn(name string) *Fn {
+	var walk func(fns []Fn) *Fn
+	walk = func(fns []Fn) *Fn {
+		for i := range fns {
+			if fns[i].Name == name {
+				return &fns[i]
+			}
+			if f := walk(fns[i].Below); f != nil {
+				return f
+			}
+		}
+		return nil
+	}
+	for i := range s.Hosts {
+		if f := walk(s.Hosts[i].Fns); f != nil {
+			return f
+		}
+	}
+	panic("pcitest: no function named " + name + " in the spec")
+}

@@ -189,38 +189,13 @@ func TestACSLockdownAdvice(t *testing.T) {
 	}
 }
 
-// fnNamed finds the function called name anywhere in spec; a missing name is a bug in
-// the test.
-func fnNamed(t *testing.T, spec *pcitest.Spec, name string) *pcitest.Fn {
-	t.Helper()
-	var find func(fns []pcitest.Fn) *pcitest.Fn
-	find = func(fns []pcitest.Fn) *pcitest.Fn {
-		for i := range fns {
-			if fns[i].Name == name {
-				return &fns[i]
-			}
-			if f := find(fns[i].Below); f != nil {
-				return f
-			}
-		}
-		return nil
-	}
-	for i := range spec.Hosts {
-		if f := find(spec.Hosts[i].Fns); f != nil {
-			return f
-		}
-	}
-	t.Fatalf("no function %s in the spec", name)
-	return nil
-}
-
 // TestACSAppliesAndSkipsFailedUnits: the acs stage writes the decision's plan and leaves
 // the ports of a unit the decision failed as they are; vfio leaves that unit unbound.
 func TestACSAppliesAndSkipsFailedUnits(t *testing.T) {
 	spec := pcitest.B300()
 	// A NIC PF without ATS under passage.ats=require: the decision fails gpu3 before
 	// anything is written.
-	fnNamed(t, &spec, "nic3.1").ATS = nil
+	spec.Fn("nic3.1").ATS = nil
 	node := pcitest.New(t, spec)
 	root := node.Root
 	k, err := vfiotest.New(root)
