@@ -143,17 +143,15 @@ func DropDT(ports []topology.ACSPort, findings []Finding) []topology.ACSPort {
 	no := NoDT(findings)
 	out := make([]topology.ACSPort, len(ports))
 	for i, p := range ports {
-		if no[p.Unit] && (p.Flags&pci.ACSDT != 0 || p.Mask&pci.ACSDT != 0) {
+		if no[p.Unit] && p.Flags&pci.ACSDT != 0 {
 			p.Flags &^= pci.ACSDT
-			// A port that does not advertise DT is left alone, as the policy says for
-			// every bit a port lacks.
-			if p.Cap&pci.ACSDT != 0 {
-				p.Mask |= pci.ACSDT
-			}
 			if p.Reason != "" {
 				p.Reason += "; "
 			}
 			p.Reason += "DT dropped: a NIC function of the unit has no ATS"
+			if p.Target() == p.Current {
+				p.Reason += "; already set"
+			}
 		}
 		out[i] = p
 	}
