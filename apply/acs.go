@@ -47,11 +47,18 @@ type Change struct {
 	Attempts int         `json:"attempts,omitempty"` // writes tried
 	Error    string      `json:"error,omitempty"`
 	Note     string      `json:"note,omitempty"`
+	// Read says ACS Control was read: Before and After are values (false: skipped, no
+	// capability, or unreadable).
+	Read bool `json:"read"`
 }
 
 func (c Change) String() string {
-	s := fmt.Sprintf("acs %s unit %d %s: ACSCtl 0x%04x -> 0x%04x, reads 0x%04x: %s", c.Addr, c.Unit, c.Position,
+	s := fmt.Sprintf("acs %s (%s, %s): ACSCtl 0x%04x -> 0x%04x, reads 0x%04x: %s", c.Addr, topology.UnitName(c.Unit), c.Position,
 		uint16(c.Before), uint16(c.Target), uint16(c.After), c.Result)
+	if !c.Read {
+		// Never read: no register values to show.
+		s = fmt.Sprintf("acs %s (%s, %s): %s", c.Addr, topology.UnitName(c.Unit), c.Position, c.Result)
+	}
 	if c.Error != "" {
 		s += ": " + c.Error
 	}
@@ -217,7 +224,7 @@ func (x *executor) port(p topology.ACSPort) Change {
 		return c
 	}
 	p.Current = cur
-	c.Before, c.Target, c.After = cur, p.Target(), cur
+	c.Before, c.Target, c.After, c.Read = cur, p.Target(), cur, true
 
 	set, inCmdline := x.cmdline[p.Addr]
 	// Compared as topology.KernelArg renders the port: what the mask covers.

@@ -141,7 +141,7 @@ func TestGuestPlanRoundTrip(t *testing.T) {
 			// its units; the distances do not depend on that.
 			t.Logf("passage plan in the guest, after the JSON: %s", bytes.TrimSpace(out[dec.InputOffset():]))
 			for _, u := range got.Units {
-				t.Logf("guest unit %d: %s %v", u.ID, u.Status, u.Reasons)
+				t.Logf("guest unit %s: %s %v", u.ID, u.Status, u.Reasons)
 			}
 			if got.Profile != "qemu-guest" {
 				t.Errorf("guest plan profile %q", got.Profile)
@@ -170,14 +170,14 @@ func TestGuestPlanRoundTrip(t *testing.T) {
 				}
 				u := got.Units[i]
 				if u.GPU != want.GPU || strings.Join(u.NICs, ",") != strings.Join(want.NICs, ",") || strings.Join(u.NVMe, ",") != strings.Join(want.NVMe, ",") {
-					t.Errorf("guest unit %d: gpu %s nics %v nvme %v; plan (host unit %d): gpu %s nics %v nvme %v",
+					t.Errorf("guest unit %s: gpu %s nics %v nvme %v; plan (host unit %d): gpu %s nics %v nvme %v",
 						u.ID, u.GPU, u.NICs, u.NVMe, gu.Unit, want.GPU, want.NICs, want.NVMe)
 				}
 				if len(want.NICs) != 2 || len(want.NVMe) != 1 {
 					t.Errorf("plan unit %d: %d NICs, %d NVMe; B300 has 2 and 1", gu.Unit, len(want.NICs), len(want.NVMe))
 				}
 				if c.numa && u.NUMANode != gu.GuestNUMA {
-					t.Errorf("guest unit %d on NUMA node %d, plan says %d", u.ID, u.NUMANode, gu.GuestNUMA)
+					t.Errorf("guest unit %s on NUMA node %d, plan says %d", u.ID, u.NUMANode, gu.GuestNUMA)
 				}
 			}
 

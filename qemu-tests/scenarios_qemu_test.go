@@ -441,7 +441,7 @@ func checkPreflight(t *testing.T, run *Run, m *manifest.Manifest) {
 	for _, name := range []string{"preflight-plan", "preflight-dryrun"} {
 		var doc struct {
 			Units []struct {
-				ID      int      `json:"id"`
+				ID      string   `json:"id"`
 				Status  string   `json:"status"`
 				Reasons []string `json:"reasons"`
 			} `json:"units"`
@@ -454,9 +454,8 @@ func checkPreflight(t *testing.T, run *Run, m *manifest.Manifest) {
 			t.Errorf("%s: %d units, the boot %d", name, len(doc.Units), len(boot))
 		}
 		for _, u := range doc.Units {
-			id := fmt.Sprintf("gpu%d", u.ID)
-			if got := u.Status + ": " + strings.Join(u.Reasons, "; "); got != boot[id] {
-				t.Errorf("%s decided %s %q; the boot's manifest says %q", name, id, got, boot[id])
+			if got := u.Status + ": " + strings.Join(u.Reasons, "; "); got != boot[u.ID] {
+				t.Errorf("%s decided %s %q; the boot's manifest says %q", name, u.ID, got, boot[u.ID])
 			}
 		}
 		want := "0"

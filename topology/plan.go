@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -22,9 +23,22 @@ type Plan struct {
 	GuestMatrix *Matrix
 }
 
+// UnitName is a unit's name wherever passage prints one: JSON documents, the console,
+// log.jsonl and the manifest ("gpu0").
+func UnitName(id int) string { return fmt.Sprintf("gpu%d", id) }
+
+// ParseUnitName reads a unit as an operator may write it: "gpu3" or "3".
+func ParseUnitName(s string) (int, error) {
+	n, err := strconv.Atoi(strings.TrimPrefix(strings.TrimSpace(s), "gpu"))
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("unit %q: want gpuN or N", s)
+	}
+	return n, nil
+}
+
 // UnitJSON is a unit as passage inspect --json and the manifest list it.
 type UnitJSON struct {
-	ID         int      `json:"id"`
+	ID         string   `json:"id"` // UnitName
 	GPU        string   `json:"gpu"`
 	NICs       []string `json:"nics"`
 	DataDirect []string `json:"data_direct"`
@@ -45,7 +59,7 @@ func addrs(ds []*pci.Device) []string {
 
 // JSON renders a unit for inspect --json and the manifest.
 func (u *Unit) JSON() UnitJSON {
-	return UnitJSON{ID: u.ID, GPU: u.GPU.Addr.String(), NICs: addrs(u.NICs), DataDirect: addrs(u.DataDirect),
+	return UnitJSON{ID: UnitName(u.ID), GPU: u.GPU.Addr.String(), NICs: addrs(u.NICs), DataDirect: addrs(u.DataDirect),
 		NVMe: addrs(u.NVMe), NUMANode: u.NUMANode, Status: u.Status, Reasons: u.Reasons, Bridges: addrs(u.Bridges)}
 }
 

@@ -261,7 +261,7 @@ func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
 		}
 	}
 	for _, u := range out.Units {
-		line := fmt.Sprintf("unit %d gpu %s: %s", u.ID, u.GPU, u.Status)
+		line := fmt.Sprintf("%s %s: %s", u.ID, u.GPU, u.Status)
 		if len(u.Reasons) > 0 {
 			line += ": " + strings.Join(u.Reasons, "; ")
 		}

@@ -160,7 +160,7 @@ func TestApplyCLIMissingATS(t *testing.T) {
 	if code != 1 {
 		t.Errorf("exit %d, want 1\n%s", code, out)
 	}
-	if !strings.Contains(out, "unit 2 gpu "+n.Addr("gpu2").String()+": failed") || !strings.Contains(out, n.Addr("nic2.0").String()+" (15b3:1023): no ATS capability") {
+	if !strings.Contains(out, "gpu2 "+n.Addr("gpu2").String()+": failed") || !strings.Contains(out, n.Addr("nic2.0").String()+" (15b3:1023): no ATS capability") {
 		t.Errorf("output does not fail unit 2 for nic2.0:\n%s", out)
 	}
 	dt := dtPorts(t, n.Root)

@@ -115,7 +115,7 @@ func unitVerdicts(t *testing.T, what, out string) (verdicts, string) {
 	t.Helper()
 	var doc struct {
 		Units []struct {
-			ID      int      `json:"id"`
+			ID      string   `json:"id"`
 			Status  string   `json:"status"`
 			Reasons []string `json:"reasons"`
 		} `json:"units"`
@@ -126,7 +126,7 @@ func unitVerdicts(t *testing.T, what, out string) (verdicts, string) {
 	}
 	vs := verdicts{}
 	for _, u := range doc.Units {
-		vs[fmt.Sprintf("gpu%d", u.ID)] = u.Status + ": " + strings.Join(u.Reasons, "; ")
+		vs[u.ID] = u.Status + ": " + strings.Join(u.Reasons, "; ")
 	}
 	return vs, doc.KernelArg
 }

@@ -52,7 +52,7 @@ type jsonDoc struct {
 		Unit     *int     `json:"unit"`
 	} `json:"devices"`
 	Units []struct {
-		ID         int      `json:"id"`
+		ID         string   `json:"id"`
 		GPU        string   `json:"gpu"`
 		NICs       []string `json:"nics"`
 		DataDirect []string `json:"data_direct"`
@@ -125,7 +125,7 @@ func TestInspectJSON(t *testing.T) {
 		t.Fatalf("%d units", len(doc.Units))
 	}
 	u7 := doc.Units[7]
-	if u7.ID != 7 || u7.GPU != "0000:f2:00.0" || len(u7.NICs) != 2 || len(u7.NVMe) != 1 || u7.NUMANode != 1 || u7.Status != "ready" {
+	if u7.ID != "gpu7" || u7.GPU != "0000:f2:00.0" || len(u7.NICs) != 2 || len(u7.NVMe) != 1 || u7.NUMANode != 1 || u7.Status != "ready" {
 		t.Errorf("unit 7 %+v", u7)
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
-	"strconv"
 	"strings"
 
 	"github.com/passage-boot/passage/decision"
@@ -28,7 +27,7 @@ type planFlags struct {
 func (f *planFlags) register(fs *flag.FlagSet) {
 	f.src.register(fs)
 	fs.StringVar(&f.profile, "profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
-	fs.StringVar(&f.units, "units", "all", "units to pass through: all, or IDs like 0,1")
+	fs.StringVar(&f.units, "units", "all", "units to pass through: all, or units like gpu0,gpu1 (or 0,1)")
 	fs.BoolVar(&f.numa, "numa", false, "one pxb-pcie expander per unit on its NUMA node (guest NODE/SYS distances)")
 	fs.StringVar(&f.ats, "ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
 	fs.StringVar(&f.cmdline, "cmdline", "", "kernel command line (default: <root>/proc/cmdline with --root)")
@@ -44,9 +43,9 @@ func (f *planFlags) decide(fs *flag.FlagSet) (*decision.Decision, error) {
 	var units []int
 	if f.units != "all" {
 		for _, s := range strings.Split(f.units, ",") {
-			id, err := strconv.Atoi(strings.TrimSpace(s))
-			if err != nil || id < 0 {
-				return nil, errUsage{fmt.Errorf("--units %q: want all or unit IDs like 0,1", f.units)}
+			id, err := topology.ParseUnitName(s)
+			if err != nil {
+				return nil, errUsage{fmt.Errorf("--units %q: want all or units like gpu0,gpu1 (or 0,1)", f.units)}
 			}
 			units = append(units, id)
 		}

@@ -40,7 +40,7 @@ func TestPlanAndRenderCLI(t *testing.T) {
 	}
 	var doc struct {
 		Units []struct {
-			ID     int      `json:"id"`
+			ID     string   `json:"id"`
 			NICs   []string `json:"nics"`
 			Status string   `json:"status"`
 		} `json:"units"`

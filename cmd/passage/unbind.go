@@ -90,7 +90,7 @@ func unbindDriverName(s string) string {
 // unbindUnitFunctions labels the tree as passage plan and passage boot do and returns the
 // unit's passthrough functions.
 func unbindUnitFunctions(tree *pci.Tree, unit, profile string, stderr io.Writer) ([]*pci.Device, error) {
-	id, err := strconv.Atoi(strings.TrimPrefix(unit, "gpu"))
+	id, err := topology.ParseUnitName(unit)
 	if err != nil || id < 0 {
 		return nil, fmt.Errorf("--unit %q: want N or gpuN", unit)
 	}

@@ -137,7 +137,7 @@ func (b *Boot) now() time.Time {
 func (b *Boot) RunDir() string { return b.path(initramfs.RunDir) }
 
 // UnitID names a topology unit in the runner's state, the console table and the manifest.
-func UnitID(id int) string { return fmt.Sprintf("gpu%d", id) }
+func UnitID(id int) string { return topology.UnitName(id) }
 
 func toStatus(s topology.Status) stages.Status {
 	switch s {
@@ -340,8 +340,7 @@ func (b *Boot) acs(ctx context.Context, _ *stages.State, r *stages.Result) error
 		return err
 	}
 	for _, c := range rep.Changes {
-		line := fmt.Sprintf("acs %s (unit %s, %s): ACSCtl %#04x -> %#04x, reads %#04x: %s",
-			c.Addr, UnitID(c.Unit), c.Position, uint16(c.Before), uint16(c.Target), uint16(c.After), acsResult(c))
+		line := c.String()
 		switch c.Result {
 		case apply.ResultApplied:
 			r.Changef("%s", line)
@@ -375,7 +374,7 @@ func acsResult(c apply.Change) string {
 // acsChange is apply's record of one port in the manifest.
 func acsChange(c apply.Change) manifest.ACSChange {
 	mc := manifest.ACSChange{Port: c.Addr.String(), Target: c.Target.Lspci(), Result: acsResult(c)}
-	if c.Offset != 0 && c.Result != apply.ResultSkipped {
+	if c.Read {
 		mc.Before, mc.After = c.Before.Lspci(), c.After.Lspci()
 	}
 	return mc
