@@ -34,30 +34,30 @@ const (
 
 // Change is the record of one port, for the console and the manifest.
 type Change struct {
-	Addr     pci.Address `json:"bdf"`
-	Unit     int         `json:"unit"`
-	Position string      `json:"position"`
-	Offset   int         `json:"offset"` // config offset of ACS Control
-	Mask     pci.ACSBits `json:"mask"`
-	Flags    pci.ACSBits `json:"flags"`
-	Before   pci.ACSBits `json:"before"`
-	Target   pci.ACSBits `json:"target"`
-	After    pci.ACSBits `json:"after"`
-	Result   Result      `json:"result"`
-	Attempts int         `json:"attempts,omitempty"` // writes tried
-	Error    string      `json:"error,omitempty"`
-	Note     string      `json:"note,omitempty"`
+	Addr     pci.Address     `json:"bdf"`
+	Unit     topology.UnitID `json:"unit"`
+	Position string          `json:"position"`
+	Offset   int             `json:"offset"` // config offset of ACS Control
+	Mask     pci.ACSBits     `json:"mask"`
+	Flags    pci.ACSBits     `json:"flags"`
+	Before   pci.ACSBits     `json:"before"`
+	Target   pci.ACSBits     `json:"target"`
+	After    pci.ACSBits     `json:"after"`
+	Result   Result          `json:"result"`
+	Attempts int             `json:"attempts,omitempty"` // writes tried
+	Error    string          `json:"error,omitempty"`
+	Note     string          `json:"note,omitempty"`
 	// Read says ACS Control was read: Before and After are values (false: skipped, no
 	// capability, or unreadable).
 	Read bool `json:"read"`
 }
 
 func (c Change) String() string {
-	s := fmt.Sprintf("acs %s (%s, %s): ACSCtl 0x%04x -> 0x%04x, reads 0x%04x: %s", c.Addr, topology.UnitName(c.Unit), c.Position,
+	s := fmt.Sprintf("acs %s (%s, %s): ACSCtl 0x%04x -> 0x%04x, reads 0x%04x: %s", c.Addr, c.Unit.String(), c.Position,
 		uint16(c.Before), uint16(c.Target), uint16(c.After), c.Result)
 	if !c.Read {
 		// Never read: no register values to show.
-		s = fmt.Sprintf("acs %s (%s, %s): %s", c.Addr, topology.UnitName(c.Unit), c.Position, c.Result)
+		s = fmt.Sprintf("acs %s (%s, %s): %s", c.Addr, c.Unit.String(), c.Position, c.Result)
 	}
 	if c.Error != "" {
 		s += ": " + c.Error
@@ -135,7 +135,7 @@ type executor struct {
 	opt     Options
 	ctx     context.Context
 	cmdline map[pci.Address]acsSetting
-	stopped map[int]string // unit -> the port whose failure stopped it
+	stopped map[topology.UnitID]string // unit -> the port whose failure stopped it
 }
 
 // ACS executes the plan, port by port in plan order, and reports each; it judges no
@@ -159,7 +159,7 @@ func ACS(ctx context.Context, ports []topology.ACSPort, opt Options) (Report, er
 	if opt.Sleep == nil {
 		opt.Sleep = sleepCtx
 	}
-	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), stopped: map[int]string{}}
+	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), stopped: map[topology.UnitID]string{}}
 	var write []topology.ACSPort
 	for _, p := range ports {
 		if p.Skip == "" {

@@ -841,7 +841,7 @@ func TestChangeJSON(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`"bdf":"` + a.String() + `"`, `"unit":5`, `"position":"nic-port"`, `"mask":"0x005d"`, `"flags":"0x005d"`,
+	for _, want := range []string{`"bdf":"` + a.String() + `"`, `"unit":"gpu5"`, `"position":"nic-port"`, `"mask":"0x005d"`, `"flags":"0x005d"`,
 		`"before":"0x001d"`, `"target":"0x005d"`, `"after":"0x001d"`, `"result":"mismatch"`, `"attempts":1`, `"error":"wrote 0x005d, reads back 0x001d"`} {
 		if !strings.Contains(string(j), want) {
 			t.Errorf("%s lacks %s", j, want)

@@ -210,7 +210,7 @@ func (b *b300) port(t testing.TB, name string, unit int, pos string, want pci.AC
 		t.Fatalf("%s has no ACS", name)
 	}
 	m := want & d.ACS.Cap
-	return topology.ACSPort{Addr: d.Addr, Unit: unit, Position: pos, Offset: d.ACS.Offset, Cap: d.ACS.Cap,
+	return topology.ACSPort{Addr: d.Addr, Unit: topology.UnitID(unit), Position: pos, Offset: d.ACS.Offset, Cap: d.ACS.Cap,
 		Current: d.ACS.Ctl, Mask: m, Flags: m, Reason: "test policy"}
 }
 

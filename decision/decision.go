@@ -125,12 +125,12 @@ func Decide(in Input) (*Decision, error) {
 	}
 	d := &Decision{Input: in, Labels: labels, LabelErr: lerr}
 	units := labels.Units
-	byID := map[int]*topology.Unit{}
+	byID := map[topology.UnitID]*topology.Unit{}
 	for _, u := range units {
 		u.Status, u.Reasons = topology.StatusReady, nil
 		byID[u.ID] = u
 	}
-	mark := func(id int, s topology.Status, reason string) {
+	mark := func(id topology.UnitID, s topology.Status, reason string) {
 		if u := byID[id]; u != nil && s != "" {
 			u.Degrade(s, "%s", reason)
 		}
@@ -161,8 +161,8 @@ func Decide(in Input) (*Decision, error) {
 	// A locked-down kernel refuses every config write: the ports keep what they hold.
 	locked := in.Live.LockedDown()
 	if locked {
-		need := map[int][]topology.ACSPort{}
-		var order []int
+		need := map[topology.UnitID][]topology.ACSPort{}
+		var order []topology.UnitID
 		for _, p := range ports {
 			if p.Offset == 0 || p.Target() == p.Current || byID[p.Unit] == nil || byID[p.Unit].Status == topology.StatusFailed {
 				continue
@@ -222,7 +222,7 @@ func lockdownReason(ports []topology.ACSPort, release string) string {
 
 // Verdict is one unit's status and the reasons for it.
 type Verdict struct {
-	Unit    int             `json:"unit"`
+	Unit    topology.UnitID `json:"unit"`
 	Status  topology.Status `json:"status"`
 	Reasons []string        `json:"reasons,omitempty"`
 }
@@ -236,7 +236,7 @@ func (d *Decision) Decided() []Verdict {
 	return out
 }
 
-func (d *Decision) unit(id int) *topology.Unit {
+func (d *Decision) unit(id topology.UnitID) *topology.Unit {
 	for _, u := range d.Units() {
 		if u.ID == id {
 			return u
@@ -315,7 +315,7 @@ func errText(err error) string {
 }
 
 // acsVerdict is what the ACS report makes of a unit beyond what the decision foresaw.
-func (d *Decision) acsVerdict(id int, rep *apply.Report) (topology.Status, []string) {
+func (d *Decision) acsVerdict(id topology.UnitID, rep *apply.Report) (topology.Status, []string) {
 	var s topology.Status
 	var reasons []string
 	var locked []topology.ACSPort

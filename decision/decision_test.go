@@ -47,7 +47,7 @@ func cleanRun(d *Decision) (*apply.Report, *vfiobind.Report) {
 func statuses(vs []Verdict) map[int]topology.Status {
 	m := map[int]topology.Status{}
 	for _, v := range vs {
-		m[v.Unit] = v.Status
+		m[int(v.Unit)] = v.Status
 	}
 	return m
 }
@@ -89,7 +89,7 @@ func TestConcludeFailsClosed(t *testing.T) {
 		for id, w := range c.want {
 			var v Verdict
 			for _, x := range vs {
-				if x.Unit == id {
+				if x.Unit == topology.UnitID(id) {
 					v = x
 				}
 			}

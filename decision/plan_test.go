@@ -43,7 +43,7 @@ func planDecideWith(t *testing.T, spec pcitest.Spec, p *topology.Profile, guest 
 
 func planUnitReasons(d *decision.Decision, id int) string {
 	for _, u := range d.Units() {
-		if u.ID == id {
+		if u.ID == topology.UnitID(id) {
 			return strings.Join(u.Reasons, "; ")
 		}
 	}
@@ -54,7 +54,7 @@ func planUnitReasons(d *decision.Decision, id int) string {
 // out is the one topology plans (labels, ACS, kernel argument, matrices, guest), as
 // `passage plan --json` prints it.
 func TestDecidePlanB300(t *testing.T) {
-	n, d := planDecide(t, pcitest.B300(), "b300", topology.GuestOptions{Units: []int{0, 1}})
+	n, d := planDecide(t, pcitest.B300(), "b300", topology.GuestOptions{Units: []topology.UnitID{0, 1}})
 	if d.LabelErr != nil || d.GuestErr != nil {
 		t.Fatalf("label %v, guest %v", d.LabelErr, d.GuestErr)
 	}
@@ -88,7 +88,7 @@ func TestDecidePlanB300(t *testing.T) {
 		Units   []topology.UnitJSON `json:"units"`
 		ACS     []struct {
 			Addr    string `json:"addr"`
-			Unit    int    `json:"unit"`
+			Unit    string `json:"unit"`
 			CtlFrom string `json:"ctl_current"`
 			CtlTo   string `json:"ctl_target"`
 			Flags   string `json:"config_acs"`
@@ -124,14 +124,14 @@ func TestDecidePlanB300(t *testing.T) {
 	}
 	for i, a := range doc.ACS {
 		p := d.ACS[i]
-		if a.Addr != p.Addr.String() || a.Unit != p.Unit || a.Skip != "" ||
+		if a.Addr != p.Addr.String() || a.Unit != p.Unit.String() || a.Skip != "" ||
 			a.CtlFrom != fmt.Sprintf("0x%04x", uint16(p.Current)) || a.CtlTo != fmt.Sprintf("0x%04x", uint16(p.Target())) {
 			t.Errorf("acs entry %d %+v, port %s current %s target %s", i, a, p.Addr, p.Current, p.Target())
 		}
 		// The kernel leaves SV RR CR UF (0x001d) on every port of the reference tree;
 		// the NIC ports gain DT (0x005d), the rest stay.
 		want := "0x001d"
-		if a.Addr == n.Addr(fmt.Sprintf("cx-dsp-nic%d", a.Unit)).String() {
+		if a.Addr == n.Addr("cx-dsp-nic"+strings.TrimPrefix(a.Unit, "gpu")).String() {
 			want = "0x005d"
 		}
 		if a.CtlFrom != "0x001d" || a.CtlTo != want {
@@ -143,7 +143,7 @@ func TestDecidePlanB300(t *testing.T) {
 	if err := d.WriteText(&txt); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"acs plan", "kernel argument: " + d.KernelArg, "guest matrix (units 0,1; flat", "ats (policy prefer)"} {
+	for _, want := range []string{"acs plan", "kernel argument: " + d.KernelArg, "guest matrix (units gpu0,gpu1; flat", "ats (policy prefer)"} {
 		if !strings.Contains(txt.String(), want) {
 			t.Errorf("text lacks %q", want)
 		}

@@ -22,24 +22,24 @@ const SavedVersion = 1
 type Saved struct {
 	Version int `json:"version"`
 	// Profile is the profile as the plan used it (ParseProfile reads it back).
-	Profile   json.RawMessage  `json:"profile"`
-	ATS       firmware.Policy  `json:"ats_policy"`
-	Live      Live             `json:"live"`
-	Verdicts  []Verdict        `json:"verdicts"`
-	ACS       []SavedPort      `json:"acs"`
-	KernelArg string           `json:"kernel_arg"`
-	Bind      []pci.Address    `json:"bind"`
-	Groups    map[string][]int `json:"iommu_groups"` // unit -> its functions' groups, in function order
+	Profile   json.RawMessage           `json:"profile"`
+	ATS       firmware.Policy           `json:"ats_policy"`
+	Live      Live                      `json:"live"`
+	Verdicts  []Verdict                 `json:"verdicts"`
+	ACS       []SavedPort               `json:"acs"`
+	KernelArg string                    `json:"kernel_arg"`
+	Bind      []pci.Address             `json:"bind"`
+	Groups    map[topology.UnitID][]int `json:"iommu_groups"` // unit -> its functions' groups, in function order
 }
 
 // SavedPort is one port of the ACS plan as saved.
 type SavedPort struct {
-	Addr    pci.Address `json:"addr"`
-	Unit    int         `json:"unit"`
-	Offset  int         `json:"offset"`
-	Current pci.ACSBits `json:"current"`
-	Target  pci.ACSBits `json:"target"`
-	Skip    string      `json:"skip,omitempty"`
+	Addr    pci.Address     `json:"addr"`
+	Unit    topology.UnitID `json:"unit"`
+	Offset  int             `json:"offset"`
+	Current pci.ACSBits     `json:"current"`
+	Target  pci.ACSBits     `json:"target"`
+	Skip    string          `json:"skip,omitempty"`
 }
 
 // Save writes the decision down.
@@ -49,7 +49,7 @@ func (d *Decision) Save() (*Saved, error) {
 		return nil, fmt.Errorf("saved plan: profile: %w", err)
 	}
 	s := &Saved{Version: SavedVersion, Profile: prof, ATS: d.Input.ATS, Live: d.Live, Verdicts: d.Decided(),
-		KernelArg: d.KernelArg, ACS: []SavedPort{}, Bind: []pci.Address{}, Groups: map[string][]int{}}
+		KernelArg: d.KernelArg, ACS: []SavedPort{}, Bind: []pci.Address{}, Groups: map[topology.UnitID][]int{}}
 	for _, p := range d.ACS {
 		sp := SavedPort{Addr: p.Addr, Unit: p.Unit, Offset: p.Offset, Skip: p.Skip}
 		if p.Offset != 0 {
@@ -65,7 +65,7 @@ func (d *Decision) Save() (*Saved, error) {
 				s.Bind = append(s.Bind, f.Addr)
 			}
 		}
-		s.Groups[fmt.Sprint(u.ID)] = gs
+		s.Groups[u.ID] = gs
 	}
 	return s, nil
 }
@@ -126,15 +126,15 @@ func (s *Saved) Diff(d *Decision) []string {
 	diff("ats policy", s.ATS, now.ATS)
 	diff("lockdown", s.Live.Lockdown, now.Live.Lockdown)
 	diff("kernel command line", s.Live.Cmdline, now.Live.Cmdline)
-	verdicts := func(vs []Verdict) map[int]Verdict {
-		m := map[int]Verdict{}
+	verdicts := func(vs []Verdict) map[topology.UnitID]Verdict {
+		m := map[topology.UnitID]Verdict{}
 		for _, v := range vs {
 			m[v.Unit] = v
 		}
 		return m
 	}
 	was, is := verdicts(s.Verdicts), verdicts(now.Verdicts)
-	ids := []int{}
+	ids := []topology.UnitID{}
 	for id := range was {
 		ids = append(ids, id)
 	}
@@ -149,12 +149,12 @@ func (s *Saved) Diff(d *Decision) []string {
 		n, ok2 := is[id]
 		switch {
 		case !ok1:
-			out = append(out, fmt.Sprintf("unit %d: not in the plan, now %s", id, n.Status))
+			out = append(out, fmt.Sprintf("%s: not in the plan, now %s", id, n.Status))
 		case !ok2:
-			out = append(out, fmt.Sprintf("unit %d: planned %s, now gone", id, w.Status))
+			out = append(out, fmt.Sprintf("%s: planned %s, now gone", id, w.Status))
 		default:
-			diff(fmt.Sprintf("unit %d", id), w, n)
-			diff(fmt.Sprintf("unit %d iommu groups", id), s.Groups[fmt.Sprint(id)], now.Groups[fmt.Sprint(id)])
+			diff(id.String(), w, n)
+			diff(fmt.Sprintf("%s iommu groups", id), s.Groups[id], now.Groups[id])
 		}
 	}
 	ports := func(ps []SavedPort) map[pci.Address]SavedPort {

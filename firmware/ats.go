@@ -33,10 +33,10 @@ func ParsePolicy(s string) (Policy, error) {
 
 // Finding is the ATS state of one NIC-side function of a unit.
 type Finding struct {
-	Unit int         `json:"unit"`
-	Addr pci.Address `json:"bdf"`
-	IDs  string      `json:"ids"`  // "15b3:1023"
-	Role string      `json:"role"` // topology.RoleGPUNIC or topology.RoleDataDirect
+	Unit topology.UnitID `json:"unit"`
+	Addr pci.Address     `json:"bdf"`
+	IDs  string          `json:"ids"`  // "15b3:1023"
+	Role string          `json:"role"` // topology.RoleGPUNIC or topology.RoleDataDirect
 	// ATS says the ATS extended capability is in config space: with ConnectX-8 that is
 	// the firmware's ATS_ENABLED.
 	ATS bool `json:"ats"`
@@ -126,8 +126,8 @@ func (f Finding) Verdict(policy Policy) (topology.Status, string) {
 
 // NoDT returns the units that must not get Direct Translated P2P: those with a NIC-side
 // function lacking ATS.
-func NoDT(findings []Finding) map[int]bool {
-	out := map[int]bool{}
+func NoDT(findings []Finding) map[topology.UnitID]bool {
+	out := map[topology.UnitID]bool{}
 	for _, f := range findings {
 		if f.Missing() {
 			out[f.Unit] = true

@@ -47,7 +47,7 @@ func units(t *testing.T, n *pcitest.Node, tr *pci.Tree, count int) []*topology.U
 			}
 			return d
 		}
-		u := &topology.Unit{ID: i, GPU: get(fmt.Sprintf("gpu%d", i)), Status: topology.StatusReady}
+		u := &topology.Unit{ID: topology.UnitID(i), GPU: get(fmt.Sprintf("gpu%d", i)), Status: topology.StatusReady}
 		for f := 0; f < 2; f++ {
 			u.NICs = append(u.NICs, get(fmt.Sprintf("nic%d.%d", i, f)))
 		}
@@ -144,10 +144,10 @@ func TestCheckATSMissing(t *testing.T) {
 			t.Errorf("%s: missing=%v ats=%v", f.Addr, f.Missing(), f.ATS)
 		}
 		if f.Missing() {
-			if _, dup := bad[f.Unit]; dup {
+			if _, dup := bad[int(f.Unit)]; dup {
 				t.Errorf("unit %d: second missing finding %s", f.Unit, f)
 			}
-			bad[f.Unit] = f
+			bad[int(f.Unit)] = f
 		}
 	}
 	if len(bad) != 2 {
@@ -186,7 +186,7 @@ func TestCheckATSMissing(t *testing.T) {
 					}
 					continue
 				}
-				got[f.Unit] = s
+				got[int(f.Unit)] = s
 				if s != tc.want || !strings.HasPrefix(why, "ats: ") || !strings.Contains(why, f.Addr.String()) ||
 					!strings.Contains(why, f.IDs) || !strings.Contains(why, f.Role) || !strings.Contains(why, tc.why) {
 					t.Errorf("unit %d: %s %q, want %s, naming %s and %q", f.Unit, s, why, tc.want, f.Addr, tc.why)

@@ -80,14 +80,14 @@ func TestGuestPlanRoundTrip(t *testing.T) {
 	}
 	for _, c := range []struct {
 		name  string
-		units []int
+		units []topology.UnitID
 		numa  bool
 		// hostNUMA is each unit's host NUMA node, written out from B300.md (GPUs 0-3
 		// on socket 0, 4-7 on socket 1), not taken from the code under test.
 		hostNUMA map[int]int
 	}{
-		{"flat", []int{0, 1}, false, map[int]int{0: 0, 1: 0}},
-		{"numa", []int{0, 1, 4}, true, map[int]int{0: 0, 1: 0, 4: 1}},
+		{"flat", []topology.UnitID{0, 1}, false, map[int]int{0: 0, 1: 0}},
+		{"numa", []topology.UnitID{0, 1, 4}, true, map[int]int{0: 0, 1: 0, 4: 1}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			d, err := decision.Decide(decision.Input{Tree: tree, Profile: b300, Guest: topology.GuestOptions{Units: c.units, NUMA: c.numa}})
@@ -228,7 +228,7 @@ func TestGuestPlanRoundTrip(t *testing.T) {
 							case ou.Unit == gu.Unit:
 							case !c.numa:
 								want = topology.PHB
-							case c.hostNUMA[ou.Unit] == c.hostNUMA[gu.Unit]:
+							case c.hostNUMA[int(ou.Unit)] == c.hostNUMA[int(gu.Unit)]:
 								want = topology.NODE
 							default:
 								want = topology.SYS

@@ -41,7 +41,7 @@ func TestACSPlanB300(t *testing.T) {
 		for _, p := range ports {
 			if p.Addr == n.Addr(fmt.Sprintf("cx-dsp-nic%d", i)) {
 				found = true
-				if p.Position != PosNICPort || p.Target() != pci.ACSIsolation|pci.ACSDT || p.Unit != i {
+				if p.Position != PosNICPort || p.Target() != pci.ACSIsolation|pci.ACSDT || p.Unit != UnitID(i) {
 					t.Errorf("unit %d NIC port: %+v target %s", i, p, p.Target())
 				}
 			}
@@ -98,11 +98,11 @@ func TestACSPlanOrderDTLast(t *testing.T) {
 	ports := ACSPlan(l.Units)
 	lastUnit, seenDT := -1, false
 	for _, p := range ports {
-		if p.Unit != lastUnit {
-			if p.Unit < lastUnit {
+		if p.Unit != UnitID(lastUnit) {
+			if p.Unit < UnitID(lastUnit) {
 				t.Errorf("%s: unit %d after unit %d", p.Addr, p.Unit, lastUnit)
 			}
-			lastUnit, seenDT = p.Unit, false
+			lastUnit, seenDT = int(p.Unit), false
 		}
 		dt := p.Flags&pci.ACSDT != 0
 		if seenDT && !dt {

@@ -10,7 +10,7 @@ import (
 // GuestOptions choose what a guest gets and how its PCIe tree is laid out.
 type GuestOptions struct {
 	// Units are the unit IDs to pass through; nil means every unit that is not failed.
-	Units []int
+	Units []UnitID
 	// NUMA puts each unit behind a pxb-pcie expander bound to the guest NUMA node that
 	// stands for the unit's host node, so units on one socket read NODE and across
 	// sockets SYS, as on the host. Without it every unit's root port is on pcie.0 and
@@ -62,7 +62,7 @@ type Expander struct {
 // GuestUnit is one unit's virtual switch: root port -> upstream -> one downstream port
 // per function.
 type GuestUnit struct {
-	Unit      int             `json:"unit"`
+	Unit      UnitID          `json:"unit"`
 	HostNUMA  int             `json:"host_numa"`
 	GuestNUMA int             `json:"guest_numa"`
 	Expander  string          `json:"expander,omitempty"`
@@ -211,7 +211,7 @@ func rootPortOf(d *pci.Device) *pci.Device {
 	return anc[len(anc)-1]
 }
 
-func chooseUnits(units []*Unit, ids []int) ([]*Unit, error) {
+func chooseUnits(units []*Unit, ids []UnitID) ([]*Unit, error) {
 	if ids == nil {
 		var out []*Unit
 		for _, u := range units {
@@ -222,7 +222,7 @@ func chooseUnits(units []*Unit, ids []int) ([]*Unit, error) {
 		return out, nil
 	}
 	var out []*Unit
-	seen := map[int]bool{}
+	seen := map[UnitID]bool{}
 	for _, id := range ids {
 		if seen[id] {
 			return nil, fmt.Errorf("guest plan: unit %d chosen twice", id)

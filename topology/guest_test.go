@@ -69,7 +69,7 @@ func TestQEMUGuestProfile(t *testing.T) {
 
 	_, htree := reference(t, "b300")
 	hl := mustLabel(t, htree, "b300")
-	g, err := GuestPlan(hl.Units, GuestOptions{Units: []int{0, 1}})
+	g, err := GuestPlan(hl.Units, GuestOptions{Units: []UnitID{0, 1}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,7 +14,7 @@ type FunctionLabel struct {
 	Role   Role   `json:"role"`
 	Rule   string `json:"rule,omitempty"`   // the rule that gave the role
 	Reason string `json:"reason,omitempty"` // why the function is unlabeled
-	Unit   int    `json:"unit"`             // -1 when the function belongs to no unit
+	Unit   UnitID `json:"unit"`             // -1 when the function belongs to no unit
 }
 
 // Labels is the outcome of labelling a tree: a role for every function and the units.
@@ -41,13 +41,13 @@ func (l *Labels) Of(a pci.Address) FunctionLabel {
 func (l *Labels) RoleOf(a pci.Address) Role { return l.Of(a).Role }
 
 // UnitOf is the unit ID of a passthrough function or of a bridge on a unit's path.
-func (l *Labels) UnitOf(a pci.Address) (int, bool) {
+func (l *Labels) UnitOf(a pci.Address) (UnitID, bool) {
 	u := l.Of(a).Unit
 	return u, u >= 0
 }
 
 // Unit returns the unit with the given ID, or nil.
-func (l *Labels) Unit(id int) *Unit {
+func (l *Labels) Unit(id UnitID) *Unit {
 	for _, u := range l.Units {
 		if u.ID == id {
 			return u
@@ -125,7 +125,7 @@ func (l *Labels) group() error {
 	}
 	byGPU := map[*pci.Device]*Unit{}
 	for i, g := range gpus {
-		u := &Unit{ID: ids[i], GPU: g, NUMANode: g.NUMANode, Status: StatusReady}
+		u := &Unit{ID: UnitID(ids[i]), GPU: g, NUMANode: g.NUMANode, Status: StatusReady}
 		byGPU[g] = u
 		l.Units = append(l.Units, u)
 	}

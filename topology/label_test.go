@@ -90,7 +90,7 @@ func TestLabelB300(t *testing.T) {
 		t.Fatalf("units = %d, want 8", len(l.Units))
 	}
 	for i, u := range l.Units {
-		if u.ID != i {
+		if u.ID != UnitID(i) {
 			t.Errorf("unit %d has ID %d", i, u.ID)
 		}
 		if u.GPU.Addr != n.Addr(fmt.Sprintf("gpu%d", i)) {

@@ -25,15 +25,31 @@ type Plan struct {
 
 // UnitName is a unit's name wherever passage prints one: JSON documents, the console,
 // log.jsonl and the manifest ("gpu0").
-func UnitName(id int) string { return fmt.Sprintf("gpu%d", id) }
+func UnitName(id int) string { return UnitID(id).String() }
+
+// UnitID is a unit's number (from the profile's slot map, else GPU address order). It
+// marshals as the unit's name, so every JSON document names a unit one way ("gpu3").
+type UnitID int
+
+func (u UnitID) String() string { return fmt.Sprintf("gpu%d", int(u)) }
+
+// MarshalText writes the unit's name ("gpu3").
+func (u UnitID) MarshalText() ([]byte, error) { return []byte(u.String()), nil }
+
+// UnmarshalText reads "gpu3" or "3".
+func (u *UnitID) UnmarshalText(b []byte) error {
+	n, err := ParseUnitName(string(b))
+	*u = UnitID(n)
+	return err
+}
 
 // ParseUnitName reads a unit as an operator may write it: "gpu3" or "3".
-func ParseUnitName(s string) (int, error) {
+func ParseUnitName(s string) (UnitID, error) {
 	n, err := strconv.Atoi(strings.TrimPrefix(strings.TrimSpace(s), "gpu"))
 	if err != nil || n < 0 {
 		return 0, fmt.Errorf("unit %q: want gpuN or N", s)
 	}
-	return n, nil
+	return UnitID(n), nil
 }
 
 // UnitJSON is a unit as passage inspect --json and the manifest list it.
@@ -59,7 +75,7 @@ func addrs(ds []*pci.Device) []string {
 
 // JSON renders a unit for inspect --json and the manifest.
 func (u *Unit) JSON() UnitJSON {
-	return UnitJSON{ID: UnitName(u.ID), GPU: u.GPU.Addr.String(), NICs: addrs(u.NICs), DataDirect: addrs(u.DataDirect),
+	return UnitJSON{ID: u.ID.String(), GPU: u.GPU.Addr.String(), NICs: addrs(u.NICs), DataDirect: addrs(u.DataDirect),
 		NVMe: addrs(u.NVMe), NUMANode: u.NUMANode, Status: u.Status, Reasons: u.Reasons, Bridges: addrs(u.Bridges)}
 }
 
@@ -73,18 +89,18 @@ func (l *Labels) UnitsJSON() []UnitJSON {
 }
 
 type functionJSON struct {
-	Addr   string `json:"addr"`
-	IDs    string `json:"ids"`
-	Class  string `json:"class"`
-	Role   Role   `json:"role"`
-	Rule   string `json:"rule,omitempty"`
-	Reason string `json:"reason,omitempty"`
-	Unit   *int   `json:"unit,omitempty"`
+	Addr   string  `json:"addr"`
+	IDs    string  `json:"ids"`
+	Class  string  `json:"class"`
+	Role   Role    `json:"role"`
+	Rule   string  `json:"rule,omitempty"`
+	Reason string  `json:"reason,omitempty"`
+	Unit   *UnitID `json:"unit,omitempty"`
 }
 
 type acsJSON struct {
 	Addr     string `json:"addr"`
-	Unit     int    `json:"unit"`
+	Unit     UnitID `json:"unit"`
 	Position string `json:"position"`
 	Cap      string `json:"cap"`
 	Current  string `json:"current"`
@@ -124,7 +140,7 @@ func (pl *Plan) Doc() PlanDoc {
 		doc.Functions = append(doc.Functions, fj)
 	}
 	for _, p := range pl.ACS {
-		doc.ACS = append(doc.ACS, acsJSON{Addr: p.Addr.String(), Unit: p.Unit, Position: p.Position, Cap: p.Cap.String(),
+		doc.ACS = append(doc.ACS, acsJSON{Addr: p.Addr.String(), Unit: UnitID(p.Unit), Position: p.Position, Cap: p.Cap.String(),
 			Current: p.Current.String(), Target: p.Target().String(), CtlFrom: fmt.Sprintf("0x%04x", uint16(p.Current)),
 			CtlTo: fmt.Sprintf("0x%04x", uint16(p.Target())), Flags: ConfigACSFlags(p.Mask, p.Flags), Reason: p.Reason, Skip: p.Skip})
 	}

@@ -26,7 +26,7 @@ func testPlan(t *testing.T, tree *pci.Tree, profile string, opt GuestOptions) *P
 
 func TestPlanReports(t *testing.T) {
 	n, tree := reference(t, "b300")
-	pl := testPlan(t, tree, "b300", GuestOptions{Units: []int{0, 1}})
+	pl := testPlan(t, tree, "b300", GuestOptions{Units: []UnitID{0, 1}})
 	js, err := json.Marshal(pl.Doc())
 	if err != nil {
 		t.Fatal(err)
@@ -35,13 +35,13 @@ func TestPlanReports(t *testing.T) {
 		Profile string     `json:"profile"`
 		Units   []UnitJSON `json:"units"`
 		Funcs   []struct {
-			Addr string `json:"addr"`
-			Role Role   `json:"role"`
-			Unit *int   `json:"unit"`
+			Addr string  `json:"addr"`
+			Role Role    `json:"role"`
+			Unit *string `json:"unit"`
 		} `json:"functions"`
 		ACS []struct {
 			Addr    string `json:"addr"`
-			Unit    int    `json:"unit"`
+			Unit    string `json:"unit"`
 			CtlFrom string `json:"ctl_current"`
 			CtlTo   string `json:"ctl_target"`
 			Flags   string `json:"config_acs"`
@@ -81,7 +81,7 @@ func TestPlanReports(t *testing.T) {
 	var found bool
 	for _, f := range doc.Funcs {
 		if f.Addr == n.Addr("nic5.1").String() {
-			found = f.Role == RoleGPUNIC && f.Unit != nil && *f.Unit == 5
+			found = f.Role == RoleGPUNIC && f.Unit != nil && *f.Unit == "gpu5"
 		}
 	}
 	if !found {
@@ -94,7 +94,7 @@ func TestPlanReports(t *testing.T) {
 	var nicPort bool
 	for i, a := range doc.ACS {
 		p := pl.ACS[i]
-		if a.Addr != p.Addr.String() || a.Unit != p.Unit || a.Skip != "" {
+		if a.Addr != p.Addr.String() || a.Unit != p.Unit.String() || a.Skip != "" {
 			t.Errorf("acs entry %d %+v for port %s unit %d", i, a, p.Addr, p.Unit)
 		}
 		if want := "0x" + hex4(uint16(p.Current)); a.CtlFrom != want {
@@ -120,7 +120,7 @@ func TestPlanReports(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := txt.String()
-	for _, want := range []string{"host matrix", "guest matrix (units 0,1; flat", "GPU0\t X \tNV18", "1x111x1", "kernel argument: pci=config_acs="} {
+	for _, want := range []string{"host matrix", "guest matrix (units gpu0,gpu1; flat", "GPU0\t X \tNV18", "1x111x1", "kernel argument: pci=config_acs="} {
 		if !strings.Contains(out, want) {
 			t.Errorf("text report lacks %q", want)
 		}
@@ -139,7 +139,7 @@ func hex4(v uint16) string {
 // JSON, instead of its reason.
 func TestPlanReportsSkip(t *testing.T) {
 	n, tree := reference(t, "b300")
-	pl := testPlan(t, tree, "b300", GuestOptions{Units: []int{0}})
+	pl := testPlan(t, tree, "b300", GuestOptions{Units: []UnitID{0}})
 	skipped := n.Addr("cx-dsp-nic2")
 	for i := range pl.ACS {
 		if pl.ACS[i].Addr == skipped {

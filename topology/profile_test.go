@@ -137,7 +137,7 @@ func TestDataDirect(t *testing.T) {
 			t.Errorf("data-direct port %+v", p)
 		}
 	}
-	g, err := GuestPlan(l.Units, GuestOptions{Units: []int{0}})
+	g, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{0}})
 	if err != nil {
 		t.Fatal(err)
 	}

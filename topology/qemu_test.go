@@ -223,18 +223,18 @@ func TestGuestPlanB300(t *testing.T) {
 func TestGuestUnitsSubset(t *testing.T) {
 	_, tree := reference(t, "b300")
 	l := mustLabel(t, tree, "b300")
-	g, err := GuestPlan(l.Units, GuestOptions{Units: []int{5, 2}})
+	g, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{5, 2}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(g.Units) != 2 || g.Units[0].Unit != 2 || g.Units[1].Unit != 5 {
 		t.Errorf("units %+v", g.Units)
 	}
-	if _, err := GuestPlan(l.Units, GuestOptions{Units: []int{9}}); err == nil || !strings.Contains(err.Error(), "no unit 9") {
+	if _, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{9}}); err == nil || !strings.Contains(err.Error(), "no unit 9") {
 		t.Errorf("unknown unit: %v", err)
 	}
 	l.Units[3].Degrade(StatusFailed, "test")
-	if _, err := GuestPlan(l.Units, GuestOptions{Units: []int{3}}); err == nil || !strings.Contains(err.Error(), "unit 3 is failed") {
+	if _, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{3}}); err == nil || !strings.Contains(err.Error(), "unit 3 is failed") {
 		t.Errorf("failed unit: %v", err)
 	}
 }
@@ -277,7 +277,7 @@ func TestQEMUAcceptsRendering(t *testing.T) {
 		}
 	}
 	// The harness tells refusal from acceptance: two ports with one chassis/slot pair.
-	g, _ := GuestPlan(l.Units, GuestOptions{Units: []int{0, 1}})
+	g, _ := GuestPlan(l.Units, GuestOptions{Units: []UnitID{0, 1}})
 	g.Units[1].RootPort.Chassis = g.Units[0].RootPort.Chassis
 	bad := append([]string{"-machine", "q35", "-accel", "tcg", "-nodefaults", "-display", "none", "-S", "-monitor", "stdio"}, g.QEMUArgs(EmulatedDevice)...)
 	if _, err := startQEMU(qemu, bad); err == nil || !strings.Contains(err.Error(), "refused") {
@@ -359,7 +359,7 @@ func TestGuestAddressesAsFirmwareNumbers(t *testing.T) {
 	_, tree := reference(t, "b300")
 	l := mustLabel(t, tree, "b300")
 	for _, numa := range []bool{false, true} {
-		g, err := GuestPlan(l.Units, GuestOptions{Units: []int{0, 1, 4}, NUMA: numa})
+		g, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{0, 1, 4}, NUMA: numa})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -55,7 +55,7 @@ func (s Status) Worse(o Status) Status {
 
 // Unit is one GPU and what travels with it into a VM.
 type Unit struct {
-	ID         int
+	ID         UnitID
 	GPU        *pci.Device
 	NICs       []*pci.Device // adjacent ConnectX PFs, in address order
 	DataDirect []*pci.Device // data-direct functions paired with the NICs
@@ -84,7 +84,7 @@ func (u *Unit) Degrade(s Status, format string, args ...any) {
 // Flags. Bits outside Mask are kept as they are, so egress control is never touched.
 type ACSPort struct {
 	Addr     pci.Address
-	Unit     int    // the unit whose path holds the port
+	Unit     UnitID // the unit whose path holds the port
 	Position string // "nic-port" (above the CX-8 PFs), "gpu-port", "root-port", ...
 	Offset   int    // config offset of the ACS capability (0 when the port lacks one)
 	Cap      pci.ACSBits

@@ -39,7 +39,7 @@ type Member struct {
 	Addr   pci.Address `json:"addr"`
 	IDs    string      `json:"ids"`
 	Driver string      `json:"driver,omitempty"`
-	// Owner is "unit N" (this or another unit's passthrough set), "bridge", or "host"
+	// Owner is "gpuN" (this or another unit's passthrough set), "bridge", or "host"
 	// (anything else: management NIC, NVSwitch management, placeholder, unlabeled).
 	Owner string `json:"owner"`
 }
@@ -47,7 +47,7 @@ type Member struct {
 // Finding is one thing Audit found about a unit.
 type Finding struct {
 	Kind    string          `json:"kind"`
-	Unit    int             `json:"unit"`
+	Unit    topology.UnitID `json:"unit"`
 	Status  topology.Status `json:"status"` // what the finding makes of the unit
 	Addr    pci.Address     `json:"addr"`   // the passthrough function, or the port for an isolation gap
 	Group   int             `json:"group"`  // -1 when not about a group
@@ -56,7 +56,7 @@ type Finding struct {
 }
 
 func (f Finding) String() string {
-	s := fmt.Sprintf("unit %d: %s %s: %s", f.Unit, f.Kind, f.Addr, f.Detail)
+	s := fmt.Sprintf("%s: %s %s: %s", f.Unit, f.Kind, f.Addr, f.Detail)
 	if len(f.Members) > 0 {
 		ms := make([]string, len(f.Members))
 		for i, m := range f.Members {
@@ -89,8 +89,8 @@ func AuditPlanned(tree *pci.Tree, units []*topology.Unit, planned map[pci.Addres
 		return p.ACS.Ctl
 	}
 	var out []Finding
-	owner := map[pci.Address]int{} // function -> unit ID
-	twice := map[pci.Address][]int{}
+	owner := map[pci.Address]topology.UnitID{} // function -> unit
+	twice := map[pci.Address][]topology.UnitID{}
 	for _, u := range units {
 		if u == nil {
 			continue
@@ -115,7 +115,7 @@ func AuditPlanned(tree *pci.Tree, units []*topology.Unit, planned map[pci.Addres
 	return out
 }
 
-func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Address]int, twice map[pci.Address][]int, u *topology.Unit,
+func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Address]topology.UnitID, twice map[pci.Address][]topology.UnitID, u *topology.Unit,
 	ctl func(*pci.Device) pci.ACSBits) []Finding {
 	var out []Finding
 	if u.GPU == nil {
@@ -138,7 +138,7 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 		}
 		if us, ok := twice[d.Addr]; ok {
 			out = append(out, Finding{Kind: KindSharedFunction, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
-				Detail: fmt.Sprintf("also in the passthrough set of unit(s) %v", others(us, u.ID))})
+				Detail: fmt.Sprintf("also in the passthrough set of %v", others(us, u.ID))})
 		}
 		if vfs := d.VFs(); len(vfs) > 0 {
 			out = append(out, Finding{Kind: KindSRIOVActive, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
@@ -157,7 +157,7 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 				mem := Member{Addr: m.Addr, IDs: m.IDs(), Driver: m.Driver}
 				switch id, ok := owner[m.Addr]; {
 				case ok:
-					mem.Owner = fmt.Sprintf("unit %d", id)
+					mem.Owner = id.String()
 					if id != u.ID {
 						foreign++
 					}
@@ -173,7 +173,7 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 			}
 			if foreign > 0 {
 				out = append(out, Finding{Kind: KindGroupShared, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
-					Members: listed, Detail: fmt.Sprintf("iommu group %d holds %d function(s) outside unit %d", d.IOMMUGroup, foreign, u.ID)})
+					Members: listed, Detail: fmt.Sprintf("iommu group %d holds %d function(s) outside %s", d.IOMMUGroup, foreign, u.ID)})
 			}
 		}
 		for _, p := range d.Ancestors() {
@@ -231,16 +231,16 @@ func portName(p *pci.Device) string {
 	return "bridge " + p.Addr.String()
 }
 
-func others(ids []int, self int) []int {
-	seen := map[int]bool{}
-	var out []int
+func others(ids []topology.UnitID, self topology.UnitID) []topology.UnitID {
+	seen := map[topology.UnitID]bool{}
+	var out []topology.UnitID
 	for _, id := range ids {
 		if id != self && !seen[id] {
 			seen[id] = true
 			out = append(out, id)
 		}
 	}
-	sort.Ints(out)
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
 	return out
 }
 

@@ -64,7 +64,7 @@ func BenchmarkBindB300(b *testing.B) {
 		var us []*topology.Unit
 		for i := 0; i < 8; i++ {
 			l := func(f string) *pci.Device { return tree.Lookup(n.Addr(fmt.Sprintf(f, i))) }
-			us = append(us, &topology.Unit{ID: i, GPU: l("gpu%d"), NICs: []*pci.Device{l("nic%d.0"), l("nic%d.1")}, NVMe: []*pci.Device{l("nvme%d")}})
+			us = append(us, &topology.Unit{ID: topology.UnitID(i), GPU: l("gpu%d"), NICs: []*pci.Device{l("nic%d.0"), l("nic%d.1")}, NVMe: []*pci.Device{l("nvme%d")}})
 		}
 		return us
 	}

@@ -84,7 +84,7 @@ type FunctionReport struct {
 
 // UnitReport is one unit's outcome: bound when Error is "".
 type UnitReport struct {
-	ID        int              `json:"id"`
+	ID        topology.UnitID  `json:"id"`
 	Error     string           `json:"error,omitempty"`
 	Functions []FunctionReport `json:"functions,omitempty"`
 }
@@ -101,7 +101,7 @@ type Report struct {
 }
 
 // Unit returns the report of unit id, or nil.
-func (r *Report) Unit(id int) *UnitReport {
+func (r *Report) Unit(id topology.UnitID) *UnitReport {
 	for i := range r.Units {
 		if r.Units[i].ID == id {
 			return &r.Units[i]
@@ -200,14 +200,14 @@ func bindUnit(ctx context.Context, sys Sysfs, tree *pci.Tree, u *topology.Unit, 
 	var failure error
 	for _, ud := range unitFunctions(u) {
 		if err := ctx.Err(); err != nil {
-			failure = fmt.Errorf("unit %d: %w", u.ID, err)
+			failure = fmt.Errorf("%s: %w", u.ID, err)
 			break
 		}
 		d := tree.Lookup(ud.Addr)
 		if d == nil {
 			// The decision refuses such a unit (bad-unit); a caller that did not ask it
 			// gets an error, not a crash.
-			failure = fmt.Errorf("unit %d: %s is not in the scanned tree", u.ID, ud.Addr)
+			failure = fmt.Errorf("%s: %s is not in the scanned tree", u.ID, ud.Addr)
 			break
 		}
 		st := &fnState{dev: d, override: d.DriverOverride, reportIdx: len(reps)}
@@ -215,7 +215,7 @@ func bindUnit(ctx context.Context, sys Sysfs, tree *pci.Tree, u *topology.Unit, 
 		reps = append(reps, fr)
 		touched = append(touched, st)
 		if err != nil {
-			failure = fmt.Errorf("unit %d: %w", u.ID, err)
+			failure = fmt.Errorf("%s: %w", u.ID, err)
 			break
 		}
 	}

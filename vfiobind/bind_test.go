@@ -196,7 +196,7 @@ func TestSharedGroupRefusesUnit(t *testing.T) {
 			units := allUnits(n)
 			findings := vfiobind.Audit(n.tree, units)
 			got := ofKind(findings, vfiobind.KindGroupShared)
-			if len(got) != 1 || got[0].Unit != tc.unit {
+			if len(got) != 1 || got[0].Unit != topology.UnitID(tc.unit) {
 				t.Fatalf("%s findings %v, want one, of unit %d", vfiobind.KindGroupShared, got, tc.unit)
 			}
 			refusal := got[0]
@@ -207,7 +207,7 @@ func TestSharedGroupRefusesUnit(t *testing.T) {
 			for _, m := range refusal.Members {
 				listed[m.Addr] = m.Owner
 			}
-			if listed[host.Addr] != "host" || listed[shared.Addr] != fmt.Sprintf("unit %d", tc.unit) || len(listed) != 3 {
+			if listed[host.Addr] != "host" || listed[shared.Addr] != fmt.Sprintf("gpu%d", tc.unit) || len(listed) != 3 {
 				t.Errorf("members %v: want %s (host), %s (unit %d) and the port", refusal.Members, tc.host, tc.withFunc, tc.unit)
 			}
 			if !strings.Contains(refusal.String(), host.Addr.String()) {
@@ -223,7 +223,7 @@ func TestSharedGroupRefusesUnit(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if r := rep.Unit(tc.unit); r != nil {
+			if r := rep.Unit(topology.UnitID(tc.unit)); r != nil {
 				t.Errorf("unit %d, not given, has a report: %+v", tc.unit, r)
 			}
 			u := units[tc.unit]
@@ -240,7 +240,7 @@ func TestSharedGroupRefusesUnit(t *testing.T) {
 				}
 			}
 			for _, o := range units {
-				if o.ID == tc.unit {
+				if o.ID == topology.UnitID(tc.unit) {
 					continue
 				}
 				if r := rep.Unit(o.ID); r == nil || !r.Bound() {
@@ -284,7 +284,7 @@ func TestIsolationGapDegradesUnit(t *testing.T) {
 		unit         int
 	}{{"cx-dsp-gpu5", "RR off", 5}, {"bcm-dsp-nvme1", "no ACS capability", 1}} {
 		f, ok := gaps[n.Addr(want.port)]
-		if !ok || f.Unit != want.unit || !strings.Contains(f.Detail, want.detail) || f.Status != topology.StatusDegraded {
+		if !ok || f.Unit != topology.UnitID(want.unit) || !strings.Contains(f.Detail, want.detail) || f.Status != topology.StatusDegraded {
 			t.Errorf("%s: finding %+v, want unit %d %q degraded", want.port, f, want.unit, want.detail)
 		}
 	}
@@ -437,7 +437,7 @@ func TestBadUnits(t *testing.T) {
 	findings := vfiobind.Audit(n.tree, units)
 	kinds := map[int][]string{}
 	for _, f := range findings {
-		kinds[f.Unit] = append(kinds[f.Unit], f.Kind)
+		kinds[int(f.Unit)] = append(kinds[int(f.Unit)], f.Kind)
 	}
 	drop := refused(findings)
 	want := map[int]string{0: vfiobind.KindBadUnit, 1: vfiobind.KindSharedFunction, 2: vfiobind.KindSharedFunction, 9: vfiobind.KindBadUnit}
@@ -555,12 +555,12 @@ func TestGroupSharedBetweenUnits(t *testing.T) {
 	for _, id := range []int{3, 4} {
 		var shared []string
 		for _, f := range ofKind(findings, vfiobind.KindGroupShared) {
-			if f.Unit == id {
+			if f.Unit == topology.UnitID(id) {
 				shared = append(shared, f.String())
 			}
 		}
 		s := strings.Join(shared, " ")
-		if len(shared) != 1 || !strings.Contains(s, "(unit 3)") || !strings.Contains(s, "(unit 4)") {
+		if len(shared) != 1 || !strings.Contains(s, "(gpu3)") || !strings.Contains(s, "(gpu4)") {
 			t.Errorf("unit %d: %s findings %v, want one listing both units' members", id, vfiobind.KindGroupShared, shared)
 		}
 	}

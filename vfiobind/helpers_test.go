@@ -75,7 +75,7 @@ func (n *node) dev(name string) *pci.Device {
 func (n *node) units(ids ...int) []*topology.Unit {
 	var out []*topology.Unit
 	for _, i := range ids {
-		u := &topology.Unit{ID: i, GPU: n.dev(fmt.Sprintf("gpu%d", i)),
+		u := &topology.Unit{ID: topology.UnitID(i), GPU: n.dev(fmt.Sprintf("gpu%d", i)),
 			NICs: []*pci.Device{n.dev(fmt.Sprintf("nic%d.0", i)), n.dev(fmt.Sprintf("nic%d.1", i))},
 			NVMe: []*pci.Device{n.dev(fmt.Sprintf("nvme%d", i))}}
 		seen := map[pci.Address]bool{}
@@ -117,7 +117,7 @@ func refused(findings []vfiobind.Finding) map[int]bool {
 	out := map[int]bool{}
 	for _, f := range findings {
 		if f.Refuses() {
-			out[f.Unit] = true
+			out[int(f.Unit)] = true
 		}
 	}
 	return out
@@ -128,7 +128,7 @@ func refused(findings []vfiobind.Finding) map[int]bool {
 func without(units []*topology.Unit, drop map[int]bool) []*topology.Unit {
 	var out []*topology.Unit
 	for _, u := range units {
-		if u != nil && !drop[u.ID] {
+		if u != nil && !drop[int(u.ID)] {
 			out = append(out, u)
 		}
 	}

@@ -180,8 +180,8 @@ func describe(d *pci.Device) string {
 // labelledDevice is pci's JSON view of a function plus what topology says of it.
 type labelledDevice struct {
 	pci.DeviceJSON
-	Role string `json:"role"`
-	Unit *int   `json:"unit"` // null for functions that belong to no unit
+	Role string           `json:"role"`
+	Unit *topology.UnitID `json:"unit"` // null for functions that belong to no unit
 }
 
 type inspectDoc struct {

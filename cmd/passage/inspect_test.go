@@ -49,7 +49,7 @@ type jsonDoc struct {
 		} `json:"ats"`
 		Problems []string `json:"problems"`
 		Role     string   `json:"role"`
-		Unit     *int     `json:"unit"`
+		Unit     *string  `json:"unit"`
 	} `json:"devices"`
 	Units []struct {
 		ID         string   `json:"id"`
@@ -111,10 +111,10 @@ func TestInspectJSON(t *testing.T) {
 	}
 
 	// Roles and units from the b300 profile.
-	if gpu.Role != "gpu" || gpu.Unit == nil || *gpu.Unit != 7 {
+	if gpu.Role != "gpu" || gpu.Unit == nil || *gpu.Unit != "gpu7" {
 		t.Errorf("gpu7 role %q unit %v", gpu.Role, gpu.Unit)
 	}
-	if nic.Role != "gpu-nic" || nic.Unit == nil || *nic.Unit != 7 {
+	if nic.Role != "gpu-nic" || nic.Unit == nil || *nic.Unit != "gpu7" {
 		t.Errorf("nic7.1 role %q unit %v", nic.Role, nic.Unit)
 	}
 	mgmt := doc.Devices[byBDF[n.Addr("mgmt0").String()]]

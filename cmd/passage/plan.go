@@ -40,7 +40,7 @@ type errUsage struct{ error }
 // the kernel's state under the root too (command line, lockdown), as apply does, so the
 // two agree; a snapshot or a dump has none.
 func (f *planFlags) decide(fs *flag.FlagSet) (*decision.Decision, error) {
-	var units []int
+	var units []topology.UnitID
 	if f.units != "all" {
 		for _, s := range strings.Split(f.units, ",") {
 			id, err := topology.ParseUnitName(s)

@@ -28,7 +28,7 @@ func TestPlanAndRenderCLI(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("plan: %d %s", code, errs)
 	}
-	for _, want := range []string{"gpu-nic", "mgmt-nic", "nvswitch-mgmt", "1x111x1@" + n.Addr("cx-dsp-nic0").String(), "guest matrix (units 0,1"} {
+	for _, want := range []string{"gpu-nic", "mgmt-nic", "nvswitch-mgmt", "1x111x1@" + n.Addr("cx-dsp-nic0").String(), "guest matrix (units gpu0,gpu1"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("plan output lacks %q", want)
 		}

@@ -37,7 +37,7 @@ func TestPlanOutApplyPlan(t *testing.T) {
 	}{
 		{"port lost its ACS", func() string {
 			return pcitest.New(t, b300With(func(s *pcitest.Spec) { s.Fn("gpu-dsp1").ACS = nil })()).Root
-		}, []string{"unit 1: planned", `"failed"`, "acs 0000:31:00.0"}},
+		}, []string{"gpu1: planned", `"failed"`, "acs 0000:31:00.0"}},
 		{"locked down", func() string {
 			r := pcitest.New(t, pcitest.B300()).Root
 			p := filepath.Join(r, "sys/kernel/security/lockdown")

@@ -6,7 +6,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"strconv"
 	"strings"
 
 	"github.com/passage-boot/passage/pci"
@@ -111,7 +110,7 @@ func unbindUnitFunctions(tree *pci.Tree, unit, profile string, stderr io.Writer)
 	if u == nil {
 		var have []string
 		for _, o := range labels.Units {
-			have = append(have, strconv.Itoa(o.ID))
+			have = append(have, o.ID.String())
 		}
 		return nil, fmt.Errorf("--unit %s: no such unit under profile %s (have %s)", unit, profile, strings.Join(have, " "))
 	}

@@ -137,7 +137,7 @@ func (b *Boot) now() time.Time {
 func (b *Boot) RunDir() string { return b.path(initramfs.RunDir) }
 
 // UnitID names a topology unit in the runner's state, the console table and the manifest.
-func UnitID(id int) string { return topology.UnitName(id) }
+func UnitID(id topology.UnitID) string { return id.String() }
 
 func toStatus(s topology.Status) stages.Status {
 	switch s {
@@ -387,7 +387,7 @@ func (b *Boot) vfio(ctx context.Context, _ *stages.State, r *stages.Result) erro
 		return stages.Skip("dry run")
 	}
 	bind := d.Bindable(acsRun)
-	in := map[int]bool{}
+	in := map[topology.UnitID]bool{}
 	for _, u := range bind {
 		in[u.ID] = true
 	}

@@ -233,7 +233,7 @@ func TestACSAppliesAndSkipsFailedUnits(t *testing.T) {
 	perUnit := map[int]int{}
 	applied, nicPorts := 0, 0
 	for _, c := range b.ACSRun.Changes {
-		perUnit[c.Unit]++
+		perUnit[int(c.Unit)]++
 		if c.Unit == 3 {
 			if c.Result != apply.ResultSkipped || !strings.HasPrefix(c.Note, "unit failed") {
 				t.Errorf("failed unit's port %s: %s (%s)", c.Addr, c.Result, c.Note)

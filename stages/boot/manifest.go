@@ -115,13 +115,13 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 			}
 		}
 	}
-	acs := map[int][]manifest.ACSChange{}
+	acs := map[topology.UnitID][]manifest.ACSChange{}
 	if acsRun != nil {
 		for _, c := range acsRun.Changes {
 			acs[c.Unit] = append(acs[c.Unit], acsChange(c))
 		}
 	}
-	ats := map[int][]manifest.Finding{}
+	ats := map[topology.UnitID][]manifest.Finding{}
 	for _, f := range d.ATS {
 		sev := "info"
 		if f.Missing() {
@@ -129,7 +129,7 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 		}
 		ats[f.Unit] = append(ats[f.Unit], manifest.Finding{Object: f.Addr.String(), Severity: sev, Message: f.String()})
 	}
-	verdict := map[int]decision.Verdict{}
+	verdict := map[topology.UnitID]decision.Verdict{}
 	for _, v := range vs {
 		verdict[v.Unit] = v
 	}
@@ -195,7 +195,7 @@ func (b *Boot) guestPlan(vs []decision.Verdict) (*manifest.GuestPlan, error) {
 	if d == nil {
 		return nil, nil
 	}
-	var ids []int
+	var ids []topology.UnitID
 	for _, v := range vs {
 		if verdictOK(v) {
 			ids = append(ids, v.Unit)
