@@ -188,3 +188,22 @@ rules:
 		}
 	}
 }
+
+// BenchmarkDecideB300 is the whole decision on the reference node, tree already scanned:
+// labels, ATS, ACS targets, the audit and the guest plan.
+func BenchmarkDecideB300(b *testing.B) {
+	tree, err := pci.Scan(pcitest.New(b, pcitest.B300()).Root)
+	if err != nil {
+		b.Fatal(err)
+	}
+	p, err := topology.Builtin("b300")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for b.Loop() {
+		d, err := Decide(Input{Tree: tree, Profile: p})
+		if err != nil || len(d.Units()) != 8 {
+			b.Fatal(err)
+		}
+	}
+}
