@@ -141,6 +141,20 @@ func Decide(in Input) (*Decision, error) {
 			mark(u.ID, topology.StatusFailed, why)
 		}
 	}
+	// What cannot be read about a passthrough function is never a reason for its unit to
+	// be ready: its config space, driver or group may be anything. Only VPD (used to pair
+	// a data-direct function) and NUMA placement (used for the guest layout) cost less.
+	for _, u := range units {
+		for _, f := range u.Functions() {
+			for _, p := range f.Problems {
+				s := topology.StatusFailed
+				if strings.HasPrefix(p, "vpd:") || strings.HasPrefix(p, "numa_node:") {
+					s = topology.StatusDegraded
+				}
+				mark(u.ID, s, fmt.Sprintf("%s: cannot be read as it is: %s", f.Addr, p))
+			}
+		}
+	}
 	for _, u := range units {
 		if len(u.NICs) == 0 {
 			mark(u.ID, topology.StatusDegraded, fmt.Sprintf("no GPU-adjacent NIC found for GPU %s", u.GPU.Addr))

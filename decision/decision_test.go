@@ -207,3 +207,44 @@ func BenchmarkDecideB300(b *testing.B) {
 		}
 	}
 }
+
+// TestDecideUnreadableFacts: a passthrough function with a fact that could not be read
+// never leaves its unit ready.
+func TestDecideUnreadableFacts(t *testing.T) {
+	for _, c := range []struct {
+		fn, problem string
+		want        topology.Status
+	}{
+		{"0000:47:00.0", "config: input/output error", topology.StatusFailed},
+		{"0000:44:00.1", "iommu_group: malformed link \"-7\"", topology.StatusFailed},
+		{"0000:49:00.0", "numa_node: malformed \"-5\"", topology.StatusDegraded},
+	} {
+		tree, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, _ := pci.ParseAddress(c.fn)
+		d := tree.Lookup(a)
+		if d == nil {
+			t.Fatalf("no %s", c.fn)
+		}
+		d.Problems = append(d.Problems, c.problem)
+		p, _ := topology.Builtin("b300")
+		dec, err := Decide(Input{Tree: tree, Profile: p})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, v := range dec.Decided() {
+			want := topology.StatusReady
+			if v.Unit == 2 {
+				want = c.want
+			}
+			if v.Status != want {
+				t.Errorf("%s %q: %s %s %v, want %s", c.fn, c.problem, v.Unit, v.Status, v.Reasons, want)
+			}
+			if v.Unit == 2 && !strings.Contains(strings.Join(v.Reasons, "; "), c.problem) {
+				t.Errorf("%s: reasons %q do not name %q", v.Unit, v.Reasons, c.problem)
+			}
+		}
+	}
+}

@@ -59,6 +59,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	release := fs.String("kernel", "", "running kernel release for the advice (default: <root>/proc/sys/kernel/osrelease)")
 	noBind := fs.Bool("no-bind", false, "program ACS only; leave drivers as they are")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
+	modulesFromRoot := fs.Bool("modules-from-root", false, "with --root DIR other than /, load the vfio stack from DIR/lib/modules/<release> into the running kernel (default: load nothing from another tree)")
 	planFile := fs.String("plan", "", "execute the decision saved by plan --out `FILE`, and only if the node still matches it (profile and policy come from the file)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -169,14 +170,22 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 			sys = env.sysfs(*root)
 		}
 		var opts vfiobind.Options
-		if env.modules != nil {
+		switch {
+		case env.modules != nil:
 			opts.Modules = env.modules(*root, live.Release)
-		} else if live.Release != "" {
-			// Load the vfio stack from the node's own modules when it has them; a tree
-			// without /lib/modules (a synthetic root) relies on vfio-pci being registered.
+		case *root == "/" || *modulesFromRoot:
+			// Modules go into the running kernel: only from the running system's own
+			// directory, unless the operator says otherwise, and never through a release
+			// that is not a plain name (a tree's /proc may say "../../tmp").
+			if !kmod.PlainRelease(live.Release) {
+				return usageErr(fmt.Errorf("kernel release %q: not a plain release name; no module loaded", live.Release))
+			}
 			if ix, err := kmod.Open(filepath.Join(*root, "lib", "modules", live.Release)); err == nil {
 				opts.Modules = &vfiobind.Kmod{Index: ix}
 			}
+		default:
+			// Another root: its modules are not loaded into this kernel; vfio-pci must
+			// already be registered (binding checks).
 		}
 		out.VFIO, x.BindErr = d.ExecuteBind(ctx, sys, x.ACS, opts)
 		x.Bind = out.VFIO

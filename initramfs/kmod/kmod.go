@@ -248,3 +248,19 @@ func (ix *Index) Load(names ...string) ([]Result, error) {
 	}
 	return results, errors.Join(errs...)
 }
+
+// PlainRelease says whether s can name a directory of /lib/modules: a kernel release
+// such as "6.1.0-57-amd64", never a path ("..", "/", empty).
+func PlainRelease(s string) bool {
+	if s == "" || s == "." || s == ".." || len(s) > 64 {
+		return false
+	}
+	for _, r := range s {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '.', r == '-', r == '_', r == '+', r == '~':
+		default:
+			return false
+		}
+	}
+	return true
+}
