@@ -9,6 +9,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"os"
 	"strings"
 
 	"github.com/secure-systems-lab/go-securesystemslib/dsse"
@@ -140,8 +142,18 @@ type Verified struct {
 
 // Verify checks envelope against v and opts and returns the manifest it carries. The
 // order of checks decides which reason is reported: envelope shape, key, signature (or
-// edited payload), schema version, then generation and boot id.
+// edited payload), schema version, then generation and boot id. The shape includes the
+// size (at most MaxEnvelopeSize) and that no object gives a key twice, in the envelope
+// or in the signed payload: JSON parsers disagree on which of two the document means.
 func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) {
+	if len(envelope) > MaxEnvelopeSize {
+		return nil, verr(ErrMalformed, "envelope is %d bytes, over the %s limit", len(envelope), sizeLimit)
+	}
+	// Before any decoding: a key given twice means one thing here and maybe another to
+	// the next verifier.
+	if err := checkUniqueKeys(envelope); err != nil {
+		return nil, verr(ErrMalformed, "%v", err)
+	}
 	var env Envelope
 	dec := json.NewDecoder(bytes.NewReader(envelope))
 	if err := dec.Decode(&env); err != nil {
@@ -192,6 +204,9 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 		return nil, verr(ErrBadSignature, "key %s: %v", keyID, err)
 	}
 
+	if err := checkUniqueKeys(payload); err != nil {
+		return nil, verr(ErrMalformed, "payload: %v", err)
+	}
 	var head struct {
 		SchemaVersion *int `json:"schema_version"`
 	}
@@ -204,7 +219,7 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 	if *head.SchemaVersion != SchemaVersion {
 		return nil, verr(ErrUnknownSchema, "schema_version %d, this verifier knows %d", *head.SchemaVersion, SchemaVersion)
 	}
-	m, err := Unmarshal(payload)
+	m, err := unmarshal(payload)
 	if err != nil {
 		return nil, verr(ErrMalformed, "payload: %v", err)
 	}
@@ -218,8 +233,17 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 }
 
 // Unmarshal decodes a payload of the current schema strictly: unknown fields are an
-// error, since any new field comes with a new SchemaVersion.
+// error, since any new field comes with a new SchemaVersion, and so is a key given twice
+// in one object (see Verify).
 func Unmarshal(payload []byte) (*Manifest, error) {
+	if err := checkUniqueKeys(payload); err != nil {
+		return nil, err
+	}
+	return unmarshal(payload)
+}
+
+// unmarshal is Unmarshal without the duplicate-key walk, for a payload already walked.
+func unmarshal(payload []byte) (*Manifest, error) {
 	dec := json.NewDecoder(bytes.NewReader(payload))
 	dec.DisallowUnknownFields()
 	var m Manifest
@@ -242,4 +266,39 @@ func validDigest(s string) bool {
 	}
 	_, err := hex.DecodeString(h)
 	return err == nil
+}
+
+// MaxEnvelopeSize is the largest envelope Verify and ReadEnvelope accept. A real one is
+// tens of KB (an eight-unit B300 node's is about 28 KB); the bound keeps a hostile or
+// mistaken file from costing the verifier gigabytes of memory (decoding holds the
+// envelope, the base64 payload and its decoding at once).
+const MaxEnvelopeSize = 16 << 20
+
+const sizeLimit = "16 MiB" // MaxEnvelopeSize, for messages
+
+// ReadEnvelope reads an envelope file for Verify, refusing one larger than
+// MaxEnvelopeSize without reading it: the size is checked on the open file and the read
+// goes through a limit, so a file that grows meanwhile (or a pipe) is caught too. A file
+// over the limit is a *VerifyError of kind ErrMalformed naming the file; a file that
+// cannot be read is the os error.
+func ReadEnvelope(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	tooLarge := func(size string) error {
+		return verr(ErrMalformed, "%s: envelope is %s bytes, over the %s limit", path, size, sizeLimit)
+	}
+	if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() && fi.Size() > MaxEnvelopeSize {
+		return nil, tooLarge(fmt.Sprint(fi.Size()))
+	}
+	b, err := io.ReadAll(io.LimitReader(f, MaxEnvelopeSize+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > MaxEnvelopeSize {
+		return nil, tooLarge("more than " + fmt.Sprint(MaxEnvelopeSize))
+	}
+	return b, nil
 }

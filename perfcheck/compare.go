@@ -86,7 +86,7 @@ type CollectiveReport struct {
 	HostRounds  int      `json:"host_rounds"`
 	GuestRounds int      `json:"guest_rounds"`
 	Points      []Point  `json:"points"`
-	Largest     *Worst   `json:"largest,omitempty"`    // the largest message both sides measured
+	Largest     *Worst   `json:"largest,omitempty"`    // the largest message; nil when it cannot be judged (a Fail says why)
 	Worst8MiB   *Worst   `json:"worst_8mib,omitempty"` // worst delta over messages >= 8 MiB
 	Outliers    []Worst  `json:"outliers,omitempty"`
 	Repeated    []Worst  `json:"repeated,omitempty"`
@@ -401,6 +401,8 @@ func compareCollective(name string, h, g []*NCCLRun, opt Options, add func(Sever
 		}
 	}
 
+	topOK := checkLargest(name, c.Points, h, g, opt.InPlace, add)
+
 	var cmp []int // indexes of points with a delta
 	for i, p := range c.Points {
 		if p.DeltaPct != nil {
@@ -415,9 +417,13 @@ func compareCollective(name string, h, g []*NCCLRun, opt Options, add func(Sever
 		p := c.Points[i]
 		return &Worst{Collective: name, Size: p.Size, DeltaPct: *p.DeltaPct, Host: *p.Host, Guest: *p.Guest}
 	}
-	c.Largest = worst(cmp[len(cmp)-1])
-	if c.Largest.DeltaPct < -th.LargestPct {
-		add(Fail, name, "largest message %s: busbw %.2f -> %.2f GB/s, %+.2f%% (limit -%g%%)", sizeString(c.Largest.Size), c.Largest.Host, c.Largest.Guest, c.Largest.DeltaPct, th.LargestPct)
+	// The largest message is the largest size either side measured, never a smaller one
+	// standing in for it: checkLargest has failed the verdict when it has no delta.
+	if top := len(c.Points) - 1; topOK && c.Points[top].DeltaPct != nil {
+		c.Largest = worst(top)
+		if c.Largest.DeltaPct < -th.LargestPct {
+			add(Fail, name, "largest message %s: busbw %.2f -> %.2f GB/s, %+.2f%% (limit -%g%%)", sizeString(c.Largest.Size), c.Largest.Host, c.Largest.Guest, c.Largest.DeltaPct, th.LargestPct)
+		}
 	}
 	for _, i := range cmp {
 		p := c.Points[i]
@@ -493,6 +499,68 @@ func compareCollective(name string, h, g []*NCCLRun, opt Options, add func(Sever
 		}
 	}
 	return c
+}
+
+// checkLargest holds a collective to its largest message: the largest size either side
+// measured (points are in size order) must be in every round of both sides with a
+// finite busbw, and the two medians must compare. Otherwise the loss there is unknown,
+// and judging the next smaller size instead would let a guest that failed (nan),
+// overflowed (inf) or stopped (no row) at the largest message pass; each such gap is a
+// Fail naming the size, the side and the file. It reports whether the largest message
+// can be judged.
+func checkLargest(name string, points []Point, h, g []*NCCLRun, inPlace bool, add func(Severity, string, string, ...any)) bool {
+	if len(points) == 0 {
+		return false
+	}
+	top := points[len(points)-1]
+	size := sizeString(top.Size)
+	ok := true
+	for _, side := range []struct {
+		name    string
+		runs    []*NCCLRun
+		samples Samples
+	}{{"host", h, top.HostSamples}, {"guest", g, top.GuestSamples}} {
+		if len(side.samples) == 0 {
+			other := map[string]string{"host": "guest", "guest": "host"}[side.name]
+			add(Fail, name, "largest message %s is missing on the %s (the %s measured it): the verdict is held to the largest message, not a smaller one", size, side.name, other)
+			ok = false
+			continue
+		}
+		for _, r := range side.runs {
+			rows := 0
+			for _, row := range r.Rows {
+				if row.Size != top.Size {
+					continue
+				}
+				rows++
+				v := row.OutOfPlace
+				if inPlace {
+					v = row.InPlace
+				}
+				if !v.Valid() {
+					add(Fail, name, "largest message %s: %s line %d: %s busbw is %s, not a measurement", size, r.File, row.Line, side.name, busbwString(v.BusBW))
+					ok = false
+				}
+			}
+			if rows == 0 {
+				add(Fail, name, "largest message %s: %s (%s) has no row for it: the round stopped short of it or ran to a smaller -e", size, r.File, side.name)
+				ok = false
+			}
+		}
+	}
+	if ok && top.DeltaPct == nil {
+		add(Fail, name, "largest message %s: busbw %s -> %s GB/s cannot be compared", size, fmtPtr(top.Host, "%.2f"), fmtPtr(top.Guest, "%.2f"))
+		ok = false
+	}
+	return ok
+}
+
+// busbwString prints a busbw the way a finding quotes a bad one: nan, +Inf, -3.
+func busbwString(v float64) string {
+	if math.IsNaN(v) {
+		return "nan"
+	}
+	return strconv.FormatFloat(v, 'g', -1, 64)
 }
 
 func compareNVB(host, guest []*NVBRun, th Thresholds, add func(Severity, string, string, ...any)) []NVBTestcaseReport {

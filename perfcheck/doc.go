@@ -43,8 +43,16 @@
 // compared (the per-GPU mean when the guest sees a different number of GPUs), and the
 // host_to_device / device_to_host memcpy testcases are judged.
 //
-// The verdict fails on: a loss beyond a threshold; a collective or judged nvbandwidth
-// testcase measured on one side only; an aborted run; nccl-tests reporting wrong
-// elements or out-of-bounds values (the data was corrupt: no bandwidth counts then).
-// A file cut short (no footer) is used for the rows it has, with a warning.
+// The largest message of a collective is the largest size either side measured. It is
+// judged there or not at all: every round of both sides must have a row for it with a
+// finite busbw. A nan or inf busbw, or a missing row, at that size fails the verdict,
+// naming the file; the comparison never falls back to a smaller size, which would let a
+// guest that broke at the largest message pass.
+//
+// The verdict fails on: a loss beyond a threshold; a largest message that cannot be
+// judged; a collective or judged nvbandwidth testcase measured on one side only; an
+// aborted run; nccl-tests reporting wrong elements or out-of-bounds values (the data
+// was corrupt: no bandwidth counts then).
+// A file cut short (no footer) is used for the rows it has, with a warning; if it stops
+// before the largest message, that fails as above.
 package perfcheck

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path"
+	"path/filepath"
 	"sort"
 	"strings"
 
@@ -42,8 +45,12 @@ func CheckWholeGroups(tree *pci.Tree, fns []*pci.Device) error {
 
 // Release returns functions to their host drivers, for maintenance: clear
 // driver_override, unbind vfio-pci if it holds the function, and write the BDF to
-// drivers_probe so the kernel matches a host driver by ID again. A host driver that is
-// not loaded leaves the function unbound, which is reported, not an error. Functions are
+// drivers_probe so the kernel matches a host driver by ID again. Then it reads the
+// function's driver link, since stores that succeed do not say where the function ended
+// (drivers_probe succeeds whatever it binds, and vfio-pci may match the function by ID,
+// through vfio-pci.ids= or new_id): a function still on vfio-pci, whose link cannot be
+// read, or that is gone, is an error. A host driver that is not loaded leaves the
+// function unbound, which is reported (DriverAfter ""), not an error. Functions are
 // released in address order; one that fails does not stop the others.
 func Release(ctx context.Context, sys Sysfs, fns []*pci.Device, opts Options) ([]FunctionReport, error) {
 	if sys == nil {
@@ -71,12 +78,15 @@ func releaseFunction(ctx context.Context, sys Sysfs, d *pci.Device, opts Options
 	a := d.Addr
 	start := opts.Clock.Now()
 	fr = FunctionReport{Addr: a, Group: d.IOMMUGroup}
+	checked := false
 	defer func() {
 		if err != nil {
 			fr.Err = err.Error()
-		}
-		if drv, rerr := currentDriver(sys, a); rerr == nil {
-			fr.DriverAfter = drv
+			if !checked {
+				if drv, rerr := currentDriver(sys, a); rerr == nil {
+					fr.DriverAfter = drv
+				}
+			}
 		}
 		fr.Duration = opts.Clock.Now().Sub(start)
 	}()
@@ -93,13 +103,36 @@ func releaseFunction(ctx context.Context, sys Sysfs, d *pci.Device, opts Options
 		if err := write(ctx, sys, &fr, driverPath(VFIODriver, "unbind"), a.String()); err != nil {
 			return fr, fmt.Errorf("%s: unbind %s: %w", a, VFIODriver, err)
 		}
+		fallthrough
 	case "":
+		if err := write(ctx, sys, &fr, driversProbe, a.String()); err != nil {
+			return fr, fmt.Errorf("%s: drivers_probe: %w", a, err)
+		}
 	default:
-		// Already on a host driver: nothing to hand back.
-		return fr, nil
+		// Already on a host driver: nothing to hand back, but the link is still checked.
 	}
-	if err := write(ctx, sys, &fr, driversProbe, a.String()); err != nil {
-		return fr, fmt.Errorf("%s: drivers_probe: %w", a, err)
+	checked = true
+	fr.DriverAfter, err = releasedTo(sys, a)
+	return fr, err
+}
+
+// releasedTo reads the driver a released function ended on: "" when none (its host
+// driver is not loaded). Still vfio-pci, a link that cannot be read, or a function whose
+// directory is gone, is an error: the release is not what it claims.
+func releasedTo(sys Sysfs, a pci.Address) (string, error) {
+	t, err := sys.ReadLink(devPath(a, "driver"))
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		if serr := sys.Stat(path.Join(pci.DevicesDir, a.String())); serr != nil {
+			return "", fmt.Errorf("%s: no driver link after release, and the function itself is not there: %w", a, serr)
+		}
+		return "", nil
+	case err != nil:
+		return "", fmt.Errorf("%s: cannot read its driver link after release, so where it ended is unknown: %w", a, err)
 	}
-	return fr, nil
+	drv := path.Base(filepath.ToSlash(t))
+	if drv == VFIODriver {
+		return drv, fmt.Errorf("%s: still on %s after release (vfio-pci.ids= or new_id matching it?)", a, VFIODriver)
+	}
+	return drv, nil
 }

@@ -111,10 +111,13 @@ func TestJSONAddressesAreBDFs(t *testing.T) {
 		sysfs: func(string) vfiobind.Sysfs { return k }, modules: func(string, string) vfiobind.ModuleLoader { return k }})
 	runJSON("apply", code, &out, &errb)
 
-	n := unbindTree(t)
+	// unbind on the node apply just bound, through the same simulated kernel.
 	out.Reset()
 	errb.Reset()
-	code = cmdUnbind([]string{"--root", n.Root, "--unit", "gpu3", "--json"}, &out, &errb)
+	code = runUnbind([]string{"--root", root2, "--unit", "gpu3", "--json"}, &out, &errb, unbindEnv{sysfs: func(string) vfiobind.Sysfs { return k }})
+	if code != 0 {
+		t.Errorf("unbind: exit %d: %s", code, errb.String())
+	}
 	runJSON("unbind", code, &out, &errb)
 
 	for _, o := range outs {

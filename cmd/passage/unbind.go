@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -13,11 +14,24 @@ import (
 	"github.com/passage-boot/passage/vfiobind"
 )
 
+// unbindEnv is what unbind writes through; tests put a simulated kernel here.
+type unbindEnv struct {
+	sysfs func(root string) vfiobind.Sysfs
+}
+
 // cmdUnbind returns a unit's functions (or the listed BDFs) to their host drivers for
-// maintenance: clear driver_override, unbind vfio-pci, drivers_probe. Whole IOMMU groups
-// only: handing one member of a group in use to a host driver breaks the guest's
-// isolation.
+// maintenance: clear driver_override, unbind vfio-pci, drivers_probe, then read each
+// function's driver link to report where it ended. Whole IOMMU groups only: handing one
+// member of a group in use to a host driver breaks the guest's isolation. Exit 1 when a
+// function is still on vfio-pci afterwards (or its link cannot be read), naming it.
 func cmdUnbind(args []string, stdout, stderr io.Writer) int {
+	return runUnbind(args, stdout, stderr, unbindEnv{})
+}
+
+func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
+	if env.sysfs == nil {
+		env.sysfs = func(root string) vfiobind.Sysfs { return vfiobind.Root(root) }
+	}
 	fs := flag.NewFlagSet("unbind", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	root := fs.String("root", "/", "root of the sysfs tree to read and write")
@@ -55,7 +69,21 @@ func cmdUnbind(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage unbind: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
 		return 2
 	}
-	reps, err := vfiobind.Release(context.Background(), vfiobind.Root(*root), fns, vfiobind.Options{})
+	reps, err := vfiobind.Release(context.Background(), env.sysfs(*root), fns, vfiobind.Options{})
+	// Release reads every function's driver link after its writes and fails one still on
+	// vfio-pci; the report is checked here too, so no line claims a release that did not
+	// happen.
+	failed := 0
+	for i := range reps {
+		r := &reps[i]
+		if r.Err == "" && r.DriverAfter == vfiobind.VFIODriver {
+			r.Err = fmt.Sprintf("%s: still on %s after release", r.Addr, vfiobind.VFIODriver)
+			err = errors.Join(err, errors.New(r.Err))
+		}
+		if r.Err != "" {
+			failed++
+		}
+	}
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -67,13 +95,17 @@ func cmdUnbind(args []string, stdout, stderr io.Writer) int {
 		for _, r := range reps {
 			line := fmt.Sprintf("%s group %d: %s -> %s (%v)", r.Addr, r.Group, unbindDriverName(r.DriverBefore), unbindDriverName(r.DriverAfter), r.Duration.Round(1000))
 			if r.Err != "" {
-				line += ": " + r.Err
+				line += ": NOT RELEASED: " + r.Err
 			}
 			fmt.Fprintln(stdout, line)
 		}
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "passage unbind: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
+		msg := strings.ReplaceAll(err.Error(), "\n", "; ")
+		if failed > 0 {
+			msg = fmt.Sprintf("%d of %d functions not released: %s", failed, len(fns), msg)
+		}
+		fmt.Fprintf(stderr, "passage unbind: %s\n", msg)
 		return 1
 	}
 	return 0

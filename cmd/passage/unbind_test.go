@@ -2,13 +2,10 @@ package main
 
 import (
 	"bytes"
-	"encoding/json"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
-	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/vfiobind"
 )
@@ -40,40 +37,6 @@ func readTrim(t *testing.T, p string) string {
 		t.Fatal(err)
 	}
 	return strings.TrimSpace(string(b))
-}
-
-func TestUnbindUnit(t *testing.T) {
-	n := unbindTree(t)
-	var out, errb bytes.Buffer
-	if rc := cmdUnbind([]string{"--root", n.Root, "--unit", "gpu3", "--json"}, &out, &errb); rc != 0 {
-		t.Fatalf("rc %d: %s", rc, errb.String())
-	}
-	var reps []vfiobind.FunctionReport
-	if err := json.Unmarshal(out.Bytes(), &reps); err != nil {
-		t.Fatalf("%v: %s", err, out.String())
-	}
-	want := map[pci.Address]bool{n.Addr("gpu3"): true, n.Addr("nic3.0"): true, n.Addr("nic3.1"): true, n.Addr("nvme3"): true}
-	if len(reps) != len(want) {
-		t.Fatalf("%d functions released, want %d: %+v", len(reps), len(want), reps)
-	}
-	var last pci.Address
-	for _, r := range reps {
-		if !want[r.Addr] || r.DriverBefore != vfiobind.VFIODriver || r.Err != "" {
-			t.Errorf("released %+v", r)
-		}
-		if len(r.Writes) != 3 {
-			t.Errorf("%s: writes %v, want override, unbind, drivers_probe", r.Addr, r.Writes)
-		}
-		last = r.Addr
-	}
-	// The synthetic tree is plain files: the last store to each control file stays.
-	sys := filepath.Join(n.Root, "sys", "bus", "pci")
-	if got := readTrim(t, filepath.Join(sys, "drivers", "vfio-pci", "unbind")); got != last.String() {
-		t.Errorf("vfio-pci/unbind holds %q, want %s", got, last)
-	}
-	if got := readTrim(t, filepath.Join(sys, "drivers_probe")); got != last.String() {
-		t.Errorf("drivers_probe holds %q, want %s", got, last)
-	}
 }
 
 func TestUnbindBDFHostDevice(t *testing.T) {

@@ -6,7 +6,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"strconv"
 	"strings"
 
@@ -65,8 +64,14 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage verify: --tpm-pub %s: not a TPM (ECDSA P-256) key\n", keyFile)
 		return 2
 	}
-	env, err := os.ReadFile(paths[0])
+	env, err := manifest.ReadEnvelope(paths[0])
 	if err != nil {
+		var ve *manifest.VerifyError
+		if errors.As(err, &ve) {
+			// Too large to be an envelope: refused before it is read whole.
+			fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", paths[0], err)
+			return 1
+		}
 		fmt.Fprintf(stderr, "passage verify: %v\n", err)
 		return 2
 	}
