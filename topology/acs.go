@@ -37,7 +37,7 @@ const (
 // an executor that stops a unit at its first failure then never leaves DT open above a
 // unit whose isolation it could not finish.
 func ACSPlan(units []*Unit) []ACSPort {
-	var out []ACSPort
+	var out, unit []ACSPort
 	seen := map[pci.Address]bool{}
 	for _, u := range units {
 		if u == nil || u.GPU == nil {
@@ -49,17 +49,10 @@ func ACSPlan(units []*Unit) []ACSPort {
 				nicParents[n.Parent] = true
 			}
 		}
-		above := func(port *pci.Device, ds []*pci.Device) bool {
-			for _, d := range ds {
-				for _, a := range d.Ancestors() {
-					if a == port {
-						return true
-					}
-				}
-			}
-			return false
-		}
-		var unit []ACSPort
+		// The ports above the GPU and above the NVMe, each path walked once: asking every
+		// port whether it is above every NVMe was quadratic in a unit's size.
+		gpuPorts, nvmePorts := portsAbove(u.GPU), portsAbove(u.NVMe...)
+		unit = unit[:0] // a scratch: out takes copies
 		bridges := append([]*pci.Device{}, u.Bridges...)
 		sort.Slice(bridges, func(i, j int) bool { return bridges[i].Addr.Less(bridges[j].Addr) })
 		for _, b := range bridges {
@@ -75,9 +68,9 @@ func ACSPlan(units []*Unit) []ACSPort {
 				want |= pci.ACSDT
 			case b.Parent == nil:
 				p.Position = PosRootPort
-			case above(b, []*pci.Device{u.GPU}):
+			case gpuPorts[b]:
 				p.Position = PosGPUPort
-			case above(b, u.NVMe):
+			case nvmePorts[b]:
 				p.Position = PosNVMePort
 			default:
 				p.Position = PosPathPort
@@ -112,6 +105,17 @@ func ACSPlan(units []*Unit) []ACSPort {
 		}
 		sort.SliceStable(unit, func(i, j int) bool { return unit[i].Flags&pci.ACSDT == 0 && unit[j].Flags&pci.ACSDT != 0 })
 		out = append(out, unit...)
+	}
+	return out
+}
+
+// portsAbove is the set of bridges above any of ds.
+func portsAbove(ds ...*pci.Device) map[*pci.Device]bool {
+	out := map[*pci.Device]bool{}
+	for _, d := range ds {
+		for a := d.Parent; a != nil && !out[a]; a = a.Parent {
+			out[a] = true
+		}
 	}
 	return out
 }

@@ -42,7 +42,10 @@ func hostPlace(d *pci.Device) place {
 	return p
 }
 
-// distance is the path type between two endpoints.
+// distance is the path type between two endpoints. The switches two endpoints share are
+// the top of both lists (they are the common part of two paths down one tree), so the
+// nearest shared switch is where the lists, compared from the top, last agree: one walk,
+// not every pair of switches.
 func distance(a, b place) string {
 	if a.host != b.host {
 		if a.numa == b.numa || a.numa < 0 || b.numa < 0 {
@@ -50,22 +53,25 @@ func distance(a, b place) string {
 		}
 		return SYS
 	}
-	best := -1
-	for i, s := range a.switches {
-		for j, o := range b.switches {
-			if s == o && (best < 0 || i+j < best) {
-				best = i + j
-			}
-		}
+	i, j := len(a.switches)-1, len(b.switches)-1
+	for i >= 0 && j >= 0 && a.switches[i] == b.switches[j] {
+		i, j = i-1, j-1
 	}
 	switch {
-	case best < 0:
-		return PHB
-	case best == 0:
-		return PIX
+	case i == len(a.switches)-1:
+		return PHB // no switch in common
+	case i < 0 && j < 0:
+		return PIX // both nearest switches are the same one
 	}
 	return PXB
 }
+
+// MaxMatrixEntries bounds a distance matrix: with more GPUs and NICs than this the
+// matrix is omitted (Omitted says so) rather than computed, since its cells grow as the
+// square of its entries (a dump of 20 000 GPUs would need 3.6e9). A real node is far
+// below it (an HGX B300 has 8 GPUs and 16 NIC PFs), and so is every guest plan: a guest
+// function takes a bus number of its own, and a guest has 256.
+const MaxMatrixEntries = 256
 
 // Matrix is a distance matrix over GPUs and NICs, laid out like nvidia-smi topo -m.
 type Matrix struct {
@@ -73,6 +79,13 @@ type Matrix struct {
 	Addrs []pci.Address `json:"addrs"`
 	NUMA  []int         `json:"numa"`
 	Cells [][]string    `json:"cells"` // Cells[i][j]; "X" on the diagonal
+	// Omitted says why the matrix is empty: more than MaxMatrixEntries GPUs and NICs.
+	Omitted string `json:"omitted,omitempty"`
+}
+
+// omittedMatrix is the matrix of n GPUs and NICs when n is past MaxMatrixEntries.
+func omittedMatrix(n int) *Matrix {
+	return &Matrix{Omitted: fmt.Sprintf("%d GPUs and NICs, more than %d: the matrix (%d cells) is omitted", n, MaxMatrixEntries, n*n)}
 }
 
 // At returns the entry between two addresses, or "" when either is not in the matrix.
@@ -101,6 +114,11 @@ type matrixEntry struct {
 }
 
 func buildMatrix(es []matrixEntry, nvlinks int) *Matrix {
+	if len(es) > MaxMatrixEntries {
+		return omittedMatrix(len(es))
+	}
+	// NVLink does not show in PCIe: the profile says what the baseboard has.
+	nv := fmt.Sprintf("NV%d", nvlinks)
 	m := &Matrix{}
 	for _, e := range es {
 		m.Names = append(m.Names, e.name)
@@ -114,8 +132,7 @@ func buildMatrix(es []matrixEntry, nvlinks int) *Matrix {
 			case i == j:
 				row[j] = "X"
 			case a.gpu && b.gpu && nvlinks > 0:
-				// NVLink does not show in PCIe: the profile says what the baseboard has.
-				row[j] = fmt.Sprintf("NV%d", nvlinks)
+				row[j] = nv
 			default:
 				row[j] = distance(a.at, b.at)
 			}
@@ -126,9 +143,16 @@ func buildMatrix(es []matrixEntry, nvlinks int) *Matrix {
 }
 
 // HostMatrix is the host's matrix over the units' GPUs and GPU-adjacent NICs, GPUs in
-// unit order, then NICs in unit order.
+// unit order, then NICs in unit order; past MaxMatrixEntries of them it is omitted.
 func HostMatrix(units []*Unit, nvlinks int) *Matrix {
-	var es []matrixEntry
+	n := len(units)
+	for _, u := range units {
+		n += len(u.NICs)
+	}
+	if n > MaxMatrixEntries {
+		return omittedMatrix(n)
+	}
+	es := make([]matrixEntry, 0, n)
 	for _, u := range units {
 		es = append(es, matrixEntry{name: fmt.Sprintf("GPU%d", u.ID), addr: u.GPU.Addr, gpu: true, at: hostPlace(u.GPU)})
 	}
@@ -143,8 +167,11 @@ func HostMatrix(units []*Unit, nvlinks int) *Matrix {
 }
 
 // Text renders the matrix as nvidia-smi topo -m does, with a NUMA column and the NIC
-// legend.
+// legend; an omitted matrix is the line saying why.
 func (m *Matrix) Text() string {
+	if m.Omitted != "" {
+		return "(" + m.Omitted + ")\n"
+	}
 	var b strings.Builder
 	b.WriteString("\t")
 	for _, n := range m.Names {

@@ -222,18 +222,17 @@ func chooseUnits(units []*Unit, ids []UnitID) ([]*Unit, error) {
 		return out, nil
 	}
 	var out []*Unit
+	byID := make(map[UnitID]*Unit, len(units))
+	for _, u := range units {
+		byID[u.ID] = u
+	}
 	seen := map[UnitID]bool{}
 	for _, id := range ids {
 		if seen[id] {
 			return nil, fmt.Errorf("guest plan: unit %d chosen twice", id)
 		}
 		seen[id] = true
-		var found *Unit
-		for _, u := range units {
-			if u.ID == id {
-				found = u
-			}
-		}
+		found := byID[id]
 		if found == nil {
 			return nil, fmt.Errorf("guest plan: no unit %d", id)
 		}

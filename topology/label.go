@@ -131,6 +131,7 @@ func (l *Labels) group() error {
 	}
 	sort.Slice(l.Units, func(i, j int) bool { return l.Units[i].ID < l.Units[j].ID })
 
+	near := indexGPUs(gpus)
 	var dataDirect []*pci.Device
 	for _, d := range l.Tree.Devices {
 		role := l.RoleOf(d.Addr)
@@ -142,7 +143,7 @@ func (l *Labels) group() error {
 		default:
 			continue
 		}
-		g := nearestGPU(d, gpus)
+		g := near.nearestGPU(d)
 		if g == nil {
 			l.Problems = append(l.Problems, fmt.Sprintf("%s (%s): no single nearest GPU; kept out of every unit", d.Addr, role))
 			continue
@@ -154,8 +155,18 @@ func (l *Labels) group() error {
 			u.NVMe = append(u.NVMe, d)
 		}
 	}
+	byV3 := map[string]*Unit{}
+	if len(dataDirect) > 0 {
+		for _, u := range l.Units {
+			for _, n := range u.NICs {
+				if v3 := n.VPD.V3(); v3 != "" && byV3[v3] == nil {
+					byV3[v3] = u
+				}
+			}
+		}
+	}
 	for _, d := range dataDirect {
-		u, why := l.pairDataDirect(d, gpus, byGPU)
+		u, why := l.pairDataDirect(d, near, byGPU, byV3)
 		if u == nil {
 			l.Problems = append(l.Problems, fmt.Sprintf("%s (data-direct): %s; kept out of every unit", d.Addr, why))
 			continue
@@ -167,7 +178,7 @@ func (l *Labels) group() error {
 		seen := map[pci.Address]bool{}
 		for _, f := range fns {
 			l.byAddr[f.Addr].Unit = u.ID
-			for _, a := range f.Ancestors() {
+			for a := f.Parent; a != nil; a = a.Parent {
 				if !seen[a.Addr] {
 					seen[a.Addr] = true
 					u.Bridges = append(u.Bridges, a)
@@ -186,41 +197,67 @@ func (l *Labels) group() error {
 	return nil
 }
 
-// pairDataDirect finds the unit of the NIC PF whose VPD V3 the function carries; without
-// VPD it falls back to the nearest GPU.
-func (l *Labels) pairDataDirect(d *pci.Device, gpus []*pci.Device, byGPU map[*pci.Device]*Unit) (*Unit, string) {
+// pairDataDirect finds the unit of the NIC PF whose VPD V3 the function carries (byV3:
+// each V3 to the first unit, in unit order, with a NIC carrying it); without VPD it
+// falls back to the nearest GPU.
+func (l *Labels) pairDataDirect(d *pci.Device, near *gpuIndex, byGPU map[*pci.Device]*Unit, byV3 map[string]*Unit) (*Unit, string) {
 	if v3 := d.VPD.V3(); v3 != "" {
-		for _, u := range l.Units {
-			for _, n := range u.NICs {
-				if n.VPD.V3() == v3 {
-					return u, ""
-				}
-			}
+		if u := byV3[v3]; u != nil {
+			return u, ""
 		}
 		return nil, fmt.Sprintf("no NIC PF carries VPD V3 %q", v3)
 	}
-	if g := nearestGPU(d, gpus); g != nil {
+	if g := near.nearestGPU(d); g != nil {
 		return byGPU[g], ""
 	}
 	return nil, "no VPD V3 and no single nearest GPU"
 }
 
-// numberUnits gives each GPU its unit ID: from the profile's slot map (keyed by the GPU's
-// or any ancestor's address), the rest the lowest free IDs in GPU address order.
+// numberUnits gives each GPU its unit ID from where the GPU is, so that an ID stays with
+// its place across boots and faults (`unbind --unit gpu3` must never reach what was gpu4):
+//
+//   - The profile's slot map first (keyed by the GPU's or any ancestor's address). Every
+//     ID the map names is reserved, whether or not its slot holds a GPU today.
+//   - Every other GPU by position. A position is a port on a root bus (a GPU's topmost
+//     ancestor; a GPU on a root bus is its own) below which some function has a
+//     passthrough role, or some function that no rule labelled could not be read (its
+//     Vendor ID reads 0xffff or 0, its header type all ones, or not even the header was
+//     read) behind a switch, unless a function below the port is labelled mgmt-nic or
+//     nvswitch-mgmt. The positions take the free IDs in address order: one per GPU below
+//     (in GPU address order when there are several) and one when none can be read, which
+//     then stays unused. A GPU that cannot be read has no unit, and the others keep their
+//     IDs: its complex keeps its position through its NICs, or through what is unreadable.
+//
+// It also refuses a passthrough role on a bridge (a type 1 header), which no profile can
+// mean: the bridge is left unlabeled, and the error names it and the rule.
 func (l *Labels) numberUnits(gpus []*pci.Device) ([]int, error) {
+	var refused []error
+	for _, d := range l.Tree.Devices {
+		if fl := l.byAddr[d.Addr]; d.IsBridge() && fl.Role.Passthrough() {
+			fl.Reason = fmt.Sprintf("rule %q gives the passthrough role %s to a bridge; a bridge never passes through", fl.Rule, fl.Role)
+			fl.Role, fl.Rule = RoleUnlabeled, ""
+			refused = append(refused, fmt.Errorf("label %s (%s): %s", d.Addr, d.IDs(), fl.Reason))
+		}
+	}
+	if len(refused) > 0 {
+		return nil, errors.Join(refused...)
+	}
+
 	ids := make([]int, len(gpus))
 	used := map[int]bool{}
+	for _, id := range l.Profile.slots {
+		used[id] = true
+	}
 	matched := map[pci.Address]bool{}
 	for i, g := range gpus {
 		ids[i] = -1
-		for _, d := range append([]*pci.Device{g}, g.Ancestors()...) {
+		for d := g; d != nil; d = d.Parent {
 			if id, ok := l.Profile.slots[d.Addr]; ok {
 				if matched[d.Addr] {
 					return nil, fmt.Errorf("profile %s: slot %s holds more than one GPU", l.Profile.Name, d.Addr)
 				}
 				matched[d.Addr] = true
 				ids[i] = id
-				used[id] = true
 				break
 			}
 		}
@@ -235,49 +272,139 @@ func (l *Labels) numberUnits(gpus []*pci.Device) ([]int, error) {
 		sort.Strings(missing)
 		l.Problems = append(l.Problems, fmt.Sprintf("profile %s: slots %s hold no GPU", l.Profile.Name, strings.Join(missing, ", ")))
 	}
-	next := 0
-	for i := range gpus {
-		if ids[i] >= 0 {
-			continue
+
+	top := func(d *pci.Device) *pci.Device {
+		for d.Parent != nil {
+			d = d.Parent
 		}
+		return d
+	}
+	unreadable := func(d *pci.Device) bool {
+		return d.VendorID == 0xffff || d.VendorID == 0 || d.HeaderType == 0x7f ||
+			len(d.Problems) > 0 && len(d.Config) < pci.HeaderSize
+	}
+	type position struct {
+		gpus    []int // the GPUs below it the slot map did not number, in address order
+		claimed bool  // the slot map names it or a function below it
+		// Below it: a passthrough function, an unreadable unlabeled function behind a
+		// switch, a management NIC or NVSwitch function.
+		unit, unreadable, host bool
+	}
+	pos := map[*pci.Device]*position{}
+	at := func(r *pci.Device) *position {
+		p := pos[r]
+		if p == nil {
+			p = &position{}
+			pos[r] = p
+		}
+		return p
+	}
+	for a := range l.Profile.slots {
+		if d := l.Tree.Lookup(a); d != nil {
+			at(top(d)).claimed = true
+		}
+	}
+	for _, d := range l.Tree.Devices {
+		switch role := l.byAddr[d.Addr].Role; {
+		case role.Passthrough():
+			at(top(d)).unit = true
+		case role == RoleMgmtNIC || role == RoleNVSwitchMgmt:
+			at(top(d)).host = true
+		case role == RoleUnlabeled && d.Parent != nil && d.Parent.Parent != nil && unreadable(d):
+			at(top(d)).unreadable = true
+		}
+	}
+	for i, g := range gpus {
+		if ids[i] < 0 {
+			p := at(top(g))
+			p.gpus = append(p.gpus, i)
+		}
+	}
+	var order []*pci.Device
+	for r, p := range pos {
+		if p.unit || p.unreadable && !p.host {
+			order = append(order, r)
+		}
+	}
+	sort.Slice(order, func(i, j int) bool { return order[i].Addr.Less(order[j].Addr) })
+	next := 0
+	take := func() int {
 		for used[next] {
 			next++
 		}
-		ids[i] = next
 		used[next] = true
+		return next
+	}
+	for _, r := range order {
+		p := pos[r]
+		if len(p.gpus) == 0 && !p.claimed {
+			l.Problems = append(l.Problems, fmt.Sprintf("%s: holds passthrough or unreadable functions but no readable GPU; unit %s is left unused", r.Addr, UnitID(take())))
+		}
+		for _, i := range p.gpus {
+			ids[i] = take()
+		}
 	}
 	return ids, nil
 }
 
-// nearestGPU is the GPU sharing the deepest common bridge with d, or nil when none
-// shares a bridge or two tie.
-func nearestGPU(d *pci.Device, gpus []*pci.Device) *pci.Device {
-	depth := map[*pci.Device]int{}
-	anc := d.Ancestors()
-	for i, a := range anc {
-		depth[a] = len(anc) - i // deeper bridge, larger number
-	}
-	best, bestDepth, tie := (*pci.Device)(nil), 0, false
+// gpuIndex answers nearestGPU for every function of a tree in time linear in the tree:
+// it knows, for each bridge, whether no GPU, one GPU or several sit below it, and
+// remembers each bridge's answer. Walking every GPU's path for every function instead
+// made labelling a dump of 20 000 GPUs quadratic.
+type gpuIndex struct {
+	below map[*pci.Device]gpusBelow
+	near  map[*pci.Device]*pci.Device // bridge -> nearestGPU of a function directly below it
+	path  []*pci.Device               // scratch
+}
+
+// gpusBelow counts the GPUs below a bridge up to two (two means two or more); first is
+// the one when there is one.
+type gpusBelow struct {
+	n     int
+	first *pci.Device
+}
+
+func indexGPUs(gpus []*pci.Device) *gpuIndex {
+	x := &gpuIndex{below: map[*pci.Device]gpusBelow{}, near: map[*pci.Device]*pci.Device{}}
 	for _, g := range gpus {
-		dd := 0
-		for _, a := range g.Ancestors() {
-			if v, ok := depth[a]; ok {
-				dd = v
-				break
+		for a := g.Parent; a != nil; a = a.Parent {
+			c := x.below[a]
+			if c.n >= 2 {
+				break // and so has every bridge above it: each bridge is counted at most twice
 			}
-		}
-		switch {
-		case dd == 0:
-		case dd > bestDepth:
-			best, bestDepth, tie = g, dd, false
-		case dd == bestDepth:
-			tie = true
+			if c.n == 0 {
+				c.first = g
+			}
+			c.n++
+			x.below[a] = c
 		}
 	}
-	if tie {
-		return nil
+	return x
+}
+
+// nearestGPU is the GPU sharing the deepest common bridge with d, or nil when none
+// shares a bridge or two tie: the GPU below d's nearest bridge that has any GPU below
+// it, when that bridge has only one.
+func (x *gpuIndex) nearestGPU(d *pci.Device) *pci.Device {
+	x.path = x.path[:0]
+	var g *pci.Device
+	for a := d.Parent; a != nil; a = a.Parent {
+		if r, ok := x.near[a]; ok {
+			g = r
+			break
+		}
+		x.path = append(x.path, a)
+		if c := x.below[a]; c.n > 0 {
+			if c.n == 1 {
+				g = c.first
+			}
+			break
+		}
 	}
-	return best
+	for _, a := range x.path {
+		x.near[a] = g
+	}
+	return g
 }
 
 // Specificity orders rules that match one function. IDs is the identity a rule names:

@@ -27,7 +27,8 @@ type Plan struct {
 // log.jsonl and the manifest ("gpu0").
 func UnitName(id int) string { return UnitID(id).String() }
 
-// UnitID is a unit's number (from the profile's slot map, else GPU address order). It
+// UnitID is a unit's number: from the profile's slot map, else from the position of its
+// root port (topology/PROFILES.md), so it stays put when another GPU stops answering. It
 // marshals as the unit's name, so every JSON document names a unit one way ("gpu3").
 type UnitID int
 

@@ -1,8 +1,11 @@
 package topology
 
 import (
+	"bytes"
 	"embed"
+	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path"
 	"sort"
@@ -26,8 +29,10 @@ type Profile struct {
 	// NVLinks is the number of NVLinks between two GPUs (18 on HGX B200/B300); 0 means
 	// GPUs talk over PCIe and the matrix shows the PCIe distance.
 	NVLinks int `yaml:"nvlinks,omitempty" json:"nvlinks,omitempty"`
-	// Slots numbers units by position instead of GPU address: the key is the address of
-	// the GPU or of any bridge above it (usually the root port), the value the unit ID.
+	// Slots fixes unit IDs by address: the key is the address of the GPU or of any bridge
+	// above it (usually the root port), the value the unit ID, reserved whether or not
+	// the slot holds a readable GPU. GPUs it does not name are numbered by the position
+	// of their root port (PROFILES.md, Unit IDs).
 	Slots map[string]int `yaml:"slots,omitempty" json:"slots,omitempty"`
 	Rules []Rule         `yaml:"rules" json:"rules"`
 
@@ -172,29 +177,72 @@ func Builtin(name string) (*Profile, error) {
 	return ParseProfile(name+".yaml", b)
 }
 
+// MaxProfileSize bounds a profile: a real one is a few KB. LoadProfile refuses a larger
+// file before reading it, ParseProfile larger input (decoding YAML costs several times
+// its size in memory).
+const MaxProfileSize = 1 << 20
+
+var errProfileSize = fmt.Errorf("larger than 1 MiB (%d bytes), the most a profile may hold; a real one is a few KB", MaxProfileSize)
+
 // LoadProfile takes a built-in name or a file path (anything with a slash or a
-// .yaml/.yml/.json suffix is a path).
+// .yaml/.yml/.json suffix is a path). A file larger than MaxProfileSize is refused from
+// its size, and whatever stat cannot size (a pipe, a device) is read only up to it.
 func LoadProfile(nameOrFile string) (*Profile, error) {
 	if !strings.ContainsRune(nameOrFile, '/') && !strings.HasSuffix(nameOrFile, ".yaml") &&
 		!strings.HasSuffix(nameOrFile, ".yml") && !strings.HasSuffix(nameOrFile, ".json") {
 		return Builtin(nameOrFile)
 	}
-	b, err := os.ReadFile(nameOrFile)
+	b, err := readProfile(nameOrFile)
 	if err != nil {
 		return nil, fmt.Errorf("profile %s: %w", nameOrFile, err)
 	}
 	return ParseProfile(nameOrFile, b)
 }
 
+func readProfile(name string) ([]byte, error) {
+	f, err := os.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if st.Size() > MaxProfileSize {
+		return nil, fmt.Errorf("%d bytes: %w", st.Size(), errProfileSize)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, MaxProfileSize+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > MaxProfileSize {
+		return nil, errProfileSize
+	}
+	return b, nil
+}
+
 // ParseProfile decodes YAML or JSON (JSON is read as the YAML it is a subset of) and
-// checks it: unknown fields, unknown roles and port types, duplicate rule names and bad
-// slot addresses are errors naming the source.
+// checks it: input beyond MaxProfileSize, a second YAML document, unknown fields,
+// unknown roles and port types, duplicate rule names, bad slot addresses and rules that
+// name neither a vendor nor a class (nor bridge: true) are errors naming the source.
 func ParseProfile(source string, b []byte) (*Profile, error) {
+	if len(b) > MaxProfileSize {
+		return nil, fmt.Errorf("profile %s: %d bytes: %w", source, len(b), errProfileSize)
+	}
 	var p Profile
-	dec := yaml.NewDecoder(strings.NewReader(string(b)))
+	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&p); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, fmt.Errorf("profile %s: empty", source)
+		}
 		return nil, fmt.Errorf("profile %s: %w", source, err)
+	}
+	// A second document would be ignored, and whoever wrote it meant something by it.
+	var more yaml.Node
+	if err := dec.Decode(&more); !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("profile %s: more than one YAML document", source)
 	}
 	if err := p.check(); err != nil {
 		return nil, fmt.Errorf("profile %s: %w", source, err)
@@ -240,6 +288,16 @@ func (p *Profile) check() error {
 		}
 		used[id] = s
 		p.slots[a] = id
+	}
+	// Checked last, so that the errors above come first. A rule that names neither a
+	// vendor nor a class matches whatever its other conditions allow (with none, every
+	// function: root ports, switch ports, the management NIC). "bridge: true" names what
+	// it matches too (a type 1 header), and no passthrough role on a bridge survives
+	// labelling.
+	for _, r := range p.Rules {
+		if m := r.Match; len(m.Vendor) == 0 && m.Class == nil && (m.Bridge == nil || !*m.Bridge) {
+			return fmt.Errorf("rule %q: names neither a vendor nor a class (nor bridge: true); a rule must say what it matches", r.Name)
+		}
 	}
 	return nil
 }

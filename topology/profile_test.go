@@ -91,7 +91,7 @@ func TestSlotMap(t *testing.T) {
 	if u := l.Unit(0); u == nil || u.GPU.Addr != n.Addr("gpu7") {
 		t.Errorf("unit 0 = %v, want gpu7", u)
 	}
-	// The rest take the lowest free IDs in GPU address order.
+	// The rest take the free IDs by the position of their root ports (slot-map IDs stay reserved).
 	if u := l.Unit(1); u == nil || u.GPU.Addr != n.Addr("gpu1") {
 		t.Errorf("unit 1 = %v", u)
 	}
