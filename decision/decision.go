@@ -144,14 +144,19 @@ func Decide(in Input) (*Decision, error) {
 	// What cannot be read about a passthrough function is never a reason for its unit to
 	// be ready: its config space, driver or group may be anything. Only VPD (used to pair
 	// a data-direct function) and NUMA placement (used for the guest layout) cost less.
+	// The same holds for every bridge on the unit's path: a port whose capabilities cannot
+	// be read may or may not isolate.
 	for _, u := range units {
-		for _, f := range u.Functions() {
+		for _, f := range append(u.Functions(), u.Bridges...) {
 			for _, p := range f.Problems {
 				s := topology.StatusFailed
 				if strings.HasPrefix(p, "vpd:") || strings.HasPrefix(p, "numa_node:") {
 					s = topology.StatusDegraded
 				}
 				mark(u.ID, s, fmt.Sprintf("%s: cannot be read as it is: %s", f.Addr, p))
+			}
+			if !f.ExpressKnown() && len(f.Problems) == 0 {
+				mark(u.ID, topology.StatusFailed, fmt.Sprintf("%s: capability list unreadable: %s", f.Addr, f.CapsUnknown))
 			}
 		}
 	}
@@ -250,14 +255,7 @@ func (d *Decision) Decided() []Verdict {
 	return out
 }
 
-func (d *Decision) unit(id topology.UnitID) *topology.Unit {
-	for _, u := range d.Units() {
-		if u.ID == id {
-			return u
-		}
-	}
-	return nil
-}
+func (d *Decision) unit(id topology.UnitID) *topology.Unit { return d.Labels.Unit(id) }
 
 // Execution is what executing a decision reported. A step that did not complete (an
 // error, a panic, a deadline) leaves its report nil and says why in its Err.
@@ -280,6 +278,14 @@ func (d *Decision) Conclude(x Execution) []Verdict {
 	if x.DryRun {
 		return out
 	}
+	byUnit := changesByUnit(x.ACS)
+	var bound map[topology.UnitID]*vfiobind.UnitReport
+	if x.Bind != nil {
+		bound = make(map[topology.UnitID]*vfiobind.UnitReport, len(x.Bind.Units))
+		for i := range x.Bind.Units {
+			bound[x.Bind.Units[i].ID] = &x.Bind.Units[i]
+		}
+	}
 	for i := range out {
 		v := &out[i]
 		if v.Status == topology.StatusFailed {
@@ -297,7 +303,7 @@ func (d *Decision) Conclude(x Execution) []Verdict {
 		if x.ACS == nil {
 			add(topology.StatusFailed, "acs: did not complete: "+errText(x.ACSErr))
 		} else {
-			s, reasons := d.acsVerdict(v.Unit, x.ACS)
+			s, reasons := d.acsVerdict(byUnit[v.Unit])
 			for _, r := range reasons {
 				add(s, r)
 			}
@@ -305,10 +311,7 @@ func (d *Decision) Conclude(x Execution) []Verdict {
 		if !x.Binding || v.Status == topology.StatusFailed {
 			continue
 		}
-		var ur *vfiobind.UnitReport
-		if x.Bind != nil {
-			ur = x.Bind.Unit(v.Unit)
-		}
+		ur := bound[v.Unit]
 		switch {
 		case x.Bind == nil:
 			add(topology.StatusFailed, "vfio: did not complete: "+errText(x.BindErr))
@@ -328,15 +331,23 @@ func errText(err error) string {
 	return strings.ReplaceAll(err.Error(), "\n", "; ")
 }
 
-// acsVerdict is what the ACS report makes of a unit beyond what the decision foresaw.
-func (d *Decision) acsVerdict(id topology.UnitID, rep *apply.Report) (topology.Status, []string) {
+// changesByUnit indexes an ACS report's changes by unit (nil report: none).
+func changesByUnit(rep *apply.Report) map[topology.UnitID][]apply.Change {
+	out := map[topology.UnitID][]apply.Change{}
+	if rep != nil {
+		for _, c := range rep.Changes {
+			out[c.Unit] = append(out[c.Unit], c)
+		}
+	}
+	return out
+}
+
+// acsVerdict is what a unit's ACS changes make of it beyond what the decision foresaw.
+func (d *Decision) acsVerdict(changes []apply.Change) (topology.Status, []string) {
 	var s topology.Status
 	var reasons []string
 	var locked []topology.ACSPort
-	for _, c := range rep.Changes {
-		if c.Unit != id {
-			continue
-		}
+	for _, c := range changes {
 		switch c.Result {
 		case apply.ResultFailed, apply.ResultMismatch:
 			s = s.Worse(topology.StatusFailed)
@@ -363,14 +374,13 @@ func (d *Decision) acsVerdict(id topology.UnitID, rep *apply.Report) (topology.S
 // passes through whose ports all reached a state they may be passed through in.
 func (d *Decision) Bindable(rep *apply.Report) []*topology.Unit {
 	var out []*topology.Unit
+	byUnit := changesByUnit(rep)
 	for _, u := range d.Units() {
 		if u.Status == topology.StatusFailed {
 			continue
 		}
-		if rep != nil {
-			if s, _ := d.acsVerdict(u.ID, rep); s == topology.StatusFailed {
-				continue
-			}
+		if s, _ := d.acsVerdict(byUnit[u.ID]); s == topology.StatusFailed {
+			continue
 		}
 		out = append(out, u)
 	}

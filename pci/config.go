@@ -2,6 +2,7 @@ package pci
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 )
 
@@ -140,14 +141,19 @@ func (c Config) MultiFunction() bool { return c.r8(ConfigHeaderType)&0x80 != 0 }
 
 // Walk returns the standard and the extended capability lists. A malformed list is an
 // error (a *CapError) alongside the capabilities found before the fault: the walks never
-// loop, never read outside the buffer and never follow a pointer into the header.
+// loop, never read outside the buffer and never follow a pointer into the header. The
+// extended list does not hang off the standard one, so it is walked even when the
+// standard list is malformed; when both are, the error joins both *CapErrors.
 func (c Config) Walk() (std, ext []Capability, err error) {
-	std, err = c.walkStd()
-	if err != nil {
-		return std, nil, err
+	std, serr := c.walkStd()
+	ext, eerr := c.walkExt()
+	switch {
+	case serr != nil && eerr != nil:
+		return std, ext, errors.Join(serr, eerr)
+	case serr != nil:
+		return std, ext, serr
 	}
-	ext, err = c.walkExt()
-	return std, ext, err
+	return std, ext, eerr
 }
 
 func (c Config) walkStd() ([]Capability, error) {
@@ -237,4 +243,158 @@ func Find(caps []Capability, id uint16) int {
 		}
 	}
 	return 0
+}
+
+// problemNotRoot is the problem a 64-byte config read gets: operators grep for it.
+const problemNotRoot = "config space truncated to 64 bytes (not root?)"
+
+// The problems of a config space that is no function's: a read nothing answered returns
+// all ones (PCI Local Bus 3.0 6.1: a master abort), and no function has Vendor ID 0x0000
+// (the kernel's pci_bus_generic_read_dev_vendor_id takes an ID register of 0 for "no
+// function" as it takes ~0).
+const (
+	problemAllOnes  = "config space reads all ones: the function does not answer (removed, or in reset)"
+	problemAllZeros = "config space reads all zeros (vendor 0x0000: not a valid function)"
+)
+
+// ExpressKnown says whether config space settles that the function is, or is not, PCI
+// Express: true when an Express capability was found, or when the standard capability
+// list was read whole without one (a conventional PCI function); false when the list
+// could not be read (CapsUnknown says why), and when no config space was read at all
+// (the scan could not read the config file: Problems says why; the header type is then
+// unknown too). Express nil and ExpressKnown false means unknown: a bridge is then not
+// known to be a conventional PCI bridge.
+func (d *Device) ExpressKnown() bool {
+	return d.Express != nil || d.CapsUnknown == "" && len(d.Config) > 0
+}
+
+// capsUnknown records a problem that leaves both capability lists unread.
+func (d *Device) capsUnknown(problem string) {
+	d.Problems = append(d.Problems, problem)
+	if d.CapsUnknown == "" {
+		d.CapsUnknown = problem
+	}
+	if d.ExtCapsUnknown == "" {
+		d.ExtCapsUnknown = problem
+	}
+}
+
+func allBytes(c Config, v byte) bool {
+	for _, b := range c {
+		if b != v {
+			return false
+		}
+	}
+	return true
+}
+
+// decodeConfig fills the fields config space determines. A short or malformed config
+// space leaves the fields it cannot reach zero, records why in Problems, and says in
+// CapsUnknown and ExtCapsUnknown which capability lists it could not read whole.
+//
+// Sizes: the header is 64 bytes (an unprivileged sysfs read stops there), conventional
+// config space 256, PCI Express's 4096. Anything else is a truncated read, except 256
+// bytes of an Express function: the kernel offers 256 when the extended space does not
+// answer (pci_cfg_space_size), and then it has no extended capabilities to use either.
+func (d *Device) decodeConfig() {
+	c := d.Config
+	d.CapsUnknown, d.ExtCapsUnknown = "", ""
+	if len(c) == 0 {
+		d.capsUnknown("config space empty")
+		return
+	}
+	switch {
+	case allBytes(c, 0xff):
+		d.capsUnknown(problemAllOnes)
+	case allBytes(c, 0):
+		d.capsUnknown(problemAllZeros)
+	}
+	switch {
+	case len(c) < HeaderSize:
+		d.capsUnknown(fmt.Sprintf("config space truncated to %d bytes", len(c)))
+	case len(c) == HeaderSize:
+		// The kernel returns only the header to readers without CAP_SYS_ADMIN
+		// (pci_read_config in drivers/pci/pci-sysfs.c): capabilities are then unknown,
+		// not absent.
+		d.capsUnknown(problemNotRoot)
+	case len(c) < ConventionalSize:
+		d.problem("config space truncated to %d bytes (conventional config space is 256)", len(c))
+	}
+	d.VendorID = c.r16(ConfigVendorID)
+	d.DeviceID = c.r16(ConfigDeviceID)
+	d.Revision = c.r8(ConfigRevision)
+	d.Class = uint32(c.r8(ConfigClassProg)) | uint32(c.r8(ConfigClassProg+1))<<8 | uint32(c.r8(ConfigClassProg+2))<<16
+	d.HeaderType = c.HeaderType()
+	d.MultiFunction = c.MultiFunction()
+	switch d.HeaderType {
+	case HeaderTypeNormal:
+		d.SubsystemVendor = c.r16(ConfigSubsysVendor)
+		d.SubsystemDevice = c.r16(ConfigSubsysID)
+	case HeaderTypeBridge:
+		d.PrimaryBus = c.r8(ConfigPrimaryBus)
+		d.SecondaryBus = c.r8(ConfigSecondaryBus)
+		d.SubordinateBus = c.r8(ConfigSubordinate)
+	}
+	if d.CapsUnknown == problemAllOnes || d.CapsUnknown == problemAllZeros {
+		// Nothing in it is the function's: a capability pointer of 0xff is no finding
+		// of its own. The ID registers keep what was read (0xffff: the scan then names
+		// the function from the kernel's vendor and device files, as it does a VF's).
+		return
+	}
+	if len(c) <= HeaderSize {
+		return
+	}
+	std, serr := c.walkStd()
+	ext, eerr := c.walkExt()
+	d.Caps, d.ExtCaps = std, ext
+	if serr != nil {
+		d.problem("%v", serr)
+		d.CapsUnknown = serr.Error()
+	}
+	if off := Find(std, CapExpress); off != 0 {
+		e, err := decodeExpress(c, off)
+		if err != nil {
+			d.problem("%v", err)
+			if d.CapsUnknown == "" {
+				d.CapsUnknown = err.Error()
+			}
+		}
+		if d.Express = e; e != nil && (e.Type.IsDownstreamFacing() || e.Type == PortUpstream) && d.HeaderType != HeaderTypeBridge {
+			d.problem("express %s without a bridge header", e.Type)
+		}
+	}
+	if eerr != nil {
+		d.problem("%v", eerr)
+		d.ExtCapsUnknown = eerr.Error()
+	}
+	if len(c) <= ConventionalSize && !d.ExpressKnown() && d.ExtCapsUnknown == "" {
+		// Whether there is an extended space to miss depends on what is unknown.
+		d.ExtCapsUnknown = d.CapsUnknown
+	}
+	if len(c) < ExtendedSize && len(c) > ConventionalSize {
+		d.problem("extended config space truncated to %d bytes", len(c))
+	}
+	for _, ec := range ext {
+		var err error
+		switch ec.ID {
+		case ExtCapACS:
+			if d.ACS == nil {
+				d.ACS, err = decodeACS(c, ec.Offset)
+			}
+		case ExtCapATS:
+			if d.ATS == nil {
+				d.ATS, err = decodeATS(c, ec.Offset)
+			}
+		case ExtCapSRIOV:
+			if d.SRIOV == nil {
+				d.SRIOV, err = decodeSRIOV(c, ec.Offset)
+			}
+		}
+		if err != nil {
+			d.problem("%v", err)
+			if d.ExtCapsUnknown == "" {
+				d.ExtCapsUnknown = err.Error()
+			}
+		}
+	}
 }

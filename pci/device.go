@@ -43,6 +43,17 @@ type Device struct {
 	// Problems are what could not be read or decoded for this function. The function is
 	// kept with what was read: bad input loses nothing.
 	Problems []string
+
+	// CapsUnknown says why the standard capability list could not be read whole, ""
+	// when it was: config space unreadable, truncated, all ones or all zeros, or a list
+	// that is malformed (a pointer loop, a pointer into the header, an unaligned
+	// pointer). A capability missing from such a list is unknown, not absent: without
+	// an Express capability found, whether the function is PCI Express is unknown
+	// (ExpressKnown), so a bridge is not thereby a conventional PCI bridge.
+	// ExtCapsUnknown is the same for the extended list: ACS, ATS and SR-IOV nil with it
+	// set are unknown, not absent. Both are set in decodeConfig (config.go).
+	CapsUnknown    string
+	ExtCapsUnknown string
 }
 
 // IsBridge says whether the function has a type 1 (PCI-PCI bridge) header.
@@ -101,79 +112,4 @@ func (d *Device) Err() error {
 		return nil
 	}
 	return fmt.Errorf("%s: %s", d.Addr, strings.Join(d.Problems, "; "))
-}
-
-// problemNotRoot is the problem a 64-byte config read gets: operators grep for it.
-const problemNotRoot = "config space truncated to 64 bytes (not root?)"
-
-// decodeConfig fills the fields config space determines. A short or malformed config
-// space leaves the fields it cannot reach zero and records why.
-func (d *Device) decodeConfig() {
-	c := d.Config
-	switch {
-	case len(c) == 0:
-		d.problem("config space empty")
-		return
-	case len(c) == HeaderSize:
-		// The kernel returns only the header to readers without CAP_SYS_ADMIN
-		// (pci_read_config in drivers/pci/pci-sysfs.c): capabilities are then unknown,
-		// not absent.
-		d.problem(problemNotRoot)
-	case len(c) < HeaderSize:
-		d.problem("config space truncated to %d bytes", len(c))
-	}
-	d.VendorID = c.r16(ConfigVendorID)
-	d.DeviceID = c.r16(ConfigDeviceID)
-	d.Revision = c.r8(ConfigRevision)
-	d.Class = uint32(c.r8(ConfigClassProg)) | uint32(c.r8(ConfigClassProg+1))<<8 | uint32(c.r8(ConfigClassProg+2))<<16
-	d.HeaderType = c.HeaderType()
-	d.MultiFunction = c.MultiFunction()
-	switch d.HeaderType {
-	case HeaderTypeNormal:
-		d.SubsystemVendor = c.r16(ConfigSubsysVendor)
-		d.SubsystemDevice = c.r16(ConfigSubsysID)
-	case HeaderTypeBridge:
-		d.PrimaryBus = c.r8(ConfigPrimaryBus)
-		d.SecondaryBus = c.r8(ConfigSecondaryBus)
-		d.SubordinateBus = c.r8(ConfigSubordinate)
-	}
-	if len(c) <= HeaderSize {
-		return
-	}
-	std, ext, err := c.Walk()
-	d.Caps, d.ExtCaps = std, ext
-	if err != nil {
-		d.problem("%v", err)
-	}
-	if off := Find(std, CapExpress); off != 0 {
-		d.Express = decodeExpress(c, off)
-		if d.Express.Type.IsDownstreamFacing() || d.Express.Type == PortUpstream {
-			if d.HeaderType != HeaderTypeBridge {
-				d.problem("express %s without a bridge header", d.Express.Type)
-			}
-		}
-	}
-	if len(c) < ExtendedSize && len(c) > ConventionalSize {
-		d.problem("extended config space truncated to %d bytes", len(c))
-	}
-	for _, ec := range ext {
-		var err error
-		switch ec.ID {
-		case ExtCapACS:
-			if d.ACS == nil {
-				d.ACS, err = decodeACS(c, ec.Offset)
-			}
-		case ExtCapATS:
-			if d.ATS == nil {
-				d.ATS, err = decodeATS(c, ec.Offset)
-			}
-		case ExtCapSRIOV:
-			if d.SRIOV == nil {
-				d.SRIOV, err = decodeSRIOV(c, ec.Offset)
-			}
-		}
-		if err != nil {
-			d.problem("%v", err)
-		}
-	}
 }

@@ -116,7 +116,15 @@ const (
 	ExpLnkSta = 0x12
 )
 
-func decodeExpress(c Config, off int) *Express {
+// decodeExpress reads the capability at off. Without its flags register (the read ended
+// first) it returns nil and an error: the port type is unknown. Without the link
+// registers a port type with a link has, it returns the capability with HasLink false
+// and an error: past the bytes read, or past 0xff, where a standard capability cannot be
+// (its link registers would be extended-space bytes, not its own).
+func decodeExpress(c Config, off int) (*Express, error) {
+	if !c.has(off+ExpFlags, 2) {
+		return nil, fmt.Errorf("express capability at 0x%02x truncated: no flags register in the %d bytes read", off, len(c))
+	}
 	e := &Express{Offset: off}
 	flags := c.r16(off + ExpFlags)
 	e.Version = uint8(flags & 0xf)
@@ -124,15 +132,22 @@ func decodeExpress(c Config, off int) *Express {
 	e.Slot = flags&0x100 != 0
 	// Root Complex integrated endpoints and event collectors have no link: their link
 	// registers are reserved (PCIe 6.0 7.5.3), and lspci's cap_express skips them.
-	if e.Type != PortRCiEP && e.Type != PortRCEC && c.has(off+ExpLnkSta, 2) {
-		e.HasLink = true
-		e.LnkCap = c.r32(off + ExpLnkCap)
-		e.LnkSta = c.r16(off + ExpLnkSta)
-		e.MaxSpeed = LinkSpeed(e.LnkCap & 0xf)
-		e.MaxWidth = uint8(e.LnkCap >> 4 & 0x3f)
-		e.PortNum = uint8(e.LnkCap >> 24)
-		e.Speed = LinkSpeed(e.LnkSta & 0xf)
-		e.Width = uint8(e.LnkSta >> 4 & 0x3f)
+	if e.Type == PortRCiEP || e.Type == PortRCEC {
+		return e, nil
 	}
-	return e
+	switch end := off + ExpLnkSta + 2; {
+	case end > ConventionalSize:
+		return e, fmt.Errorf("express capability at 0x%02x runs past 0xff: no link registers", off)
+	case !c.has(off+ExpLnkSta, 2):
+		return e, fmt.Errorf("express capability at 0x%02x truncated: no link registers in the %d bytes read", off, len(c))
+	}
+	e.HasLink = true
+	e.LnkCap = c.r32(off + ExpLnkCap)
+	e.LnkSta = c.r16(off + ExpLnkSta)
+	e.MaxSpeed = LinkSpeed(e.LnkCap & 0xf)
+	e.MaxWidth = uint8(e.LnkCap >> 4 & 0x3f)
+	e.PortNum = uint8(e.LnkCap >> 24)
+	e.Speed = LinkSpeed(e.LnkSta & 0xf)
+	e.Width = uint8(e.LnkSta >> 4 & 0x3f)
+	return e, nil
 }

@@ -75,6 +75,12 @@ func ACSPlan(units []*Unit) []ACSPort {
 			default:
 				p.Position = PosPathPort
 			}
+			if b.ACS == nil && b.ExtCapsUnknown != "" {
+				p.Reason = "ACS unknown: the extended capability list could not be read (" + b.ExtCapsUnknown + ")"
+				p.Verdict, p.Problem = StatusFailed, fmt.Sprintf("acs %s (%s): ACS unknown: %s", b.Addr, p.Position, b.ExtCapsUnknown)
+				unit = append(unit, p)
+				continue
+			}
 			if b.ACS == nil {
 				p.Reason = "no ACS capability: peer traffic below this port cannot be redirected to the IOMMU"
 				p.Verdict, p.Problem = StatusFailed, fmt.Sprintf("acs %s (%s): no ACS capability", b.Addr, p.Position)

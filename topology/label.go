@@ -46,12 +46,11 @@ func (l *Labels) UnitOf(a pci.Address) (UnitID, bool) {
 	return u, u >= 0
 }
 
-// Unit returns the unit with the given ID, or nil.
+// Unit returns the unit with the given ID, or nil. Units are in ID order.
 func (l *Labels) Unit(id UnitID) *Unit {
-	for _, u := range l.Units {
-		if u.ID == id {
-			return u
-		}
+	i := sort.Search(len(l.Units), func(i int) bool { return l.Units[i].ID >= id })
+	if i < len(l.Units) && l.Units[i].ID == id {
+		return l.Units[i]
 	}
 	return nil
 }

@@ -106,16 +106,47 @@ func AuditPlanned(tree *pci.Tree, units []*topology.Unit, planned map[pci.Addres
 		}
 	}
 	groups := tree.Groups()
+	counts := groupCounts{}
 	for _, u := range units {
 		if u == nil {
 			continue
 		}
-		out = append(out, auditUnit(tree, groups, owner, twice, u, ctl)...)
+		out = append(out, auditUnit(tree, groups, counts, owner, twice, u, ctl)...)
 	}
 	return out
 }
 
-func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Address]topology.UnitID, twice map[pci.Address][]topology.UnitID, u *topology.Unit,
+// maxListed bounds the members a group-shared finding lists.
+const maxListed = 16
+
+// groupCount is who holds the functions of one IOMMU group.
+type groupCount struct {
+	owned  int                     // functions in some unit's passthrough set
+	host   int                     // functions in none that are not bridges
+	byUnit map[topology.UnitID]int // functions of each unit
+}
+
+type groupCounts map[int]*groupCount
+
+func (c groupCounts) of(g int, members []*pci.Device, owner map[pci.Address]topology.UnitID) *groupCount {
+	if gc, ok := c[g]; ok {
+		return gc
+	}
+	gc := &groupCount{byUnit: map[topology.UnitID]int{}}
+	for _, m := range members {
+		switch id, ok := owner[m.Addr]; {
+		case ok:
+			gc.owned++
+			gc.byUnit[id]++
+		case !m.IsBridge():
+			gc.host++
+		}
+	}
+	c[g] = gc
+	return gc
+}
+
+func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, counts groupCounts, owner map[pci.Address]topology.UnitID, twice map[pci.Address][]topology.UnitID, u *topology.Unit,
 	ctl func(*pci.Device) pci.ACSBits) []Finding {
 	var out []Finding
 	if u.GPU == nil {
@@ -151,29 +182,34 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 		} else if !seenGroup[d.IOMMUGroup] {
 			seenGroup[d.IOMMUGroup] = true
 			members := groups[d.IOMMUGroup]
-			var listed []Member
-			foreign := 0
-			for _, m := range members {
-				mem := Member{Addr: m.Addr, IDs: m.IDs(), Driver: m.Driver}
-				switch id, ok := owner[m.Addr]; {
-				case ok:
-					mem.Owner = id.String()
-					if id != u.ID {
-						foreign++
+			// Counted once per group (groupCounts), so a node whose functions share one
+			// huge group costs the audit its size, not its size squared.
+			gc := counts.of(d.IOMMUGroup, members, owner)
+			if foreign := gc.owned + gc.host - gc.byUnit[u.ID]; foreign > 0 {
+				var listed []Member
+				for _, m := range members {
+					if len(listed) == maxListed {
+						break
 					}
-				case m.IsBridge():
-					// vfio accepts bridges in a group (vfio_dev_driver_allowed): they
-					// forward, they do not master DMA for a guest.
-					mem.Owner = "bridge"
-				default:
-					mem.Owner = "host"
-					foreign++
+					mem := Member{Addr: m.Addr, IDs: m.IDs(), Driver: m.Driver}
+					switch id, ok := owner[m.Addr]; {
+					case ok:
+						mem.Owner = id.String()
+					case m.IsBridge():
+						// vfio accepts bridges in a group (vfio_dev_driver_allowed): they
+						// forward, they do not master DMA for a guest.
+						mem.Owner = "bridge"
+					default:
+						mem.Owner = "host"
+					}
+					listed = append(listed, mem)
 				}
-				listed = append(listed, mem)
-			}
-			if foreign > 0 {
+				detail := fmt.Sprintf("iommu group %d holds %d function(s) outside %s", d.IOMMUGroup, foreign, u.ID)
+				if len(members) > len(listed) {
+					detail += fmt.Sprintf(" (%d of its %d members listed)", len(listed), len(members))
+				}
 				out = append(out, Finding{Kind: KindGroupShared, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: d.IOMMUGroup,
-					Members: listed, Detail: fmt.Sprintf("iommu group %d holds %d function(s) outside %s", d.IOMMUGroup, foreign, u.ID)})
+					Members: listed, Detail: detail})
 			}
 		}
 		for _, p := range d.Ancestors() {
@@ -199,6 +235,13 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, owner map[pci.Addre
 func isolationGap(p *pci.Device, ctl func(*pci.Device) pci.ACSBits) string {
 	t, express := p.PortType()
 	switch {
+	case !express && !p.ExpressKnown():
+		// Not "conventional": whether it is PCI Express, and has ACS, is unknown.
+		why := p.CapsUnknown
+		if why == "" {
+			why = "config space unreadable"
+		}
+		return fmt.Sprintf("capability list unreadable (%s): cannot tell whether it is PCI Express or has ACS", why)
 	case !express && p.IsBridge():
 		return "conventional PCI bridge: no ACS possible"
 	case !express:
@@ -211,6 +254,8 @@ func isolationGap(p *pci.Device, ctl func(*pci.Device) pci.ACSBits) string {
 		return "root complex event collector: ACS does not apply"
 	case !t.IsDownstreamFacing():
 		return ""
+	case p.ACS == nil && p.ExtCapsUnknown != "":
+		return fmt.Sprintf("ACS unknown: extended capability list unreadable (%s)", p.ExtCapsUnknown)
 	case p.ACS == nil:
 		return "no ACS capability"
 	}

@@ -18,6 +18,8 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: passage inspect [--root DIR | --snapshot FILE | --lspci-dump FILE] [--json]")
 		fmt.Fprintln(stderr, "shows every PCI function as a tree (lspci -tvnn style) with its link, ACS and ATS")
+		fmt.Fprintln(stderr, "exit status: 0 all read cleanly; 1 shown, but with problems (lines marked !, or \"problems\" in --json):")
+		fmt.Fprintln(stderr, "a function's config space truncated, not answering or malformed, a damaged dump; 2 nothing readable")
 		fs.PrintDefaults()
 	}
 	var src treeSource
@@ -39,6 +41,7 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 		return 2
 	}
+	where := "marked ! above"
 	if *asJSON {
 		prof, err := topology.LoadProfile(*profile)
 		if err != nil {
@@ -51,10 +54,31 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 			return 2
 		}
+		where = `in "problems"`
+	} else {
+		writeTree(stdout, tree)
+	}
+	return treeStatus(tree, stderr, where)
+}
+
+// treeStatus is inspect's exit status for a tree it has shown: 1, with a line on stderr,
+// when reading it left problems (a function's config space truncated, not answering or
+// malformed; a damaged dump; a function that vanished), so that a script never takes a
+// partial or garbled tree for a clean one; 0 otherwise.
+func treeStatus(t *pci.Tree, stderr io.Writer, where string) int {
+	n := len(t.Problems)
+	for _, d := range t.Devices {
+		n += len(d.Problems)
+	}
+	if n == 0 {
 		return 0
 	}
-	writeTree(stdout, tree)
-	return 0
+	s := "s"
+	if n == 1 {
+		s = ""
+	}
+	fmt.Fprintf(stderr, "passage inspect: %d problem%s reading the PCI tree (%s)\n", n, s, where)
+	return 1
 }
 
 // treeSource is where a command reads the PCI tree from: a sysfs root, a snapshot, or
@@ -141,6 +165,11 @@ func describe(d *pci.Device) string {
 	if d.SubsystemVendor != 0 || d.SubsystemDevice != 0 {
 		fmt.Fprintf(&b, " (sub %04x:%04x)", d.SubsystemVendor, d.SubsystemDevice)
 	}
+	if !d.ExpressKnown() {
+		// The capability list could not be read: no Express capability found is not
+		// conventional PCI (the problem lines below say why).
+		b.WriteString("  Express unknown")
+	}
 	if e := d.Express; e != nil {
 		fmt.Fprintf(&b, "  %s", e.Type)
 		if e.HasLink {
@@ -150,16 +179,24 @@ func describe(d *pci.Device) string {
 			}
 		}
 	}
+	// Extended capabilities not read (ExtCapsUnknown) are unknown, not absent.
+	extUnknown := d.ExtCapsUnknown != ""
 	if a := d.ACS; a != nil {
 		fmt.Fprintf(&b, "  ACSCtl %s (cap %s)", a.Ctl&0x7f, a.Cap)
+	} else if extUnknown && d.IsBridge() {
+		b.WriteString("  ACS unknown")
 	}
-	if d.ATS != nil {
+	switch {
+	case d.ATS != nil:
 		en := "-"
 		if d.ATS.Enable {
 			en = "+"
 		}
 		fmt.Fprintf(&b, "  ATS Enable%s", en)
-	} else if e := d.Express; e != nil && !d.IsBridge() {
+	case d.IsBridge():
+	case extUnknown && (d.Express != nil || !d.ExpressKnown()):
+		b.WriteString("  ATS unknown")
+	case d.Express != nil:
 		b.WriteString("  ATS none")
 	}
 	if d.NUMANode >= 0 {

@@ -159,7 +159,7 @@ func TestInspectProblemsShown(t *testing.T) {
 		t.Fatal(err)
 	}
 	rc, out, _ := inspect("--root", n.Root)
-	if rc != 0 || !strings.Contains(out, "! config space truncated to 64 bytes (not root?)") {
+	if rc != 1 || !strings.Contains(out, "! config space truncated to 64 bytes (not root?)") {
 		t.Errorf("rc %d, problem not shown", rc)
 	}
 	_, out, _ = inspect("--root", n.Root, "--json")

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"os"
 	"strings"
 	"testing"
 
@@ -28,15 +27,6 @@ func unbindTree(t *testing.T) *pcitest.Node {
 		walk(spec.Hosts[h].Fns)
 	}
 	return pcitest.New(t, spec)
-}
-
-func readTrim(t *testing.T, p string) string {
-	t.Helper()
-	b, err := os.ReadFile(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return strings.TrimSpace(string(b))
 }
 
 func TestUnbindBDFHostDevice(t *testing.T) {

@@ -204,12 +204,14 @@ func (b *Boot) guestPlan(vs []decision.Verdict) (*manifest.GuestPlan, error) {
 	if len(ids) == 0 {
 		return nil, nil
 	}
+	ok := make(map[topology.UnitID]bool, len(ids))
+	for _, id := range ids {
+		ok[id] = true
+	}
 	var chosen []*topology.Unit
 	for _, u := range d.Units() {
-		for _, id := range ids {
-			if u.ID == id {
-				chosen = append(chosen, u)
-			}
+		if ok[u.ID] {
+			chosen = append(chosen, u)
 		}
 	}
 	nv := d.Profile.NVLinks
