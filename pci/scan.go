@@ -90,16 +90,25 @@ func (s scanner) note(rel string, kind readKind, data []byte) {
 }
 
 // scanState is what the copies of a scanner share: a read buffer, config space storage,
-// and two directories held open so that each attribute is opened with openat relative to
-// a near directory instead of walking the deep /sys/devices path once per file: the
-// devices listing (every function's link is read there) and the parent of the last
-// function's directory. A bridge's functions, a PF's VFs, are siblings, so most functions
-// are read as "<bdf>/config" and so on relative to a parent already open; opening each
-// function's own directory instead costs an open and a close more per function.
+// the root held open, and two directories held open so that each attribute is opened
+// relative to a near directory instead of walking the deep /sys/devices path once per
+// file: the devices listing (every function's link is read there) and the parent of the
+// last function's directory. A bridge's functions, a PF's VFs, are siblings, so most
+// functions are read as "<bdf>/config" and so on relative to a parent already open;
+// opening each function's own directory instead costs an open and a close more per
+// function.
+//
+// Everything resolves beneath the root, in the kernel: the held directories are opened
+// from the root with openat2 RESOLVE_BENEATH (a link on the way that is absolute or
+// climbs out fails), and an attribute is opened from its held directory with
+// RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS: neither "<bdf>" nor the attribute may be a
+// link, as neither is in sysfs. That is what makes a function's directory exactly the
+// one its name says, so that two names cannot read one function.
 type scanState struct {
-	buf  []byte
-	slab []byte // config space storage: see configSlot
-	dirs [2]heldDir
+	buf    []byte
+	slab   []byte // config space storage: see configSlot
+	rootfd int    // O_PATH descriptor of the root; -1 until open
+	dirs   [2]heldDir
 }
 
 // heldDir is an O_PATH descriptor for dir (slash-separated, relative to the root).
@@ -120,6 +129,10 @@ func (st *scanState) close() {
 			st.dirs[i] = heldDir{}
 		}
 	}
+	if st.rootfd >= 0 {
+		unix.Close(st.rootfd)
+		st.rootfd = -1
+	}
 }
 
 // hold returns a descriptor for dir in slot, opening it (and closing what the slot held)
@@ -129,7 +142,7 @@ func (s scanner) hold(slot int, dir string) (int, error) {
 	if h.dir == dir {
 		return h.fd, nil
 	}
-	fd, err := unix.Open(s.full(dir), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	fd, err := openat2(s.st.rootfd, dir, unix.O_PATH|unix.O_DIRECTORY, unix.RESOLVE_BENEATH)
 	if err != nil {
 		return -1, err
 	}
@@ -153,7 +166,7 @@ func (s scanner) at(rel string) (int, string, error) {
 	parent = strings.TrimSuffix(parent, "/")
 	switch parent {
 	case "":
-		return unix.AT_FDCWD, s.full(rel), nil
+		return s.st.rootfd, rel, nil
 	case DevicesDir:
 		// A function read through its link (the link could not be resolved).
 		fd, err := s.hold(heldDevices, parent)
@@ -169,9 +182,10 @@ func (s scanner) full(rel string) string { return filepath.Join(s.root, filepath
 // ended the file, as it does for a regular file (a snapshot, a synthetic tree).
 const pageSize = 4096
 
-// readFile reads a sysfs attribute into dst (from its length) with openat, read and close
-// alone: os.ReadFile adds an fstat, fcntls and a poller registration per file, and a path
-// walk from the root, which together more than double the cost of a scan. It stops at
+// readFile reads a sysfs attribute into dst (from its length) with openat2, fstat, read
+// and close alone: os.ReadFile adds fcntls and a poller registration per file, and a path
+// walk from the root, which together more than double the cost of a scan. The fstat is
+// openAttr's: what is not a regular file is never read (see openAttr). It stops at
 // limit bytes, at a short read when short is set (sysfs text attributes and config space
 // come whole in one read: the extra read that would return 0 is a syscall per file), or
 // at EOF. The bytes are dst's: a caller passing the scan's shared buffer copies what it keeps.
@@ -180,7 +194,7 @@ func (s scanner) readFile(rel string, dst []byte, limit int, short bool) ([]byte
 	if err != nil {
 		return nil, &fs.PathError{Op: "open", Path: s.full(rel), Err: err}
 	}
-	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	fd, err := openAttr(dirfd, name, unix.O_RDONLY, unix.RESOLVE_BENEATH|unix.RESOLVE_NO_SYMLINKS)
 	if err != nil {
 		return nil, &fs.PathError{Op: "open", Path: s.full(rel), Err: err}
 	}
@@ -225,28 +239,43 @@ func (s scanner) readlink(rel string) (string, error) {
 	if err != nil {
 		return "", &fs.PathError{Op: "readlink", Path: s.full(rel), Err: err}
 	}
-	var buf [512]byte
-	n, err := unix.Readlinkat(dirfd, name, buf[:])
-	if err != nil {
-		return "", &fs.PathError{Op: "readlink", Path: s.full(rel), Err: err}
-	}
-	t := string(buf[:n])
-	if n == len(buf) {
-		// Possibly truncated: fall back to the growing reader.
-		if t, err = os.Readlink(s.full(rel)); err != nil {
-			return "", err
+	var arr [512]byte
+	buf := arr[:]
+	for {
+		n, err := unix.Readlinkat(dirfd, name, buf)
+		if err != nil {
+			return "", &fs.PathError{Op: "readlink", Path: s.full(rel), Err: err}
 		}
+		if n < len(buf) {
+			t := string(buf[:n])
+			if s.seen != nil {
+				s.note(rel, readLink, []byte(t))
+			}
+			return t, nil
+		}
+		if len(buf) >= 1<<16 {
+			return "", &fs.PathError{Op: "readlink", Path: s.full(rel), Err: unix.ENAMETOOLONG}
+		}
+		buf = make([]byte, 2*len(buf)) // possibly truncated: again, with room
 	}
-	s.note(rel, readLink, []byte(t))
-	return t, nil
 }
 
-func (s scanner) statDir(rel string) error {
-	_, err := os.Stat(filepath.Join(s.root, filepath.FromSlash(rel)))
+// checkDir checks that rel is a directory beneath the root whose last step is not a
+// link, as a function's directory in sysfs is; it is the error path of a function whose
+// config could not be read, and tells a function that is gone (fs.ErrNotExist) from one
+// whose directory is not its own (errOutsideRoot, ELOOP: a link, ENOTDIR).
+func (s scanner) checkDir(rel string) error {
+	dirfd, name, err := s.at(rel + "/.")
 	if err == nil {
-		s.note(rel, readDir, nil)
+		var fd int
+		fd, err = openat2(dirfd, name, unix.O_PATH|unix.O_DIRECTORY, unix.RESOLVE_BENEATH|unix.RESOLVE_NO_SYMLINKS)
+		if err == nil {
+			unix.Close(fd)
+			s.note(rel, readDir, nil)
+			return nil
+		}
 	}
-	return err
+	return &fs.PathError{Op: "open", Path: s.full(rel), Err: err}
 }
 
 func (s scanner) scan() (*Tree, error) {
@@ -254,31 +283,28 @@ func (s scanner) scan() (*Tree, error) {
 		s.root = "/"
 	}
 	if s.st == nil {
-		s.st = &scanState{buf: make([]byte, 0, 2*ExtendedSize)}
+		s.st = &scanState{buf: make([]byte, 0, 2*ExtendedSize), rootfd: -1}
 	}
 	defer s.st.close()
 	dir := filepath.Join(s.root, DevicesDir)
-	ents, err := os.ReadDir(dir)
+	names, err := s.list()
 	if err != nil {
 		return nil, fmt.Errorf("pci scan %s: %w", dir, unwrapPath(err))
 	}
 	s.note(DevicesDir, readDir, nil)
 	t := &Tree{Root: s.root}
+	fns := s.resolve(t, names)
 	parents := map[Address]Address{}
 	var vfs []pendingVF
-	for _, e := range ents {
-		a, err := ParseAddress(e.Name())
-		if err != nil {
-			t.Problems = append(t.Problems, fmt.Sprintf("%s: not a PCI address, skipped", e.Name()))
-			continue
-		}
-		d, parent, vfDir, err := s.readDevice(a, e.Name())
+	for i := range fns {
+		f := &fns[i]
+		d, vfDir, err := s.readDevice(f)
 		if err != nil {
 			t.Problems = append(t.Problems, err.Error())
 			continue
 		}
-		if parent != nil {
-			parents[a] = *parent
+		if f.parent != nil {
+			parents[f.addr] = *f.parent
 		}
 		if vfDir != "" {
 			vfs = append(vfs, pendingVF{d, vfDir})
@@ -288,6 +314,96 @@ func (s scanner) scan() (*Tree, error) {
 	s.vfIDs(t.Devices, vfs)
 	t.link(parents)
 	return t, nil
+}
+
+// list opens the root and returns the names in its devices directory, sorted.
+func (s scanner) list() ([]string, error) {
+	rfd, err := unix.Open(s.root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	s.st.rootfd = rfd
+	fd, err := openat2(rfd, DevicesDir, unix.O_RDONLY|unix.O_DIRECTORY, unix.RESOLVE_BENEATH)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), filepath.Join(s.root, DevicesDir))
+	defer f.Close()
+	names, err := f.Readdirnames(-1)
+	if err != nil {
+		return nil, err
+	}
+	slices.Sort(names)
+	return names, nil
+}
+
+// listed is a function as the devices directory names it, and the directory (relative to
+// the root) its link resolves to.
+type listed struct {
+	addr    Address
+	name    string   // the entry's name: addr, as the kernel spells it
+	dir     string   // the function's directory, relative to the root
+	sysPath string   // "/" + dir when dir came from the link
+	parent  *Address // the bridge the link's path puts it below
+}
+
+// resolve reads the link of every entry of the devices directory and keeps the entries
+// that name one function each: an entry that is not the kernel's spelling of a PCI
+// address ("f2:00.0", "0000:F2:00.0"), whose link leads outside the root, or that
+// leads to the directory of another function (the kernel names a function's directory
+// as its entry) is a tree problem, not a function. A function can so be read once only.
+func (s scanner) resolve(t *Tree, names []string) []listed {
+	fns := make([]listed, 0, len(names))
+	misnamed := false
+	for _, name := range names {
+		a, err := ParseAddress(name)
+		if err != nil {
+			t.Problems = append(t.Problems, fmt.Sprintf("%s: not a PCI address, skipped", name))
+			continue
+		}
+		if c := a.String(); c != name {
+			t.Problems = append(t.Problems, fmt.Sprintf("%s: not the kernel's name for %s, skipped", name, c))
+			continue
+		}
+		f := listed{addr: a, name: name, dir: DevicesDir + "/" + name}
+		if target, err := s.readlink(f.dir); err == nil {
+			// /sys/bus/pci/devices/<bdf> -> ../../../devices/pci0000:00/0000:00:01.0/<bdf>
+			rel := path.Clean(path.Join(DevicesDir, filepath.ToSlash(target)))
+			if path.IsAbs(target) || strings.HasPrefix(rel, "../") || rel == ".." {
+				t.Problems = append(t.Problems, fmt.Sprintf("%s: sysfs link %s points outside the root, not read", name, target))
+				continue
+			}
+			f.dir, f.sysPath = rel, "/"+rel
+			if pa, err := ParseAddress(path.Base(path.Dir(rel))); err == nil {
+				f.parent = &pa
+			}
+		} else if errors.Is(err, fs.ErrNotExist) {
+			t.Problems = append(t.Problems, fmt.Sprintf("%s: vanished during scan", a))
+			continue
+		}
+		misnamed = misnamed || path.Base(f.dir) != name
+		fns = append(fns, f)
+	}
+	if !misnamed {
+		return fns
+	}
+	dirOf := make(map[string]string, len(fns))
+	for _, f := range fns {
+		dirOf[f.name] = f.dir
+	}
+	kept := fns[:0]
+	for _, f := range fns {
+		base := path.Base(f.dir)
+		switch {
+		case base == f.name:
+			kept = append(kept, f)
+		case dirOf[base] == f.dir:
+			t.Problems = append(t.Problems, fmt.Sprintf("%s: resolves to /%s, as %s does: one function, read as %s", f.name, f.dir, base, base))
+		default:
+			t.Problems = append(t.Problems, fmt.Sprintf("%s: sysfs link leads to /%s, a directory not named %s, not read", f.name, f.dir, f.name))
+		}
+	}
+	return kept
 }
 
 // pendingVF is a function whose Vendor and Device ID registers read 0xffff, as an SR-IOV
@@ -393,54 +509,45 @@ func (t *Tree) link(parents map[Address]Address) {
 	}
 }
 
-// readDevice reads one function, listed as name. The error return is for a function that
-// is gone (its directory vanished between listing and reading); everything else becomes a
+// maxNUMANodes bounds the NUMA node numbers a kernel can write: MAX_NUMNODES at the largest
+// CONFIG_NODES_SHIFT (10).
+const maxNUMANodes = 1 << 10
+
+// readDevice reads one function. The error return is for a function that is not read: it
+// is gone (its directory vanished between listing and reading), or its directory is not
+// its own (it resolves outside the root, or is a link); everything else becomes a
 // problem. vfDir is the function's directory when its ID registers read 0xffff (a VF):
 // the scan names it once it has read the PFs.
-func (s scanner) readDevice(a Address, name string) (d *Device, parent *Address, vfDir string, err error) {
-	d = &Device{Addr: a, NUMANode: -1, IOMMUGroup: -1}
-	link := DevicesDir + "/" + name
-	dir := link
-	if target, err := s.readlink(link); err == nil {
-		// /sys/bus/pci/devices/<bdf> -> ../../../devices/pci0000:00/0000:00:01.0/<bdf>
-		rel := path.Clean(path.Join(DevicesDir, filepath.ToSlash(target)))
-		if path.IsAbs(target) || strings.HasPrefix(rel, "../") || rel == ".." {
-			d.problem("sysfs link %s points outside the root", target)
-		} else {
-			d.SysPath = "/" + rel
-			dir = rel
-			if pa, err := ParseAddress(path.Base(path.Dir(rel))); err == nil {
-				parent = &pa
-			}
-		}
-	} else if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil, "", fmt.Errorf("%s: vanished during scan", a)
-	}
-
+func (s scanner) readDevice(f *listed) (d *Device, vfDir string, err error) {
+	d = &Device{Addr: f.addr, SysPath: f.sysPath, NUMANode: -1, IOMMUGroup: -1}
+	dir := f.dir
 	cfg, err := s.readFile(dir+"/config", s.st.configSlot(), ExtendedSize, true)
-	switch {
-	case err == nil:
+	if err == nil {
 		d.Config = cfg
 		d.decodeConfig()
 		if d.VendorID == 0xffff && d.DeviceID == 0xffff {
 			vfDir = dir
 		}
-	case errors.Is(err, fs.ErrNotExist):
-		if serr := s.statDir(dir); errors.Is(serr, fs.ErrNotExist) {
-			return nil, nil, "", fmt.Errorf("%s: vanished during scan", a)
+	} else {
+		// Whether the function is there at all, and its directory its own, is asked
+		// here only, where its first file failed: past a config read, neither <bdf>
+		// nor anything above it was a link out.
+		if derr := s.checkDir(dir); derr != nil {
+			return nil, "", s.dirError(f, derr)
 		}
-		d.problem("config: %v", unwrapPath(err))
-		s.readIDFiles(d, dir)
-	default:
 		d.problem("config: %v", unwrapPath(err))
 		s.readIDFiles(d, dir)
 	}
 
 	if v, ok := s.readText(d, dir, "numa_node"); ok {
-		if n, err := strconv.Atoi(v); err == nil {
-			d.NUMANode = n
-		} else {
+		n, err := strconv.Atoi(v)
+		switch {
+		case err != nil:
 			d.problem("numa_node: malformed %q", v)
+		case n < -1 || n >= maxNUMANodes:
+			d.problem("numa_node: %q is not a NUMA node (-1 or 0..%d), taken as none", v, maxNUMANodes-1)
+		default:
+			d.NUMANode = n
 		}
 	}
 	if v, ok := s.readLinkBase(d, dir, "driver"); ok {
@@ -450,10 +557,10 @@ func (s scanner) readDevice(a Address, name string) (d *Device, parent *Address,
 		d.DriverOverride = v
 	}
 	if v, ok := s.readLinkBase(d, dir, "iommu_group"); ok {
-		if n, err := strconv.Atoi(v); err == nil {
+		if n, ok := groupNumber(v); ok {
 			d.IOMMUGroup = n
 		} else {
-			d.problem("iommu_group: malformed link %q", v)
+			d.problem("iommu_group: malformed link %q (not a group number), taken as none", v)
 		}
 	}
 	// Reading vpd makes the kernel talk to the device (and can be slow on some), so it is
@@ -469,7 +576,41 @@ func (s scanner) readDevice(a Address, name string) (d *Device, parent *Address,
 			d.problem("vpd: %v", unwrapPath(err))
 		}
 	}
-	return d, parent, vfDir, nil
+	return d, vfDir, nil
+}
+
+// groupNumber parses an IOMMU group's name as the kernel writes it (%d of a group ID,
+// which is never negative): digits alone, without a sign or a leading zero.
+func groupNumber(v string) (int, bool) {
+	if v == "" || len(v) > 1 && v[0] == '0' {
+		return 0, false
+	}
+	for i := 0; i < len(v); i++ {
+		if v[i] < '0' || v[i] > '9' {
+			return 0, false
+		}
+	}
+	n, err := strconv.ParseInt(v, 10, 32)
+	return int(n), err == nil
+}
+
+// dirError is the tree problem of a function whose directory checkDir refused.
+func (s scanner) dirError(f *listed, err error) error {
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("%s: vanished during scan", f.addr)
+	case errors.Is(err, errOutsideRoot):
+		return fmt.Errorf("%s: /%s resolves outside the root, not read", f.name, f.dir)
+	case errors.Is(err, unix.ELOOP):
+		if t, lerr := s.readlink(f.dir); lerr == nil {
+			if rel := path.Join(path.Dir(f.dir), filepath.ToSlash(t)); path.IsAbs(t) || strings.HasPrefix(rel, "../") || rel == ".." {
+				return fmt.Errorf("%s: /%s is a link to %s, outside the root, not read", f.name, f.dir, t)
+			}
+			return fmt.Errorf("%s: /%s is a link to %s, not a directory of its own, not read", f.name, f.dir, t)
+		}
+		return fmt.Errorf("%s: /%s is a link, not a directory of its own, not read", f.name, f.dir)
+	}
+	return fmt.Errorf("%s: /%s: %v, not read", f.name, f.dir, unwrapPath(err))
 }
 
 // readIDFiles is the fallback when config space cannot be read: the kernel's own text

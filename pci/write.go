@@ -4,8 +4,11 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
+
+	"golang.org/x/sys/unix"
 )
 
 // ConfigIO reads and writes a function's config space. The sysfs implementation is the
@@ -16,20 +19,22 @@ type ConfigIO interface {
 }
 
 // SysfsConfig accesses <root>/sys/bus/pci/devices/<bdf>/config, the way setpci does.
+// The path resolves beneath the root whatever its links say (see OpenAttr): a tree whose
+// link leads elsewhere is refused, not written through.
 type SysfsConfig struct{ Root string }
 
-func (s SysfsConfig) path(a Address) string {
-	root := s.Root
-	if root == "" {
-		root = "/"
+func (s SysfsConfig) open(a Address, flag int) (*os.File, error) {
+	f, err := OpenAttr(s.Root, DevicesDir+"/"+a.String()+"/config", flag)
+	if err != nil {
+		return nil, unwrapPath(err)
 	}
-	return filepath.Join(root, DevicesDir, a.String(), "config")
+	return f, nil
 }
 
 func (s SysfsConfig) ReadConfig(a Address, off int64, p []byte) error {
-	f, err := os.Open(s.path(a))
+	f, err := s.open(a, os.O_RDONLY)
 	if err != nil {
-		return unwrapPath(err)
+		return err
 	}
 	defer f.Close()
 	n, err := f.ReadAt(p, off)
@@ -43,9 +48,9 @@ func (s SysfsConfig) ReadConfig(a Address, off int64, p []byte) error {
 }
 
 func (s SysfsConfig) WriteConfig(a Address, off int64, p []byte) error {
-	f, err := os.OpenFile(s.path(a), os.O_WRONLY, 0)
+	f, err := s.open(a, os.O_WRONLY)
 	if err != nil {
-		return unwrapPath(err)
+		return err
 	}
 	n, err := f.WriteAt(p, off)
 	if cerr := f.Close(); err == nil {
@@ -58,6 +63,126 @@ func (s SysfsConfig) WriteConfig(a Address, off int64, p []byte) error {
 		return fmt.Errorf("write %d bytes at 0x%03x: %w", len(p), off, unwrapPath(err))
 	}
 	return nil
+}
+
+// OpenAttr opens the sysfs attribute name, slash-separated and relative to root ("" is
+// "/"), for reading or writing (flag is os.O_RDONLY, os.O_WRONLY or os.O_RDWR; it never
+// creates). The kernel resolves the path beneath root (openat2 RESOLVE_BENEATH): a link
+// that is absolute or climbs out fails, so a link planted in a --root tree, even after
+// it was scanned, cannot carry a read or a write anywhere else; on a node the root is
+// "/" and everything is beneath it. The attribute itself must be a regular file, as
+// every sysfs attribute is: it is opened without following a link and without blocking
+// (a FIFO's open waits for a writer otherwise), and anything else is an error naming
+// what it is ("not a regular file (fifo)").
+func OpenAttr(root, name string, flag int) (*os.File, error) {
+	if root == "" {
+		root = "/"
+	}
+	full := filepath.Join(root, filepath.FromSlash(name))
+	rfd, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &fs.PathError{Op: "open", Path: root, Err: err}
+	}
+	defer unix.Close(rfd)
+	fd, err := openAttr(rfd, name, flag&(os.O_RDONLY|os.O_WRONLY|os.O_RDWR), unix.RESOLVE_BENEATH)
+	if err != nil {
+		return nil, &fs.PathError{Op: "open", Path: full, Err: err}
+	}
+	return os.NewFile(uintptr(fd), full), nil
+}
+
+// errOutsideRoot is what a path that resolves outside the root gets (openat2's EXDEV
+// under RESOLVE_BENEATH).
+var errOutsideRoot = errors.New("resolves outside the root")
+
+// notRegularError is an attribute that is not a regular file.
+type notRegularError struct{ kind string }
+
+func (e *notRegularError) Error() string { return "not a regular file (" + e.kind + ")" }
+
+func fileKind(mode uint32) string {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFIFO:
+		return "fifo"
+	case unix.S_IFSOCK:
+		return "socket"
+	case unix.S_IFCHR:
+		return "char device"
+	case unix.S_IFBLK:
+		return "block device"
+	case unix.S_IFLNK:
+		return "symlink"
+	case unix.S_IFDIR:
+		return "directory"
+	}
+	return fmt.Sprintf("mode %#o", mode&unix.S_IFMT)
+}
+
+// openat2 opens name relative to dirfd with resolve's restrictions, close-on-exec. It
+// retries what the kernel asks to be retried (EAGAIN: a rename raced a ".." under
+// RESOLVE_BENEATH) and reports an escape as errOutsideRoot.
+func openat2(dirfd int, name string, flags int, resolve uint64) (int, error) {
+	how := unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC), Resolve: resolve}
+	for tries := 0; ; tries++ {
+		fd, err := unix.Openat2(dirfd, name, &how)
+		switch {
+		case err == unix.EINTR, err == unix.EAGAIN && tries < 64:
+			continue
+		case err == unix.EXDEV:
+			return -1, errOutsideRoot
+		}
+		return fd, err
+	}
+}
+
+// openAttr opens an attribute for acc (O_RDONLY, O_WRONLY, O_RDWR) relative to dirfd,
+// with resolve's restrictions, and checks it is a regular file. O_NONBLOCK makes the open
+// of a FIFO return at once (and a socket's fail) instead of waiting for the other end;
+// O_NOFOLLOW refuses a link as the attribute; O_NOCTTY keeps a terminal from becoming
+// the process's. A directory is EISDIR, as reading one would say.
+func openAttr(dirfd int, name string, acc int, resolve uint64) (int, error) {
+	fd, err := openat2(dirfd, name, acc|unix.O_NONBLOCK|unix.O_NOFOLLOW|unix.O_NOCTTY, resolve)
+	if err != nil {
+		return -1, explainOpen(dirfd, name, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		return fd, nil
+	case unix.S_IFDIR:
+		unix.Close(fd)
+		return -1, unix.EISDIR
+	}
+	unix.Close(fd)
+	return -1, &notRegularError{fileKind(st.Mode)}
+}
+
+// explainOpen turns the error of an attribute's open into what the attribute is, when it
+// is not a regular file: a link (ELOOP under O_NOFOLLOW), a socket (ENXIO), a FIFO
+// without a reader opened for writing (ENXIO), a device node on a nodev mount (EACCES).
+// It costs a system call or two, on the error path only.
+func explainOpen(dirfd int, name string, err error) error {
+	if err == unix.ENOENT || err == errOutsideRoot {
+		return err
+	}
+	fd, oerr := openat2(dirfd, name, unix.O_PATH|unix.O_NOFOLLOW, unix.RESOLVE_BENEATH)
+	if oerr != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil {
+		return err
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG, unix.S_IFDIR:
+		return err
+	}
+	return &notRegularError{fileKind(st.Mode)}
 }
 
 // Write is the record of one register write: what was there, what was written, and what

@@ -20,19 +20,24 @@ type Sysfs interface {
 	Stat(name string) error
 }
 
-// Root is the real Sysfs: the kernel's files below a directory ("/" on a node).
+// Root is the real Sysfs: the kernel's files below a directory ("/" on a node). Every
+// path resolves beneath that directory in the kernel, whatever the links in it say: a
+// --root tree comes from anywhere, and a link in it that is absolute or climbs out
+// (planted before or after it was scanned) fails the access instead of carrying a store
+// to a file elsewhere. A store goes only to a regular file, opened without following a
+// link at its last step and without blocking (pci.OpenAttr): a FIFO, socket or device
+// node fails it at once.
 type Root string
 
-func (r Root) path(name string) string {
-	root := string(r)
-	if root == "" {
-		root = "/"
+func (r Root) dir() string {
+	if r == "" {
+		return "/"
 	}
-	return filepath.Join(root, filepath.FromSlash(name))
+	return string(r)
 }
 
 func (r Root) WriteFile(name string, data []byte) error {
-	f, err := os.OpenFile(r.path(name), os.O_WRONLY, 0)
+	f, err := pci.OpenAttr(r.dir(), name, os.O_WRONLY)
 	if err != nil {
 		return err
 	}
@@ -44,10 +49,24 @@ func (r Root) WriteFile(name string, data []byte) error {
 	return cerr
 }
 
-func (r Root) ReadLink(name string) (string, error) { return os.Readlink(r.path(name)) }
+// ReadLink and Stat resolve through os.Root, which walks the path one element at a time
+// and refuses a link that leaves the root, as OpenAttr's openat2 does in one call.
+func (r Root) ReadLink(name string) (string, error) {
+	root, err := os.OpenRoot(r.dir())
+	if err != nil {
+		return "", err
+	}
+	defer root.Close()
+	return root.Readlink(filepath.FromSlash(name))
+}
 
 func (r Root) Stat(name string) error {
-	_, err := os.Stat(r.path(name))
+	root, err := os.OpenRoot(r.dir())
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	_, err = root.Stat(filepath.FromSlash(name))
 	return err
 }
 
