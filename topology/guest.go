@@ -149,7 +149,7 @@ func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
 			gu.GuestNUMA = g.GuestNodes[u.NUMANode]
 			x := Expander{ID: prefix + "pxb", BusNr: opt.ExpanderBus0 + i*opt.ExpanderStride, NUMANode: gu.GuestNUMA, Dev: opt.RootSlot + i}
 			if x.BusNr > 0xff {
-				return nil, fmt.Errorf("guest plan: unit %d: expander bus %#x past 0xff", u.ID, x.BusNr)
+				return nil, fmt.Errorf("guest plan: %s: expander bus %#x past 0xff", u.ID, x.BusNr)
 			}
 			g.Expanders = append(g.Expanders, x)
 			gu.Expander = x.ID
@@ -162,13 +162,13 @@ func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
 		fns := u.Functions()
 		need := 2 + len(fns)
 		if opt.NUMA && need >= opt.ExpanderStride {
-			return nil, fmt.Errorf("guest plan: unit %d needs %d buses, expander stride is %d", u.ID, need, opt.ExpanderStride)
+			return nil, fmt.Errorf("guest plan: %s needs %d buses, expander stride is %d", u.ID, need, opt.ExpanderStride)
 		}
 		if bus+need-1 > 0xff {
-			return nil, fmt.Errorf("guest plan: unit %d: out of guest bus numbers", u.ID)
+			return nil, fmt.Errorf("guest plan: %s: out of guest bus numbers", u.ID)
 		}
 		if len(fns) > 32 {
-			return nil, fmt.Errorf("guest plan: unit %d: %d functions do not fit one switch", u.ID, len(fns))
+			return nil, fmt.Errorf("guest plan: %s: %d functions do not fit one switch", u.ID, len(fns))
 		}
 		rp.Secondary = bus
 		us := GuestPort{ID: prefix + "us", Model: "x3130-upstream", Bus: rp.ID, Addr: pci.Address{Bus: uint8(bus)}, Secondary: bus + 1}
@@ -229,15 +229,15 @@ func chooseUnits(units []*Unit, ids []UnitID) ([]*Unit, error) {
 	seen := map[UnitID]bool{}
 	for _, id := range ids {
 		if seen[id] {
-			return nil, fmt.Errorf("guest plan: unit %d chosen twice", id)
+			return nil, fmt.Errorf("guest plan: %s chosen twice", id)
 		}
 		seen[id] = true
 		found := byID[id]
 		if found == nil {
-			return nil, fmt.Errorf("guest plan: no unit %d", id)
+			return nil, fmt.Errorf("guest plan: no unit %s", id)
 		}
 		if found.Status == StatusFailed {
-			return nil, fmt.Errorf("guest plan: unit %d is failed: %v", id, found.Reasons)
+			return nil, fmt.Errorf("guest plan: %s is failed: %v", id, found.Reasons)
 		}
 		out = append(out, found)
 	}

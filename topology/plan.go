@@ -165,7 +165,7 @@ func (pl *Plan) WriteText(w io.Writer) error {
 		fl := l.Of(d.Addr)
 		unit := ""
 		if fl.Unit >= 0 {
-			unit = fmt.Sprintf("unit %d", fl.Unit)
+			unit = fl.Unit.String()
 		}
 		note := fl.Rule
 		if fl.Reason != "" {

@@ -230,11 +230,11 @@ func TestGuestUnitsSubset(t *testing.T) {
 	if len(g.Units) != 2 || g.Units[0].Unit != 2 || g.Units[1].Unit != 5 {
 		t.Errorf("units %+v", g.Units)
 	}
-	if _, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{9}}); err == nil || !strings.Contains(err.Error(), "no unit 9") {
+	if _, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{9}}); err == nil || !strings.Contains(err.Error(), "no unit gpu9") {
 		t.Errorf("unknown unit: %v", err)
 	}
 	l.Units[3].Degrade(StatusFailed, "test")
-	if _, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{3}}); err == nil || !strings.Contains(err.Error(), "unit 3 is failed") {
+	if _, err := GuestPlan(l.Units, GuestOptions{Units: []UnitID{3}}); err == nil || !strings.Contains(err.Error(), "gpu3 is failed") {
 		t.Errorf("failed unit: %v", err)
 	}
 }

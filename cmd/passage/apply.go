@@ -258,7 +258,7 @@ func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
 	if out.VFIO != nil {
 		for _, u := range out.VFIO.Units {
 			for _, fr := range u.Functions {
-				line := fmt.Sprintf("  vfio unit %d: %s group %d: %s -> %s", u.ID, fr.Addr, fr.Group, unbindDriverName(fr.DriverBefore), unbindDriverName(fr.DriverAfter))
+				line := fmt.Sprintf("  vfio %s: %s group %d: %s -> %s", u.ID, fr.Addr, fr.Group, unbindDriverName(fr.DriverBefore), unbindDriverName(fr.DriverAfter))
 				if fr.Err != "" {
 					line += ": " + fr.Err
 				}

@@ -96,7 +96,7 @@ func verdictErr(d *decision.Decision, vs []decision.Verdict) error {
 	}
 	for _, v := range vs {
 		if v.Status == topology.StatusFailed {
-			return fmt.Errorf("unit %d failed: %s", v.Unit, strings.Join(v.Reasons, "; "))
+			return fmt.Errorf("%s failed: %s", v.Unit, strings.Join(v.Reasons, "; "))
 		}
 	}
 	return nil
