@@ -17,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -43,17 +44,33 @@ type Live struct {
 // integrity and confidentiality modes do (pci_write_config in drivers/pci/pci-sysfs.c).
 func (l Live) LockedDown() bool { return l.Lockdown == "integrity" || l.Lockdown == "confidentiality" }
 
-// ReadLive reads the kernel's state under root. A file that is absent (a synthetic
-// tree, a snapshot) reads as ""; one that cannot be read is an error naming it.
+// maxLiveFile bounds each kernel-state file: /proc/cmdline is at most a few KiB
+// (COMMAND_LINE_SIZE), the others a line.
+const maxLiveFile = 64 << 10
+
+// ReadLive reads the kernel's state under root, as every read under a root goes: beneath
+// it (a link cannot lead outside), regular files only (a FIFO is an error, never a
+// hang), bounded. A file that is absent (a synthetic tree, a snapshot) reads as ""; one
+// that cannot be read is an error naming it.
 func ReadLive(root string) (Live, error) {
 	var l Live
 	var errs []error
 	read := func(name string) string {
-		b, err := os.ReadFile(filepath.Join(root, name))
+		f, err := pci.OpenAttr(root, name, os.O_RDONLY)
 		if err != nil {
 			if !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
+			return ""
+		}
+		defer f.Close()
+		b, err := io.ReadAll(io.LimitReader(f, maxLiveFile+1))
+		switch {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("%s: %w", filepath.Join(root, name), err))
+			return ""
+		case len(b) > maxLiveFile:
+			errs = append(errs, fmt.Errorf("%s: larger than %d bytes", filepath.Join(root, name), maxLiveFile))
 			return ""
 		}
 		return strings.TrimSpace(string(b))

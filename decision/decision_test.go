@@ -1,9 +1,14 @@
 package decision
 
 import (
+	"bytes"
 	"errors"
+	"os"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/pci/pcitest"
@@ -246,5 +251,48 @@ func TestDecideUnreadableFacts(t *testing.T) {
 				t.Errorf("%s: reasons %q do not name %q", v.Unit, v.Reasons, c.problem)
 			}
 		}
+	}
+}
+
+// TestReadLiveBeneathRoot: the kernel's state under a root is read beneath it, from
+// regular files only, bounded: a link out of the tree, a FIFO or an endless file is an
+// error, never a value from elsewhere, a hang or a flood.
+func TestReadLiveBeneathRoot(t *testing.T) {
+	outside := filepath.Join(t.TempDir(), "lockdown")
+	if err := os.WriteFile(outside, []byte("none [confidentiality]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		make func(path string) error
+	}{
+		{"link outside", func(p string) error { return os.Symlink(outside, p) }},
+		{"fifo", func(p string) error { return syscall.Mkfifo(p, 0o644) }},
+		{"endless", func(p string) error { return os.Symlink("/dev/zero", p) }},
+		{"too large", func(p string) error { return os.WriteFile(p, bytes.Repeat([]byte("x"), maxLiveFile+1), 0o644) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			root := t.TempDir()
+			p := filepath.Join(root, "sys/kernel/security/lockdown")
+			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.make(p); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan struct{})
+			var l Live
+			var err error
+			go func() { l, err = ReadLive(root); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(5 * time.Second):
+				os.Remove(p) // unblock a reader stuck on the FIFO
+				t.Fatal("ReadLive blocked")
+			}
+			if err == nil || l.Lockdown != "" {
+				t.Errorf("lockdown %q, err %v; want an error and no value", l.Lockdown, err)
+			}
+		})
 	}
 }

@@ -93,6 +93,15 @@ func Label(tree *pci.Tree, p *Profile) (*Labels, error) {
 		}
 		fl.Role, fl.Rule = best.Role, best.Name
 		for _, h := range hits {
+			if best.Role.Passthrough() && !h.Role.Passthrough() {
+				// Precedence settles which host role or which passthrough role a function
+				// gets, never whether it leaves the host: a profile that keeps a function
+				// for the host and also passes it through contradicts itself.
+				fl.Reason = fmt.Sprintf("rule %q passes it through as %s, rule %q keeps it for the host as %s", best.Name, best.Role, h.Name, h.Role)
+				fl.Role, fl.Rule = RoleUnlabeled, ""
+				errs = append(errs, fmt.Errorf("label %s (%s): %s", d.Addr, d.IDs(), fl.Reason))
+				break
+			}
 			if h.Role != best.Role && !best.Match.Specificity().Beats(h.Match.Specificity()) {
 				fl.Reason = fmt.Sprintf("rules %q (%s) and %q (%s) both match, equally specific", best.Name, best.Role, h.Name, h.Role)
 				fl.Role, fl.Rule = RoleUnlabeled, ""
@@ -189,7 +198,7 @@ func (l *Labels) group() error {
 			if fl := l.byAddr[b.Addr]; fl.Unit < 0 {
 				fl.Unit = u.ID
 			} else if fl.Unit != u.ID {
-				l.Problems = append(l.Problems, fmt.Sprintf("%s: bridge on the paths of units %d and %d", b.Addr, fl.Unit, u.ID))
+				l.Problems = append(l.Problems, fmt.Sprintf("%s: bridge on the paths of %s and %s", b.Addr, fl.Unit, u.ID))
 			}
 		}
 	}

@@ -186,7 +186,7 @@ func (pl *Plan) WriteText(w io.Writer) error {
 	fmt.Fprintln(tw, "unit\tnuma\tstatus\tgpu\tnics\tdata-direct\tnvme\treasons")
 	for _, u := range l.Units {
 		j := u.JSON()
-		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", u.ID, u.NUMANode, u.Status, j.GPU, dash(j.NICs), dash(j.DataDirect), dash(j.NVMe), strings.Join(u.Reasons, "; "))
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", u.ID, u.NUMANode, u.Status, j.GPU, dash(j.NICs), dash(j.DataDirect), dash(j.NVMe), strings.Join(u.Reasons, "; "))
 	}
 	tw.Flush()
 	for _, p := range l.Problems {
@@ -207,7 +207,7 @@ func (pl *Plan) WriteText(w io.Writer) error {
 		if p.Skip != "" {
 			reason = "not written: " + p.Skip
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", p.Addr, p.Unit, p.Position, now, target, flags, reason)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.Addr, p.Unit, p.Position, now, target, flags, reason)
 	}
 	tw.Flush()
 	if pl.KernelArg != "" {

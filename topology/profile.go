@@ -295,7 +295,13 @@ func (p *Profile) check() error {
 	// it matches too (a type 1 header), and no passthrough role on a bridge survives
 	// labelling.
 	for _, r := range p.Rules {
-		if m := r.Match; len(m.Vendor) == 0 && m.Class == nil && (m.Bridge == nil || !*m.Bridge) {
+		m := r.Match
+		if m.Class != nil && m.ClassMask != nil && uint32(*m.ClassMask)&0xff0000 != 0xff0000 {
+			// A class compared without its base class byte names no class at all
+			// (class_mask 0 matches every function).
+			return fmt.Errorf("rule %q: class_mask %#06x does not compare the base class (0xff0000); a rule must say what it matches", r.Name, uint32(*m.ClassMask))
+		}
+		if len(m.Vendor) == 0 && m.Class == nil && (m.Bridge == nil || !*m.Bridge) {
 			return fmt.Errorf("rule %q: names neither a vendor nor a class (nor bridge: true); a rule must say what it matches", r.Name)
 		}
 	}

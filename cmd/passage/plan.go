@@ -27,7 +27,7 @@ type planFlags struct {
 func (f *planFlags) register(fs *flag.FlagSet) {
 	f.src.register(fs)
 	fs.StringVar(&f.profile, "profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
-	fs.StringVar(&f.units, "units", "all", "units to pass through: all, or units like gpu0,gpu1 (or 0,1)")
+	fs.StringVar(&f.units, "units", "all", "units the guest plan lays out: all, or gpu0,gpu1 (or 0,1); the verdicts, the bind set and --out cover every unit")
 	fs.BoolVar(&f.numa, "numa", false, "one pxb-pcie expander per unit on its NUMA node (guest NODE/SYS distances)")
 	fs.StringVar(&f.ats, "ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
 	fs.StringVar(&f.cmdline, "cmdline", "", "kernel command line (default: <root>/proc/cmdline with --root)")

@@ -124,7 +124,7 @@ func rowBoot(e *env, t *table, w io.Writer, boots int) error {
 	add("7b", "boot: uinit start -> manifest written", med(func(b bootTimes) float64 { return b.manifest - b.uinit }),
 		fmt.Sprintf("module loading %s of it", dur(med(func(b bootTimes) float64 { return b.modules }))))
 	own := med(func(b bootTimes) float64 { return b.manifest - b.uinit - b.modules })
-	add("7c", "boot: passage's own time (7b minus module loading)", own, "scan, label, firmware, ACS, vfio bind, manifest")
+	add("7c", "boot: passage's own time (7b minus module loading)", own, "scan, decide, ACS, vfio bind, manifest")
 	netStage := med(func(b bootTimes) float64 { return b.stages["network"] })
 	add("7d", "boot: manifest written -> handoff", med(func(b bootTimes) float64 { return b.handoff - b.manifest }),
 		fmt.Sprintf("network stage (management NIC carrier + DHCP, after the manifest) %s of it", dur(netStage)))

@@ -45,7 +45,7 @@ var straceLine = regexp.MustCompile(`^\d+\s+(\w+)\((?:AT_FDCWD, |\d+<([^>]*)>, )
 func traceFS(dir, root string, name string, args ...string) (*straceCount, error) {
 	out := filepath.Join(dir, "strace.out")
 	sargs := append([]string{"-f", "-qq", "-y", "-s", "4096", "-o", out,
-		"-e", "trace=openat,open,readlinkat,readlink,newfstatat,stat,lstat,statx,access,faccessat2,execve", name}, args...)
+		"-e", "trace=openat,openat2,open,readlinkat,readlink,newfstatat,stat,lstat,statx,access,faccessat2,execve", name}, args...)
 	cmd := exec.Command("strace", sargs...)
 	if err := cmd.Run(); err != nil {
 		return nil, fmt.Errorf("strace %s: %w", name, err)
@@ -82,7 +82,7 @@ func traceFS(dir, root string, name string, args ...string) (*straceCount, error
 		}
 		c.calls[call]++
 		c.paths[p]++
-		if call == "openat" || call == "open" {
+		if call == "openat" || call == "openat2" || call == "open" {
 			c.opened[p]++
 		}
 	}
@@ -100,7 +100,7 @@ func (c *straceCount) total() int {
 
 func (c *straceCount) String() string {
 	var parts []string
-	for _, k := range []string{"openat", "readlinkat", "newfstatat", "statx", "access", "faccessat2"} {
+	for _, k := range []string{"openat", "openat2", "readlinkat", "newfstatat", "statx", "access", "faccessat2"} {
 		if c.calls[k] > 0 {
 			parts = append(parts, fmt.Sprintf("%s %d", k, c.calls[k]))
 		}

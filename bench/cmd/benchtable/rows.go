@@ -173,8 +173,8 @@ func rowPlan(e *env, t *table, w io.Writer) error {
 		return err
 	}
 	in := fmt.Sprintf("B300 tree, %d fns, %d ports", b300Fns, len(pl.ACS))
-	rs := t.pair("2a", "scan+plan: `passage plan --root` (process)", in, s[0].Median, s[2].Median, "acs-plan.sh", "roles, units, ACS plan, host+guest matrices, text output")
-	ri := t.pair("2b", "scan+plan: `topology.NewPlan` (in-process)", in, s[1].Median, s[2].Median, "acs-plan.sh",
+	rs := t.pair("2a", "scan+plan: `passage plan --root` (process)", in, s[0].Median, s[2].Median, "acs-plan.sh", "the decision (roles, units, ATS, audit, ACS targets, verdicts), host+guest matrices, text output")
+	ri := t.pair("2b", "scan+plan: `decision.Decide` (in-process)", in, s[1].Median, s[2].Median, "acs-plan.sh",
 		fmt.Sprintf("%d allocs, %s", s[1].Allocs, kib(s[1].Bytes)))
 	rl := t.pair("2c", "scan+plan (process) vs lspci alone", in, s[0].Median, s[3].Median, "lspci -vvv", "lspci only decodes; it plans nothing")
 	rli := t.pair("2d", "scan+plan (in-process) vs lspci alone", in, s[1].Median, s[3].Median, "lspci -vvv", "")
