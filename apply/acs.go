@@ -34,19 +34,20 @@ const (
 
 // Change is the record of one port, for the console and the manifest.
 type Change struct {
-	Addr     pci.Address     `json:"bdf"`
-	Unit     topology.UnitID `json:"unit"`
-	Position string          `json:"position"`
-	Offset   int             `json:"offset"` // config offset of ACS Control
-	Mask     pci.ACSBits     `json:"mask"`
-	Flags    pci.ACSBits     `json:"flags"`
-	Before   pci.ACSBits     `json:"before"`
-	Target   pci.ACSBits     `json:"target"`
-	After    pci.ACSBits     `json:"after"`
-	Result   Result          `json:"result"`
-	Attempts int             `json:"attempts,omitempty"` // writes tried
-	Error    string          `json:"error,omitempty"`
-	Note     string          `json:"note,omitempty"`
+	Addr     pci.Address       `json:"bdf"`
+	Unit     topology.UnitID   `json:"unit"`
+	Shared   []topology.UnitID `json:"shared,omitempty"` // other units whose paths hold the port
+	Position string            `json:"position"`
+	Offset   int               `json:"offset"` // config offset of ACS Control
+	Mask     pci.ACSBits       `json:"mask"`
+	Flags    pci.ACSBits       `json:"flags"`
+	Before   pci.ACSBits       `json:"before"`
+	Target   pci.ACSBits       `json:"target"`
+	After    pci.ACSBits       `json:"after"`
+	Result   Result            `json:"result"`
+	Attempts int               `json:"attempts,omitempty"` // writes tried
+	Error    string            `json:"error,omitempty"`
+	Note     string            `json:"note,omitempty"`
 	// Read says ACS Control was read: Before and After are values (false: skipped, no
 	// capability, or unreadable).
 	Read bool `json:"read"`
@@ -175,8 +176,10 @@ func ACS(ctx context.Context, ports []topology.ACSPort, opt Options) (Report, er
 			locked = append(locked, p)
 		}
 		if c.Failed() {
-			if _, ok := x.stopped[p.Unit]; !ok {
-				x.stopped[p.Unit] = p.Addr.String()
+			for _, u := range p.Units() {
+				if _, ok := x.stopped[u]; !ok {
+					x.stopped[u] = p.Addr.String()
+				}
 			}
 		}
 	}
@@ -193,13 +196,27 @@ func (c Change) Isolated() bool {
 	return c.After&want == want
 }
 
+// allStopped says whether every unit whose path holds the port has stopped (and names a
+// port that stopped one): a port another unit still relies on is written.
+func (x *executor) allStopped(p topology.ACSPort) (string, bool) {
+	at := ""
+	for _, u := range p.Units() {
+		a, ok := x.stopped[u]
+		if !ok {
+			return "", false
+		}
+		at = a
+	}
+	return at, true
+}
+
 func (x *executor) fail(c *Change, format string, args ...any) {
 	c.Result = ResultFailed
 	c.Error = fmt.Sprintf(format, args...)
 }
 
 func (x *executor) port(p topology.ACSPort) Change {
-	c := Change{Addr: p.Addr, Unit: p.Unit, Position: p.Position, Mask: p.Mask, Flags: p.Flags}
+	c := Change{Addr: p.Addr, Unit: p.Unit, Shared: p.Shared, Position: p.Position, Mask: p.Mask, Flags: p.Flags}
 	if p.Offset == 0 {
 		c.Result = ResultNoACS
 		c.Note = p.Reason
@@ -210,7 +227,7 @@ func (x *executor) port(p topology.ACSPort) Change {
 		c.Result, c.Note = ResultSkipped, p.Skip
 		return c
 	}
-	if at, ok := x.stopped[p.Unit]; ok {
+	if at, ok := x.allStopped(p); ok {
 		c.Result, c.Note = ResultSkipped, fmt.Sprintf("port %s of the unit failed first", at)
 		return c
 	}
@@ -390,3 +407,6 @@ func isTransient(err error) bool {
 func isVanished(err error) bool {
 	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENODEV) || errors.Is(err, syscall.ENXIO)
 }
+
+// Units are every unit whose path holds the port.
+func (c Change) Units() []topology.UnitID { return append([]topology.UnitID{c.Unit}, c.Shared...) }

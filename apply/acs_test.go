@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"syscall"
 	"testing"
@@ -848,7 +849,7 @@ func TestChangeJSON(t *testing.T) {
 		}
 	}
 	var back Change
-	if err := json.Unmarshal(j, &back); err != nil || back != rep.Changes[0] {
+	if err := json.Unmarshal(j, &back); err != nil || !reflect.DeepEqual(back, rep.Changes[0]) {
 		t.Errorf("round trip: %+v, %v", back, err)
 	}
 }

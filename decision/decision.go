@@ -191,7 +191,18 @@ func Decide(in Input) (*Decision, error) {
 
 	ports := firmware.DropDT(topology.ACSPlan(units), d.ATS)
 	for _, p := range ports {
-		mark(p.Unit, p.Verdict, p.Problem)
+		for _, id := range p.Units() {
+			mark(id, p.Verdict, p.Problem)
+		}
+	}
+	// A port is written while any unit whose path holds it may still pass through.
+	live := func(p topology.ACSPort) bool {
+		for _, id := range p.Units() {
+			if u := byID[id]; u != nil && u.Status != topology.StatusFailed {
+				return true
+			}
+		}
+		return false
 	}
 
 	// A locked-down kernel refuses every config write: the ports keep what they hold.
@@ -200,13 +211,18 @@ func Decide(in Input) (*Decision, error) {
 		need := map[topology.UnitID][]topology.ACSPort{}
 		var order []topology.UnitID
 		for _, p := range ports {
-			if p.Offset == 0 || p.Target() == p.Current || byID[p.Unit] == nil || byID[p.Unit].Status == topology.StatusFailed {
+			if p.Offset == 0 || p.Target() == p.Current {
 				continue
 			}
-			if need[p.Unit] == nil {
-				order = append(order, p.Unit)
+			for _, id := range p.Units() {
+				if u := byID[id]; u == nil || u.Status == topology.StatusFailed {
+					continue
+				}
+				if need[id] == nil {
+					order = append(order, id)
+				}
+				need[id] = append(need[id], p)
 			}
-			need[p.Unit] = append(need[p.Unit], p)
 		}
 		for _, id := range order {
 			s := topology.StatusDegraded
@@ -223,7 +239,7 @@ func Decide(in Input) (*Decision, error) {
 	// anything is.
 	planned := map[pci.Address]pci.ACSBits{}
 	for _, p := range ports {
-		if p.Offset != 0 && !locked && byID[p.Unit] != nil && byID[p.Unit].Status != topology.StatusFailed {
+		if p.Offset != 0 && !locked && live(p) {
 			planned[p.Addr] = p.Target()
 		}
 	}
@@ -234,7 +250,9 @@ func Decide(in Input) (*Decision, error) {
 
 	var write []topology.ACSPort
 	for i := range ports {
-		if u := byID[ports[i].Unit]; u == nil || u.Status == topology.StatusFailed {
+		// The audit counted on every port still live then; a unit it failed leaves a port
+		// only when no other unit holds it, so nothing the audit relied on goes unwritten.
+		if !live(ports[i]) {
 			ports[i].Skip = "unit failed: not passed through, its ports are left as they are"
 			continue
 		}
@@ -348,12 +366,15 @@ func errText(err error) string {
 	return strings.ReplaceAll(err.Error(), "\n", "; ")
 }
 
-// changesByUnit indexes an ACS report's changes by unit (nil report: none).
+// changesByUnit indexes an ACS report's changes by every unit whose path holds the port
+// (nil report: none).
 func changesByUnit(rep *apply.Report) map[topology.UnitID][]apply.Change {
 	out := map[topology.UnitID][]apply.Change{}
 	if rep != nil {
 		for _, c := range rep.Changes {
-			out[c.Unit] = append(out[c.Unit], c)
+			for _, u := range c.Units() {
+				out[u] = append(out[u], c)
+			}
 		}
 	}
 	return out
@@ -364,6 +385,7 @@ func (d *Decision) acsVerdict(changes []apply.Change) (topology.Status, []string
 	var s topology.Status
 	var reasons []string
 	var locked []topology.ACSPort
+	var unwritten []string
 	for _, c := range changes {
 		switch c.Result {
 		case apply.ResultFailed, apply.ResultMismatch:
@@ -379,10 +401,18 @@ func (d *Decision) acsVerdict(changes []apply.Change) (topology.Status, []string
 				s = s.Worse(topology.StatusDegraded)
 			}
 			locked = append(locked, topology.ACSPort{Addr: c.Addr, Offset: c.Offset - pci.ACSCtlReg, Mask: c.Mask, Flags: c.Flags})
+		case apply.ResultSkipped, apply.ResultNoACS:
+			// Not written, for a unit asked about (one the decision passes through): a
+			// port it relies on is not as planned. Fail closed, whatever the cause.
+			unwritten = append(unwritten, fmt.Sprintf("acs %s (%s): %s (%s)", c.Addr, c.Position, c.Result, c.Note))
 		}
 	}
 	if len(locked) > 0 {
 		reasons = append(reasons, lockdownReason(locked, d.Live.Release))
+	}
+	if s != topology.StatusFailed && len(unwritten) > 0 {
+		s = topology.StatusFailed
+		reasons = append(reasons, unwritten...)
 	}
 	return s, reasons
 }

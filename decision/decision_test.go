@@ -39,7 +39,7 @@ func b300Decision(t *testing.T, live Live) *Decision {
 func cleanRun(d *Decision) (*apply.Report, *vfiobind.Report) {
 	acs := &apply.Report{}
 	for _, p := range d.ACS {
-		acs.Changes = append(acs.Changes, apply.Change{Addr: p.Addr, Unit: p.Unit, Position: p.Position, Offset: p.CtlOffset(),
+		acs.Changes = append(acs.Changes, apply.Change{Addr: p.Addr, Unit: p.Unit, Shared: p.Shared, Position: p.Position, Offset: p.CtlOffset(),
 			Mask: p.Mask, Flags: p.Flags, Before: p.Current, Target: p.Target(), After: p.Target(), Result: apply.ResultApplied})
 	}
 	bind := &vfiobind.Report{}
@@ -294,5 +294,61 @@ func TestReadLiveBeneathRoot(t *testing.T) {
 				t.Errorf("lockdown %q, err %v; want an error and no value", l.Lockdown, err)
 			}
 		})
+	}
+}
+
+// TestSharedPort: a port on two units' paths belongs to both. A failed unit does not
+// take it out of the plan while the other still relies on it, and a write that fails on
+// it fails both units.
+func TestSharedPort(t *testing.T) {
+	s := pcitest.B300()
+	rp0, rp1 := s.Fn("rp0"), s.Fn("rp1")
+	usp1 := rp1.Below[0]
+	usp1.Dev = 1
+	rp0.Below = append(rp0.Below, usp1)
+	rp1.Below = nil
+	s.Fn("nic0.0").ATS = nil // unit 0 fails under passage.ats=require
+	n := pcitest.New(t, s)
+	tree, err := pci.Scan(n.Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _ := topology.Builtin("b300")
+	d, err := Decide(Input{Tree: tree, Profile: p, ATS: "require"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := n.Addr("rp0")
+	var port *topology.ACSPort
+	for i := range d.ACS {
+		if d.ACS[i].Addr == rp {
+			port = &d.ACS[i]
+		}
+	}
+	if port == nil || len(port.Units()) != 2 {
+		t.Fatalf("root port %s: %+v, want one port held by two units", rp, port)
+	}
+	status := statuses(d.Decided())
+	failed, live := port.Units()[0], port.Units()[1]
+	if status[int(failed)] != topology.StatusFailed || status[int(live)] != topology.StatusReady {
+		t.Fatalf("units %v, want %s failed and %s ready", status, failed, live)
+	}
+	if port.Skip != "" || !strings.Contains(d.KernelArg, "@"+rp.String()) {
+		t.Errorf("shared port skipped (%q) or out of the kernel argument %q while %s relies on it", port.Skip, d.KernelArg, live)
+	}
+
+	acs, bind := cleanRun(d)
+	for i, c := range acs.Changes {
+		if c.Addr == rp {
+			acs.Changes[i].Result, acs.Changes[i].Error = apply.ResultFailed, "write ACSCtl: input/output error"
+		}
+	}
+	if got := statuses(d.Conclude(Execution{ACS: acs, Binding: true, Bind: bind})); got[int(live)] != topology.StatusFailed {
+		t.Errorf("%s %s after its shared root port failed", live, got[int(live)])
+	}
+	for _, u := range d.Bindable(acs) {
+		if u.ID == live {
+			t.Errorf("%s bindable after its shared root port failed", live)
+		}
 	}
 }

@@ -5,6 +5,7 @@ package firmware
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
@@ -143,7 +144,7 @@ func DropDT(ports []topology.ACSPort, findings []Finding) []topology.ACSPort {
 	no := NoDT(findings)
 	out := make([]topology.ACSPort, len(ports))
 	for i, p := range ports {
-		if no[p.Unit] && p.Flags&pci.ACSDT != 0 {
+		if p.Flags&pci.ACSDT != 0 && slices.ContainsFunc(p.Units(), func(u topology.UnitID) bool { return no[u] }) {
 			p.Flags &^= pci.ACSDT
 			if p.Reason != "" {
 				p.Reason += "; "

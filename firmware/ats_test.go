@@ -2,6 +2,7 @@ package firmware
 
 import (
 	"fmt"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -271,12 +272,12 @@ func TestDropDT(t *testing.T) {
 	orig := append([]topology.ACSPort(nil), ports...)
 	got := DropDT(ports, []Finding{{Unit: 0, ATS: true}, {Unit: 1, ATS: false}})
 	for i := range ports {
-		if ports[i] != orig[i] {
+		if !reflect.DeepEqual(ports[i], orig[i]) {
 			t.Fatalf("input port %d modified", i)
 		}
 	}
 	for i := 0; i < 2; i++ {
-		if got[i] != ports[i] {
+		if !reflect.DeepEqual(got[i], ports[i]) {
 			t.Errorf("unit 0 port %d changed: %+v", i, got[i])
 		}
 	}
@@ -289,7 +290,7 @@ func TestDropDT(t *testing.T) {
 	if p.Target() != iso {
 		t.Errorf("target %s from %s", p.Target(), p.Current)
 	}
-	if got[3] != ports[3] {
+	if !reflect.DeepEqual(got[3], ports[3]) {
 		t.Errorf("root port without DT changed: %+v", got[3])
 	}
 }

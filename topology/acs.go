@@ -31,14 +31,14 @@ const (
 // Verdict and Problem carry it, the unit itself is not touched. Upstream ports are not
 // planned: PCIe requires ACS on downstream-facing ports (PCIe 6.0 6.12.1.1) and the
 // kernel checks only those. A port on several units' paths is planned once, for the
-// lowest unit.
+// lowest unit, and names the others in Shared: what happens to it happens to them all.
 //
 // Within a unit the ports that only isolate come first and the ports that gain DT last:
 // an executor that stops a unit at its first failure then never leaves DT open above a
 // unit whose isolation it could not finish.
 func ACSPlan(units []*Unit) []ACSPort {
 	var out, unit []ACSPort
-	seen := map[pci.Address]bool{}
+	seen := map[pci.Address]int{} // port -> its index in out
 	for _, u := range units {
 		if u == nil || u.GPU == nil {
 			continue
@@ -56,10 +56,13 @@ func ACSPlan(units []*Unit) []ACSPort {
 		bridges := append([]*pci.Device{}, u.Bridges...)
 		sort.Slice(bridges, func(i, j int) bool { return bridges[i].Addr.Less(bridges[j].Addr) })
 		for _, b := range bridges {
-			if t, ok := b.PortType(); !ok || !t.IsDownstreamFacing() || seen[b.Addr] {
+			if t, ok := b.PortType(); !ok || !t.IsDownstreamFacing() {
 				continue
 			}
-			seen[b.Addr] = true
+			if i, ok := seen[b.Addr]; ok {
+				out[i].Shared = append(out[i].Shared, u.ID)
+				continue
+			}
 			p := ACSPort{Addr: b.Addr, Unit: u.ID}
 			want := pci.ACSIsolation
 			switch {
@@ -110,6 +113,9 @@ func ACSPlan(units []*Unit) []ACSPort {
 			unit = append(unit, p)
 		}
 		sort.SliceStable(unit, func(i, j int) bool { return unit[i].Flags&pci.ACSDT == 0 && unit[j].Flags&pci.ACSDT != 0 })
+		for i, p := range unit {
+			seen[p.Addr] = len(out) + i
+		}
 		out = append(out, unit...)
 	}
 	return out

@@ -84,9 +84,10 @@ func (u *Unit) Degrade(s Status, format string, args ...any) {
 // Flags. Bits outside Mask are kept as they are, so egress control is never touched.
 type ACSPort struct {
 	Addr     pci.Address
-	Unit     UnitID // the unit whose path holds the port
-	Position string // "nic-port" (above the CX-8 PFs), "gpu-port", "root-port", ...
-	Offset   int    // config offset of the ACS capability (0 when the port lacks one)
+	Unit     UnitID   // the unit whose path holds the port (the lowest, when several do)
+	Shared   []UnitID // the other units whose paths hold it
+	Position string   // "nic-port" (above the CX-8 PFs), "gpu-port", "root-port", ...
+	Offset   int      // config offset of the ACS capability (0 when the port lacks one)
 	Cap      pci.ACSBits
 	Current  pci.ACSBits
 	Mask     pci.ACSBits
@@ -104,6 +105,9 @@ type ACSPort struct {
 
 // Target is the control value the plan wants.
 func (p ACSPort) Target() pci.ACSBits { return p.Current&^p.Mask | p.Flags }
+
+// Units are every unit whose path holds the port.
+func (p ACSPort) Units() []UnitID { return append([]UnitID{p.Unit}, p.Shared...) }
 
 // CtlOffset is the config-space offset of the ACS Control register.
 func (p ACSPort) CtlOffset() int { return p.Offset + pci.ACSCtlReg }

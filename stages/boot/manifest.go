@@ -118,7 +118,9 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 	acs := map[topology.UnitID][]manifest.ACSChange{}
 	if acsRun != nil {
 		for _, c := range acsRun.Changes {
-			acs[c.Unit] = append(acs[c.Unit], acsChange(c))
+			for _, u := range c.Units() {
+				acs[u] = append(acs[u], acsChange(c))
+			}
 		}
 	}
 	ats := map[topology.UnitID][]manifest.Finding{}
