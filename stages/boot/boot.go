@@ -59,7 +59,6 @@ type Boot struct {
 	Release string
 	Modules *kmod.Index
 	Tree    *pci.Tree
-	Profile *topology.Profile
 
 	// mu guards what the stages hand on: a stage keeps its results only if it finished
 	// within its deadline (commit), so a stage the runner abandoned can change nothing
@@ -242,12 +241,14 @@ func (b *Boot) modules(_ context.Context, _ *stages.State, r *stages.Result) err
 	return nil
 }
 
-func (b *Boot) scan(_ context.Context, _ *stages.State, r *stages.Result) error {
+func (b *Boot) scan(ctx context.Context, _ *stages.State, r *stages.Result) error {
 	t, err := pci.Scan(b.Root)
 	if err != nil {
 		return err
 	}
-	b.Tree = t
+	if !b.commit(ctx, func() { b.Tree = t }) {
+		return ctx.Err()
+	}
 	r.Findingf("%d functions", len(t.Devices))
 	for _, p := range t.Problems {
 		r.Degrade("%s", p)
@@ -282,7 +283,10 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 		// Set by the caller: it knows better than a tree without /proc.
 		live.Release = b.Release
 	}
-	d, err := decision.Decide(decision.Input{Tree: b.Tree, Profile: p, ATS: policy, Live: live})
+	b.mu.Lock()
+	tree := b.Tree
+	b.mu.Unlock()
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: p, ATS: policy, Live: live})
 	if err != nil {
 		return err
 	}
@@ -327,7 +331,7 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 	if len(units) == 0 {
 		r.Degrade("no GPU units found")
 	}
-	if !b.commit(ctx, func() { b.Decision, b.Profile = d, p }) {
+	if !b.commit(ctx, func() { b.Decision = d }) {
 		return ctx.Err()
 	}
 	st.SetUnits(su)
