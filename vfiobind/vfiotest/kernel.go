@@ -338,3 +338,6 @@ func rel(from, to string) string {
 	}
 	return r
 }
+
+// ReadFile reads an attribute of the tree (reset_method and the like).
+func (k *Kernel) ReadFile(name string) ([]byte, error) { return os.ReadFile(k.abs(name)) }
