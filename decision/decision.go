@@ -23,6 +23,7 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
@@ -100,7 +101,10 @@ type Input struct {
 	Tree    *pci.Tree
 	Profile *topology.Profile
 	ATS     firmware.Policy // "" is prefer
-	Live    Live
+	// Erase is passage.erase=: whether a unit's NVMe must be erased and its functions
+	// reset before it is passed through ("" is off; erase.go judges the reports).
+	Erase erase.Policy
+	Live  Live
 	Guest   topology.GuestOptions
 }
 
@@ -303,6 +307,10 @@ type Execution struct {
 	Binding bool
 	Bind    *vfiobind.Report
 	BindErr error
+	// Erase is what the erase step reported (decision.Input.Erase active); EraseErr why
+	// there is no report.
+	Erase    *erase.Report
+	EraseErr error
 }
 
 // Conclude is each unit's final verdict: the decided one, worsened by what execution
@@ -339,6 +347,12 @@ func (d *Decision) Conclude(x Execution) []Verdict {
 			add(topology.StatusFailed, "acs: did not complete: "+errText(x.ACSErr))
 		} else {
 			s, reasons := d.acsVerdict(byUnit[v.Unit])
+			for _, r := range reasons {
+				add(s, r)
+			}
+		}
+		if v.Status != topology.StatusFailed {
+			s, reasons := d.eraseVerdict(v.Unit, x.Erase, x.EraseErr)
 			for _, r := range reasons {
 				add(s, r)
 			}
@@ -420,6 +434,17 @@ func (d *Decision) acsVerdict(changes []apply.Change) (topology.Status, []string
 // Bindable are the units to bind after the ACS step reported rep: those the decision
 // passes through whose ports all reached a state they may be passed through in.
 func (d *Decision) Bindable(rep *apply.Report) []*topology.Unit {
+	if d.Erase == erase.PolicyRequire {
+		// No erase report here: under require nothing goes to vfio-pci without one
+		// (BindableErased is the binding step's question).
+		return nil
+	}
+	return d.passable(rep)
+}
+
+// passable are the units the decision passes through whose ports all reached a state
+// they may be passed through in.
+func (d *Decision) passable(rep *apply.Report) []*topology.Unit {
 	var out []*topology.Unit
 	byUnit := changesByUnit(rep)
 	for _, u := range d.Units() {

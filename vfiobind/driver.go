@@ -105,21 +105,24 @@ func Park(ctx context.Context, sys Sysfs, a pci.Address, override string, opts O
 		return fr, err
 	}
 	fr.DriverBefore = before
+	var errs []error
+	// A failed override does not stop the unbind: off its driver with no override is
+	// still better than on it.
 	if err := write(ctx, sys, &fr, devPath(a, "driver_override"), override); err != nil {
-		return fr, fmt.Errorf("%s: write driver_override: %w", a, err)
+		errs = append(errs, fmt.Errorf("%s: write driver_override: %w", a, err))
 	}
 	if before != "" {
 		if err := write(ctx, sys, &fr, driverPath(before, "unbind"), a.String()); err != nil {
-			return fr, fmt.Errorf("%s: unbind %s: %w", a, before, err)
+			errs = append(errs, fmt.Errorf("%s: unbind %s: %w", a, before, err))
 		}
 	}
 	after, err := currentDriver(sys, a)
 	if err != nil {
-		return fr, err
+		return fr, errors.Join(append(errs, err)...)
 	}
 	fr.DriverAfter = after
 	if after != "" {
-		return fr, errors.New(a.String() + ": still bound to " + after + " after unbind")
+		errs = append(errs, errors.New(a.String()+": still bound to "+after+" after unbind"))
 	}
-	return fr, nil
+	return fr, errors.Join(errs...)
 }

@@ -1,0 +1,69 @@
+package decision
+
+import (
+	"context"
+
+	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/erase"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
+)
+
+// eraseVerdict is what the erase step's report makes of a unit under the erase policy:
+// nothing when the policy is off; otherwise a unit whose NVMe was not erased and
+// verified, whose functions were not all reset, or that the report does not cover (the
+// step errored, panicked, timed out, or was skipped), is failed under require and
+// degraded under auto.
+func (d *Decision) eraseVerdict(id topology.UnitID, rep *erase.Report, stepErr error) (topology.Status, []string) {
+	if !d.Erase.Active() {
+		return "", nil
+	}
+	s := topology.StatusDegraded
+	if d.Erase == erase.PolicyRequire {
+		s = topology.StatusFailed
+	}
+	var reasons []string
+	switch ur := rep.Unit(id); {
+	case rep == nil:
+		reasons = append(reasons, "erase: did not complete: "+errText(stepErr))
+	case ur == nil:
+		reasons = append(reasons, "erase: not erased: no report for the unit")
+	default:
+		for _, p := range ur.Problems() {
+			reasons = append(reasons, "erase ("+string(d.Erase)+"): "+p)
+		}
+	}
+	if len(reasons) == 0 {
+		return "", nil
+	}
+	return s, reasons
+}
+
+// ErasePlan are the units the erase step works on after the ACS step reported acs: the
+// ones the decision passes through whose ports all reached a state they may be passed
+// through in. Nil when the policy is off.
+func (d *Decision) ErasePlan(acs *apply.Report) []*topology.Unit {
+	if !d.Erase.Active() {
+		return nil
+	}
+	return d.passable(acs)
+}
+
+// BindableErased are the units to bind after the ACS step reported acs and the erase
+// step reported er: the passable ones, less those the erase policy fails. Under require
+// a unit with any erase or reset problem, or none reported, is not bound.
+func (d *Decision) BindableErased(acs *apply.Report, er *erase.Report) []*topology.Unit {
+	var out []*topology.Unit
+	for _, u := range d.passable(acs) {
+		if s, _ := d.eraseVerdict(u.ID, er, nil); s == topology.StatusFailed {
+			continue
+		}
+		out = append(out, u)
+	}
+	return out
+}
+
+// ExecuteBindErased binds the units BindableErased gives to vfio-pci.
+func (d *Decision) ExecuteBindErased(ctx context.Context, sys vfiobind.Sysfs, acs *apply.Report, er *erase.Report, opts vfiobind.Options) (*vfiobind.Report, error) {
+	return vfiobind.Bind(ctx, sys, d.Tree, d.BindableErased(acs, er), opts)
+}
