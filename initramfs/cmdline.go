@@ -88,6 +88,9 @@ type Config struct {
 	NetTimeout   time.Duration // passage.net_timeout=
 	HostModules  []string      // passage.host_modules=
 	Log          string        // passage.log=
+	// Erase is passage.erase= (off, auto, require); "" takes the profile's default.
+	Erase        string
+	EraseTimeout time.Duration // passage.erase_timeout=: the erase stage's deadline
 
 	// Cmdline is the kernel command line as read, for the manifest.
 	Cmdline string
@@ -115,6 +118,8 @@ func Defaults() Config {
 		// e1000e.
 		HostModules: []string{"e1000e", "igb"},
 		Log:         RunDir + "/log.jsonl",
+		// A sanitize of a large drive takes minutes; its own deadline, not the stages'.
+		EraseTimeout: 30 * time.Minute,
 	}
 }
 
@@ -326,6 +331,14 @@ var params = map[string]setter{
 	"emit":          func(c *Config, v string) error { return oneOf(&c.Emit, v, EmitConsole, EmitOff) },
 	"stage_timeout": func(c *Config, v string) error { return duration(&c.StageTimeout, v) },
 	"net_timeout":   func(c *Config, v string) error { return duration(&c.NetTimeout, v) },
+	"erase": func(c *Config, v string) error {
+		if v != "off" && v != "auto" && v != "require" {
+			return fmt.Errorf("want one of off|auto|require")
+		}
+		c.Erase = v
+		return nil
+	},
+	"erase_timeout": func(c *Config, v string) error { return duration(&c.EraseTimeout, v) },
 	"host_modules": func(c *Config, v string) error {
 		var mods []string
 		if v != "" {

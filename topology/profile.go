@@ -29,6 +29,9 @@ type Profile struct {
 	// NVLinks is the number of NVLinks between two GPUs (18 on HGX B200/B300); 0 means
 	// GPUs talk over PCIe and the matrix shows the PCIe distance.
 	NVLinks int `yaml:"nvlinks,omitempty" json:"nvlinks,omitempty"`
+	// Erase is the platform's default for passage.erase= (off, auto, require; "" is
+	// off): whether a unit's NVMe is erased and its functions reset before passthrough.
+	Erase string `yaml:"erase,omitempty" json:"erase,omitempty"`
 	// Slots fixes unit IDs by address: the key is the address of the GPU or of any bridge
 	// above it (usually the root port), the value the unit ID, reserved whether or not
 	// the slot holds a readable GPU. GPUs it does not name are numbered by the position
@@ -256,6 +259,11 @@ func (p *Profile) check() error {
 	}
 	if len(p.Rules) == 0 {
 		return fmt.Errorf("no rules")
+	}
+	switch p.Erase {
+	case "", "off", "auto", "require":
+	default:
+		return fmt.Errorf("erase %q: want off, auto or require", p.Erase)
 	}
 	seen := map[string]bool{}
 	for i, r := range p.Rules {
