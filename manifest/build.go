@@ -97,6 +97,7 @@ func normalize(m Manifest) Manifest {
 		u.Functions = nonNil(u.Functions)
 		u.ACSChanges = nonNil(u.ACSChanges)
 		u.ATSFindings = nonNil(u.ATSFindings)
+		u.Erase = normalizeErase(u.Erase)
 	}
 	if m.GuestPlan != nil {
 		g := *m.GuestPlan

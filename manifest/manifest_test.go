@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -82,7 +83,7 @@ func TestMarshalCanonical(t *testing.T) {
 	if !bytes.Equal(a, b) {
 		t.Fatal("two marshals of one manifest differ")
 	}
-	if !bytes.HasPrefix(a, []byte(`{"schema_version":1,"node":{"hostname":`)) {
+	if !bytes.HasPrefix(a, []byte(fmt.Sprintf(`{"schema_version":%d,"node":{"hostname":`, SchemaVersion))) {
 		t.Errorf("key order: payload starts %q", a[:60])
 	}
 	back, err := Unmarshal(a)
@@ -174,8 +175,8 @@ func TestVerifyRejects(t *testing.T) {
 	if bytes.Equal(editedPayload, signed.Payload) {
 		t.Fatal("edit did not change the payload")
 	}
-	v2 := bytes.Replace(signed.Payload, []byte(`"schema_version":1`), []byte(`"schema_version":2`), 1)
-	noVersion := bytes.Replace(signed.Payload, []byte(`"schema_version":1,`), nil, 1)
+	v2 := bytes.Replace(signed.Payload, []byte(fmt.Sprintf(`"schema_version":%d`, SchemaVersion)), []byte(fmt.Sprintf(`"schema_version":%d`, SchemaVersion+1)), 1)
+	noVersion := bytes.Replace(signed.Payload, []byte(fmt.Sprintf(`"schema_version":%d,`, SchemaVersion)), nil, 1)
 	extraField := bytes.Replace(signed.Payload, []byte(`"errors":[]`), []byte(`"errors":[],"injected":true`), 1)
 
 	cases := []struct {

@@ -15,7 +15,7 @@ import (
 
 // SchemaVersion is the version this package writes and the only one Verify accepts.
 // Any change to the payload's fields, their meaning or their encoding bumps it.
-const SchemaVersion = 1
+const SchemaVersion = 2
 
 // PayloadType is the DSSE payloadType of a passage manifest.
 const PayloadType = "application/vnd.passage.manifest+json"
@@ -85,6 +85,8 @@ type Unit struct {
 	Functions   []Function  `json:"functions"`
 	ACSChanges  []ACSChange `json:"acs_changes"`
 	ATSFindings []Finding   `json:"ats_findings"`
+	// Erase is the erase stage's record (schema 2); absent when nothing was erased.
+	Erase *UnitErase `json:"erase,omitempty"`
 }
 
 // Function is one PCIe function of a unit. IDs are lower-case hex with a 0x prefix, as in
