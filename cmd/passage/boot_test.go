@@ -147,7 +147,7 @@ func TestBootDryRun(t *testing.T) {
 	}
 	// The manifest is written before the network and publish stages: it records the
 	// stages that prepared the node, not its delivery.
-	if strings.Join(names, " ") != "modules scan decide acs vfio host" {
+	if strings.Join(names, " ") != "modules scan decide acs erase vfio host" {
 		t.Errorf("manifest stages = %v", names)
 	}
 
@@ -173,10 +173,10 @@ func TestBootDryRun(t *testing.T) {
 			unitsN++
 		}
 	}
-	if stagesN != 9 || unitsN != 8 {
-		t.Errorf("log has %d stage and %d unit lines, want 9 and 8", stagesN, unitsN)
+	if stagesN != 10 || unitsN != 8 {
+		t.Errorf("log has %d stage and %d unit lines, want 10 and 8", stagesN, unitsN)
 	}
-	if got := strings.Join(order, " "); got != "modules scan decide acs vfio host manifest network publish" {
+	if got := strings.Join(order, " "); got != "modules scan decide acs erase vfio host manifest network publish" {
 		t.Errorf("log's stage order %q", got)
 	}
 }

@@ -150,6 +150,8 @@ func bootVerdicts(t *testing.T, root, profile string) (verdicts, string, stages.
 	}
 	cfg := initramfs.Defaults()
 	cfg.Profile, cfg.Net, cfg.TPM = profile, initramfs.NetOff, initramfs.TPMOff
+	// plan and apply do not erase: the boot compared with them does not either.
+	cfg.Erase = "off"
 	if b, err := os.ReadFile(filepath.Join(root, "proc/cmdline")); err == nil {
 		cfg.Cmdline = string(b)
 		cfg.ATS = initramfs.ParseCmdline(cfg.Cmdline).ATS

@@ -16,6 +16,7 @@ import (
 
 	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/decision"
+	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/emit"
@@ -52,6 +53,9 @@ type Boot struct {
 	// NetUp brings the network stage's interfaces up and leases addresses; nil is
 	// netboot.UpAny with netboot.DefaultDHCP. Tests put a fake DHCP exchange here.
 	NetUp func(ctx context.Context, ifaces []string) ([]netboot.Lease, error)
+	// OpenNVMe opens an NVMe controller for the erase stage; nil is the kernel's
+	// (erase.DeviceOpener). Tests put simulated controllers here.
+	OpenNVMe erase.Opener
 
 	earlyLinks chan []string // the host stage's background link-up; see joinEarlyLinks
 	tpmReady   chan tpmPrep  // the TPM opened ahead of the manifest stage; see StartTPM
@@ -70,6 +74,8 @@ type Boot struct {
 	ACSRun *apply.Report
 	// Bind is what the vfio stage did; nil unless the stage completed.
 	Bind *vfiobind.Report
+	// EraseRun is what the erase stage did; nil unless the stage completed.
+	EraseRun *erase.Report
 	// Verdicts are the units' final verdicts (Decision.Conclude), from the manifest stage.
 	Verdicts []decision.Verdict
 	Leases   []netboot.Lease
@@ -165,6 +171,7 @@ func (b *Boot) Stages() []stages.Stage {
 		{Name: "scan", Run: b.scan},
 		{Name: "decide", Needs: []string{"scan"}, Run: b.decide},
 		{Name: "acs", Needs: []string{"decide"}, Run: b.acs},
+		{Name: "erase", Needs: []string{"decide", "acs"}, Timeout: c.EraseTimeout, Run: b.erase},
 		{Name: "vfio", Needs: []string{"decide", "acs"}, Run: b.vfio},
 		{Name: "host", Run: b.host},
 		{Name: "manifest", Always: true, Run: b.manifest},
@@ -286,7 +293,15 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 	b.mu.Lock()
 	tree := b.Tree
 	b.mu.Unlock()
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: p, ATS: policy, Live: live})
+	ep := b.Config.Erase
+	if ep == "" {
+		ep = p.Erase
+	}
+	erasePolicy, err := erase.ParsePolicy(ep)
+	if err != nil {
+		return err
+	}
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: p, ATS: policy, Erase: erasePolicy, Live: live})
 	if err != nil {
 		return err
 	}
@@ -393,7 +408,8 @@ func (b *Boot) vfio(ctx context.Context, _ *stages.State, r *stages.Result) erro
 	if b.DryRun {
 		return stages.Skip("dry run")
 	}
-	bind := d.Bindable(acsRun)
+	er := b.eraseResult()
+	bind := d.BindableErased(acsRun, er)
 	in := map[topology.UnitID]bool{}
 	for _, u := range bind {
 		in[u.ID] = true
@@ -407,7 +423,7 @@ func (b *Boot) vfio(ctx context.Context, _ *stages.State, r *stages.Result) erro
 	if b.Sysfs != nil {
 		sys = b.Sysfs
 	}
-	rep, err := d.ExecuteBind(ctx, sys, acsRun, vfiobind.Options{})
+	rep, err := d.ExecuteBindErased(ctx, sys, acsRun, er, vfiobind.Options{})
 	if rep != nil {
 		if rep.ModulesErr != "" {
 			r.Degrade("vfio modules: %s", rep.ModulesErr)

@@ -209,7 +209,7 @@ func TestACSAppliesAndSkipsFailedUnits(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.profile=b300 passage.ats=require"), Sysfs: k}
+	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.ats=require"), Sysfs: k}
 	rs, st := run(t, b, "scan", "decide", "acs", "vfio")
 	decide, acs, vfio := rs[1], rs[2], rs[3]
 	if decide.Status != stages.Degraded || !strings.Contains(strings.Join(decide.Findings, "\n"), node.Addr("nic3.1").String()) {
@@ -329,7 +329,7 @@ func TestManifestGenerationOnOut(t *testing.T) {
 	disk := t.TempDir() // stands for the filesystem on /dev/vda1
 	var mounts []string
 	for gen := uint64(1); gen <= 2; gen++ {
-		cfg := initramfs.ParseCmdline("passage.out=/dev/vda1:/passage passage.key=/etc/passage/passage.key passage.tpm=auto")
+		cfg := initramfs.ParseCmdline("passage.erase=off passage.out=/dev/vda1:/passage passage.key=/etc/passage/passage.key passage.tpm=auto")
 		b := &Boot{Root: root, Config: cfg, Mount: func(dev, dir string) (func() error, error) {
 			mounts = append(mounts, dev)
 			if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
@@ -364,7 +364,7 @@ func TestManifestGenerationOnOut(t *testing.T) {
 
 func TestManifestWithoutKeyIsWrittenUnsigned(t *testing.T) {
 	root := pcitest.New(t, pcitest.B300()).Root
-	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.tpm=off")}
+	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.erase=off passage.tpm=off")}
 	rs, _ := run(t, b, "manifest")
 	if rs[0].Status != stages.Failed || !strings.Contains(rs[0].Err.Error(), "unsigned") {
 		t.Fatalf("manifest %s %v", rs[0].Status, rs[0].Err)
@@ -417,7 +417,7 @@ func TestManifestOneSignerFails(t *testing.T) {
 	}{{"auto", stages.Degraded}, {"on", stages.Failed}} {
 		root, edv := signingNode(t)
 		b := &Boot{Root: root, OpenTPM: func(string) (manifest.Signer, manifest.Measurer, error) { return mutedTPM{}, nil, nil },
-			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
+			Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
 		rs, _ := run(t, b, "scan", "decide", "manifest")
 		mr := rs[2]
 		named := strings.Contains(fmt.Sprint(mr.Err, mr.Findings), "SHA256:tpm") && strings.Contains(fmt.Sprint(mr.Err, mr.Findings), "tpm: timeout")
@@ -463,7 +463,7 @@ func TestManifestTPM(t *testing.T) {
 	var gens []uint64
 	for boot := 0; boot < 2; boot++ {
 		b := &Boot{Root: root, OpenTPM: open,
-			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key")}
+			Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key")}
 		rs, _ := run(t, b, "scan", "decide", "manifest")
 		if mr := rs[2]; mr.Status != stages.OK {
 			t.Fatalf("boot %d: manifest %s %v %v", boot, mr.Status, mr.Err, mr.Findings)
@@ -524,7 +524,7 @@ func TestManifestTPMOnWithoutTPM(t *testing.T) {
 	if _, _, err := manifest.GenerateKey(keyDir); err != nil {
 		t.Fatal(err)
 	}
-	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.tpm=on passage.key=/etc/passage/passage.key")}
+	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.erase=off passage.tpm=on passage.key=/etc/passage/passage.key")}
 	rs, _ := run(t, b, "manifest")
 	if rs[0].Status != stages.Failed || !strings.Contains(rs[0].Err.Error(), "passage.tpm=on") {
 		t.Fatalf("manifest %s %v", rs[0].Status, rs[0].Err)
@@ -632,7 +632,7 @@ func TestStartTPMAhead(t *testing.T) {
 	var gens []uint64
 	for boot := 0; boot < 2; boot++ {
 		b := &Boot{Root: root, OpenTPM: open,
-			Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key")}
+			Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key")}
 		b.StartTPM()
 		select {
 		case <-opened:
@@ -669,7 +669,7 @@ func TestStartTPMSilent(t *testing.T) {
 		b := &Boot{Root: root, OpenTPM: func(string) (manifest.Signer, manifest.Measurer, error) {
 			<-hang
 			return nil, nil, errors.New("tpm: gone")
-		}, Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
+		}, Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=" + tc.tpm + " passage.key=/etc/passage/passage.key")}
 		b.StartTPM()
 		var list []stages.Stage
 		for _, s := range b.Stages() {

@@ -129,7 +129,7 @@ func TestStageFaultsFailClosed(t *testing.T) {
 					t.Fatal(err)
 				}
 				tr := newTrap(f)
-				cfg := initramfs.ParseCmdline("passage.profile=b300 passage.net=off passage.tpm=off")
+				cfg := initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.net=off passage.tpm=off")
 				b := &Boot{Root: root, Config: cfg, Sysfs: k, Now: func() time.Time { return time.Unix(1e9, 0) }}
 				if stage == "acs" {
 					b.ConfigIO = faultyConfig{pci.SysfsConfig{Root: root}, tr}

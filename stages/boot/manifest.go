@@ -99,7 +99,7 @@ func (b *Boot) conclude(st *stages.State) []decision.Verdict {
 		return fmt.Errorf("stage %s did not run", name)
 	}
 	return d.Conclude(decision.Execution{DryRun: b.DryRun, ACS: acsRun, ACSErr: errOf("acs"),
-		Binding: !b.DryRun, Bind: bind, BindErr: errOf("vfio")})
+		Binding: !b.DryRun, Bind: bind, BindErr: errOf("vfio"), Erase: b.eraseResult(), EraseErr: errOf("erase")})
 }
 
 func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
@@ -139,7 +139,7 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 	for _, u := range d.Units() {
 		v := verdict[u.ID]
 		mu := manifest.Unit{ID: UnitID(u.ID), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
-			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID]}
+			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID], Erase: eraseRecord(d.Erase, b.eraseResult().Unit(u.ID))}
 		if mu.Status == "" {
 			// No verdict for a unit is no promise about it.
 			mu.Status = string(topology.StatusFailed)

@@ -24,7 +24,7 @@ import (
 )
 
 // preManifest are the stages whose results the manifest carries: everything before it.
-var preManifest = []string{"modules", "scan", "decide", "acs", "vfio", "host"}
+var preManifest = []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host"}
 
 func TestStageOrder(t *testing.T) {
 	b := &Boot{Config: initramfs.Defaults()}
@@ -120,8 +120,11 @@ func newBootNode(t *testing.T) *bootNode {
 
 const bootCmdline = "passage.profile=b300 passage.tpm=off passage.key=/etc/passage/passage.key passage.host_modules=bnxt_en"
 
+// boot is a boot of the node without the erase stage (erase_test.go has its own):
+// b300's default passage.erase=require would fail every unit of a tree with no NVMe
+// controller behind its functions.
 func (bn *bootNode) boot(cmdline string) *Boot {
-	return &Boot{Root: bn.node.Root, Config: initramfs.ParseCmdline(cmdline), Sysfs: bn.kern}
+	return &Boot{Root: bn.node.Root, Config: initramfs.ParseCmdline("passage.erase=off " + cmdline), Sysfs: bn.kern}
 }
 
 // envelopeOnDisk verifies the envelope the manifest stage left in /run/passage.
@@ -210,7 +213,7 @@ func TestBootManifestBeforeNetwork(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, name := range append(slices.Clone(preManifest), "manifest", "network") {
-		if r := resultOf(rs, name); r.Status != stages.OK && r.Status != stages.Degraded {
+		if r := resultOf(rs, name); r.Status != stages.OK && r.Status != stages.Degraded && (name != "erase" || r.Status != stages.Skipped) {
 			t.Errorf("stage %s: %s %v %v", name, r.Status, r.Err, r.Findings)
 		}
 	}

@@ -1,0 +1,111 @@
+package boot
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/passage-boot/passage/erase"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/vfiobind"
+)
+
+// nvmeReady bounds the wait for the nvme driver to bring a controller live and scan its
+// namespaces once the function is bound to it.
+const nvmeReady = 30 * time.Second
+
+func (b *Boot) eraseResult() *erase.Report {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.EraseRun
+}
+
+// erase erases the NVMe of every unit the ACS stage left passable and resets every one
+// of their functions (package erase), before the vfio stage binds them. It only
+// reports: the decision folds the report into the verdicts (a unit it does not cover,
+// because this stage failed or ran out of time, is failed under passage.erase=require),
+// and the vfio stage binds only what BindableErased allows.
+func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) error {
+	d, acsRun, _ := b.results()
+	if !d.Erase.Active() {
+		return stages.Skip("passage.erase=off")
+	}
+	if b.DryRun {
+		return stages.Skip("dry run")
+	}
+	units := d.ErasePlan(acsRun)
+	r.Findingf("policy %s: %d units", d.Erase, len(units))
+	if b.OpenNVMe == nil {
+		if err := b.openModules(); err != nil {
+			r.Degrade("nvme driver: %v", err)
+		} else if failed := b.loadModules(r, []string{erase.NVMeDriver}); len(failed) > 0 {
+			// Built in, or not there: the erase of each NVMe says which.
+			r.Degrade("nvme driver: module did not load")
+		}
+	}
+	open := b.OpenNVMe
+	if open == nil {
+		open = erase.DeviceOpener(b.Root, nvmeReady)
+	}
+	var sys vfiobind.Sysfs = vfiobind.Root(b.Root)
+	if b.Sysfs != nil {
+		sys = b.Sysfs
+	}
+	rep := erase.Run(ctx, sys, units, open, erase.RunOptions{})
+	for _, u := range rep.Units {
+		for _, n := range u.NVMe {
+			if n.Erased() {
+				r.Changef("%s %s (%s, serial %s): %s, %d LBAs read back clean, %s", n.Addr, n.Controller, n.Model, n.Serial,
+					n.Method, n.VerifiedLBAs, n.Duration.Round(time.Millisecond))
+			}
+		}
+		for _, rr := range u.Resets {
+			if rr.Err == "" {
+				r.Changef("%s: reset (reset_method: %s)", rr.Addr, rr.Methods)
+			}
+		}
+		for _, p := range u.Problems() {
+			r.Degrade("unit %s: %s", UnitID(u.ID), p)
+		}
+	}
+	if !b.commit(ctx, func() { b.EraseRun = rep }) {
+		return fmt.Errorf("erase: %w", ctx.Err())
+	}
+	return nil
+}
+
+// eraseRecord is a unit's erase in the manifest (SCHEMA.md, Erase); nil when the policy
+// is off or the stage reported nothing for the unit (the verdict then says why).
+func eraseRecord(p erase.Policy, u *erase.UnitReport) *manifest.UnitErase {
+	if !p.Active() || u == nil {
+		return nil
+	}
+	m := &manifest.UnitErase{Policy: string(p), Error: u.Err, ResetClears: manifest.ResetClears}
+	for _, n := range u.NVMe {
+		e := manifest.NVMeErase{BDF: n.Addr.String(), Controller: n.Controller, Model: n.Model, Serial: n.Serial,
+			Firmware: n.Firmware, SANICAP: fmt.Sprintf("0x%08x", n.SANICAP), FNA: fmt.Sprintf("0x%02x", n.FNA),
+			Method: string(n.Method), SanitizeStatus: n.SanitizeLog, Duration: n.Duration, VerifiedLBAs: n.VerifiedLBAs, Error: n.Err}
+		for _, ns := range n.NS {
+			e.Namespaces = append(e.Namespaces, manifest.NVMeNamespace{NSID: ns.NSID, Blocks: ns.Blocks, BlockSize: ns.BlockSize, VerifiedLBAs: ns.Verified})
+		}
+		for _, a := range n.Attempts {
+			e.Attempts = append(e.Attempts, string(a.Method)+": "+a.Status)
+		}
+		for _, mv := range n.Moves {
+			if mv.Err != "" && e.Error == "" {
+				e.Error = mv.Err
+			}
+		}
+		m.NVMe = append(m.NVMe, e)
+	}
+	for _, rr := range u.Resets {
+		res := "done"
+		if rr.Err != "" {
+			res = rr.Err
+		}
+		m.Resets = append(m.Resets, manifest.Reset{BDF: rr.Addr.String(), Methods: rr.Methods, Result: res})
+	}
+	return m
+}
+
