@@ -101,11 +101,12 @@ type Input struct {
 	Tree    *pci.Tree
 	Profile *topology.Profile
 	ATS     firmware.Policy // "" is prefer
+	Live    Live
+	Guest   topology.GuestOptions
+
 	// Erase is passage.erase=: whether a unit's NVMe must be erased and its functions
 	// reset before it is passed through ("" is off; erase.go judges the reports).
 	Erase erase.Policy
-	Live  Live
-	Guest   topology.GuestOptions
 }
 
 // Decision is the node's verdict before anything is written.

@@ -108,4 +108,3 @@ func eraseRecord(p erase.Policy, u *erase.UnitReport) *manifest.UnitErase {
 	}
 	return m
 }
-
