@@ -28,6 +28,9 @@ type Topology struct {
 	// NoACSPort puts unit 1's NVMe below an xio3130-downstream port, which has no ACS
 	// capability (scenario 5, second half).
 	NoACSPort bool
+	// NVMeImages are raw image files backing unit i's NVMe namespace (index i; "" or
+	// beyond the list: a controller without a namespace, the default).
+	NVMeImages []string
 }
 
 // Root-complex slots: fixed, so every variant keeps the same BDFs for what it shares.
@@ -107,7 +110,12 @@ func (t Topology) Args() []string {
 		} else {
 			b.rootPort(u+"p2", u+"sw", "0x2.0")
 		}
-		b.dev("nvme,id=%snvme,bus=%sp2,addr=0x0.0,serial=unit%dnvme", u, u, i)
+		if i < len(t.NVMeImages) && t.NVMeImages[i] != "" {
+			b.args = append(b.args, "-drive", fmt.Sprintf("file=%s,if=none,id=%snvmedrv,format=raw,cache=unsafe", t.NVMeImages[i], u))
+			b.dev("nvme,id=%snvme,bus=%sp2,addr=0x0.0,serial=unit%dnvme,drive=%snvmedrv", u, u, i, u)
+		} else {
+			b.dev("nvme,id=%snvme,bus=%sp2,addr=0x0.0,serial=unit%dnvme", u, u, i)
+		}
 	}
 	return b.args
 }

@@ -1,0 +1,126 @@
+//go:build qemu
+
+package qemutest
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/passage-boot/passage/manifest"
+)
+
+// tenantMarker is what the last tenant left on its NVMe: written over the whole
+// backing image on the host before the boot.
+var tenantMarker = []byte("PASSAGE-TENANT-A-MARKER-0123456789abcdef-")
+
+// markedImage writes a raw image of sizeMiB whose every byte belongs to the marker
+// pattern (the pattern repeated, cut at the end).
+func markedImage(t *testing.T, path string, sizeMiB int, pattern []byte) {
+	t.Helper()
+	b := bytes.Repeat(pattern, (sizeMiB<<20)/len(pattern)+1)[:sizeMiB<<20]
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestEraseAtBoot: each unit's NVMe is backed by an image the test fills with a tenant's
+// marker; a host-kept virtio disk holds another pattern. Booted with
+// passage.erase=require, passage erases each NVMe through the guest kernel's nvme driver
+// (QEMU's hw/nvme implements no Sanitize, SANICAP 0, so Format NVM with user data erase
+// is the method it ends on), reads sampled LBAs back, resets every passthrough function
+// and binds the units to vfio-pci. After power-off no byte of the marker is left
+// anywhere in either NVMe image, the host-kept disk holds every byte it held, and the
+// signed manifest records each erase.
+func TestEraseAtBoot(t *testing.T) {
+	dir := t.TempDir()
+	var images []string
+	for i := 0; i < 2; i++ {
+		p := filepath.Join(dir, "unit"+string(rune('0'+i))+"-nvme.img")
+		markedImage(t, p, 32, tenantMarker)
+		images = append(images, p)
+	}
+	host := filepath.Join(dir, "host.img")
+	markedImage(t, host, 8, []byte("HOST-KEPT-DISK-DO-NOT-TOUCH-"))
+	before, err := os.ReadFile(host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sumBefore := sha256.Sum256(before)
+
+	run, m := bootPassage(t, Options{Topology: Topology{NVMeImages: images}, Disk: host,
+		Append: []string{"passage.erase=require", "passage.net=off"}})
+	if run.Done != "ok" {
+		t.Errorf("PASSAGE-DONE %q, want ok", run.Done)
+	}
+
+	for i, img := range images {
+		b, err := os.ReadFile(img)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Any 16-byte piece of the marker counts, wherever it sits.
+		for off := 0; off+16 <= len(tenantMarker); off += 8 {
+			if j := bytes.Index(b, tenantMarker[off:off+16]); j >= 0 {
+				t.Errorf("unit %d NVMe image: marker piece %q still at byte %d", i, tenantMarker[off:off+16], j)
+				break
+			}
+		}
+	}
+	after, err := os.ReadFile(host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sha256.Sum256(after) != sumBefore {
+		t.Errorf("host-kept disk changed: it must keep every byte")
+	}
+
+	if len(m.Units) != 2 {
+		t.Fatalf("manifest has %d units, want 2", len(m.Units))
+	}
+	for _, u := range m.Units {
+		if u.Status != manifest.StatusReady {
+			t.Errorf("%s: %s %v, want ready", u.ID, u.Status, u.Reasons)
+		}
+		e := u.Erase
+		if e == nil {
+			t.Errorf("%s: no erase record", u.ID)
+			continue
+		}
+		if e.Policy != "require" || len(e.NVMe) != 1 || e.ResetClears == "" {
+			t.Errorf("%s: erase record %+v", u.ID, e)
+			continue
+		}
+		n := e.NVMe[0]
+		t.Logf("%s: %s %s (%s, serial %s, fw %s, SANICAP %s, FNA %s): %s in %v, %d LBAs verified; attempts %q",
+			u.ID, n.BDF, n.Controller, n.Model, n.Serial, n.Firmware, n.SANICAP, n.FNA, n.Method, n.Duration, n.VerifiedLBAs, n.Attempts)
+		if n.Error != "" || n.Method != "format-user-data-erase" || n.VerifiedLBAs == 0 || !strings.HasPrefix(n.Serial, "unit") {
+			t.Errorf("%s: nvme record %+v", u.ID, n)
+		}
+		if len(n.Namespaces) != 1 || n.Namespaces[0].Blocks*uint64(n.Namespaces[0].BlockSize) != 32<<20 {
+			t.Errorf("%s: namespaces %+v, want one of 32 MiB", u.ID, n.Namespaces)
+		}
+		if len(e.Resets) != len(u.Functions) {
+			t.Errorf("%s: %d resets for %d functions", u.ID, len(e.Resets), len(u.Functions))
+		}
+		for _, r := range e.Resets {
+			t.Logf("%s: reset %s (%s): %s", u.ID, r.BDF, r.Methods, r.Result)
+			if r.Result != "done" {
+				t.Errorf("%s: reset %s: %s", u.ID, r.BDF, r.Result)
+			}
+		}
+		for _, f := range u.Functions {
+			if f.DriverAfter != "vfio-pci" {
+				t.Errorf("%s: %s on %q, want vfio-pci", u.ID, f.BDF, f.DriverAfter)
+			}
+		}
+	}
+	for _, s := range m.Stages {
+		if s.Name == "erase" {
+			t.Logf("erase stage: %s in %v", s.Status, s.Duration)
+		}
+	}
+}
