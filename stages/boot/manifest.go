@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/decision"
+	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
@@ -139,7 +140,7 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 	for _, u := range d.Units() {
 		v := verdict[u.ID]
 		mu := manifest.Unit{ID: UnitID(u.ID), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
-			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID], Erase: eraseRecord(d.Erase, b.eraseResult().Unit(u.ID))}
+			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID], Erase: erase.Record(d.Erase, b.eraseResult().Unit(u.ID))}
 		if mu.Status == "" {
 			// No verdict for a unit is no promise about it.
 			mu.Status = string(topology.StatusFailed)

@@ -1,0 +1,340 @@
+// Package recycle hands a unit from one tenant to the next on a running host, between
+// two VMs, without a reboot: it refuses while anything holds the unit's
+// /dev/vfio/<group> open, records the unit as not ready in a new signed manifest
+// generation, releases it from vfio-pci, erases its NVMe and resets its functions
+// (package erase), binds it back, and records the verdict (package decision) in a
+// further generation. A crash midway leaves the unit off vfio-pci with the last
+// generation saying it is not ready; never ready with data on it.
+package recycle
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/decision"
+	"github.com/passage-boot/passage/erase"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
+)
+
+// EnvelopeName is the manifest file recycle replaces, the one the boot wrote.
+const EnvelopeName = "manifest.dsse.json"
+
+// Options say what to recycle and how to record it.
+type Options struct {
+	Root    string // "/" on a node
+	Profile string
+	Units   []topology.UnitID
+	Policy  erase.Policy // "" is require
+	// Dir is where the manifest is replaced (the boot's /run/passage).
+	Dir string
+	// Signers sign each generation; Verifier checks the previous manifest before its
+	// other units are carried into the new one.
+	Signers  []manifest.Signer
+	Verifier manifest.Verifier
+	Measurer manifest.Measurer
+	// Counters give the generation, first that answers (manifest.NextGeneration).
+	Counters []manifest.Counter
+	// Sysfs and Open default to the kernel under Root; tests simulate both.
+	Sysfs vfiobind.Sysfs
+	Open  erase.Opener
+	// Crash, when set, is called between steps with the step's name; a non-nil error
+	// stops the run there, as a crash would (tests).
+	Crash func(step string) error
+	Log   io.Writer
+	Erase erase.RunOptions
+}
+
+// Result is what a recycle did.
+type Result struct {
+	Verdicts  []decision.Verdict // the recycled units'
+	Erase     *erase.Report
+	Bind      *vfiobind.Report
+	InFlight  uint64 // the generation that marked the units not ready
+	Final     uint64 // the generation with the verdicts
+	Signed    *manifest.Signed
+	Manifest  *manifest.Manifest
+	Refusal   []Holder
+	Decision  *decision.Decision
+	Completed bool
+}
+
+// ErrHeld is returned when a unit's group is open: nothing was written.
+var ErrHeld = errors.New("a unit's vfio group is held open")
+
+func (o *Options) logf(format string, a ...any) {
+	if o.Log != nil {
+		fmt.Fprintf(o.Log, format+"\n", a...)
+	}
+}
+
+// Run recycles the units. The error is for what stopped it; Result says how far it got.
+func Run(ctx context.Context, o Options) (*Result, error) {
+	if o.Policy == "" {
+		o.Policy = erase.PolicyRequire
+	}
+	if o.Root == "" {
+		o.Root = "/"
+	}
+	res := &Result{}
+	tree, err := pci.Scan(o.Root)
+	if err != nil {
+		return res, err
+	}
+	prof, err := topology.LoadProfile(o.Profile)
+	if err != nil {
+		return res, err
+	}
+	live, lerr := decision.ReadLive(o.Root)
+	if lerr != nil {
+		o.logf("kernel state: %v", lerr)
+	}
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live})
+	if err != nil {
+		return res, err
+	}
+	res.Decision = d
+	var units []*topology.Unit
+	var groups []int
+	for _, id := range o.Units {
+		u := d.Labels.Unit(id)
+		if u == nil {
+			return res, fmt.Errorf("unit %s: no such unit on this node", id)
+		}
+		units = append(units, u)
+		for _, f := range u.Functions() {
+			if f != nil {
+				groups = append(groups, f.IOMMUGroup)
+			}
+		}
+	}
+	hs, herr := Holders(o.Root, groups)
+	if len(hs) > 0 {
+		res.Refusal = hs
+		return res, fmt.Errorf("%w: %s", ErrHeld, hs[0])
+	}
+	if herr != nil {
+		return res, fmt.Errorf("cannot tell whether the unit's vfio group is in use: %w", herr)
+	}
+
+	var sys vfiobind.Sysfs = vfiobind.Root(o.Root)
+	if o.Sysfs != nil {
+		sys = o.Sysfs
+	}
+	open := o.Open
+	if open == nil {
+		open = erase.DeviceOpener(o.Root, 30*time.Second)
+	}
+	prev := o.previous()
+
+	// 1. Not ready, signed, before anything is touched.
+	pending := map[topology.UnitID]decision.Verdict{}
+	for _, u := range units {
+		pending[u.ID] = decision.Verdict{Unit: u.ID, Status: topology.StatusFailed,
+			Reasons: []string{"recycle: in progress: released for erase and reset; not ready until a later generation says so"}}
+	}
+	m, signed, err := o.write(ctx, d, prev, pending, nil, nil)
+	if err != nil {
+		return res, fmt.Errorf("recycle: the not-ready generation: %w", err)
+	}
+	res.InFlight = m.Generation
+	o.logf("generation %d: %s not ready (recycle in progress)", m.Generation, ids(units))
+	if err := o.step("released"); err != nil {
+		return res, err
+	}
+
+	// 2. Off vfio-pci.
+	for _, u := range units {
+		for _, f := range u.Functions() {
+			if f == nil {
+				continue
+			}
+			fr, err := vfiobind.Park(ctx, sys, f.Addr, vfiobind.VFIODriver, o.Erase.Bind)
+			if err != nil {
+				return res, fmt.Errorf("release %s: %w", f.Addr, err)
+			}
+			o.logf("%s: %s -> (none)", f.Addr, fr.DriverBefore)
+		}
+	}
+	if err := o.step("erase"); err != nil {
+		return res, err
+	}
+
+	// 3. Erase and reset; 4. ACS as decided (unchanged unless someone changed it); 5. bind.
+	res.Erase = erase.Run(ctx, sys, units, open, o.Erase)
+	if err := o.step("bind"); err != nil {
+		return res, err
+	}
+	acsRep, aerr := d.ExecuteACS(ctx, pci.SysfsConfig{Root: o.Root}, false)
+	var acs *apply.Report
+	if aerr == nil {
+		acs = &acsRep
+	}
+	var bindUnits []*topology.Unit
+	for _, u := range d.BindableErased(acs, res.Erase) {
+		if slices.Contains(o.Units, u.ID) {
+			bindUnits = append(bindUnits, u)
+		}
+	}
+	bind, berr := vfiobind.Bind(ctx, sys, tree, bindUnits, o.Erase.Bind)
+	res.Bind = bind
+	all := d.Conclude(decision.Execution{ACS: acs, ACSErr: aerr, Binding: true, Bind: bind, BindErr: berr, Erase: res.Erase})
+	final := map[topology.UnitID]decision.Verdict{}
+	for _, v := range all {
+		if slices.Contains(o.Units, v.Unit) {
+			final[v.Unit] = v
+			res.Verdicts = append(res.Verdicts, v)
+		}
+	}
+	m, signed, err = o.write(ctx, d, prev, final, res.Erase, acs)
+	if err != nil {
+		return res, fmt.Errorf("recycle: the final generation: %w", err)
+	}
+	res.Final, res.Signed, res.Manifest, res.Completed = m.Generation, signed, m, true
+	o.logf("generation %d: %s", m.Generation, verdictLine(res.Verdicts))
+	return res, nil
+}
+
+func (o *Options) step(name string) error {
+	if o.Crash != nil {
+		return o.Crash(name)
+	}
+	return nil
+}
+
+func ids(us []*topology.Unit) string {
+	s := ""
+	for i, u := range us {
+		if i > 0 {
+			s += ", "
+		}
+		s += u.ID.String()
+	}
+	return s
+}
+
+func verdictLine(vs []decision.Verdict) string {
+	s := ""
+	for i, v := range vs {
+		if i > 0 {
+			s += ", "
+		}
+		s += v.Unit.String() + " " + string(v.Status)
+	}
+	return s
+}
+
+// previous is the last manifest in Dir, verified, or nil (its units are then not carried
+// and say so).
+func (o *Options) previous() *manifest.Manifest {
+	if o.Verifier == nil {
+		return nil
+	}
+	env, err := manifest.ReadEnvelope(filepath.Join(o.Dir, EnvelopeName))
+	if err != nil {
+		o.logf("previous manifest: %v", err)
+		return nil
+	}
+	v, err := manifest.Verify(env, o.Verifier, manifest.VerifyOptions{})
+	if err != nil {
+		o.logf("previous manifest: %v", err)
+		return nil
+	}
+	return v.Manifest
+}
+
+// write builds, signs and writes one generation: the given units with their verdicts
+// and what was done to them; every other unit as the previous manifest had it (or
+// failed, when there is none to carry it from).
+func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifest.Manifest, vs map[topology.UnitID]decision.Verdict,
+	er *erase.Report, acs *apply.Report) (*manifest.Manifest, *manifest.Signed, error) {
+	m, err := manifest.Build(o.Root, time.Now())
+	if err != nil {
+		return nil, nil, err
+	}
+	m.Profile = manifest.Profile{Name: d.Profile.Name}
+	if prev != nil {
+		m.Profile = prev.Profile
+		m.GuestPlan = prev.GuestPlan
+		m.Stages = prev.Stages
+	}
+	m.Errors = []string{}
+	for _, u := range d.Units() {
+		v, ours := vs[u.ID]
+		if !ours {
+			if pu := prevUnit(prev, u.ID); pu != nil {
+				m.Units = append(m.Units, *pu)
+				continue
+			}
+			m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: manifest.StatusFailed,
+				Reasons: []string{"recycle: no verified earlier manifest to carry this unit from"}, NUMANode: u.NUMANode})
+			continue
+		}
+		mu := manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
+			Erase: erase.Record(d.Erase, er.Unit(u.ID))}
+		if acs != nil {
+			for _, c := range acs.Changes {
+				if slices.Contains(c.Units(), u.ID) {
+					mu.ACSChanges = append(mu.ACSChanges, manifest.ACSChange{Port: c.Addr.String(), Before: c.Before.Lspci(),
+						Target: c.Target.Lspci(), After: c.After.Lspci(), Result: string(c.Result)})
+				}
+			}
+		}
+		for _, f := range u.Functions() {
+			if f == nil {
+				continue
+			}
+			mu.Functions = append(mu.Functions, o.function(d, f))
+		}
+		m.Units = append(m.Units, mu)
+	}
+	gen, src, gerr := manifest.NextGeneration(o.Counters...)
+	m.Generation, m.GenerationSource = gen, src
+	if gerr != nil {
+		m.Errors = append(m.Errors, gerr.Error())
+	}
+	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
+		return nil, nil, err
+	}
+	signed, err := manifest.WriteSigned(ctx, m, o.Dir, EnvelopeName, o.Measurer, o.Signers...)
+	if signed == nil {
+		return m, nil, err
+	}
+	if err != nil {
+		o.logf("manifest generation %d: %v", gen, err)
+	}
+	return m, signed, nil
+}
+
+func prevUnit(prev *manifest.Manifest, id topology.UnitID) *manifest.Unit {
+	if prev == nil {
+		return nil
+	}
+	for i := range prev.Units {
+		if prev.Units[i].ID == id.String() {
+			return &prev.Units[i]
+		}
+	}
+	return nil
+}
+
+// function is one function's record with its driver as sysfs says now.
+func (o *Options) function(d *decision.Decision, f *pci.Device) manifest.Function {
+	drv := ""
+	if t, err := os.Readlink(filepath.Join(o.Root, pci.DevicesDir, f.Addr.String(), "driver")); err == nil {
+		drv = filepath.Base(t)
+	}
+	return manifest.Function{BDF: f.Addr.String(), Vendor: fmt.Sprintf("0x%04x", f.VendorID), Device: fmt.Sprintf("0x%04x", f.DeviceID),
+		SubsystemVendor: fmt.Sprintf("0x%04x", f.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", f.SubsystemDevice),
+		Class: fmt.Sprintf("0x%06x", f.Class), Role: string(d.Labels.RoleOf(f.Addr)), IOMMUGroup: f.IOMMUGroup, NUMANode: f.NUMANode,
+		DriverBefore: f.Driver, DriverAfter: drv}
+}
