@@ -123,7 +123,9 @@ func mustProfile(t *testing.T) *topology.Profile {
 func (n *node) opts(units ...topology.UnitID) recycle.Options {
 	return recycle.Options{Root: n.root, Profile: "b300", Units: units, Dir: n.dir, Signers: []manifest.Signer{n.signer},
 		Verifier: n.verifier, Counters: []manifest.Counter{manifest.FileCounter{Path: n.gen}}, Sysfs: n.k,
-		Open: func(_ context.Context, a pci.Address) (erase.Controller, string, error) { return n.ctrls[a], "nvme", nil },
+		Open: func(_ context.Context, a pci.Address) (erase.Controller, string, error) {
+			return n.ctrls[a], "nvme", nil
+		},
 		Erase: erase.RunOptions{Erase: erase.Options{SanitizeTimeout: time.Second, PollInterval: time.Millisecond, Samples: 8}}}
 }
 
@@ -210,9 +212,9 @@ func TestRecycle(t *testing.T) {
 	if m.Generation != 3 || res.InFlight != 2 || res.Final != 3 {
 		t.Errorf("generations: in flight %d, final %d, on disk %d; want 2, 3, 3", res.InFlight, res.Final, m.Generation)
 	}
-	u3 := unitOf(m, "nvme3")
+	u3 := unitOf(m, "gpu3")
 	if u3 == nil || u3.Status != manifest.StatusReady || u3.Erase == nil || u3.Erase.NVMe[0].Method != string(erase.SanitizeBlock) || len(u3.Erase.Resets) != 4 {
-		t.Errorf("nvme3 record %+v", u3)
+		t.Errorf("gpu3 record %+v", u3)
 	}
 	if u := unitOf(m, "gpu0"); u == nil || u.Status != manifest.StatusReady || u.Erase != nil {
 		t.Errorf("gpu0 not carried as it was: %+v", u)
