@@ -5,6 +5,7 @@ package qemutest
 import (
 	"bytes"
 	"crypto/sha256"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -123,4 +124,93 @@ func TestEraseAtBoot(t *testing.T) {
 			t.Logf("erase stage: %s in %v", s.Status, s.Duration)
 		}
 	}
+}
+
+// TestRecycleRunningHost: on the running guest, after a boot that left the tenant's
+// marker on unit 0's NVMe (passage.erase=off), `passage recycle --unit 0` is refused
+// while a process holds unit 0's /dev/vfio/<group> open; once it is closed, recycle
+// erases the NVMe (no marker anywhere in its image after power-off), resets the unit,
+// binds it back to vfio-pci, and writes a manifest that verifies with a higher
+// generation than the boot's. Unit 1, not asked for, keeps its marker.
+func TestRecycleRunningHost(t *testing.T) {
+	dir := t.TempDir()
+	var images []string
+	for i := 0; i < 2; i++ {
+		p := filepath.Join(dir, "unit"+string(rune('0'+i))+"-nvme.img")
+		markedImage(t, p, 16, tenantMarker)
+		images = append(images, p)
+	}
+	run, final := bootPassage(t, Options{Topology: Topology{NVMeImages: images}, Overlay: []OverlayFile{uinitOverlay(t, "recycler")},
+		Append: []string{"passage.erase=off", "passage.net=off", "passage.emit=off"}})
+	file := func(name string) string { return strings.TrimSpace(string(run.Files[name])) }
+	for _, n := range []string{"recycle-held", "recycle"} {
+		t.Logf("%s (exit %s):\n%s", n, file(n+".exit"), file(n+".out"))
+	}
+	if e := file("recycler-error.txt"); e != "" {
+		t.Fatalf("guest: %s", e)
+	}
+	if file("recycle-held.exit") != "1" || !strings.Contains(file("recycle-held.out"), "is held open by pid") {
+		t.Errorf("recycle while the group is open: exit %s, want 1 and the holder named", file("recycle-held.exit"))
+	}
+	if file("recycle.exit") != "0" {
+		t.Errorf("recycle after close: exit %s", file("recycle.exit"))
+	}
+	for _, l := range strings.Split(file("drivers-recycled.txt"), "\n") {
+		if !strings.HasSuffix(l, " vfio-pci") {
+			t.Errorf("after recycle: %s, want vfio-pci", l)
+		}
+	}
+
+	bootEnv, ok := run.Files["boot-manifest.dsse.json"]
+	if !ok {
+		t.Fatal("no boot manifest from the guest")
+	}
+	bootM, err := manifest.Unmarshal(mustPayload(t, bootEnv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if final.Generation <= bootM.Generation || final.GenerationSource == manifest.GenerationNone {
+		t.Errorf("recycle's generation %d (%s), boot's %d: want higher", final.Generation, final.GenerationSource, bootM.Generation)
+	}
+	var u0, u1 *manifest.Unit
+	for i := range final.Units {
+		switch final.Units[i].ID {
+		case "gpu0":
+			u0 = &final.Units[i]
+		case "gpu1":
+			u1 = &final.Units[i]
+		}
+	}
+	if u0 == nil || u0.Status != manifest.StatusReady || u0.Erase == nil || len(u0.Erase.NVMe) != 1 || u0.Erase.NVMe[0].Method != "format-user-data-erase" {
+		t.Errorf("gpu0 in the recycled manifest: %+v", u0)
+	}
+	if u1 == nil || u1.Erase != nil {
+		t.Errorf("gpu1 in the recycled manifest: %+v, want carried from the boot", u1)
+	}
+
+	hasMarker := func(p string) bool {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return bytes.Contains(b, tenantMarker[:16]) || bytes.Contains(b, tenantMarker[20:36])
+	}
+	if hasMarker(images[0]) {
+		t.Error("unit 0's NVMe image still holds the marker after recycle")
+	}
+	if !hasMarker(images[1]) {
+		t.Error("unit 1's NVMe image lost its marker: recycle touched a unit it was not asked for")
+	}
+}
+
+// mustPayload is the payload of an envelope the test verified elsewhere.
+func mustPayload(t *testing.T, env []byte) []byte {
+	t.Helper()
+	var e struct {
+		Payload []byte `json:"payload"`
+	}
+	if err := json.Unmarshal(env, &e); err != nil {
+		t.Fatal(err)
+	}
+	return e.Payload
 }

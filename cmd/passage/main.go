@@ -28,6 +28,7 @@ func commands() map[string]command {
 		"render":     {"print the guest topology as QEMU args, libvirt XML or NCCL XML", cmdRender},
 		"apply":      {"program ACS and bind passthrough devices to vfio-pci", cmdApply},
 		"unbind":     {"return a unit's devices to their host drivers", cmdUnbind},
+		"recycle":    {"erase and reset units between tenants on a running host, sign a new generation", cmdRecycle},
 		"keygen":     {"write an ed25519 key pair for signing manifests", cmdKeygen},
 		"tpm-pubkey": {"print the public part of the TPM-resident signing key", cmdTPMPubkey},
 		"verify":     {"verify a signed manifest (the hypervisor side)", cmdVerify},
