@@ -117,6 +117,7 @@ func printSummary(w io.Writer, path string, v *manifest.Verified) {
 		for _, r := range u.Reasons {
 			fmt.Fprintf(w, "             %s\n", r)
 		}
+		printErase(w, u.Erase)
 	}
 	for _, s := range m.Stages {
 		if s.Status != "ok" {
