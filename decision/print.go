@@ -51,8 +51,13 @@ func (d *Decision) WriteJSON(w io.Writer) error {
 
 // WriteText writes the decision for a person: the plan, then what the verdicts rest on
 // beyond it (ATS, the isolation audit, lockdown).
-func (d *Decision) WriteText(w io.Writer) error {
-	if err := d.Plan().WriteText(w); err != nil {
+func (d *Decision) WriteText(w io.Writer) error { return d.WriteTextNamed(w, nil) }
+
+// WriteTextNamed is WriteText with the functions named by name (topology.Plan.Name).
+func (d *Decision) WriteTextNamed(w io.Writer, name func(vendor, device uint16) string) error {
+	pl := d.Plan()
+	pl.Name = name
+	if err := pl.WriteText(w); err != nil {
 		return err
 	}
 	var b strings.Builder

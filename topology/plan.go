@@ -21,6 +21,9 @@ type Plan struct {
 	Host        *Matrix
 	Guest       *Guest
 	GuestMatrix *Matrix
+	// Name names a function in WriteText's function table ("Mellanox Technologies CX8
+	// Family [ConnectX-8] [15b3:1023]"); nil prints the IDs alone.
+	Name func(vendor, device uint16) string
 }
 
 // UnitName is a unit's name wherever passage prints one: JSON documents, the console,
@@ -171,7 +174,11 @@ func (pl *Plan) WriteText(w io.Writer) error {
 		if fl.Reason != "" {
 			note = fl.Reason
 		}
-		fmt.Fprintf(tw, "%s%s\t%s\t%s\t%s\t%s\n", strings.Repeat("  ", depth), d.Addr, d.IDs(), fl.Role, unit, note)
+		ids := d.IDs()
+		if pl.Name != nil {
+			ids = pl.Name(d.VendorID, d.DeviceID)
+		}
+		fmt.Fprintf(tw, "%s%s\t%s\t%s\t%s\t%s\n", strings.Repeat("  ", depth), d.Addr, ids, fl.Role, unit, note)
 		for _, c := range d.Children {
 			walk(c, depth+1)
 		}
