@@ -9,6 +9,10 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v swtpm >/dev/null || need+=(swtpm swtpm-tools)
 command -v cpio >/dev/null || need+=(cpio)
 [[ -e /usr/include/openssl/evp.h ]] || need+=(libssl-dev) # manifest/tpmkey tests: the TPM simulator is cgo and links -lcrypto
+# promtool: metrics/ checks the exposition (promtool check metrics) and runs the alert rules' tests.
+command -v promtool >/dev/null || need+=(prometheus)
+# stages/boot pushes a boot's metrics to a real Pushgateway on loopback.
+command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
 # mkfs.ext4 and debugfs: the QEMU tests' disk (passage.out) is made and read without mounting.
 { command -v mkfs.ext4 && command -v debugfs; } >/dev/null || need+=(e2fsprogs)
 if ((${#need[@]})); then
