@@ -303,7 +303,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 		logged[s.Name] = s
 		order = append(order, s.Name)
 	}
-	if want := slices.Concat(inManifest, []string{"manifest", "network", "publish"}); !slices.Equal(order, want) {
+	if want := slices.Concat(inManifest, []string{"manifest", "network", "publish", "push"}); !slices.Equal(order, want) {
 		t.Errorf("log.jsonl stages %v, want %v", order, want)
 	}
 	net := logged["network"]
