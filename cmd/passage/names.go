@@ -5,6 +5,7 @@ import (
 
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pciids"
+	"github.com/passage-boot/passage/topology"
 )
 
 // namesFlag is --pci-ids: where vendor and device names come from. Without it the
@@ -23,6 +24,14 @@ func (n *namesFlag) open() (*pciids.DB, error) { return pciids.OpenDefault(n.fil
 type deviceNames struct {
 	VendorName string `json:"vendor_name,omitempty"`
 	DeviceName string `json:"device_name,omitempty"`
+}
+
+// namer is db as the plan's Namer: nil (IDs only) without a database.
+func namer(db *pciids.DB) topology.Namer {
+	if db == nil {
+		return nil
+	}
+	return db
 }
 
 func namesOf(db *pciids.DB, d *pci.Device) deviceNames {

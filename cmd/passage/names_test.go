@@ -2,12 +2,14 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/vfiobind"
 )
 
 // namesFixture is a database in pci.ids format holding today's names of the B300's
@@ -52,6 +54,38 @@ func TestNamesInCommands(t *testing.T) {
 	}
 	if !strings.Contains(pout.String(), "Mellanox Technologies CX8 Family [ConnectX-8] [15b3:1023]") {
 		t.Errorf("plan's function table names nothing:\n%.1500s", pout.String())
+	}
+
+	pout.Reset()
+	if rc := cmdPlan([]string{"--root", n.Root, "--pci-ids", ids, "--json"}, &pout, &perr); rc != 0 {
+		t.Fatalf("plan --json rc %d %s", rc, perr.String())
+	}
+	var plan struct {
+		Functions []struct {
+			Addr       string `json:"addr"`
+			VendorName string `json:"vendor_name"`
+			DeviceName string `json:"device_name"`
+		} `json:"functions"`
+	}
+	if err := json.Unmarshal(pout.Bytes(), &plan); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range plan.Functions {
+		if f.Addr == nic && (f.VendorName != "Mellanox Technologies" || f.DeviceName != "CX8 Family [ConnectX-8]") {
+			t.Errorf("plan --json %s: %q %q", f.Addr, f.VendorName, f.DeviceName)
+		}
+	}
+
+	// apply names what it binds.
+	k := simulatedKernel(t, n.Root)
+	env := applyEnv{sysfs: func(string) vfiobind.Sysfs { return k }, modules: func(string, string) vfiobind.ModuleLoader { return k }}
+	var aout, aerr bytes.Buffer
+	if rc := runApply([]string{"--root", n.Root, "--pci-ids", ids}, &aout, &aerr, env); rc != 0 {
+		t.Fatalf("apply rc %d %s", rc, aerr.String())
+	}
+	if want := "  vfio gpu7: " + nic + " group "; !strings.Contains(aout.String(), want) ||
+		!strings.Contains(aout.String(), "-> vfio-pci (Mellanox Technologies CX8 Family [ConnectX-8] [15b3:1023])") {
+		t.Errorf("apply's vfio lines without the NIC's name:\n%s", aout.String())
 	}
 
 	// A database given explicitly must be there and be one.

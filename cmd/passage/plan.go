@@ -147,9 +147,9 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	var werr error
 	if *asJSON {
-		werr = d.WriteJSON(stdout)
+		werr = d.WriteJSONNamed(stdout, namer(db))
 	} else {
-		werr = d.WriteTextNamed(stdout, db.Label)
+		werr = d.WriteTextNamed(stdout, namer(db))
 	}
 	if werr != nil {
 		fmt.Fprintf(stderr, "passage plan: %v\n", werr)
