@@ -25,3 +25,12 @@ if ((${#need[@]})); then
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+# Debian's prometheus and prometheus-pushgateway packages start their services, listening
+# on every address, where systemd runs; passage's tests start their own on loopback, so
+# the services this script just installed are stopped and disabled.
+for s in prometheus prometheus-pushgateway; do
+	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null &&
+		systemctl is-enabled --quiet "$s" 2>/dev/null; then
+		systemctl disable --now --quiet "$s" || true
+	fi
+done
