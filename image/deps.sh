@@ -9,6 +9,10 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v swtpm >/dev/null || need+=(swtpm swtpm-tools)
 command -v cpio >/dev/null || need+=(cpio)
 [[ -e /usr/include/openssl/evp.h ]] || need+=(libssl-dev) # manifest/tpmkey tests: the TPM simulator is cgo and links -lcrypto
+# promtool: metrics/ checks the exposition (promtool check metrics) and runs the alert rules' tests.
+command -v promtool >/dev/null || need+=(prometheus)
+# stages/boot pushes a boot's metrics to a real Pushgateway on loopback.
+command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
 # mkfs.ext4 and debugfs: the QEMU tests' disk (passage.out) is made and read without mounting.
 { command -v mkfs.ext4 && command -v debugfs; } >/dev/null || need+=(e2fsprogs)
 if ((${#need[@]})); then
@@ -21,3 +25,12 @@ if ((${#need[@]})); then
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+# Debian's prometheus and prometheus-pushgateway packages start their services, listening
+# on every address, where systemd runs; passage's tests start their own on loopback, so
+# the services this script just installed are stopped and disabled.
+for s in prometheus prometheus-pushgateway; do
+	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null &&
+		systemctl is-enabled --quiet "$s" 2>/dev/null; then
+		systemctl disable --now --quiet "$s" || true
+	fi
+done

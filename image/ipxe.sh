@@ -32,6 +32,7 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   passage.ats=prefer         a CX-8 function without ATS degrades its unit; require fails it
 #   passage.net=auto           management NIC for DHCPv4 (IFACE|auto|off); passage.net_timeout=30s
 #   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish)
+#   passage.push=URL           Prometheus Pushgateway for the manifest's metrics (none: no push)
 #   passage.out=/run           or DEV:PATH on a block device, which also keeps the generation counter
 #   passage.handoff=switch_root   switch_root|poweroff|shell|hold once the manifest is written
 #   passage.root=DEV           the real root for switch_root; passage.rootfstype=FS, passage.init=/sbin/init

@@ -78,6 +78,7 @@ type Config struct {
 	ATS          ATSPolicy     // passage.ats=
 	Net          string        // passage.net=
 	URL          string        // passage.url=
+	Push         string        // passage.push=
 	Out          Out           // passage.out=
 	Handoff      Handoff       // passage.handoff=
 	Root         string        // passage.root=
@@ -293,6 +294,13 @@ var params = map[string]setter{
 			return fmt.Errorf("want an http:// or https:// URL")
 		}
 		c.URL = v
+		return nil
+	},
+	"push": func(c *Config, v string) error {
+		if !strings.HasPrefix(v, "http://") && !strings.HasPrefix(v, "https://") {
+			return fmt.Errorf("want the http:// or https:// URL of a Prometheus Pushgateway")
+		}
+		c.Push = strings.TrimRight(v, "/")
 		return nil
 	},
 	"out": func(c *Config, v string) error {

@@ -27,6 +27,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--json] MANIFEST")
+		fmt.Fprintln(stderr, "       passage verify --pub KEY.pub|KEYDIR [--min-generation N] MANIFEST|DIR... (a fleet: in parallel, one line per node)")
 		fs.PrintDefaults()
 	}
 	// Flags may follow the manifest path as well as precede it.
@@ -41,7 +42,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		paths = append(paths, fs.Arg(0))
 		args = fs.Args()[1:]
 	}
-	if len(paths) != 1 {
+	if len(paths) == 0 {
 		fs.Usage()
 		return 2
 	}
@@ -55,6 +56,13 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	keyFile := *pub + *tpmPub
+	if manyPaths(paths) {
+		if *asJSON {
+			fmt.Fprintln(stderr, "passage verify: --json takes one manifest")
+			return 2
+		}
+		return verifyMany(paths, keyFile, *tpmPub != "", manifest.VerifyOptions{MinGeneration: min, BootID: *bootID}, stdout, stderr)
+	}
 	v, err := manifest.LoadVerifier(keyFile)
 	if err != nil {
 		fmt.Fprintf(stderr, "passage verify: %v\n", err)

@@ -81,6 +81,11 @@ type Boot struct {
 	Leases   []netboot.Lease
 	Manifest *manifest.Manifest
 	Signed   *manifest.Signed
+
+	// metricsText is the manifest as Prometheus metrics, for the push stage; its
+	// Pushgateway instance is metricsInstance (stages/boot/metrics.go).
+	metricsText     []byte
+	metricsInstance string
 }
 
 // commit keeps a stage's result, unless the stage's time is up: the runner has then
@@ -177,6 +182,7 @@ func (b *Boot) Stages() []stages.Stage {
 		{Name: "manifest", Always: true, Run: b.manifest},
 		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
 		{Name: "publish", Needs: []string{"network", "manifest"}, Run: b.publish},
+		{Name: "push", Needs: []string{"network", "manifest"}, Timeout: c.NetTimeout, Run: b.push},
 	}
 }
 
