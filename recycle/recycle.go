@@ -142,7 +142,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 		pending[u.ID] = decision.Verdict{Unit: u.ID, Status: topology.StatusFailed,
 			Reasons: []string{"recycle: in progress: released for erase and reset; not ready until a later generation says so"}}
 	}
-	m, signed, err := o.write(ctx, d, prev, pending, nil, nil)
+	m, _, err := o.write(ctx, d, prev, pending, nil, nil)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the not-ready generation: %w", err)
 	}
@@ -201,7 +201,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			res.Verdicts = append(res.Verdicts, v)
 		}
 	}
-	m, signed, err = o.write(ctx, d, prev, final, res.Erase, acs)
+	m, signed, err := o.write(ctx, d, prev, final, res.Erase, acs)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the final generation: %w", err)
 	}
