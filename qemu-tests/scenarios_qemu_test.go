@@ -294,7 +294,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 	for _, s := range m.Stages {
 		inManifest = append(inManifest, s.Name)
 	}
-	if want := []string{"modules", "scan", "decide", "acs", "vfio", "host"}; !slices.Equal(inManifest, want) {
+	if want := []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host"}; !slices.Equal(inManifest, want) {
 		t.Errorf("manifest stages %v, want %v (network and publish come after the manifest)", inManifest, want)
 	}
 	logged := map[string]stages.ResultRecord{}
