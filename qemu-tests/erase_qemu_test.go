@@ -154,6 +154,11 @@ func TestRecycleRunningHost(t *testing.T) {
 	if file("recycle-held.exit") != "1" || !strings.Contains(file("recycle-held.out"), "is held open by pid") {
 		t.Errorf("recycle while the group is open: exit %s, want 1 and the holder named", file("recycle-held.exit"))
 	}
+	for _, l := range strings.Split(file("drivers-held.txt"), "\n") {
+		if !strings.HasSuffix(l, " vfio-pci") {
+			t.Errorf("after the refused recycle: %s, want still vfio-pci", l)
+		}
+	}
 	if file("recycle.exit") != "0" {
 		t.Errorf("recycle after close: exit %s", file("recycle.exit"))
 	}

@@ -76,6 +76,7 @@ func main() {
 		write("recycler-error.txt", []byte(fmt.Sprintf("open %s: %v", node, err)))
 	}
 	run("recycle-held", "recycle", "--unit", "0")
+	write("drivers-held.txt", []byte(drivers()))
 	if f != nil {
 		f.Close()
 	}
