@@ -151,6 +151,15 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	if err := o.step("released"); err != nil {
 		return res, err
 	}
+	// Again, now that the signed generation says not ready: a VM started in between
+	// holds the group, and unbinding vfio-pci under it would block until it let go.
+	if hs, err := Holders(o.Root, groups); len(hs) > 0 || err != nil {
+		res.Refusal = hs
+		if err == nil {
+			err = fmt.Errorf("%w: %s", ErrHeld, hs[0])
+		}
+		return res, fmt.Errorf("recycle: left not ready, nothing released: %w", err)
+	}
 
 	// 2. Off vfio-pci.
 	for _, u := range units {
