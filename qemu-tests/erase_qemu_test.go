@@ -37,7 +37,8 @@ func markedImage(t testing.TB, path string, sizeMiB int, pattern []byte) {
 // is the method it ends on), reads sampled LBAs back, resets every passthrough function
 // and binds the units to vfio-pci. After power-off no byte of the marker is left
 // anywhere in either NVMe image, the host-kept disk holds every byte it held, and the
-// signed manifest records each erase.
+// signed manifest records each erase. A host-kept NVMe on the root complex keeps every
+// byte too.
 func TestEraseAtBoot(t *testing.T) {
 	dir := t.TempDir()
 	var images []string
@@ -46,15 +47,22 @@ func TestEraseAtBoot(t *testing.T) {
 		markedImage(t, p, 32, tenantMarker)
 		images = append(images, p)
 	}
+	// Two host-kept disks: an NVMe on the root complex (the nvme driver the erase stage
+	// loads binds it too) and a virtio disk.
 	host := filepath.Join(dir, "host.img")
 	markedImage(t, host, 8, []byte("HOST-KEPT-DISK-DO-NOT-TOUCH-"))
-	before, err := os.ReadFile(host)
-	if err != nil {
-		t.Fatal(err)
+	hostNVMe := filepath.Join(dir, "host-nvme.img")
+	markedImage(t, hostNVMe, 8, []byte("HOST-KEPT-NVME-DO-NOT-TOUCH-"))
+	sums := map[string][32]byte{}
+	for _, p := range []string{host, hostNVMe} {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sums[p] = sha256.Sum256(b)
 	}
-	sumBefore := sha256.Sum256(before)
 
-	run, m := bootPassage(t, Options{Topology: Topology{NVMeImages: images}, Disk: host,
+	run, m := bootPassage(t, Options{Topology: Topology{NVMeImages: images, HostNVMe: hostNVMe}, Disk: host,
 		Append: []string{"passage.erase=require", "passage.net=off"}})
 	if run.Done != "ok" {
 		t.Errorf("PASSAGE-DONE %q, want ok", run.Done)
@@ -73,12 +81,24 @@ func TestEraseAtBoot(t *testing.T) {
 			}
 		}
 	}
-	after, err := os.ReadFile(host)
-	if err != nil {
-		t.Fatal(err)
+	// The host NVMe was in reach: the nvme driver held it, and still wrote nothing.
+	hostDrv := "(not in the readback)"
+	for _, f := range readbackOf(t, run).Functions {
+		if f.BDF == "0000:00:11.0" {
+			hostDrv = f.Driver
+		}
 	}
-	if sha256.Sum256(after) != sumBefore {
-		t.Errorf("host-kept disk changed: it must keep every byte")
+	if hostDrv != "nvme" {
+		t.Errorf("host NVMe 0000:00:11.0 on %q, want nvme", hostDrv)
+	}
+	for p, sum := range sums {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sha256.Sum256(b) != sum {
+			t.Errorf("host-kept disk %s changed: it must keep every byte", filepath.Base(p))
+		}
 	}
 
 	if len(m.Units) != 2 {
