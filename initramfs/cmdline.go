@@ -319,7 +319,7 @@ var params = map[string]setter{
 		c.Root = v
 		return nil
 	},
-	"rootwait": func(c *Config, v string) error { return duration(&c.RootWait, v) },
+	"rootwait":   func(c *Config, v string) error { return duration(&c.RootWait, v) },
 	"rootfstype": func(c *Config, v string) error { return nonEmpty(&c.RootFSType)(c, v) },
 	"init": func(c *Config, v string) error {
 		if err := absPath(v); err != nil {

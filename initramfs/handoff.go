@@ -19,9 +19,9 @@ import (
 // System is the handful of process- and machine-level operations a handoff needs. Tests
 // replace them; LinuxSystem is the real thing.
 type System struct {
-	Getpid     func() int
-	Sync       func()
-	PowerOff   func() error
+	Getpid   func() int
+	Sync     func()
+	PowerOff func() error
 	// FindRoot resolves passage.root= (UUID=, LABEL=, PARTUUID= or a /dev path) to a
 	// device node, waiting up to wait for it to appear (initramfs/rootdev).
 	FindRoot   func(spec string, wait time.Duration) (dev string, err error)

@@ -98,9 +98,9 @@ func TestFind(t *testing.T) {
 		t.Fatal(err)
 	}
 	for spec, want := range map[string]string{
-		"UUID=9e2c1b3f-445d-4e6f-8091-a2b3c4d5e6f7":     "nvme1n1p2",
-		"UUID=9E2C1B3F-445D-4E6F-8091-A2B3C4D5E6F7":     "nvme1n1p2",
-		"LABEL=root":                                    "nvme1n1p2",
+		"UUID=9e2c1b3f-445d-4e6f-8091-a2b3c4d5e6f7": "nvme1n1p2",
+		"UUID=9E2C1B3F-445D-4E6F-8091-A2B3C4D5E6F7": "nvme1n1p2",
+		"LABEL=root": "nvme1n1p2",
 		"PARTUUID=12345678-9abc-def0-1122-334455667788": "nvme1n1p2",
 		"PARTUUID=deadbeef-01":                          "vda1",
 		"LABEL=scratch":                                 "nvme0n1",
