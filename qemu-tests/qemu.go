@@ -55,6 +55,11 @@ type Options struct {
 	SMP     int           // 0 = 2
 	Log     io.Writer     // gets the console live when set (go test -v)
 
+	// NVMe are raw disk images attached as host NVMe controllers on the root complex
+	// (00:11.0, 00:12.0, ...), outside every unit: disks the node keeps, beside the
+	// units' passthrough NVMe. Their names in the guest follow probe order.
+	NVMe []string
+
 	// NetBoot boots through UEFI Secure Boot and iPXE over QEMU's TFTP instead of
 	// -kernel/-initrd (netboot.go); nil: direct kernel boot.
 	NetBoot *NetBoot
@@ -207,6 +212,11 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		args = append(args,
 			"-drive", fmt.Sprintf("file=%s,if=none,id=disk0,format=raw,cache=unsafe", o.Disk),
 			"-device", fmt.Sprintf("virtio-blk-pci,drive=disk0,bus=pcie.0,addr=0x%x.0,serial=passage", diskSlot))
+	}
+	for i, img := range o.NVMe {
+		args = append(args,
+			"-drive", fmt.Sprintf("file=%s,if=none,id=hostnvme%d,format=raw,cache=unsafe", img, i),
+			"-device", fmt.Sprintf("nvme,drive=hostnvme%d,serial=hostnvme%d,bus=pcie.0,addr=0x%x.0", i, i, diskSlot+1+i))
 	}
 	var tpm *swtpm
 	if !o.NoTPM {
