@@ -12,8 +12,8 @@ import (
 
 	"github.com/insomniacslk/dhcp/dhcpv4"
 
-	"github.com/passage-boot/passage/initramfs/entropy"
-	"github.com/passage-boot/passage/initramfs/entropy/entropytest"
+	"github.com/passage-boot/passage/entropy"
+	"github.com/passage-boot/passage/entropy/entropytest"
 )
 
 // within runs f and fails the test if it has not returned after d: a call that blocks on
@@ -95,9 +95,10 @@ func TestPublishWaitsForThePoolOnlyForTLS(t *testing.T) {
 	defer plain.Close()
 
 	pool := &entropytest.NotReady{}
-	var waited []string
+	var waited, notes []string
 	p := PublishPolicy{Tries: 1, PerTry: time.Second, Pool: pool,
-		Waiting: func(what string) func() { waited = append(waited, what); return func() {} }}
+		Waiting: func(what string) func() { waited = append(waited, what); return func() {} },
+		Note:    func(s string) { notes = append(notes, s) }}
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
 	att, err := Publish(ctx, tlsSrv.Client(), tlsSrv.URL, []byte("{}"), p)
@@ -106,6 +107,9 @@ func TestPublishWaitsForThePoolOnlyForTLS(t *testing.T) {
 	}
 	if len(att) != 0 || posts != 0 || pool.Looks() < 2 {
 		t.Errorf("https with the pool not ready: %d attempts, %d posts, %d looks at the pool", len(att), posts, pool.Looks())
+	}
+	if len(notes) != 1 || notes[0] != "publish "+tlsSrv.URL+": TLS: waiting for the kernel's random pool" {
+		t.Errorf("notes %q", notes)
 	}
 	if len(waited) == 0 || waited[0] != entropy.Waiting {
 		t.Errorf("waits reported %q, want %q first", waited, entropy.Waiting)

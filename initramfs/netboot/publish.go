@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/passage-boot/passage/initramfs/entropy"
+	"github.com/passage-boot/passage/entropy"
 )
 
 // EnvelopeType is the media type of a DSSE envelope (in-toto's registration).
@@ -33,6 +33,9 @@ type PublishPolicy struct {
 	// Waiting is told what Publish waits on until the returned func is called
 	// (stages.Result.Wait); nil: not told.
 	Waiting func(what string) (done func())
+	// Note hears "waiting for the kernel's random pool" when an https publish has to
+	// wait for it; nil: not told.
+	Note func(string)
 }
 
 func (p PublishPolicy) wait(what string) func() {
@@ -98,7 +101,7 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 	}
 	if strings.HasPrefix(strings.ToLower(url), "https:") {
 		done := p.wait(entropy.Waiting)
-		err := entropy.Wait(ctx, p.Pool, "publish "+url+": TLS", nil)
+		err := entropy.Wait(ctx, p.Pool, "publish "+url+": TLS", p.Note)
 		done()
 		if err != nil {
 			return nil, err

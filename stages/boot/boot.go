@@ -638,6 +638,7 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	}
 	p := netboot.DefaultPublish
 	p.Waiting = r.Wait
+	p.Note = func(s string) { r.Findingf("%s", s) }
 	att, err := netboot.Publish(ctx, nil, b.Config.URL, b.Signed.Envelope, p)
 	for i, a := range att {
 		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)

@@ -10,8 +10,8 @@ import (
 	"github.com/google/go-tpm-tools/simulator"
 	"github.com/google/go-tpm/tpm2/transport"
 
+	"github.com/passage-boot/passage/entropy/entropytest"
 	"github.com/passage-boot/passage/initramfs"
-	"github.com/passage-boot/passage/initramfs/entropy/entropytest"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/stages"

@@ -14,7 +14,7 @@ import (
 
 	uiorand "github.com/u-root/uio/rand"
 
-	"github.com/passage-boot/passage/initramfs/entropy"
+	"github.com/passage-boot/passage/entropy"
 )
 
 // Blocked counts the reads that reached a blocked source.

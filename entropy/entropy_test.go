@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/passage-boot/passage/initramfs/entropy"
-	"github.com/passage-boot/passage/initramfs/entropy/entropytest"
+	"github.com/passage-boot/passage/entropy"
+	"github.com/passage-boot/passage/entropy/entropytest"
 )
 
 type readyAfter struct{ n, looks int }
