@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 )
 
@@ -86,10 +87,12 @@ func (n *NetBoot) args(work, kernel, initrd, cmdline string, topology []string) 
 			return nil, err
 		}
 	}
-	script, err := filepath.Abs(filepath.Join("..", "image", "uki.sh"))
-	if err != nil {
-		return nil, err
+	// image/uki.sh of this source tree, wherever the harness runs from (go test, qemurun).
+	_, self, _, ok := runtime.Caller(0)
+	if !ok {
+		return nil, fmt.Errorf("netboot: cannot locate image/uki.sh")
 	}
+	script := filepath.Join(filepath.Dir(self), "..", "image", "uki.sh")
 	if out, err := exec.Command("bash", script, tftp, kernel, initrd, cmdline, key, cert).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("netboot: uki.sh: %v: %s", err, out)
 	}
