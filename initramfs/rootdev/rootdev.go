@@ -193,6 +193,9 @@ func partUUID(root, classDir, name string) string {
 }
 
 func gptPartUUID(r io.ReaderAt, sector int64, n int) string {
+	if n < 1 {
+		return ""
+	}
 	mbr := make([]byte, 512)
 	if _, err := r.ReadAt(mbr, 0); err != nil || mbr[510] != 0x55 || mbr[511] != 0xAA {
 		return ""
