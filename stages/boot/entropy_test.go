@@ -2,8 +2,11 @@ package boot
 
 import (
 	"context"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -82,5 +85,37 @@ func TestBootPathWithBlockedRandomSource(t *testing.T) {
 		if _, err := manifest.Verify(env, v, manifest.VerifyOptions{}); err != nil {
 			t.Errorf("verify with the %s key: %v", name, err)
 		}
+	}
+}
+
+// A publish stage that runs out of time says what it was waiting on: here a server that
+// accepts the request and never answers (loopback only).
+func TestPublishStageNamesWhatItWaitedOn(t *testing.T) {
+	hang := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-hang:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(hang)
+	b := &Boot{Root: t.TempDir(), Config: initramfs.ParseCmdline("passage.url=" + srv.URL + "/m"),
+		Signed: &manifest.Signed{Envelope: []byte("{}"), Digest: "sha256:00"}}
+	var publish stages.Stage
+	for _, s := range b.Stages() {
+		if s.Name == "publish" {
+			publish = s
+		}
+	}
+	publish.Needs = nil // run alone: no network or manifest stage before it
+	rs, err := (&stages.Runner{Stages: []stages.Stage{publish}, Timeout: 300 * time.Millisecond, Grace: time.Second}).Run(context.Background(), &stages.State{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := rs[0]; r.Status != stages.Failed || r.Err == nil || !strings.Contains(r.Err.Error(), "waiting for a response from "+srv.URL+"/m") {
+		t.Errorf("publish: %s %v, want failed naming the response it waited for", r.Status, r.Err)
+	} else {
+		t.Logf("publish: %v", r.Err)
 	}
 }
