@@ -34,15 +34,22 @@ if ((${#need[@]})); then
 	fi
 	echo "deps: installing ${need[*]}"
 	export DEBIAN_FRONTEND=noninteractive
+	# Packages with daemons (prometheus, prometheus-pushgateway, libvirt) must not start
+	# them, listening on every address: passage's tests start their own on loopback. Debian's
+	# policy-rc.d (exit 101) tells invoke-rc.d and deb-systemd-invoke not to start any
+	# service during this install; it is removed afterwards unless it was there before.
+	policy=/usr/sbin/policy-rc.d
+	if [[ ! -e $policy ]]; then
+		printf '#!/bin/sh\nexit 101\n' >"$policy"
+		chmod 755 "$policy"
+		trap 'rm -f "$policy"' EXIT
+	fi
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-# Debian's prometheus and prometheus-pushgateway packages start their services, listening
-# on every address, where systemd runs; passage's tests start their own on loopback, so
-# the services this script just installed are stopped and disabled.
+# Nor should they start at the machine's next boot, where systemd runs.
 for s in prometheus prometheus-pushgateway; do
-	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null &&
-		systemctl is-enabled --quiet "$s" 2>/dev/null; then
-		systemctl disable --now --quiet "$s" || true
+	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null; then
+		systemctl disable --quiet "$s" 2>/dev/null || true
 	fi
 done
