@@ -15,6 +15,18 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
 # mkfs.ext4 and debugfs: the QEMU tests' disk (passage.out) is made and read without mounting.
 { command -v mkfs.ext4 && command -v debugfs; } >/dev/null || need+=(e2fsprogs)
+# Network boot under Secure Boot (qemu-tests scenario 8, image/uki.sh): OVMF's Secure Boot
+# firmware with the snakeoil test key enrolled; the iPXE option ROMs QEMU loads for the NIC;
+# systemd's EFI stub for the unified kernel image; objcopy to assemble it; sbsign to sign it;
+# openssl to read the snakeoil key.
+[[ -e /usr/share/OVMF/OVMF_VARS_4M.snakeoil.fd ]] || need+=(ovmf)
+[[ -e /usr/lib/ipxe/qemu/efi-e1000e.rom ]] || need+=(ipxe-qemu)
+[[ -e /usr/lib/systemd/boot/efi/linuxx64.efi.stub ]] || need+=(systemd-boot-efi)
+command -v objcopy >/dev/null || need+=(binutils)
+command -v sbsign >/dev/null || need+=(sbsigntool)
+command -v openssl >/dev/null || need+=(openssl)
+# sfdisk: the switch_root scenario's GPT root disk, and rootdev's test against blkid.
+command -v sfdisk >/dev/null || need+=(fdisk)
 if ((${#need[@]})); then
 	if [[ $(id -u) != 0 ]]; then
 		echo "deps: missing ${need[*]}; run as root or install them" >&2
@@ -22,15 +34,22 @@ if ((${#need[@]})); then
 	fi
 	echo "deps: installing ${need[*]}"
 	export DEBIAN_FRONTEND=noninteractive
+	# Packages with daemons (prometheus, prometheus-pushgateway, libvirt) must not start
+	# them, listening on every address: passage's tests start their own on loopback. Debian's
+	# policy-rc.d (exit 101) tells invoke-rc.d and deb-systemd-invoke not to start any
+	# service during this install; it is removed afterwards unless it was there before.
+	policy=/usr/sbin/policy-rc.d
+	if [[ ! -e $policy ]]; then
+		printf '#!/bin/sh\nexit 101\n' >"$policy"
+		chmod 755 "$policy"
+		trap 'rm -f "$policy"' EXIT
+	fi
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-# Debian's prometheus and prometheus-pushgateway packages start their services, listening
-# on every address, where systemd runs; passage's tests start their own on loopback, so
-# the services this script just installed are stopped and disabled.
+# Nor should they start at the machine's next boot, where systemd runs.
 for s in prometheus prometheus-pushgateway; do
-	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null &&
-		systemctl is-enabled --quiet "$s" 2>/dev/null; then
-		systemctl disable --now --quiet "$s" || true
+	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null; then
+		systemctl disable --quiet "$s" 2>/dev/null || true
 	fi
 done

@@ -62,7 +62,7 @@ func TestEraseAtBoot(t *testing.T) {
 		sums[p] = sha256.Sum256(b)
 	}
 
-	run, m := bootPassage(t, Options{Topology: Topology{NVMeImages: images, HostNVMe: hostNVMe}, Disk: host,
+	run, m := bootPassage(t, Options{Topology: Topology{NVMeImages: images}, NVMe: []string{hostNVMe}, Disk: host,
 		Append: []string{"passage.erase=require", "passage.net=off"}})
 	if run.Done != "ok" {
 		t.Errorf("PASSAGE-DONE %q, want ok", run.Done)

@@ -31,9 +31,6 @@ type Topology struct {
 	// NVMeImages are raw image files backing unit i's NVMe namespace (index i; "" or
 	// beyond the list: a controller without a namespace, the default).
 	NVMeImages []string
-	// HostNVMe is a raw image backing an NVMe on the root complex (00:11.0, serial
-	// hostnvme): a host-kept disk, in no unit (profile qemu: host-other).
-	HostNVMe string
 }
 
 // Root-complex slots: fixed, so every variant keeps the same BDFs for what it shares.
@@ -41,7 +38,6 @@ const (
 	mgmtRootSlot  = 0x02
 	unitRootSlot0 = 0x03 // unit i's root port is at 00:(03+i).0
 	diskSlot      = 0x10
-	hostNVMeSlot  = 0x11
 )
 
 type argBuilder struct {
@@ -120,10 +116,6 @@ func (t Topology) Args() []string {
 		} else {
 			b.dev("nvme,id=%snvme,bus=%sp2,addr=0x0.0,serial=unit%dnvme", u, u, i)
 		}
-	}
-	if t.HostNVMe != "" {
-		b.args = append(b.args, "-drive", fmt.Sprintf("file=%s,if=none,id=hostnvmedrv,format=raw,cache=unsafe", t.HostNVMe))
-		b.dev("nvme,id=hostnvme,bus=pcie.0,addr=0x%x.0,serial=hostnvme,drive=hostnvmedrv", hostNVMeSlot)
 	}
 	return b.args
 }

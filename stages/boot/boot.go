@@ -632,7 +632,9 @@ func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) e
 	up := b.NetUp
 	if up == nil {
 		up = func(ctx context.Context, ifs []string) ([]netboot.Lease, error) {
-			return netboot.UpAny(ctx, ifs, netboot.DefaultDHCP)
+			p := netboot.DefaultDHCP
+			p.Waiting = r.Wait // an abandoned network stage names the carrier or reply it waited for
+			return netboot.UpAny(ctx, ifs, p)
 		}
 	}
 	leases, err := up(ctx, ifs)
@@ -656,7 +658,10 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	if b.Signed == nil {
 		return stages.Skip("no signed envelope to publish")
 	}
-	att, err := netboot.Publish(ctx, nil, b.Config.URL, b.Signed.Envelope, netboot.DefaultPublish)
+	p := netboot.DefaultPublish
+	p.Waiting = r.Wait
+	p.Note = func(s string) { r.Findingf("%s", s) }
+	att, err := netboot.Publish(ctx, nil, b.Config.URL, b.Signed.Envelope, p)
 	for i, a := range att {
 		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)
 	}
