@@ -67,3 +67,15 @@ func (d *Decision) BindableErased(acs *apply.Report, er *erase.Report) []*topolo
 func (d *Decision) ExecuteBindErased(ctx context.Context, sys vfiobind.Sysfs, acs *apply.Report, er *erase.Report, opts vfiobind.Options) (*vfiobind.Report, error) {
 	return vfiobind.Bind(ctx, sys, d.Tree, d.BindableErased(acs, er), opts)
 }
+
+// Released are the verdicts of units taken out of service between two tenants (passage
+// recycle) before anything is done to them: failed, with the reason, so that the signed
+// generation written before the release can never be read as ready, whatever happens
+// after it. The verdicts that follow come from Conclude.
+func (d *Decision) Released(ids []topology.UnitID, reason string) []Verdict {
+	out := make([]Verdict, 0, len(ids))
+	for _, id := range ids {
+		out = append(out, Verdict{Unit: id, Status: topology.StatusFailed, Reasons: []string{reason}})
+	}
+	return out
+}

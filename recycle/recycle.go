@@ -138,9 +138,8 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 
 	// 1. Not ready, signed, before anything is touched.
 	pending := map[topology.UnitID]decision.Verdict{}
-	for _, u := range units {
-		pending[u.ID] = decision.Verdict{Unit: u.ID, Status: topology.StatusFailed,
-			Reasons: []string{"recycle: in progress: released for erase and reset; not ready until a later generation says so"}}
+	for _, v := range d.Released(o.Units, "recycle: in progress: released for erase and reset; not ready until a later generation says so") {
+		pending[v.Unit] = v
 	}
 	m, _, err := o.write(ctx, d, prev, pending, nil, nil)
 	if err != nil {
