@@ -107,6 +107,13 @@ func (b *Boot) results() (*decision.Decision, *apply.Report, *vfiobind.Report) {
 	return b.Decision, b.ACSRun, b.Bind
 }
 
+// signed returns the signed manifest the manifest stage committed (nil without one).
+func (b *Boot) signed() *manifest.Signed {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.Signed
+}
+
 // Units are the decision's units (nil before the decide stage completed).
 func (b *Boot) Units() []*topology.Unit {
 	d, _, _ := b.results()
@@ -655,20 +662,21 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	if b.Config.URL == "" {
 		return stages.Skip("passage.url not set")
 	}
-	if b.Signed == nil {
+	signed := b.signed()
+	if signed == nil {
 		return stages.Skip("no signed envelope to publish")
 	}
 	p := netboot.DefaultPublish
 	p.Waiting = r.Wait
 	p.Note = func(s string) { r.Findingf("%s", s) }
-	att, err := netboot.Publish(ctx, nil, b.Config.URL, b.Signed.Envelope, p)
+	att, err := netboot.Publish(ctx, nil, b.Config.URL, signed.Envelope, p)
 	for i, a := range att {
 		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)
 	}
 	if err != nil {
 		return err
 	}
-	r.Changef("envelope %s posted to %s", b.Signed.Digest, b.Config.URL)
+	r.Changef("envelope %s posted to %s", signed.Digest, b.Config.URL)
 	return nil
 }
 

@@ -335,7 +335,9 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		r.Findingf("generation 0: no TPM and no passage.out, nothing persistent to count on")
 	}
 	m.Errors = errs
-	b.Manifest = m
+	if !b.commit(ctx, func() { b.Manifest = m }) {
+		return fmt.Errorf("manifest: %w before anything was written", ctx.Err())
+	}
 
 	dir := b.RunDir()
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -364,7 +366,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		b.writeMetrics(ctx, r, dir, m, false)
 		return err
 	}
-	b.Signed = signed
+	b.commit(ctx, func() { b.Signed = signed })
 	if err != nil {
 		// Written and signed, short of a signature or a measurement: the hypervisor can
 		// still verify it with the keys that signed.
