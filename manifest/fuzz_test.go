@@ -37,7 +37,7 @@ func fuzzSeeds(t testing.TB) map[string][]byte {
 	return map[string][]byte{
 		"valid":          good,
 		"wrong-key":      other.Envelope,
-		"unknown-schema": sign(bytes.Replace(signed.Payload, []byte(`"schema_version":1`), []byte(`"schema_version":2`), 1)),
+		"unknown-schema": sign(bytes.Replace(signed.Payload, []byte(`"schema_version":2`), []byte(`"schema_version":3`), 1)),
 		"edited":         bytes.Replace(good, []byte(`"payload": "eyJ`), []byte(`"payload": "eyK`), 1),
 		"truncated":      good[:len(good)/2],
 		"empty-object":   []byte(`{}`),

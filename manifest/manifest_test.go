@@ -82,7 +82,7 @@ func TestMarshalCanonical(t *testing.T) {
 	if !bytes.Equal(a, b) {
 		t.Fatal("two marshals of one manifest differ")
 	}
-	if !bytes.HasPrefix(a, []byte(`{"schema_version":1,"node":{"hostname":`)) {
+	if !bytes.HasPrefix(a, []byte(`{"schema_version":2,"node":{"hostname":`)) {
 		t.Errorf("key order: payload starts %q", a[:60])
 	}
 	back, err := Unmarshal(a)
@@ -94,7 +94,7 @@ func TestMarshalCanonical(t *testing.T) {
 		t.Errorf("marshal(unmarshal(p)) != p:\n%s\n%s", a, c)
 	}
 	// nil slices are [] so consumers never see null, and the caller's manifest is untouched.
-	empty := &Manifest{SchemaVersion: 1, Units: []Unit{{ID: "gpu0"}}}
+	empty := &Manifest{SchemaVersion: SchemaVersion, Units: []Unit{{ID: "gpu0"}}}
 	p, _ := Marshal(empty)
 	for _, key := range []string{`"units":[{`, `"reasons":[]`, `"functions":[]`, `"stages":[]`, `"errors":[]`} {
 		if !bytes.Contains(p, []byte(key)) {
@@ -174,8 +174,8 @@ func TestVerifyRejects(t *testing.T) {
 	if bytes.Equal(editedPayload, signed.Payload) {
 		t.Fatal("edit did not change the payload")
 	}
-	v2 := bytes.Replace(signed.Payload, []byte(`"schema_version":1`), []byte(`"schema_version":2`), 1)
-	noVersion := bytes.Replace(signed.Payload, []byte(`"schema_version":1,`), nil, 1)
+	v2 := bytes.Replace(signed.Payload, []byte(`"schema_version":2`), []byte(`"schema_version":3`), 1)
+	noVersion := bytes.Replace(signed.Payload, []byte(`"schema_version":2,`), nil, 1)
 	extraField := bytes.Replace(signed.Payload, []byte(`"errors":[]`), []byte(`"errors":[],"injected":true`), 1)
 
 	cases := []struct {

@@ -15,7 +15,7 @@ import (
 
 // SchemaVersion is the version this package writes and the only one Verify accepts.
 // Any change to the payload's fields, their meaning or their encoding bumps it.
-const SchemaVersion = 1
+const SchemaVersion = 2
 
 // PayloadType is the DSSE payloadType of a passage manifest.
 const PayloadType = "application/vnd.passage.manifest+json"
@@ -85,6 +85,10 @@ type Unit struct {
 	Functions   []Function  `json:"functions"`
 	ACSChanges  []ACSChange `json:"acs_changes"`
 	ATSFindings []Finding   `json:"ats_findings"`
+	// UpLink is the link of the root port above the unit's GPU, the unit's link to the
+	// CPU (schema 2): a guest's emulated root port cannot show it, so the hypervisor's
+	// NCCL topology file carries it. Zero when the GPU has no root port above it.
+	UpLink Link `json:"uplink"`
 }
 
 // Function is one PCIe function of a unit. IDs are lower-case hex with a 0x prefix, as in

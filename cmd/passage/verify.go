@@ -1,12 +1,9 @@
 package main
 
 import (
-	"crypto/ecdsa"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"strconv"
 	"strings"
 
 	"github.com/passage-boot/passage/manifest"
@@ -18,12 +15,8 @@ import (
 func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("verify", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	pub := fs.String("pub", "", "public key file of the node's ed25519 key (passage keygen)")
-	// -key is what image/demo.sh was written against; same as --pub.
-	fs.StringVar(pub, "key", "", "same as --pub")
-	tpmPub := fs.String("tpm-pub", "", "public key file of the node's TPM key (passage tpm-pubkey)")
-	minGen := fs.String("min-generation", "0", "refuse manifests with a lower generation (replay)")
-	bootID := fs.String("boot-id", "", "refuse manifests of another boot")
+	var vf verifyFlags
+	vf.register(fs)
 	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--json] MANIFEST")
@@ -45,45 +38,9 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		fs.Usage()
 		return 2
 	}
-	if (*pub == "") == (*tpmPub == "") {
-		fmt.Fprintln(stderr, "passage verify: give exactly one of --pub and --tpm-pub")
-		return 2
-	}
-	min, err := strconv.ParseUint(*minGen, 10, 64)
-	if err != nil {
-		fmt.Fprintf(stderr, "passage verify: --min-generation %q: not a generation number\n", *minGen)
-		return 2
-	}
-	keyFile := *pub + *tpmPub
-	v, err := manifest.LoadVerifier(keyFile)
-	if err != nil {
-		fmt.Fprintf(stderr, "passage verify: %v\n", err)
-		return 2
-	}
-	if _, isEC := v.Public().(*ecdsa.PublicKey); *tpmPub != "" && !isEC {
-		fmt.Fprintf(stderr, "passage verify: --tpm-pub %s: not a TPM (ECDSA P-256) key\n", keyFile)
-		return 2
-	}
-	env, err := manifest.ReadEnvelope(paths[0])
-	if err != nil {
-		var ve *manifest.VerifyError
-		if errors.As(err, &ve) {
-			// Too large to be an envelope: refused before it is read whole.
-			fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", paths[0], err)
-			return 1
-		}
-		fmt.Fprintf(stderr, "passage verify: %v\n", err)
-		return 2
-	}
-	got, err := manifest.Verify(env, v, manifest.VerifyOptions{MinGeneration: min, BootID: *bootID})
-	if err != nil {
-		var ve *manifest.VerifyError
-		if errors.As(err, &ve) {
-			fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", paths[0], err)
-			return 1
-		}
-		fmt.Fprintf(stderr, "passage verify: %s: %v\n", paths[0], err)
-		return 2
+	got, code := vf.verify("verify", paths[0], stderr)
+	if got == nil {
+		return code
 	}
 	if *asJSON {
 		stdout.Write(got.Payload)

@@ -140,6 +140,9 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 		v := verdict[u.ID]
 		mu := manifest.Unit{ID: UnitID(u.ID), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
 			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID]}
+		if rp := u.RootPort(); rp != nil {
+			mu.UpLink = link(rp)
+		}
 		if mu.Status == "" {
 			// No verdict for a unit is no promise about it.
 			mu.Status = string(topology.StatusFailed)

@@ -1,0 +1,214 @@
+package main
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/xml"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/stages/boot"
+	"github.com/passage-boot/passage/vfiobind"
+)
+
+const testBootID = "0c6a3f0e-5b7d-4b1e-9d2a-3e4f5a6b7c8d"
+
+// signedNode is a tree that booted: the boot's stages from scan to manifest ran on it
+// (binding through a simulated kernel) and signed the manifest with a key of its own.
+type signedNode struct {
+	root, envelope, pub string
+	m                   *manifest.Manifest
+}
+
+func bootSigned(t *testing.T, spec pcitest.Spec) signedNode {
+	t.Helper()
+	root := pcitest.New(t, spec).Root
+	for name, body := range map[string]string{"proc/sys/kernel/random/boot_id": testBootID + "\n"} {
+		p := filepath.Join(root, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(root, "etc/passage"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	priv, pub, err := manifest.GenerateKey(filepath.Join(root, "etc/passage"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := simulatedKernel(t, root)
+	if err := k.Load(vfiobind.Modules...); err != nil {
+		t.Fatal(err)
+	}
+	cfg := initramfs.Defaults()
+	cfg.Profile, cfg.Net, cfg.TPM = "b300", initramfs.NetOff, initramfs.TPMOff
+	cfg.Key = strings.TrimPrefix(priv, root)
+	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, Now: func() time.Time { return time.Unix(1e9, 0) }}
+	var run []stages.Stage
+	for _, s := range b.Stages() {
+		switch s.Name {
+		case "scan", "decide", "acs", "vfio", "manifest":
+			run = append(run, s)
+		}
+	}
+	rn := &stages.Runner{Stages: run, Timeout: 10 * time.Second}
+	if _, err := rn.Run(context.Background(), &stages.State{}); err != nil {
+		t.Fatal(err)
+	}
+	if b.Signed == nil || b.Manifest == nil {
+		t.Fatal("the boot signed no manifest")
+	}
+	return signedNode{root: root, envelope: filepath.Join(b.RunDir(), boot.EnvelopeName), pub: pub, m: b.Manifest}
+}
+
+// TestRenderFromManifest: a signed B300 manifest renders units 0,1, flat and with NUMA,
+// in every format, to exactly the bytes the same tree renders to directly.
+func TestRenderFromManifest(t *testing.T) {
+	n := bootSigned(t, pcitest.B300())
+	for _, u := range n.m.Units {
+		if u.Status != manifest.StatusReady {
+			t.Fatalf("reference boot: %s %s %v", u.ID, u.Status, u.Reasons)
+		}
+		if u.UpLink.Speed == "" || u.UpLink.Width == 0 {
+			t.Errorf("%s: manifest carries no uplink: %+v", u.ID, u.UpLink)
+		}
+	}
+	for _, layout := range [][]string{{"--units", "0,1"}, {"--units", "gpu0,gpu1", "--numa"}, {"--units", "all", "--numa"}} {
+		for _, format := range []string{"qemu", "libvirt", "libvirt-devices", "nccl-xml"} {
+			args := append([]string{"--format", format}, layout...)
+			code, fromManifest, errs := runCmd(t, cmdRender, append([]string{"--manifest", n.envelope, "--pub", n.pub}, args...)...)
+			if code != 0 || errs != "" {
+				t.Fatalf("render --manifest %v: exit %d, stderr %q", args, code, errs)
+			}
+			code, fromTree, errs := runCmd(t, cmdRender, append([]string{"--root", n.root}, args...)...)
+			if code != 0 || !strings.Contains(errs, "planning output") {
+				t.Fatalf("render --root %v: exit %d, stderr %q", args, code, errs)
+			}
+			if fromManifest != fromTree {
+				t.Errorf("render %v: the manifest's rendering differs from the tree's\nmanifest:\n%s\ntree:\n%s", args, fromManifest, fromTree)
+			}
+			if len(fromManifest) == 0 {
+				t.Errorf("render %v: empty", args)
+			}
+			if format != "qemu" && xml.Unmarshal([]byte(fromManifest), new(struct{})) != nil {
+				t.Errorf("render %v: not XML:\n%s", args, fromManifest)
+			}
+		}
+	}
+	// What the renderings hold, checked against the manifest rather than the renderer.
+	_, dom, _ := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,1", "--numa", "--vcpus", "4", "--memory", "8192")
+	for _, u := range n.m.Units[:2] {
+		for _, f := range u.Functions {
+			var a struct{ d, b, s, f string }
+			a.d, a.b, a.s, a.f = f.BDF[0:4], f.BDF[5:7], f.BDF[8:10], f.BDF[11:]
+			want := "<address domain=\"0x" + a.d + "\" bus=\"0x" + a.b + "\" slot=\"0x" + a.s + "\" function=\"0x" + a.f + "\"></address>"
+			if !strings.Contains(dom, want) {
+				t.Errorf("domain lacks %s's host source %s", f.BDF, want)
+			}
+		}
+	}
+	for _, want := range []string{`<domain type="kvm">`, `<name>passage-gpu0-gpu1</name>`, `<memory unit="MiB">8192</memory>`,
+		`<vcpu placement="static">4</vcpu>`, `managed="no"`, `model="pcie-expander-bus"`, `<cell id="0" cpus="0-3" memory="8192" unit="MiB">`,
+		`<memnode cellid="0" mode="strict" nodeset="0">`} {
+		if !strings.Contains(dom, want) {
+			t.Errorf("domain lacks %s:\n%s", want, dom)
+		}
+	}
+	if c := strings.Count(dom, "<hostdev "); c != 2*len(n.m.Units[0].Functions) {
+		t.Errorf("domain has %d hostdevs, want %d", c, 2*len(n.m.Units[0].Functions))
+	}
+	if strings.Contains(dom, `managed="yes"`) {
+		t.Error("a hostdev is managed: libvirt would rebind what passage bound")
+	}
+}
+
+// TestRenderRefusals: every reason to refuse exits 1, names the reason on stderr and
+// prints nothing on stdout.
+func TestRenderRefusals(t *testing.T) {
+	n := bootSigned(t, pcitest.B300())
+	other := bootSigned(t, pcitest.B300())
+	degraded := bootSigned(t, b300With(func(s *pcitest.Spec) { s.Fn("nic0.0").ATS, s.Fn("nic0.1").ATS = nil, nil })())
+	failed := bootSigned(t, b300With(func(s *pcitest.Spec) { s.Fn("gpu-dsp1").ACS = nil })())
+	if degraded.m.Units[0].Status != manifest.StatusDegraded || failed.m.Units[1].Status != manifest.StatusFailed {
+		t.Fatalf("variants: unit 0 %s, unit 1 %s; want degraded and failed", degraded.m.Units[0].Status, failed.m.Units[1].Status)
+	}
+
+	env, err := os.ReadFile(n.envelope)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e map[string]any
+	if err := json.Unmarshal(env, &e); err != nil {
+		t.Fatal(err)
+	}
+	sigs := e["signatures"].([]any)
+	sig := sigs[0].(map[string]any)
+	raw, _ := base64.StdEncoding.DecodeString(sig["sig"].(string))
+	raw[0] ^= 0xff
+	sig["sig"] = base64.StdEncoding.EncodeToString(raw)
+	badSig, _ := json.Marshal(e)
+	badSigFile := filepath.Join(t.TempDir(), "badsig.dsse.json")
+	if err := os.WriteFile(badSigFile, badSig, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, c := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"bad signature", []string{"--manifest", badSigFile, "--pub", n.pub}, "bad signature"},
+		{"wrong key", []string{"--manifest", n.envelope, "--pub", other.pub}, "another key"},
+		{"old generation", []string{"--manifest", n.envelope, "--pub", n.pub, "--min-generation", "1"}, "generation"},
+		{"other boot", []string{"--manifest", n.envelope, "--pub", n.pub, "--boot-id", "11111111-2222-3333-4444-555555555555"}, "boot"},
+		{"failed unit", []string{"--manifest", failed.envelope, "--pub", failed.pub, "--units", "0,1"}, "gpu1 is failed"},
+		{"failed unit, degraded allowed", []string{"--manifest", failed.envelope, "--pub", failed.pub, "--units", "1", "--allow-degraded"}, "gpu1 is failed"},
+		{"degraded without the flag", []string{"--manifest", degraded.envelope, "--pub", degraded.pub, "--units", "0"}, "gpu0 is degraded"},
+		{"failed unit from the tree", []string{"--root", failed.root, "--units", "1"}, "gpu1 is failed"},
+	} {
+		for _, format := range []string{"qemu", "libvirt"} {
+			code, out, errs := runCmd(t, cmdRender, append(c.args, "--format", format)...)
+			if code != 1 || out != "" || !strings.Contains(errs, "REFUSED") || !strings.Contains(errs, c.want) {
+				t.Errorf("%s (%s): exit %d, stdout %d bytes, stderr %q; want exit 1, no output, REFUSED ... %s", c.name, format, code, len(out), errs, c.want)
+			}
+		}
+	}
+
+	// The manifest's generation is 0 (no counter in this boot): --min-generation 0 takes it.
+	if code, _, errs := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--min-generation", "0", "--boot-id", testBootID, "--units", "0"); code != 0 {
+		t.Errorf("the right boot: exit %d %s", code, errs)
+	}
+	// Degraded with the flag: rendered, and named.
+	code, out, errs := runCmd(t, cmdRender, "--manifest", degraded.envelope, "--pub", degraded.pub, "--units", "0,1", "--allow-degraded", "--format", "libvirt")
+	if code != 0 || !strings.Contains(errs, "gpu0 is degraded") || !strings.Contains(out, "<description>gpu0 is degraded") || strings.Contains(errs, "gpu1") {
+		t.Errorf("degraded with --allow-degraded: exit %d, stderr %q\n%s", code, errs, out)
+	}
+	// --units all renders what the verdicts admit: every unit but the failed one.
+	code, out, _ = runCmd(t, cmdRender, "--manifest", failed.envelope, "--pub", failed.pub, "--format", "libvirt-devices")
+	if code != 0 || strings.Count(out, "<hostdev ") != 7*4 {
+		t.Errorf("--units all with a failed unit: exit %d, %d hostdevs, want 28", code, strings.Count(out, "<hostdev "))
+	}
+
+	// Usage: tree flags with --manifest, manifest flags without it.
+	for _, args := range [][]string{
+		{"--manifest", n.envelope, "--pub", n.pub, "--root", n.root},
+		{"--root", n.root, "--pub", n.pub},
+		{"--manifest", n.envelope},
+		{"--manifest", n.envelope, "--pub", n.pub, "--format", "svg"},
+	} {
+		if code, out, _ := runCmd(t, cmdRender, args...); code != 2 || out != "" {
+			t.Errorf("render %v: exit %d, stdout %q; want 2 and nothing", args, code, out)
+		}
+	}
+}
