@@ -212,3 +212,83 @@ func TestRenderRefusals(t *testing.T) {
 		}
 	}
 }
+
+// TestVerifyUnitsView: verify --units --json prints, per unit, the manifest's verdict,
+// NUMA node, host functions and guest placement; text names every unit; a manifest that
+// does not verify prints nothing.
+func TestVerifyUnitsView(t *testing.T) {
+	n := bootSigned(t, b300With(func(s *pcitest.Spec) { s.Fn("gpu-dsp1").ACS = nil })())
+	code, out, errs := runCmd(t, cmdVerify, "--pub", n.pub, "--units", "--json", n.envelope)
+	if code != 0 {
+		t.Fatalf("verify --units --json: exit %d %s", code, errs)
+	}
+	var doc struct {
+		Format        string `json:"format"`
+		Node          string `json:"node"`
+		DMIUUID       string `json:"dmi_uuid"`
+		BootID        string `json:"boot_id"`
+		Generation    uint64 `json:"generation"`
+		PayloadDigest string `json:"payload_digest"`
+		KeyID         string `json:"key_id"`
+		Units         []struct {
+			ID        string   `json:"id"`
+			Status    string   `json:"status"`
+			Reasons   []string `json:"reasons"`
+			NUMANode  *int     `json:"numa_node"`
+			Functions []struct {
+				BDF, Role, Driver string
+				IOMMUGroup        *int `json:"iommu_group"`
+			} `json:"functions"`
+			Guest *struct {
+				RootPort  string `json:"root_port"`
+				Functions []struct{ Host, Guest, Role string }
+			} `json:"guest"`
+		} `json:"units"`
+	}
+	dec := json.NewDecoder(strings.NewReader(out))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&doc); err != nil {
+		t.Fatalf("units view: %v\n%s", err, out)
+	}
+	if doc.Format != "passage-units/1" || doc.BootID != testBootID || !strings.HasPrefix(doc.PayloadDigest, "sha256:") || doc.KeyID == "" || len(doc.Units) != len(n.m.Units) {
+		t.Fatalf("units view: format %q boot %q, %d units", doc.Format, doc.BootID, len(doc.Units))
+	}
+	for i, u := range doc.Units {
+		mu := n.m.Units[i]
+		if u.ID != mu.ID || u.Status != mu.Status || strings.Join(u.Reasons, "|") != strings.Join(mu.Reasons, "|") || u.NUMANode == nil || *u.NUMANode != mu.NUMANode {
+			t.Errorf("unit %d: %+v; manifest %s %s %v numa %d", i, u, mu.ID, mu.Status, mu.Reasons, mu.NUMANode)
+		}
+		if len(u.Functions) != len(mu.Functions) {
+			t.Fatalf("%s: %d functions, manifest %d", u.ID, len(u.Functions), len(mu.Functions))
+		}
+		for k, f := range u.Functions {
+			if f.BDF != mu.Functions[k].BDF || f.Role != mu.Functions[k].Role || f.IOMMUGroup == nil || f.Driver != mu.Functions[k].DriverAfter {
+				t.Errorf("%s function %d: %+v", u.ID, k, f)
+			}
+		}
+		// The failed unit is out of the guest plan; every other one is in, each host
+		// function placed at a guest address of its own.
+		if failed := mu.Status == manifest.StatusFailed; failed != (u.Guest == nil) {
+			t.Errorf("%s (%s): guest %+v", u.ID, mu.Status, u.Guest)
+		}
+		if u.Guest != nil {
+			if len(u.Guest.Functions) != len(mu.Functions) || u.Guest.Functions[0].Host != mu.Functions[0].BDF || u.Guest.Functions[0].Guest == "" {
+				t.Errorf("%s: guest placement %+v", u.ID, u.Guest)
+			}
+		}
+	}
+	if doc.Units[1].Status != "failed" || len(doc.Units[1].Reasons) == 0 {
+		t.Errorf("gpu1: %s %v, want failed with reasons", doc.Units[1].Status, doc.Units[1].Reasons)
+	}
+
+	code, text, _ := runCmd(t, cmdVerify, "--pub", n.pub, "--units", n.envelope)
+	for _, u := range n.m.Units {
+		if code != 0 || !strings.Contains(text, u.ID+" ") {
+			t.Errorf("verify --units: exit %d, no line for %s:\n%s", code, u.ID, text)
+		}
+	}
+	other := bootSigned(t, pcitest.B300())
+	if code, out, errs := runCmd(t, cmdVerify, "--pub", other.pub, "--units", "--json", n.envelope); code != 1 || out != "" || !strings.Contains(errs, "REFUSED") {
+		t.Errorf("verify --units with another key: exit %d, stdout %q, stderr %q", code, out, errs)
+	}
+}

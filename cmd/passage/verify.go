@@ -1,11 +1,13 @@
 package main
 
 import (
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
 	"strings"
 
+	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/manifest"
 )
 
@@ -17,9 +19,10 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	var vf verifyFlags
 	vf.register(fs)
-	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary")
+	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary (with --units: the units document)")
+	unitsView := fs.Bool("units", false, "print the units view: per unit status, reasons, NUMA node, host functions, guest placement (manifest/SCHEMA.md)")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--json] MANIFEST")
+		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--units] [--json] MANIFEST")
 		fs.PrintDefaults()
 	}
 	// Flags may follow the manifest path as well as precede it.
@@ -42,12 +45,36 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	if got == nil {
 		return code
 	}
+	if *unitsView {
+		return printUnits(stdout, stderr, paths[0], got, *asJSON)
+	}
 	if *asJSON {
 		stdout.Write(got.Payload)
 		fmt.Fprintln(stdout)
 		return 0
 	}
 	printSummary(stdout, paths[0], got)
+	return 0
+}
+
+// printUnits prints the units view of a verified manifest (hypervisor.Units).
+func printUnits(stdout, stderr io.Writer, path string, v *manifest.Verified, asJSON bool) int {
+	doc, err := hypervisor.Units(v)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", path, err)
+		return 1
+	}
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		err = enc.Encode(doc)
+	} else {
+		err = doc.WriteText(stdout)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "passage verify: %v\n", err)
+		return 1
+	}
 	return 0
 }
 
