@@ -27,6 +27,8 @@ type Input struct {
 	NUMA  bool
 	// AllowDegraded admits degraded units; without it only ready ones are.
 	AllowDegraded bool
+	// HostCPUs are the host NUMA nodes' CPU lists, for the libvirt domain's vCPU pins.
+	HostCPUs map[int]string
 }
 
 // Refused is a rendering refused by a unit's verdict.
@@ -91,6 +93,7 @@ func Render(in Input, format string, dom topology.DomainOptions) (*Rendering, er
 	case FormatQEMU:
 		r.Out = []byte(g.QEMUText(nil))
 	case FormatLibvirt:
+		dom.HostCPUs = in.HostCPUs
 		if note := r.DegradedNote(); note != "" {
 			dom.Description = strings.TrimSpace(dom.Description + " " + note)
 		}

@@ -44,6 +44,21 @@ func Sources(m *manifest.Manifest) ([]topology.GuestSource, error) {
 	return out, nil
 }
 
+// HostCPUs reads the manifest's NUMA nodes' CPU lists, each checked as a cpulist.
+func HostCPUs(m *manifest.Manifest) (map[int]string, error) {
+	out := make(map[int]string, len(m.NUMACPUs))
+	for _, n := range m.NUMACPUs {
+		if _, dup := out[n.Node]; dup || n.Node < 0 {
+			return nil, fmt.Errorf("manifest: numa_cpus: node %d listed twice or negative", n.Node)
+		}
+		if err := pci.CheckCPUList(n.CPUs); err != nil {
+			return nil, fmt.Errorf("manifest: numa_cpus: node %d: %w", n.Node, err)
+		}
+		out[n.Node] = n.CPUs
+	}
+	return out, nil
+}
+
 func source(u manifest.Unit) (topology.GuestSource, error) {
 	id, err := topology.ParseUnitName(u.ID)
 	if err != nil || id.String() != u.ID {

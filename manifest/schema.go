@@ -43,8 +43,11 @@ const (
 // Manifest is the payload of the DSSE envelope. Field order is the JSON key order: it is
 // part of the schema, so do not reorder fields without bumping SchemaVersion.
 type Manifest struct {
-	SchemaVersion    int              `json:"schema_version"`
-	Node             Node             `json:"node"`
+	SchemaVersion int  `json:"schema_version"`
+	Node          Node `json:"node"`
+	// NUMACPUs are the host NUMA nodes' CPUs (schema 2), in node order: what a
+	// hypervisor pins a guest cell's vCPUs to. Empty when the node's sysfs does not say.
+	NUMACPUs         []NUMACPUs       `json:"numa_cpus"`
 	BootID           string           `json:"boot_id"` // /proc/sys/kernel/random/boot_id
 	Generation       uint64           `json:"generation"`
 	GenerationSource GenerationSource `json:"generation_source"`
@@ -67,6 +70,13 @@ type Node struct {
 	BoardName string `json:"board_name"` // /sys/class/dmi/id/board_name
 	Vendor    string `json:"vendor"`     // /sys/class/dmi/id/sys_vendor
 	Product   string `json:"product"`    // /sys/class/dmi/id/product_name
+}
+
+// NUMACPUs is one NUMA node's CPU list, as /sys/devices/system/node/node<N>/cpulist
+// writes it ("0-63,128-191").
+type NUMACPUs struct {
+	Node int    `json:"node"`
+	CPUs string `json:"cpus"`
 }
 
 // Profile names the role rules the node was labelled with and the sha256 of their bytes,

@@ -231,6 +231,14 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 		if len(want.Hostdevs) != 4*units || len(got.Hostdevs) != len(want.Hostdevs) || controllers < 1+6*units {
 			t.Errorf("%s: rendered %d hostdevs, %d controllers; libvirt kept %d hostdevs", c.name, len(want.Hostdevs), controllers, len(got.Hostdevs))
 		}
+		if c.name == "numa" {
+			// Two guest cells (host nodes 0 and 1), one vCPU each, pinned to its node's CPUs.
+			for _, pin := range []string{`<vcpupin vcpu='0' cpuset='0-63,128-191'/>`, `<vcpupin vcpu='1' cpuset='64-127,192-255'/>`, `<memnode cellid='1' mode='strict' nodeset='1'/>`} {
+				if !strings.Contains(dumped, pin) {
+					t.Errorf("numa: libvirt does not keep %s:\n%s", pin, dumped)
+				}
+			}
+		}
 		t.Logf("%s: libvirt kept %d controllers and %d hostdevs as rendered", c.name, controllers, len(got.Hostdevs))
 	}
 	// Nothing of the host's networking was touched: no network defined, no bridge.

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/hypervisor"
+	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 )
 
@@ -59,7 +60,11 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 		if ver == nil {
 			return code
 		}
-		if in.Sources, err = hypervisor.Sources(ver.Manifest); err != nil {
+		in.HostCPUs, err = hypervisor.HostCPUs(ver.Manifest)
+		if err == nil {
+			in.Sources, err = hypervisor.Sources(ver.Manifest)
+		}
+		if err != nil {
 			fmt.Fprintf(stderr, "passage render: %s: REFUSED: %v\n", *manifestFile, err)
 			return 1
 		}
@@ -83,6 +88,12 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintln(stderr, "passage render: planning output, decided on a tree: no manifest was verified; a hypervisor renders with --manifest")
 		in.Sources = topology.SourcesOf(d.Units())
+		if f.src.snapshot == "" && f.src.dump == "" {
+			// The node's CPUs per NUMA node, as the boot records them in the manifest.
+			if in.HostCPUs, err = pci.NodeCPUs(f.src.root); err != nil {
+				return exitFor(stderr, errUsage{err})
+			}
+		}
 	}
 	if dom.Name == "" {
 		dom.Name = "passage"

@@ -31,7 +31,12 @@ type signedNode struct {
 func bootSigned(t *testing.T, spec pcitest.Spec) signedNode {
 	t.Helper()
 	root := pcitest.New(t, spec).Root
-	for name, body := range map[string]string{"proc/sys/kernel/random/boot_id": testBootID + "\n"} {
+	for name, body := range map[string]string{
+		"proc/sys/kernel/random/boot_id": testBootID + "\n",
+		// B300.md: two sockets, GPUs 0-3 on node 0 and 4-7 on node 1.
+		"sys/devices/system/node/node0/cpulist": "0-63,128-191\n",
+		"sys/devices/system/node/node1/cpulist": "64-127,192-255\n",
+	} {
 		p := filepath.Join(root, name)
 		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 			t.Fatal(err)
@@ -124,6 +129,17 @@ func TestRenderFromManifest(t *testing.T) {
 		if !strings.Contains(dom, want) {
 			t.Errorf("domain lacks %s:\n%s", want, dom)
 		}
+	}
+	// Across sockets: one cell per host node, its vCPUs pinned to that node's CPUs.
+	code, dom2, errs := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,4", "--numa", "--vcpus", "4", "--memory", "8192")
+	for _, want := range []string{`<cell id="0" cpus="0-1" memory="4096" unit="MiB">`, `<cell id="1" cpus="2-3" memory="4096" unit="MiB">`,
+		`<vcpupin vcpu="1" cpuset="0-63,128-191">`, `<vcpupin vcpu="2" cpuset="64-127,192-255">`, `<memnode cellid="1" mode="strict" nodeset="1">`} {
+		if code != 0 || !strings.Contains(dom2, want) {
+			t.Errorf("units 0,4 --numa: exit %d %s; domain lacks %s:\n%s", code, errs, want, dom2)
+		}
+	}
+	if got := n.m.NUMACPUs; len(got) != 2 || got[1].Node != 1 || got[1].CPUs != "64-127,192-255" {
+		t.Errorf("manifest numa_cpus %+v", got)
 	}
 	if c := strings.Count(dom, "<hostdev "); c != 2*len(n.m.Units[0].Functions) {
 		t.Errorf("domain has %d hostdevs, want %d", c, 2*len(n.m.Units[0].Functions))

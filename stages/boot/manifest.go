@@ -275,6 +275,13 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
+	if cpus, err := pci.NodeCPUs(b.Root); err != nil {
+		errs = append(errs, fmt.Sprintf("numa cpus: %v", err))
+	} else {
+		for _, n := range pci.SortedNodes(cpus) {
+			m.NUMACPUs = append(m.NUMACPUs, manifest.NUMACPUs{Node: n, CPUs: cpus[n]})
+		}
+	}
 	if d, _, _ := b.results(); d != nil {
 		m.Profile = manifest.Profile{Name: d.Profile.Name, Digest: profileDigest(d.Profile)}
 	} else {
