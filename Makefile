@@ -3,7 +3,7 @@ SHELL := /bin/bash
 BUILD := build
 GO ?= go
 
-.PHONY: all deps build test unit qemu-test demo kernel initramfs ipxe bench fuzz clean
+.PHONY: all deps build test unit qemu-test demo kernel initramfs ipxe uki bench fuzz clean
 
 all: build
 
@@ -23,6 +23,14 @@ initramfs: kernel
 
 ipxe: initramfs
 	@bash image/ipxe.sh $(BUILD)
+
+# uki writes $(BUILD)/netboot/passage.efi, the kernel, initramfs and command line as one
+# unified kernel image signed for UEFI Secure Boot, and the boot.ipxe that chains it.
+# UKI_KEY/UKI_CERT: the operator's db signing key (never one shipped in an image).
+UKI_CMDLINE ?= console=ttyS0,115200 intel_iommu=on panic=-1 rdinit=/bbin/passage passage.profile=b300 passage.handoff=switch_root passage.root=LABEL=root
+uki: initramfs
+	@test -n "$(UKI_KEY)" -a -n "$(UKI_CERT)" || { echo "make uki: set UKI_KEY= and UKI_CERT= (the db key that signs the image)"; exit 2; }
+	@bash image/uki.sh $(BUILD)/netboot $(BUILD)/kernel/vmlinuz $(BUILD)/initramfs.cpio.gz "$(UKI_CMDLINE)" "$(UKI_KEY)" "$(UKI_CERT)"
 
 # unit checks formatting, runs vet, staticcheck and the race-enabled unit tests (synthetic
 # trees, lspci oracle, TPM simulator). staticcheck runs from its own module at a pinned

@@ -30,8 +30,13 @@ type Doc struct {
 }
 
 // Doc returns the decision as one JSON document.
-func (d *Decision) Doc() Doc {
-	doc := Doc{PlanDoc: d.Plan().Doc(), ATSPolicy: d.Input.ATS, Lockdown: d.Live.Lockdown,
+func (d *Decision) Doc() Doc { return d.DocNamed(nil) }
+
+// DocNamed is Doc with the functions named by n (topology.Plan.Namer).
+func (d *Decision) DocNamed(n topology.Namer) Doc {
+	pl := d.Plan()
+	pl.Namer = n
+	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, Lockdown: d.Live.Lockdown,
 		ATS: append([]firmware.Finding{}, d.ATS...), Audit: append([]vfiobind.Finding{}, d.Audit...)}
 	if d.LabelErr != nil {
 		doc.LabelError = d.LabelErr.Error()
@@ -43,16 +48,24 @@ func (d *Decision) Doc() Doc {
 }
 
 // WriteJSON writes Doc.
-func (d *Decision) WriteJSON(w io.Writer) error {
+func (d *Decision) WriteJSON(w io.Writer) error { return d.WriteJSONNamed(w, nil) }
+
+// WriteJSONNamed writes DocNamed.
+func (d *Decision) WriteJSONNamed(w io.Writer, n topology.Namer) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	return enc.Encode(d.Doc())
+	return enc.Encode(d.DocNamed(n))
 }
 
 // WriteText writes the decision for a person: the plan, then what the verdicts rest on
 // beyond it (ATS, the isolation audit, lockdown).
-func (d *Decision) WriteText(w io.Writer) error {
-	if err := d.Plan().WriteText(w); err != nil {
+func (d *Decision) WriteText(w io.Writer) error { return d.WriteTextNamed(w, nil) }
+
+// WriteTextNamed is WriteText with the functions named by n (topology.Plan.Namer).
+func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
+	pl := d.Plan()
+	pl.Namer = n
+	if err := pl.WriteText(w); err != nil {
 		return err
 	}
 	var b strings.Builder

@@ -9,6 +9,10 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v swtpm >/dev/null || need+=(swtpm swtpm-tools)
 command -v cpio >/dev/null || need+=(cpio)
 [[ -e /usr/include/openssl/evp.h ]] || need+=(libssl-dev) # manifest/tpmkey tests: the TPM simulator is cgo and links -lcrypto
+# promtool: metrics/ checks the exposition (promtool check metrics) and runs the alert rules' tests.
+command -v promtool >/dev/null || need+=(prometheus)
+# stages/boot pushes a boot's metrics to a real Pushgateway on loopback.
+command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
 # mkfs.ext4 and debugfs: the QEMU tests' disk (passage.out) is made and read without mounting.
 { command -v mkfs.ext4 && command -v debugfs; } >/dev/null || need+=(e2fsprogs)
 # libvirt: render's domain is checked by libvirt itself (cmd/passage/libvirt_test.go):
@@ -17,6 +21,18 @@ command -v cpio >/dev/null || need+=(cpio)
 command -v virt-xml-validate >/dev/null || need+=(libvirt-clients)
 command -v xmllint >/dev/null || need+=(libxml2-utils)
 command -v libvirtd >/dev/null || need+=(libvirt-daemon libvirt-daemon-driver-qemu)
+# Network boot under Secure Boot (qemu-tests scenario 8, image/uki.sh): OVMF's Secure Boot
+# firmware with the snakeoil test key enrolled; the iPXE option ROMs QEMU loads for the NIC;
+# systemd's EFI stub for the unified kernel image; objcopy to assemble it; sbsign to sign it;
+# openssl to read the snakeoil key.
+[[ -e /usr/share/OVMF/OVMF_VARS_4M.snakeoil.fd ]] || need+=(ovmf)
+[[ -e /usr/lib/ipxe/qemu/efi-e1000e.rom ]] || need+=(ipxe-qemu)
+[[ -e /usr/lib/systemd/boot/efi/linuxx64.efi.stub ]] || need+=(systemd-boot-efi)
+command -v objcopy >/dev/null || need+=(binutils)
+command -v sbsign >/dev/null || need+=(sbsigntool)
+command -v openssl >/dev/null || need+=(openssl)
+# sfdisk: the switch_root scenario's GPT root disk, and rootdev's test against blkid.
+command -v sfdisk >/dev/null || need+=(fdisk)
 if ((${#need[@]})); then
 	if [[ $(id -u) != 0 ]]; then
 		echo "deps: missing ${need[*]}; run as root or install them" >&2
@@ -24,6 +40,16 @@ if ((${#need[@]})); then
 	fi
 	echo "deps: installing ${need[*]}"
 	export DEBIAN_FRONTEND=noninteractive
+	# Packages with daemons (prometheus, prometheus-pushgateway, libvirt) must not start
+	# them, listening on every address: passage's tests start their own on loopback. Debian's
+	# policy-rc.d (exit 101) tells invoke-rc.d and deb-systemd-invoke not to start any
+	# service during this install; it is removed afterwards unless it was there before.
+	policy=/usr/sbin/policy-rc.d
+	if [[ ! -e $policy ]]; then
+		printf '#!/bin/sh\nexit 101\n' >"$policy"
+		chmod 755 "$policy"
+		trap 'rm -f "$policy"' EXIT
+	fi
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
@@ -36,3 +62,9 @@ if ! getent passwd libvirt-qemu >/dev/null; then
 	fi
 	useradd --system --no-create-home --home-dir /var/lib/libvirt --shell /usr/sbin/nologin libvirt-qemu
 fi
+# Nor should they start at the machine's next boot, where systemd runs.
+for s in prometheus prometheus-pushgateway; do
+	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null; then
+		systemctl disable --quiet "$s" 2>/dev/null || true
+	fi
+done

@@ -40,6 +40,7 @@ stamp_now() {
 			find . -path ./build -prune -o -type f -print0 | sort -z
 		fi | xargs -0 -r sha256sum 2>/dev/null || true
 		go version
+		sha256sum /usr/share/misc/pci.ids 2>/dev/null || true
 		echo "$release ${modules[*]} ${urootcmds[*]}"
 	} | sha256sum | cut -d' ' -f1
 }
@@ -55,6 +56,13 @@ rm -rf "$stage"
 mkdir -p "$stage"
 go run ./image/modsel -kernel "$kernel" -out "$stage" "${modules[@]}" >"$build/initramfs-modules.txt"
 tail -n1 "$build/initramfs-modules.txt" | sed 's/^/initramfs: /'
+# Names for the devices the profiles know (not the whole database) at the path lspci and
+# passage read; without the build machine's pci.ids the node shows IDs only.
+files=(-files "$stage/lib:lib")
+if [[ -f /usr/share/misc/pci.ids ]]; then
+	go run ./image/pciids -out "$stage/usr/share/misc/pci.ids" | sed 's/^/initramfs: pci.ids subset: /'
+	files+=(-files "$stage/usr:usr")
+fi
 
 export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
 # -uinitcmd="passage boot" links /bin/uinit to passage and writes "boot" to
@@ -62,7 +70,7 @@ export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
 # *before* those flags, so passage's configuration comes only from passage.* arguments.
 go tool u-root -o "$build/initramfs.cpio.tmp" \
 	-uinitcmd="passage boot" -defaultsh=gosh \
-	-files "$stage/lib:lib" \
+	"${files[@]}" \
 	"${pkgs[@]}" 2>&1 |
 	# u-root v0.16 warns that it was tested up to Go 1.22; it builds fine with this Go.
 	{ grep -v -e 'recommended Go versions' -e 'Some packages may not compile' \

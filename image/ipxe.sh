@@ -32,17 +32,26 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   passage.ats=prefer         a CX-8 function without ATS degrades its unit; require fails it
 #   passage.net=auto           management NIC for DHCPv4 (IFACE|auto|off); passage.net_timeout=30s
 #   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish)
+#   passage.push=URL           Prometheus Pushgateway for the manifest's metrics (none: no push)
 #   passage.out=/run           or DEV:PATH on a block device, which also keeps the generation counter
 #   passage.handoff=switch_root   switch_root|poweroff|shell|hold once the manifest is written
-#   passage.root=DEV           the real root for switch_root; passage.rootfstype=FS, passage.init=/sbin/init
+#   passage.root=ROOT          the real root for switch_root, by identity: UUID=, LABEL= or PARTUUID=
+#                              (not /dev/nvmeXnY: NVMe names follow probe order, and passthrough NVMe
+#                              are rebound during the boot); passage.rootwait=30s, passage.rootfstype=FS,
+#                              passage.init=/sbin/init
 #   passage.host_modules=e1000e,igb  host drivers for kept devices, loaded after vfio binding
 #   passage.emit=off           console: print /run/passage/* as base64 blocks (the QEMU tests' channel)
 #   passage.stage_timeout=60s  deadline of each stage; passage.log=/run/passage/log.jsonl
 # Do not set uroot.uinitargs=: u-root's init puts them before the image's "boot".
+#
+# The sha256 sums above are for the operator's eyes: nothing here verifies them, and
+# anything on the path between the server and the node can replace this script, the
+# kernel or the initramfs. A node that must run only what its operator signed boots a
+# signed unified kernel image under UEFI Secure Boot instead (image/uki.sh, make uki).
 
 set profile b300
 set handoff switch_root
-set root /dev/nvme0n1p2
+set root LABEL=root
 # passage_url may come from the DHCP server (option 175 / iPXE settings); none: no publish.
 set urlarg
 isset \${passage_url} && set urlarg passage.url=\${passage_url} ||

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/passage-boot/passage/initramfs/rootdev"
 )
 
 // Handoff says what `passage boot` does once the manifest is written.
@@ -78,10 +80,12 @@ type Config struct {
 	ATS          ATSPolicy     // passage.ats=
 	Net          string        // passage.net=
 	URL          string        // passage.url=
+	Push         string        // passage.push=
 	Out          Out           // passage.out=
 	Handoff      Handoff       // passage.handoff=
 	Root         string        // passage.root=
 	RootFSType   string        // passage.rootfstype=
+	RootWait     time.Duration // passage.rootwait=: how long switch_root waits for the root device
 	Init         string        // passage.init=
 	Emit         Emit          // passage.emit=
 	StageTimeout time.Duration // passage.stage_timeout=
@@ -109,6 +113,7 @@ func Defaults() Config {
 		Emit:         EmitOff,
 		StageTimeout: 60 * time.Second,
 		NetTimeout:   30 * time.Second,
+		RootWait:     30 * time.Second,
 		// Host-kept roles on B300: management NICs (Intel igb/ixgbe/ice or
 		// ConnectX mlx5 on some boards) and the NVSwitch management interface, which the
 		// host's fabric manager drives later from the real root. The QEMU stand-in uses
@@ -290,6 +295,13 @@ var params = map[string]setter{
 		c.URL = v
 		return nil
 	},
+	"push": func(c *Config, v string) error {
+		if !strings.HasPrefix(v, "http://") && !strings.HasPrefix(v, "https://") {
+			return fmt.Errorf("want the http:// or https:// URL of a Prometheus Pushgateway")
+		}
+		c.Push = strings.TrimRight(v, "/")
+		return nil
+	},
 	"out": func(c *Config, v string) error {
 		if v == "/run" || v == RunDir {
 			c.Out = Out{}
@@ -309,12 +321,13 @@ var params = map[string]setter{
 		return oneOf(&c.Handoff, v, HandoffSwitchRoot, HandoffPoweroff, HandoffShell, HandoffHold)
 	},
 	"root": func(c *Config, v string) error {
-		if !strings.HasPrefix(v, "/dev/") || len(v) == len("/dev/") {
-			return fmt.Errorf("want a block device, e.g. /dev/sda2")
+		if _, err := rootdev.Parse(v); err != nil {
+			return err
 		}
 		c.Root = v
 		return nil
 	},
+	"rootwait":   func(c *Config, v string) error { return duration(&c.RootWait, v) },
 	"rootfstype": func(c *Config, v string) error { return nonEmpty(&c.RootFSType)(c, v) },
 	"init": func(c *Config, v string) error {
 		if err := absPath(v); err != nil {

@@ -19,9 +19,11 @@
 //	passage.net=IFACE|auto|off auto              management NIC to bring up with DHCPv4; auto tries every link that stays on a host driver
 //	passage.net_timeout=DUR   30s                bound on link-up plus DHCP for the network stage
 //	passage.url=URL           (none)             http(s) endpoint the signed envelope is POSTed to; none skips publish
+//	passage.push=URL          (none)             Prometheus Pushgateway the manifest's metrics are PUT to, after the manifest; none skips push
 //	passage.out=/run|DEV:PATH /run               also copy /run/passage/* into PATH on block device DEV (e.g. /dev/vda1:/passage); the generation counter lives there
 //	passage.handoff=MODE      hold               switch_root, poweroff, shell or hold, once the manifest is written
-//	passage.root=DEV          (none)             block device to switch_root into (required by handoff=switch_root)
+//	passage.root=ROOT         (none)             root to switch_root into, UUID=, LABEL=, PARTUUID= or /dev/... (required by handoff=switch_root)
+//	passage.rootwait=DUR      30s                how long switch_root waits for the root device to appear
 //	passage.rootfstype=FS     (probed)           filesystem of passage.root
 //	passage.init=PATH         /sbin/init         program exec'd after switch_root
 //	passage.emit=console|off  off                print /run/passage/* on the console after the manifest (the QEMU tests' channel)

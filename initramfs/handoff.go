@@ -1,6 +1,7 @@
 package initramfs
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -11,14 +12,19 @@ import (
 
 	"github.com/u-root/u-root/pkg/mount"
 	"golang.org/x/sys/unix"
+
+	"github.com/passage-boot/passage/initramfs/rootdev"
 )
 
 // System is the handful of process- and machine-level operations a handoff needs. Tests
 // replace them; LinuxSystem is the real thing.
 type System struct {
-	Getpid     func() int
-	Sync       func()
-	PowerOff   func() error
+	Getpid   func() int
+	Sync     func()
+	PowerOff func() error
+	// FindRoot resolves passage.root= (UUID=, LABEL=, PARTUUID= or a /dev path) to a
+	// device node, waiting up to wait for it to appear (initramfs/rootdev).
+	FindRoot   func(spec string, wait time.Duration) (dev string, err error)
 	MountRoot  func(dev, dir, fstype string) error
 	SwitchRoot func(newRoot, init string) error // returns only on failure
 	RunShell   func(path string) error          // runs the shell to completion
@@ -43,6 +49,15 @@ func LinuxSystem() System {
 				_, err = mount.TryMount(dev, dir, "", 0, mkdir)
 			}
 			return err
+		},
+		FindRoot: func(spec string, wait time.Duration) (string, error) {
+			s, err := rootdev.Parse(spec)
+			if err != nil {
+				return "", fmt.Errorf("passage.root=%s: %w", spec, err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), wait)
+			defer cancel()
+			return rootdev.Wait(ctx, "/", s)
 		},
 		SwitchRoot: mount.SwitchRoot,
 		RunShell: func(path string) error {
@@ -95,7 +110,7 @@ func attempt(c Config, sys System, console io.Writer) error {
 		}
 		return errors.New("reboot(POWER_OFF) returned")
 	case HandoffSwitchRoot:
-		return switchRoot(c, sys)
+		return switchRoot(c, sys, console)
 	case HandoffShell:
 		for {
 			sh := ""
@@ -120,7 +135,7 @@ func attempt(c Config, sys System, console io.Writer) error {
 	return fmt.Errorf("unknown handoff %q", c.Handoff)
 }
 
-func switchRoot(c Config, sys System) error {
+func switchRoot(c Config, sys System, console io.Writer) error {
 	if c.Root == "" {
 		return errors.New("passage.root not set")
 	}
@@ -130,9 +145,18 @@ func switchRoot(c Config, sys System) error {
 	if pid := sys.Getpid(); pid != 1 {
 		return fmt.Errorf("switch_root %s: passage runs as pid %d, not 1 (u-root's init owns pid 1: boot with rdinit=/bbin/passage to switch_root)", c.Root, pid)
 	}
+	// By identity, never by the name the kernel gave the disk this boot: NVMe names
+	// follow probe order, and passthrough NVMe are rebound during the boot.
+	dev, err := sys.FindRoot(c.Root, c.RootWait)
+	if err != nil {
+		return fmt.Errorf("switch_root: %w", err)
+	}
+	if dev != c.Root {
+		fmt.Fprintf(console, "passage: root %s is %s\n", c.Root, dev)
+	}
 	sys.Sync()
-	if err := sys.MountRoot(c.Root, NewRoot, c.RootFSType); err != nil {
-		return fmt.Errorf("switch_root: mount %s on %s: %w", c.Root, NewRoot, err)
+	if err := sys.MountRoot(dev, NewRoot, c.RootFSType); err != nil {
+		return fmt.Errorf("switch_root: mount %s (%s) on %s: %w", dev, c.Root, NewRoot, err)
 	}
 	if err := sys.Stat(filepath.Join(NewRoot, c.Init)); err != nil {
 		return fmt.Errorf("switch_root: init %s on %s: %w", c.Init, c.Root, err)

@@ -18,6 +18,8 @@ type fakeSystem struct {
 	pid      int
 	powerErr error
 	mountErr error
+	roots    map[string]string // passage.root= identity -> device; a /dev path is itself
+	findErr  error
 	switchTo error
 	exists   map[string]bool
 	sleeps   int
@@ -35,6 +37,16 @@ func (f *fakeSystem) sys() System {
 		Getpid:   func() int { return f.pid },
 		Sync:     func() { f.log("sync") },
 		PowerOff: func() error { f.log("poweroff"); return f.powerErr },
+		FindRoot: func(spec string, wait time.Duration) (string, error) {
+			f.log("find " + spec + " " + wait.String())
+			if f.findErr != nil {
+				return "", f.findErr
+			}
+			if d, ok := f.roots[spec]; ok {
+				return d, nil
+			}
+			return spec, nil
+		},
 		MountRoot: func(dev, dir, fstype string) error {
 			f.log("mount " + dev + " " + dir + " " + fstype)
 			return f.mountErr
@@ -98,12 +110,18 @@ func TestHandoff(t *testing.T) {
 			"sleep", "passage runs as pid 300, not 1"},
 		{"switch_root mount fails", func(c *Config) { c.Handoff, c.Root, c.RootFSType = HandoffSwitchRoot, "/dev/sda2", "ext4" },
 			fakeSystem{pid: 1, mountErr: errors.New("ENXIO")},
-			"sync mount /dev/sda2 /newroot ext4 sleep", "mount /dev/sda2 on /newroot: ENXIO"},
+			"find /dev/sda2 30s sync mount /dev/sda2 /newroot ext4 sleep", "mount /dev/sda2 (/dev/sda2) on /newroot: ENXIO"},
 		{"switch_root no init", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "/dev/sda2" }, fakeSystem{pid: 1},
-			"sync mount /dev/sda2 /newroot  sleep", "init /sbin/init on /dev/sda2"},
+			"find /dev/sda2 30s sync mount /dev/sda2 /newroot  sleep", "init /sbin/init on /dev/sda2"},
 		{"switch_root exec fails", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "/dev/sda2" },
 			fakeSystem{pid: 1, exists: map[string]bool{"/newroot/sbin/init": true}, switchTo: errors.New("exec format error")},
-			"sync mount /dev/sda2 /newroot  switch_root /newroot /sbin/init sleep", "exec format error"},
+			"find /dev/sda2 30s sync mount /dev/sda2 /newroot  switch_root /newroot /sbin/init sleep", "exec format error"},
+		{"switch_root by label", func(c *Config) { c.Handoff, c.Root, c.RootFSType = HandoffSwitchRoot, "LABEL=root", "ext4" },
+			fakeSystem{pid: 1, roots: map[string]string{"LABEL=root": "/dev/nvme2n1p2"}, exists: map[string]bool{"/newroot/sbin/init": true}},
+			"find LABEL=root 30s sync mount /dev/nvme2n1p2 /newroot ext4 switch_root /newroot /sbin/init sleep", "root LABEL=root is /dev/nvme2n1p2"},
+		{"switch_root root never appears", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "UUID=c0ffee00-1234-4cde-8f00-abcdef012345" },
+			fakeSystem{pid: 1, findErr: errors.New("waiting for the root block device UUID=c0ffee00-1234-4cde-8f00-abcdef012345, 30s: context deadline exceeded")},
+			"find UUID=c0ffee00-1234-4cde-8f00-abcdef012345 30s sleep", "switch_root: waiting for the root block device UUID="},
 		{"shell respawns", func(c *Config) { c.Handoff = HandoffShell }, fakeSystem{maxSleep: 2, exists: map[string]bool{"/bin/sh": true}},
 			"shell /bin/sh sleep shell /bin/sh sleep", "shell /bin/sh exited"},
 		{"no shell", func(c *Config) { c.Handoff = HandoffShell }, fakeSystem{},

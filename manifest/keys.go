@@ -16,6 +16,8 @@ import (
 	"path/filepath"
 
 	"github.com/secure-systems-lab/go-securesystemslib/dsse"
+
+	"github.com/passage-boot/passage/entropy"
 )
 
 // Key files are PEM: the private key as "PRIVATE KEY" (PKCS #8), the public key as
@@ -121,6 +123,17 @@ func (v *PublicKeyVerifier) KeyID() (string, error) { return v.id, nil }
 
 // Public implements dsse.Verifier.
 func (v *PublicKeyVerifier) Public() crypto.PublicKey { return v.pub }
+
+// GenerateKeyContext is GenerateKey once the kernel's random pool is ready: a private key
+// is a secret, and crypto/rand would otherwise block in getrandom(2) without a bound on a
+// freshly booted node. ctx bounds the wait; note (may be nil) hears "waiting for the
+// kernel's random pool" when it is not ready at once. pool nil is entropy.Kernel.
+func GenerateKeyContext(ctx context.Context, dir string, pool entropy.Pool, note func(string)) (privPath, pubPath string, err error) {
+	if err := entropy.Wait(ctx, pool, "keygen", note); err != nil {
+		return "", "", err
+	}
+	return GenerateKey(dir)
+}
 
 // GenerateKey writes a new ed25519 pair into dir as passage.key (mode 0600) and
 // passage.pub, refusing to overwrite an existing private key.

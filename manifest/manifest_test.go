@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/passage-boot/passage/entropy/entropytest"
 	. "github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 )
@@ -433,5 +434,27 @@ func TestGeneration(t *testing.T) {
 	os.WriteFile(fc.Path, []byte("seven\n"), 0o644)
 	if _, err := fc.Next(); err == nil || !strings.Contains(err.Error(), fc.Path) {
 		t.Errorf("corrupt counter: %v", err)
+	}
+}
+
+// A key is a secret: with the pool never ready, GenerateKeyContext waits until its
+// deadline, says it is waiting for the kernel's random pool, and writes nothing; with
+// every process random source blocked too, it never reaches them.
+func TestGenerateKeyWaitsForThePool(t *testing.T) {
+	dir := t.TempDir()
+	blk := entropytest.Block(t)
+	pool := &entropytest.NotReady{}
+	var notes []string
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+	defer cancel()
+	_, _, err := GenerateKeyContext(ctx, dir, pool, func(s string) { notes = append(notes, s) })
+	if err == nil || !strings.Contains(err.Error(), "keygen: waiting for the kernel's random pool") || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("err = %v", err)
+	}
+	if len(notes) != 1 || !strings.Contains(notes[0], "waiting for the kernel's random pool") {
+		t.Errorf("notes %q", notes)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 || blk.Calls() != 0 {
+		t.Errorf("%d files written, %d reads from the blocked source", len(ents), blk.Calls())
 	}
 }

@@ -54,6 +54,19 @@ type Options struct {
 	MemMiB  int           // 0 = 2048
 	SMP     int           // 0 = 2
 	Log     io.Writer     // gets the console live when set (go test -v)
+
+	// NVMe are raw disk images attached as host NVMe controllers on the root complex
+	// (00:11.0, 00:12.0, ...), outside every unit: disks the node keeps, beside the
+	// units' passthrough NVMe. Their names in the guest follow probe order.
+	NVMe []string
+
+	// NetBoot boots through UEFI Secure Boot and iPXE over QEMU's TFTP instead of
+	// -kernel/-initrd (netboot.go); nil: direct kernel boot.
+	NetBoot *NetBoot
+	// NoRDRAND leaves RDRAND out of the guest CPU (QEMU's plain qemu64): the kernel's
+	// random pool is then not ready for a minute or more, as on a node whose CPU RNG the
+	// kernel does not trust.
+	NoRDRAND bool
 }
 
 // DefaultCmdline is the kernel command line every boot starts from. no_timer_check:
@@ -167,25 +180,43 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	if smp == 0 {
 		smp = 2
 	}
+	// +rdrand: TCG emulates RDRAND, and Debian's kernel trusts the CPU's RNG to seed
+	// the crng at boot. Without it getrandom() blocks for a minute or more under TCG;
+	// the boot path must not care (NoRDRAND tests that it does not).
+	cpu, machine := "qemu64,+rdrand", "q35"
+	if o.NoRDRAND {
+		cpu = "qemu64"
+	}
+	if o.NetBoot != nil {
+		machine = "q35,smm=on"
+	}
 	args := []string{
-		// +rdrand: TCG emulates RDRAND, and Debian's kernel trusts the CPU's RNG to seed
-		// the crng at boot. Without it getrandom() blocks for a minute or more under TCG
-		// and anything needing randomness early (DHCP transaction IDs, keys) stalls.
-		"-machine", "q35", "-accel", "tcg", "-cpu", "qemu64,+rdrand",
+		"-machine", machine, "-accel", "tcg", "-cpu", cpu,
 		"-m", fmt.Sprint(mem), "-smp", fmt.Sprint(smp),
 		"-nographic", "-nodefaults", "-serial", "stdio", "-monitor", "none", "-no-reboot",
 		"-device", "intel-iommu,intremap=on,caching-mode=on,device-iotlb=on",
-		"-kernel", kernel, "-initrd", initrd, "-append", cmdline,
 	}
-	if o.Devices != nil {
-		args = append(args, o.Devices...)
+	devices := o.Devices
+	if devices == nil {
+		devices = o.Topology.Args()
+	}
+	if o.NetBoot != nil {
+		if devices, err = o.NetBoot.args(work, kernel, initrd, cmdline, devices); err != nil {
+			return nil, err
+		}
 	} else {
-		args = append(args, o.Topology.Args()...)
+		args = append(args, "-kernel", kernel, "-initrd", initrd, "-append", cmdline)
 	}
+	args = append(args, devices...)
 	if o.Disk != "" {
 		args = append(args,
 			"-drive", fmt.Sprintf("file=%s,if=none,id=disk0,format=raw,cache=unsafe", o.Disk),
 			"-device", fmt.Sprintf("virtio-blk-pci,drive=disk0,bus=pcie.0,addr=0x%x.0,serial=passage", diskSlot))
+	}
+	for i, img := range o.NVMe {
+		args = append(args,
+			"-drive", fmt.Sprintf("file=%s,if=none,id=hostnvme%d,format=raw,cache=unsafe", img, i),
+			"-device", fmt.Sprintf("nvme,drive=hostnvme%d,serial=hostnvme%d,bus=pcie.0,addr=0x%x.0", i, i, diskSlot+1+i))
 	}
 	var tpm *swtpm
 	if !o.NoTPM {
@@ -260,6 +291,9 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 				fmt.Fprintln(o.Log, line)
 			}
 			p.Line(line)
+			if o.NetBoot != nil && o.NetBoot.StopAt != "" && strings.Contains(line, o.NetBoot.StopAt) {
+				kill()
+			}
 			if !o.KeepTPM {
 				continue
 			}

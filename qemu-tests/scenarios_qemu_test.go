@@ -303,7 +303,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 		logged[s.Name] = s
 		order = append(order, s.Name)
 	}
-	if want := slices.Concat(inManifest, []string{"manifest", "network", "publish"}); !slices.Equal(order, want) {
+	if want := slices.Concat(inManifest, []string{"manifest", "network", "publish", "push"}); !slices.Equal(order, want) {
 		t.Errorf("log.jsonl stages %v, want %v", order, want)
 	}
 	net := logged["network"]
@@ -482,6 +482,7 @@ func checkPreflight(t *testing.T, run *Run, m *manifest.Manifest) {
 func TestScenario3ATSMissing(t *testing.T) {
 	run, m := bootPassage(t, Options{Topology: Topology{ATSOff: true}, Overlay: []OverlayFile{preflightUinit(t)}})
 	checkPreflight(t, run, m)
+	checkFleet(t, run, m)
 	bad := unitWith(m, "0000:0f:00.1")
 	if bad == nil {
 		t.Fatal("no unit holds 0000:0f:00.1 (the ats=off PF)")

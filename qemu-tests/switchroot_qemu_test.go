@@ -10,9 +10,19 @@ import (
 	"testing"
 )
 
+// The root disk's identities, and a scratch disk's: both host NVMe, both ext4.
+const (
+	rootPartUUID = "5f3c2a1e-8b7d-4c6e-9a0f-1d2e3f405162"
+	rootFSUUID   = "0b9e7c61-2f4a-4d3b-8e5c-6a7b8c9d0e1f"
+	rootLabel    = "passage-root"
+)
+
 // Scenario 7: the switch_root handoff. passage runs as the initramfs's init (rdinit=),
 // so it is PID 1 and can hand PID 1 to the real root's init: a disk whose /sbin/init
-// prints what it sees and powers off.
+// prints what it sees and powers off. The node has four NVMe: the two units'
+// (passthrough, bound to vfio-pci), a scratch disk (00:11.0, which probes first) and
+// the root disk (00:12.0), so the root is not nvme0n1 and passage.root names it by
+// identity: by filesystem UUID, and by label.
 func TestScenario7SwitchRoot(t *testing.T) {
 	dir := t.TempDir()
 	root := filepath.Join(dir, "root")
@@ -30,30 +40,47 @@ func TestScenario7SwitchRoot(t *testing.T) {
 		t.Fatal(err)
 	}
 	disk := filepath.Join(dir, "root.img")
-	if err := NewDisk(disk, 64); err != nil {
+	if err := NewGPTDisk(disk, 64, rootPartUUID, rootFSUUID, rootLabel, root); err != nil {
 		t.Fatal(err)
 	}
-	// Refill the fresh filesystem with the root tree (mkfs.ext4 -d, nothing mounted).
-	if out, err := exec.Command("mkfs.ext4", "-q", "-F", "-L", "root", "-d", root, disk).CombinedOutput(); err != nil {
-		t.Fatalf("mkfs.ext4 -d: %v\n%s", err, out)
+	scratch := filepath.Join(dir, "scratch.img")
+	if err := NewGPTDisk(scratch, 16, "9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d", "11111111-2222-4333-8444-555555555555", "scratch", ""); err != nil {
+		t.Fatal(err)
 	}
 
-	run, m := bootPassage(t, Options{Disk: disk, Append: []string{
-		"rdinit=/bbin/passage",
-		"passage.handoff=switch_root", "passage.root=/dev/vda", "passage.rootfstype=ext4",
-		"passage.host_modules=e1000e,virtio_pci,virtio_blk,crc32c_generic,ext4",
-	}})
-	if run.Done != "ok" {
-		t.Errorf("PASSAGE-DONE %s, want ok", run.Done)
-	}
-	for _, u := range m.Units {
-		checkBound(t, &u)
-	}
-	con, err := os.ReadFile(run.Console)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !strings.Contains(string(con), "PASSAGE-ROOT-INIT pid=1 root=disk") {
-		t.Errorf("the real root's init did not run as PID 1 on the disk; console end:\n%s", consoleTail(run.Console, 40))
+	for _, spec := range []string{"UUID=" + rootFSUUID, "LABEL=" + rootLabel} {
+		t.Run(strings.SplitN(spec, "=", 2)[0], func(t *testing.T) {
+			run, m := bootPassage(t, Options{NVMe: []string{scratch, disk}, Append: []string{
+				"rdinit=/bbin/passage",
+				"passage.handoff=switch_root", "passage.root=" + spec, "passage.rootfstype=ext4",
+				"passage.host_modules=e1000e,nvme,crc32c_generic,ext4",
+			}})
+			if run.Done != "ok" {
+				t.Errorf("PASSAGE-DONE %s, want ok", run.Done)
+			}
+			if len(m.Units) != 2 {
+				t.Errorf("%d units, want 2 (the host NVMe are no unit's)", len(m.Units))
+			}
+			for _, u := range m.Units {
+				checkBound(t, &u)
+			}
+			con, err := os.ReadFile(run.Console)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := string(con)
+			if i := strings.Index(c, "passage: root "); i >= 0 {
+				t.Logf("%s", strings.SplitN(c[i:], "\n", 2)[0])
+			}
+			if !strings.Contains(c, "passage: root "+spec+" is /dev/nvme") {
+				t.Errorf("no line resolving %s to an NVMe namespace; console end:\n%s", spec, consoleTail(run.Console, 40))
+			}
+			if strings.Contains(c, "passage: root "+spec+" is /dev/nvme0n1") {
+				t.Errorf("the root resolved to nvme0n1, the scratch disk's controller probes first: the scenario is not testing identity")
+			}
+			if !strings.Contains(c, "PASSAGE-ROOT-INIT pid=1 root=disk") {
+				t.Errorf("the real root's init did not run as PID 1 on the disk; console end:\n%s", consoleTail(run.Console, 40))
+			}
+		})
 	}
 }

@@ -64,6 +64,58 @@ type Result struct {
 	Findings []string // what the stage observed that an operator should know
 	Changes  []string // what the stage changed on the machine
 	Err      error    // why the stage failed, or why it was skipped
+
+	// waiting is what the stage said it is waiting on (Wait), shared with the runner so
+	// that a stage it abandons is named with what held it.
+	waiting *waitNote
+}
+
+// waitNote is the one thing a running stage is waiting on; the stage's goroutine writes
+// it, the runner reads it when the deadline passes.
+type waitNote struct {
+	mu       sync.Mutex
+	what     string
+	deadline time.Time // the stage's; a wait that ends after it was cut by it and stays named
+}
+
+func (w *waitNote) get() string {
+	if w == nil {
+		return ""
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.what
+}
+
+// Wait records that the stage is now waiting on what (a carrier, a DHCP reply, the
+// kernel's random pool, an HTTP response) until done is called. If the stage runs out
+// of time meanwhile, its error names what it was waiting on, even when done is called
+// on the way out. Waits nest: done restores the outer one.
+func (r *Result) Wait(what string) (done func()) {
+	if r.waiting == nil {
+		r.waiting = &waitNote{}
+	}
+	w := r.waiting
+	w.mu.Lock()
+	prev := w.what
+	w.what = what
+	w.mu.Unlock()
+	return func() {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if !w.deadline.IsZero() && !time.Now().Before(w.deadline) {
+			return
+		}
+		w.what = prev
+	}
+}
+
+// waitingOn is ", waiting for X" when the stage said it was waiting on X, else "".
+func waitingOn(w *waitNote) string {
+	if what := w.get(); what != "" {
+		return ", waiting for " + what
+	}
+	return ""
 }
 
 // Findingf records an observation.
@@ -343,8 +395,10 @@ func (rn *Runner) runOne(ctx context.Context, st *State, s Stage, done map[strin
 
 	start := rn.now()
 	done1 := make(chan Result, 1)
+	wn := &waitNote{}
+	wn.deadline, _ = sctx.Deadline()
 	go func() {
-		r := Result{Name: s.Name, Status: OK}
+		r := Result{Name: s.Name, Status: OK, waiting: wn}
 		defer func() {
 			if p := recover(); p != nil {
 				r.Status = Failed
@@ -361,10 +415,13 @@ func (rn *Runner) runOne(ctx context.Context, st *State, s Stage, done map[strin
 		case err != nil:
 			r.Status = Failed
 			r.Err = err
+			if w := waitingOn(wn); w != "" && sctx.Err() != nil && parent.Err() == nil {
+				r.Err = fmt.Errorf("%w (deadline %v exceeded%s)", err, timeout, w)
+			}
 		case sctx.Err() != nil && parent.Err() == nil:
 			// The stage returned without noticing its deadline: what it did may be partial.
 			r.Status = Failed
-			r.Err = fmt.Errorf("deadline %v exceeded: %w", timeout, sctx.Err())
+			r.Err = fmt.Errorf("deadline %v exceeded%s: %w", timeout, waitingOn(wn), sctx.Err())
 		case r.Status == "":
 			r.Status = OK
 		}
@@ -383,7 +440,7 @@ func (rn *Runner) runOne(ctx context.Context, st *State, s Stage, done map[strin
 		case r = <-done1:
 		case <-time.After(grace):
 			r = Result{Name: s.Name, Status: Failed,
-				Err: fmt.Errorf("deadline %v exceeded and the stage did not return within %v: abandoned", timeout, grace)}
+				Err: fmt.Errorf("deadline %v exceeded%s, and the stage did not return within %v: abandoned", timeout, waitingOn(wn), grace)}
 		}
 	}
 	if r.Status == Failed && r.Err == nil {

@@ -21,6 +21,16 @@ type Plan struct {
 	Host        *Matrix
 	Guest       *Guest
 	GuestMatrix *Matrix
+	// Namer names the functions: WriteText's table prints its Label ("Mellanox
+	// Technologies CX8 Family [ConnectX-8] [15b3:1023]"), Doc adds its Names. Nil: IDs
+	// alone.
+	Namer Namer
+}
+
+// Namer gives vendor and device names (pciids.DB is one).
+type Namer interface {
+	Label(vendor, device uint16) string
+	Names(vendor, device uint16) (vendorName, deviceName string)
 }
 
 // UnitName is a unit's name wherever passage prints one: JSON documents, the console,
@@ -97,6 +107,9 @@ type functionJSON struct {
 	Rule   string  `json:"rule,omitempty"`
 	Reason string  `json:"reason,omitempty"`
 	Unit   *UnitID `json:"unit,omitempty"`
+	// Names from pci.ids, with a Namer and where the database has them.
+	VendorName string `json:"vendor_name,omitempty"`
+	DeviceName string `json:"device_name,omitempty"`
 }
 
 type acsJSON struct {
@@ -134,6 +147,9 @@ func (pl *Plan) Doc() PlanDoc {
 	for _, d := range l.Tree.Devices {
 		fl := l.Of(d.Addr)
 		fj := functionJSON{Addr: d.Addr.String(), IDs: d.IDs(), Class: fmt.Sprintf("%06x", d.Class), Role: fl.Role, Rule: fl.Rule, Reason: fl.Reason}
+		if pl.Namer != nil {
+			fj.VendorName, fj.DeviceName = pl.Namer.Names(d.VendorID, d.DeviceID)
+		}
 		if fl.Unit >= 0 {
 			u := fl.Unit
 			fj.Unit = &u
@@ -171,7 +187,11 @@ func (pl *Plan) WriteText(w io.Writer) error {
 		if fl.Reason != "" {
 			note = fl.Reason
 		}
-		fmt.Fprintf(tw, "%s%s\t%s\t%s\t%s\t%s\n", strings.Repeat("  ", depth), d.Addr, d.IDs(), fl.Role, unit, note)
+		ids := d.IDs()
+		if pl.Namer != nil {
+			ids = pl.Namer.Label(d.VendorID, d.DeviceID)
+		}
+		fmt.Fprintf(tw, "%s%s\t%s\t%s\t%s\t%s\n", strings.Repeat("  ", depth), d.Addr, ids, fl.Role, unit, note)
 		for _, c := range d.Children {
 			walk(c, depth+1)
 		}

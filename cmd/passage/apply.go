@@ -33,6 +33,9 @@ type applyOutput struct {
 	VFIO      *vfiobind.Report    `json:"vfio,omitempty"`
 	Units     []topology.UnitJSON `json:"units"`
 	Stages    map[string]string   `json:"stages"`
+
+	// names labels the functions in the text report (pciids.DB.Label), by address.
+	names map[string]string
 }
 
 // applyEnv is what apply writes through; tests put a simulated kernel here.
@@ -60,6 +63,8 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	noBind := fs.Bool("no-bind", false, "program ACS only; leave drivers as they are")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	modulesFromRoot := fs.Bool("modules-from-root", false, "with --root DIR other than /, load the vfio stack from DIR/lib/modules/<release> into the running kernel (default: load nothing from another tree)")
+	var names namesFlag
+	names.register(fs)
 	planFile := fs.String("plan", "", "execute the decision saved by plan --out `FILE`, and only if the node still matches it (profile and policy come from the file)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -115,6 +120,10 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	if err != nil {
 		return usageErr(err)
 	}
+	db, err := names.open()
+	if err != nil {
+		return usageErr(err)
+	}
 	tree, err := pci.Scan(*root)
 	if err != nil {
 		return usageErr(err)
@@ -134,7 +143,10 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	}
 
 	out := applyOutput{Profile: prof.Name, DryRun: *dryRun, Lockdown: live.Lockdown, Stages: map[string]string{},
-		ATS: d.ATS, Audit: d.Audit, KernelArg: d.KernelArg}
+		ATS: d.ATS, Audit: d.Audit, KernelArg: d.KernelArg, names: map[string]string{}}
+	for _, fn := range tree.Devices {
+		out.names[fn.Addr.String()] = db.Label(fn.VendorID, fn.DeviceID)
+	}
 	out.Problems = append(out.Problems, d.Labels.Problems...)
 	if d.LabelErr != nil {
 		// Labels that contradict each other name the wrong functions for passthrough:
@@ -259,6 +271,9 @@ func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
 		for _, u := range out.VFIO.Units {
 			for _, fr := range u.Functions {
 				line := fmt.Sprintf("  vfio %s: %s group %d: %s -> %s", u.ID, fr.Addr, fr.Group, unbindDriverName(fr.DriverBefore), unbindDriverName(fr.DriverAfter))
+				if n := out.names[fr.Addr.String()]; n != "" {
+					line += " (" + n + ")"
+				}
 				if fr.Err != "" {
 					line += ": " + fr.Err
 				}

@@ -173,10 +173,10 @@ func TestBootDryRun(t *testing.T) {
 			unitsN++
 		}
 	}
-	if stagesN != 9 || unitsN != 8 {
-		t.Errorf("log has %d stage and %d unit lines, want 9 and 8", stagesN, unitsN)
+	if stagesN != 10 || unitsN != 8 {
+		t.Errorf("log has %d stage and %d unit lines, want 10 and 8", stagesN, unitsN)
 	}
-	if got := strings.Join(order, " "); got != "modules scan decide acs vfio host manifest network publish" {
+	if got := strings.Join(order, " "); got != "modules scan decide acs vfio host manifest network publish push" {
 		t.Errorf("log's stage order %q", got)
 	}
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/pciids"
 	"github.com/passage-boot/passage/topology"
 )
 
@@ -24,6 +25,8 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 	}
 	var src treeSource
 	src.register(fs)
+	var names namesFlag
+	names.register(fs)
 	asJSON := fs.Bool("json", false, `print {"devices":[...],"units":[...]} as JSON instead of the tree`)
 	profile := fs.String("profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file, for roles and units in --json")
 	if err := fs.Parse(args); err != nil {
@@ -41,6 +44,11 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 		return 2
 	}
+	db, err := names.open()
+	if err != nil {
+		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
+		return 2
+	}
 	where := "marked ! above"
 	if *asJSON {
 		prof, err := topology.LoadProfile(*profile)
@@ -50,13 +58,13 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 		}
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
-		if err := enc.Encode(inspectJSON(tree, prof)); err != nil {
+		if err := enc.Encode(inspectJSON(tree, prof, db)); err != nil {
 			fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 			return 2
 		}
 		where = `in "problems"`
 	} else {
-		writeTree(stdout, tree)
+		writeTree(stdout, tree, db)
 	}
 	return treeStatus(tree, stderr, where)
 }
@@ -112,7 +120,7 @@ func (s *treeSource) load(fs *flag.FlagSet) (*pci.Tree, error) {
 // writeTree draws the tree the way lspci -tvnn does (one root bus per "-[DDDD:BB]-"
 // line, "+-"/"\-" branches, a bridge's bus range in brackets), one function per line
 // so the link, ACS and ATS fit beside it.
-func writeTree(w io.Writer, t *pci.Tree) {
+func writeTree(w io.Writer, t *pci.Tree, db *pciids.DB) {
 	type busKey struct {
 		domain uint16
 		bus    uint8
@@ -128,30 +136,30 @@ func writeTree(w io.Writer, t *pci.Tree) {
 	}
 	for _, k := range buses {
 		fmt.Fprintf(w, "-[%04x:%02x]-\n", k.domain, k.bus)
-		writeLevel(w, byBus[k], " ")
+		writeLevel(w, byBus[k], " ", db)
 	}
 	for _, p := range t.Problems {
 		fmt.Fprintf(w, "! %s\n", p)
 	}
 }
 
-func writeLevel(w io.Writer, devs []*pci.Device, indent string) {
+func writeLevel(w io.Writer, devs []*pci.Device, indent string, db *pciids.DB) {
 	for i, d := range devs {
 		branch, next := "+-", "| "
 		if i == len(devs)-1 {
 			branch, next = `\-`, "  "
 		}
-		fmt.Fprintf(w, "%s%s%s\n", indent, branch, describe(d))
+		fmt.Fprintf(w, "%s%s%s\n", indent, branch, describe(d, db))
 		for _, p := range d.Problems {
 			fmt.Fprintf(w, "%s%s  ! %s\n", indent, next, p)
 		}
-		writeLevel(w, d.Children, indent+next)
+		writeLevel(w, d.Children, indent+next, db)
 	}
 }
 
-// describe is one function's line: address, bus range, IDs and class as lspci -nn
-// prints them, then the Express port type and link, ACS, ATS and what sysfs adds.
-func describe(d *pci.Device) string {
+// describe is one function's line: address, bus range, class, names and IDs as lspci
+// -nn prints them, then the Express port type and link, ACS, ATS and what sysfs adds.
+func describe(d *pci.Device, db *pciids.DB) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s", d.Addr)
 	if d.IsBridge() {
@@ -161,7 +169,7 @@ func describe(d *pci.Device) string {
 			fmt.Fprintf(&b, "-[%02x-%02x]", d.SecondaryBus, d.SubordinateBus)
 		}
 	}
-	fmt.Fprintf(&b, "  [%04x]: [%s]", d.Class>>8, d.IDs())
+	fmt.Fprintf(&b, "  [%04x]: %s", d.Class>>8, db.Label(d.VendorID, d.DeviceID))
 	if d.SubsystemVendor != 0 || d.SubsystemDevice != 0 {
 		fmt.Fprintf(&b, " (sub %04x:%04x)", d.SubsystemVendor, d.SubsystemDevice)
 	}
@@ -217,6 +225,7 @@ func describe(d *pci.Device) string {
 // labelledDevice is pci's JSON view of a function plus what topology says of it.
 type labelledDevice struct {
 	pci.DeviceJSON
+	deviceNames
 	Role string           `json:"role"`
 	Unit *topology.UnitID `json:"unit"` // null for functions that belong to no unit
 }
@@ -230,14 +239,14 @@ type inspectDoc struct {
 // inspectJSON labels the tree with the profile. A labelling error (conflicting rules,
 // unlabeled functions a profile forbids) is reported in problems, not fatal: inspect
 // shows what is there.
-func inspectJSON(tree *pci.Tree, prof *topology.Profile) inspectDoc {
+func inspectJSON(tree *pci.Tree, prof *topology.Profile, db *pciids.DB) inspectDoc {
 	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof})
 	tj := tree.JSON()
 	doc := inspectDoc{Units: []topology.UnitJSON{}, Problems: append([]string{}, tj.Problems...)}
 	if d == nil {
 		doc.Problems = append(doc.Problems, err.Error())
 		for i := range tree.Devices {
-			doc.Devices = append(doc.Devices, labelledDevice{DeviceJSON: tj.Devices[i], Role: string(topology.RoleUnlabeled)})
+			doc.Devices = append(doc.Devices, labelledDevice{DeviceJSON: tj.Devices[i], deviceNames: namesOf(db, tree.Devices[i]), Role: string(topology.RoleUnlabeled)})
 		}
 		return doc
 	}
@@ -248,7 +257,7 @@ func inspectJSON(tree *pci.Tree, prof *topology.Profile) inspectDoc {
 		doc.Problems = append(doc.Problems, lerr.Error())
 	}
 	for i, d := range tree.Devices {
-		ld := labelledDevice{DeviceJSON: tj.Devices[i], Role: string(labels.RoleOf(d.Addr))}
+		ld := labelledDevice{DeviceJSON: tj.Devices[i], deviceNames: namesOf(db, d), Role: string(labels.RoleOf(d.Addr))}
 		if id, ok := labels.UnitOf(d.Addr); ok {
 			ld.Unit = &id
 		}

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/pciids"
 )
 
 func inspect(args ...string) (int, string, string) {
@@ -47,9 +48,11 @@ type jsonDoc struct {
 			Present bool `json:"present"`
 			Enabled bool `json:"enabled"`
 		} `json:"ats"`
-		Problems []string `json:"problems"`
-		Role     string   `json:"role"`
-		Unit     *string  `json:"unit"`
+		Problems   []string `json:"problems"`
+		VendorName string   `json:"vendor_name"`
+		DeviceName string   `json:"device_name"`
+		Role       string   `json:"role"`
+		Unit       *string  `json:"unit"`
 	} `json:"devices"`
 	Units []struct {
 		ID         string   `json:"id"`
@@ -136,10 +139,15 @@ func TestInspectTree(t *testing.T) {
 	if rc != 0 {
 		t.Fatalf("rc %d", rc)
 	}
+	// Names are the system database's (pciids' test holds them against lspci's).
+	db, err := pciids.OpenDefault("")
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, want := range []string{
-		"-[0000:ea]-\n \\-0000:ea:02.0-[eb-f4]  [0604]: [8086:352a]  Root Port  LnkSta 32GT/s x16  ACSCtl SV RR CR UF (cap SV RR CR UF)",
-		`\-0000:f2:00.0  [0302]: [10de:3182] (sub 10de:2101)  Endpoint  LnkSta 64GT/s x16  ATS none  numa 1`,
-		`+-0000:ef:00.0  [0200]: [15b3:1023] (sub 15b3:0023)  Endpoint  LnkSta 64GT/s x16  ATS Enable-  numa 1`,
+		"-[0000:ea]-\n \\-0000:ea:02.0-[eb-f4]  [0604]: " + db.Label(0x8086, 0x352a) + "  Root Port  LnkSta 32GT/s x16  ACSCtl SV RR CR UF (cap SV RR CR UF)",
+		`\-0000:f2:00.0  [0302]: ` + db.Label(0x10de, 0x3182) + ` (sub 10de:2101)  Endpoint  LnkSta 64GT/s x16  ATS none  numa 1`,
+		`+-0000:ef:00.0  [0200]: ` + db.Label(0x15b3, 0x1023) + ` (sub 15b3:0023)  Endpoint  LnkSta 64GT/s x16  ATS Enable-  numa 1`,
 		"ACSCtl SV RR CR UF (cap SV TB RR CR UF DT)",
 	} {
 		if !strings.Contains(out, want) {

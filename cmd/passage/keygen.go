@@ -1,10 +1,13 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"io"
+	"time"
 
+	"github.com/passage-boot/passage/entropy"
 	"github.com/passage-boot/passage/manifest"
 )
 
@@ -14,8 +17,9 @@ func cmdKeygen(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("keygen", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	dir := fs.String("o", ".", "directory to write "+manifest.PrivateKeyFile+" and "+manifest.PublicKeyFile+" into")
+	wait := fs.Duration("wait", time.Minute, "how long to wait for the kernel's random pool (a freshly booted machine may not have it yet)")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage keygen [-o DIR]")
+		fmt.Fprintln(stderr, "usage: passage keygen [-o DIR] [-wait DUR]")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -25,7 +29,9 @@ func cmdKeygen(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage keygen: unexpected argument %q\n", fs.Arg(0))
 		return 2
 	}
-	priv, pub, err := manifest.GenerateKey(*dir)
+	ctx, cancel := context.WithTimeout(context.Background(), *wait)
+	defer cancel()
+	priv, pub, err := manifest.GenerateKeyContext(ctx, *dir, entropy.Kernel{}, func(s string) { fmt.Fprintf(stderr, "passage %s\n", s) })
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %v\n", err)
 		return 2

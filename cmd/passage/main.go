@@ -32,6 +32,7 @@ func commands() map[string]command {
 		"tpm-pubkey": {"print the public part of the TPM-resident signing key", cmdTPMPubkey},
 		"verify":     {"verify a signed manifest (the hypervisor side)", cmdVerify},
 		"perfcheck":  {"compare host and guest nccl-tests/nvbandwidth results", cmdPerfcheck},
+		"metrics":    {"print a verified manifest as Prometheus metrics", cmdMetrics},
 	}
 }
 

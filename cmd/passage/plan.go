@@ -120,12 +120,19 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 	var f planFlags
 	f.register(fs)
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
+	var names namesFlag
+	names.register(fs)
 	outFile := fs.String("out", "", "also save the decision to `FILE`, for apply --plan (applies only while the node still matches it)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "passage plan: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	db, nerr := names.open()
+	if nerr != nil {
+		fmt.Fprintf(stderr, "passage plan: %v\n", nerr)
 		return 2
 	}
 	d, err := f.decide(fs)
@@ -140,9 +147,9 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	var werr error
 	if *asJSON {
-		werr = d.WriteJSON(stdout)
+		werr = d.WriteJSONNamed(stdout, namer(db))
 	} else {
-		werr = d.WriteText(stdout)
+		werr = d.WriteTextNamed(stdout, namer(db))
 	}
 	if werr != nil {
 		fmt.Fprintf(stderr, "passage plan: %v\n", werr)

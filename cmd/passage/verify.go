@@ -23,6 +23,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	unitsView := fs.Bool("units", false, "print the units view: per unit status, reasons, NUMA node, host functions, guest placement (manifest/SCHEMA.md)")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--units] [--json] MANIFEST")
+		fmt.Fprintln(stderr, "       passage verify --pub KEY.pub|KEYDIR [--min-generation N] MANIFEST|DIR... (a fleet: in parallel, one line per node)")
 		fs.PrintDefaults()
 	}
 	// Flags may follow the manifest path as well as precede it.
@@ -37,9 +38,20 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		paths = append(paths, fs.Arg(0))
 		args = fs.Args()[1:]
 	}
-	if len(paths) != 1 {
+	if len(paths) == 0 {
 		fs.Usage()
 		return 2
+	}
+	if manyPaths(paths) {
+		keyFile, opts, code := vf.options("verify", stderr)
+		if code != 0 {
+			return code
+		}
+		if *asJSON || *unitsView {
+			fmt.Fprintln(stderr, "passage verify: --json and --units take one manifest")
+			return 2
+		}
+		return verifyMany(paths, keyFile, vf.tpmPub != "", opts, stdout, stderr)
 	}
 	got, code := vf.verify("verify", paths[0], stderr)
 	if got == nil {

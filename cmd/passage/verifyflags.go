@@ -26,20 +26,29 @@ func (f *verifyFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.bootID, "boot-id", "", "refuse manifests of another boot")
 }
 
-// verify reads and verifies the envelope at path. It returns the accepted manifest, or
-// the exit status after printing why on stderr: 1 when the manifest is refused (the
-// reason follows REFUSED), 2 for a usage error or a file that cannot be read.
-func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Verified, int) {
+// options checks the flags and returns the key file and what Verify is to hold a
+// manifest to; code is the exit status when they are unusable (after saying why).
+func (f *verifyFlags) options(cmd string, stderr io.Writer) (keyFile string, opts manifest.VerifyOptions, code int) {
 	if (f.pub == "") == (f.tpmPub == "") {
 		fmt.Fprintf(stderr, "passage %s: give exactly one of --pub and --tpm-pub\n", cmd)
-		return nil, 2
+		return "", opts, 2
 	}
 	min, err := strconv.ParseUint(f.minGen, 10, 64)
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %s: --min-generation %q: not a generation number\n", cmd, f.minGen)
-		return nil, 2
+		return "", opts, 2
 	}
-	keyFile := f.pub + f.tpmPub
+	return f.pub + f.tpmPub, manifest.VerifyOptions{MinGeneration: min, BootID: f.bootID}, 0
+}
+
+// verify reads and verifies the envelope at path. It returns the accepted manifest, or
+// the exit status after printing why on stderr: 1 when the manifest is refused (the
+// reason follows REFUSED), 2 for a usage error or a file that cannot be read.
+func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Verified, int) {
+	keyFile, opts, code := f.options(cmd, stderr)
+	if code != 0 {
+		return nil, code
+	}
 	v, err := manifest.LoadVerifier(keyFile)
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
@@ -60,7 +69,7 @@ func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Veri
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
 		return nil, 2
 	}
-	got, err := manifest.Verify(env, v, manifest.VerifyOptions{MinGeneration: min, BootID: f.bootID})
+	got, err := manifest.Verify(env, v, opts)
 	if err != nil {
 		var ve *manifest.VerifyError
 		if errors.As(err, &ve) {

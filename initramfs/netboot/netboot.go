@@ -79,19 +79,55 @@ type Lease struct {
 type DHCPPolicy struct {
 	Timeout time.Duration // first wait for a reply
 	Tries   int           // sends per message (DISCOVER, then REQUEST)
+	// XID gives the exchange's transaction ID; nil is TransactionID, which never waits
+	// for the kernel's random pool (xid.go).
+	XID func() dhcpv4.TransactionID
+	// Waiting is told what the exchange waits on (carrier, an OFFER, an ACK) until the
+	// returned func is called: stages.Result.Wait, so an abandoned network stage names
+	// it. Nil: not told.
+	Waiting func(what string) (done func())
+}
+
+func (p DHCPPolicy) wait(what string) func() {
+	if p.Waiting == nil {
+		return func() {}
+	}
+	return p.Waiting(what)
 }
 
 // DefaultDHCP gives up on a silent network after 1+2+4 = 7 s per message.
 var DefaultDHCP = DHCPPolicy{Timeout: time.Second, Tries: 3}
 
-// Acquire runs DISCOVER/OFFER/REQUEST/ACK on client and returns the lease it got.
-func Acquire(ctx context.Context, client *nclient4.Client, iface string) (Lease, error) {
+// Acquire runs DISCOVER/OFFER/REQUEST/ACK on client and returns the lease it got. The
+// messages are built here, not by dhcpv4.NewDiscovery and NewRequestFromOffer: those
+// draw the transaction ID from getrandom(2) before any modifier can set it, and block
+// until the kernel's random pool is ready (xid.go).
+func Acquire(ctx context.Context, client *nclient4.Client, iface string, p DHCPPolicy) (Lease, error) {
 	start := time.Now()
-	l, err := client.Request(ctx, dhcpv4.WithRequestedOptions(dhcpv4.OptionSubnetMask, dhcpv4.OptionRouter))
-	if err != nil {
-		return Lease{}, fmt.Errorf("dhcp %s: %w", iface, err)
+	xid := p.XID
+	if xid == nil {
+		xid = TransactionID
 	}
-	le, err := leaseFromACK(iface, l.ACK)
+	discover := bootRequest(client.InterfaceAddr(), xid(), dhcpv4.MessageTypeDiscover)
+	done := p.wait(fmt.Sprintf("a DHCP OFFER on %s (xid %s)", iface, discover.TransactionID))
+	offer, err := client.SendAndRead(ctx, client.RemoteAddr(), discover, nclient4.IsMessageType(dhcpv4.MessageTypeOffer))
+	done()
+	if err != nil {
+		return Lease{}, fmt.Errorf("dhcp %s: no OFFER for DISCOVER %s: %w", iface, discover.TransactionID, err)
+	}
+	request := requestFromOffer(offer)
+	done = p.wait(fmt.Sprintf("a DHCP ACK on %s from %v (xid %s)", iface, offer.ServerIdentifier(), request.TransactionID))
+	ack, err := client.SendAndRead(ctx, client.RemoteAddr(), request, nclient4.IsAll(
+		nclient4.IsCorrectServer(offer.ServerIdentifier()),
+		nclient4.IsMessageType(dhcpv4.MessageTypeAck, dhcpv4.MessageTypeNak)))
+	done()
+	if err != nil {
+		return Lease{}, fmt.Errorf("dhcp %s: no ACK for REQUEST %s: %w", iface, request.TransactionID, err)
+	}
+	if ack.MessageType() == dhcpv4.MessageTypeNak {
+		return Lease{}, fmt.Errorf("dhcp %s: %w", iface, &nclient4.ErrNak{Offer: offer, Nak: ack})
+	}
+	le, err := leaseFromACK(iface, ack)
 	if err != nil {
 		return Lease{}, err
 	}
@@ -153,7 +189,10 @@ func Up(ctx context.Context, iface string, p DHCPPolicy) (Lease, error) {
 		return Lease{}, err
 	}
 	waitStart := time.Now()
-	if err := waitCarrier(ctx, iface); err != nil {
+	done := p.wait("carrier on " + iface)
+	err = waitCarrier(ctx, iface)
+	done()
+	if err != nil {
 		return Lease{}, err
 	}
 	carrierWait := time.Since(waitStart).Round(time.Millisecond).String()
@@ -162,7 +201,7 @@ func Up(ctx context.Context, iface string, p DHCPPolicy) (Lease, error) {
 		return Lease{}, fmt.Errorf("dhcp %s: %w", iface, err)
 	}
 	defer client.Close()
-	le, err := Acquire(ctx, client, iface)
+	le, err := Acquire(ctx, client, iface, p)
 	if err != nil {
 		return Lease{}, err
 	}

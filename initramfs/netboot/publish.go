@@ -7,7 +7,10 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"time"
+
+	"github.com/passage-boot/passage/entropy"
 )
 
 // EnvelopeType is the media type of a DSSE envelope (in-toto's registration).
@@ -22,6 +25,24 @@ type PublishPolicy struct {
 	MaxBackoff time.Duration
 	// Sleep waits d or until ctx is done; nil is a real timer. Tests record the waits.
 	Sleep func(ctx context.Context, d time.Duration) error
+	// Pool is the kernel's random pool, which an https URL waits for (TLS makes session
+	// keys, and Go's crypto/tls would block in getrandom(2) without a bound); nil is
+	// entropy.Kernel. A plain http URL needs no secret (the envelope is signed) and does
+	// not wait.
+	Pool entropy.Pool
+	// Waiting is told what Publish waits on until the returned func is called
+	// (stages.Result.Wait); nil: not told.
+	Waiting func(what string) (done func())
+	// Note hears "waiting for the kernel's random pool" when an https publish has to
+	// wait for it; nil: not told.
+	Note func(string)
+}
+
+func (p PublishPolicy) wait(what string) func() {
+	if p.Waiting == nil {
+		return func() {}
+	}
+	return p.Waiting(what)
 }
 
 // DefaultPublish is at most 5 tries, 10 s each, with waits of 1, 2, 4, 8 s: under a minute.
@@ -78,6 +99,14 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 	if sleep == nil {
 		sleep = sleepCtx
 	}
+	if strings.HasPrefix(strings.ToLower(url), "https:") {
+		done := p.wait(entropy.Waiting)
+		err := entropy.Wait(ctx, p.Pool, "publish "+url+": TLS", p.Note)
+		done()
+		if err != nil {
+			return nil, err
+		}
+	}
 	waits := p.Waits()
 	var attempts []Attempt
 	var last error
@@ -89,7 +118,9 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 				return attempts, fmt.Errorf("publish %s: %w (after %d tries: %v)", url, err, i, last)
 			}
 		}
+		done := p.wait("a response from " + url)
 		code, err := post(ctx, hc, url, body, p.PerTry)
+		done()
 		a.Status = code
 		if err == nil {
 			attempts = append(attempts, a)

@@ -75,6 +75,11 @@ type Boot struct {
 	Leases   []netboot.Lease
 	Manifest *manifest.Manifest
 	Signed   *manifest.Signed
+
+	// metricsText is the manifest as Prometheus metrics, for the push stage; its
+	// Pushgateway instance is metricsInstance (stages/boot/metrics.go).
+	metricsText     []byte
+	metricsInstance string
 }
 
 // commit keeps a stage's result, unless the stage's time is up: the runner has then
@@ -170,6 +175,7 @@ func (b *Boot) Stages() []stages.Stage {
 		{Name: "manifest", Always: true, Run: b.manifest},
 		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
 		{Name: "publish", Needs: []string{"network", "manifest"}, Run: b.publish},
+		{Name: "push", Needs: []string{"network", "manifest"}, Timeout: c.NetTimeout, Run: b.push},
 	}
 }
 
@@ -610,7 +616,9 @@ func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) e
 	up := b.NetUp
 	if up == nil {
 		up = func(ctx context.Context, ifs []string) ([]netboot.Lease, error) {
-			return netboot.UpAny(ctx, ifs, netboot.DefaultDHCP)
+			p := netboot.DefaultDHCP
+			p.Waiting = r.Wait // an abandoned network stage names the carrier or reply it waited for
+			return netboot.UpAny(ctx, ifs, p)
 		}
 	}
 	leases, err := up(ctx, ifs)
@@ -634,7 +642,10 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	if b.Signed == nil {
 		return stages.Skip("no signed envelope to publish")
 	}
-	att, err := netboot.Publish(ctx, nil, b.Config.URL, b.Signed.Envelope, netboot.DefaultPublish)
+	p := netboot.DefaultPublish
+	p.Waiting = r.Wait
+	p.Note = func(s string) { r.Findingf("%s", s) }
+	att, err := netboot.Publish(ctx, nil, b.Config.URL, b.Signed.Envelope, p)
 	for i, a := range att {
 		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)
 	}

@@ -35,7 +35,7 @@ func TestStageOrder(t *testing.T) {
 		names = append(names, s.Name)
 		byName[s.Name] = s
 	}
-	want := append(slices.Clone(preManifest), "manifest", "network", "publish")
+	want := append(slices.Clone(preManifest), "manifest", "network", "publish", "push")
 	if !reflect.DeepEqual(names, want) {
 		t.Fatalf("stages %v, want %v", names, want)
 	}
@@ -45,8 +45,10 @@ func TestStageOrder(t *testing.T) {
 	if !byName["manifest"].Always {
 		t.Error("manifest is not Always: a cancelled run would leave no manifest")
 	}
-	if n := byName["publish"].Needs; !slices.Contains(n, "network") || !slices.Contains(n, "manifest") {
-		t.Errorf("publish needs %v, want network and manifest", n)
+	for _, name := range []string{"publish", "push"} {
+		if n := byName[name].Needs; !slices.Contains(n, "network") || !slices.Contains(n, "manifest") {
+			t.Errorf("%s needs %v, want network and manifest", name, n)
+		}
 	}
 	// Nothing is written before the decision, and nothing bound unless the acs stage
 	// completed: a vfio stage after a failed acs stage would bind units whose isolation

@@ -61,6 +61,8 @@ func main() {
 	p := profile()
 	run("preflight-plan", "plan", "--root", "/", "--profile", p, "--json")
 	run("preflight-dryrun", "apply", "--root", "/", "--profile", p, "--dry-run", "--json")
+	// The names the image's pci.ids subset gives (qemu-tests/fleet_qemu_test.go).
+	run("preflight-inspect", "inspect", "--root", "/", "--profile", p, "--json")
 	err := syscall.Exec(passage, []string{"passage", "boot"}, os.Environ())
 	fmt.Fprintf(os.Stderr, "preflight: exec passage boot: %v\n", err)
 	os.Exit(1)

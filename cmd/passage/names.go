@@ -1,0 +1,40 @@
+package main
+
+import (
+	"flag"
+
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/pciids"
+	"github.com/passage-boot/passage/topology"
+)
+
+// namesFlag is --pci-ids: where vendor and device names come from. Without it the
+// system's database (pciids.DefaultPath; in the initramfs, the subset the image carries)
+// names what it knows, and a node without one shows IDs only, as lspci -n does.
+type namesFlag struct{ file string }
+
+func (n *namesFlag) register(fs *flag.FlagSet) {
+	fs.StringVar(&n.file, "pci-ids", "", "read vendor and device names from the pci.ids `FILE` (default "+pciids.DefaultPath+" when it exists)")
+}
+
+func (n *namesFlag) open() (*pciids.DB, error) { return pciids.OpenDefault(n.file) }
+
+// deviceNames is a function's names in a JSON document; absent where the database has
+// none (or there is no database).
+type deviceNames struct {
+	VendorName string `json:"vendor_name,omitempty"`
+	DeviceName string `json:"device_name,omitempty"`
+}
+
+// namer is db as the plan's Namer: nil (IDs only) without a database.
+func namer(db *pciids.DB) topology.Namer {
+	if db == nil {
+		return nil
+	}
+	return db
+}
+
+func namesOf(db *pciids.DB, d *pci.Device) deviceNames {
+	v, dev := db.Names(d.VendorID, d.DeviceID)
+	return deviceNames{VendorName: v, DeviceName: dev}
+}

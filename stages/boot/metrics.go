@@ -1,0 +1,59 @@
+package boot
+
+import (
+	"bytes"
+	"context"
+
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/metrics"
+	"github.com/passage-boot/passage/stages"
+)
+
+// writeMetrics renders the manifest just written as Prometheus metrics and writes them
+// beside it (metrics.TextfileName, for node_exporter's textfile collector), for the push
+// stage to send on. The manifest stage calls it once the manifest is on disk, so nothing
+// here can delay or lose the manifest; a failure is a finding, not the manifest's.
+func (b *Boot) writeMetrics(ctx context.Context, r *stages.Result, dir string, m *manifest.Manifest, signed bool) {
+	var text bytes.Buffer
+	if err := metrics.Write(&text, metrics.Source{Manifest: m, Signed: signed}); err != nil {
+		r.Findingf("metrics: %v", err)
+		return
+	}
+	if err := manifest.WriteAtomic(dir, metrics.TextfileName, text.Bytes()); err != nil {
+		r.Findingf("metrics: %v", err)
+		return
+	}
+	inst := m.Node.DMIUUID
+	if inst == "" {
+		inst = m.Node.Hostname
+	}
+	if inst == "" {
+		inst = m.BootID
+	}
+	b.commit(ctx, func() { b.metricsText, b.metricsInstance = text.Bytes(), inst })
+}
+
+// push sends the metrics to the Pushgateway of passage.push=, bounded by
+// metrics.DefaultPush and the stage's deadline. It runs after the manifest and the
+// network: a gateway that is down fails this stage and nothing else.
+func (b *Boot) push(ctx context.Context, _ *stages.State, r *stages.Result) error {
+	if b.Config.Push == "" {
+		return stages.Skip("passage.push not set")
+	}
+	b.mu.Lock()
+	text, inst := b.metricsText, b.metricsInstance
+	b.mu.Unlock()
+	if text == nil {
+		return stages.Skip("no metrics: the manifest stage wrote none")
+	}
+	url := metrics.GroupURL(b.Config.Push, inst)
+	tries, err := metrics.Push(ctx, nil, url, text, metrics.DefaultPush)
+	for _, t := range tries {
+		r.Findingf("%s", t)
+	}
+	if err != nil {
+		return err
+	}
+	r.Changef("metrics (%d bytes) pushed to %s", len(text), url)
+	return nil
+}
