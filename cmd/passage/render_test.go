@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"encoding/xml"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"github.com/passage-boot/passage/stages"
 	"github.com/passage-boot/passage/stages/boot"
 	"github.com/passage-boot/passage/vfiobind"
+	"github.com/passage-boot/passage/vfiobind/vfiotest"
 )
 
 const testBootID = "0c6a3f0e-5b7d-4b1e-9d2a-3e4f5a6b7c8d"
@@ -28,7 +30,7 @@ type signedNode struct {
 	m                   *manifest.Manifest
 }
 
-func bootSigned(t *testing.T, spec pcitest.Spec) signedNode {
+func bootSigned(t testing.TB, spec pcitest.Spec) signedNode {
 	t.Helper()
 	root := pcitest.New(t, spec).Root
 	for name, body := range map[string]string{
@@ -52,7 +54,10 @@ func bootSigned(t *testing.T, spec pcitest.Spec) signedNode {
 	if err != nil {
 		t.Fatal(err)
 	}
-	k := simulatedKernel(t, root)
+	k, err := vfiotest.New(root)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := k.Load(vfiobind.Modules...); err != nil {
 		t.Fatal(err)
 	}
@@ -306,5 +311,28 @@ func TestVerifyUnitsView(t *testing.T) {
 	other := bootSigned(t, pcitest.B300())
 	if code, out, errs := runCmd(t, cmdVerify, "--pub", other.pub, "--units", "--json", n.envelope); code != 1 || out != "" || !strings.Contains(errs, "REFUSED") {
 		t.Errorf("verify --units with another key: exit %d, stdout %q, stderr %q", code, out, errs)
+	}
+}
+
+// BenchmarkRender: the hypervisor's render (verify the envelope, read the payload,
+// render) against planning's (scan the tree, decide, render), units 0,1 with NUMA, as
+// a complete libvirt domain.
+func BenchmarkRender(b *testing.B) {
+	n := bootSigned(b, pcitest.B300())
+	common := []string{"--units", "0,1", "--numa", "--format", "libvirt"}
+	for _, c := range []struct {
+		name string
+		args []string
+	}{
+		{"manifest", append([]string{"--manifest", n.envelope, "--pub", n.pub}, common...)},
+		{"tree", append([]string{"--root", n.root}, common...)},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			for b.Loop() {
+				if code := cmdRender(c.args, io.Discard, io.Discard); code != 0 {
+					b.Fatalf("render %v: exit %d", c.args, code)
+				}
+			}
+		})
 	}
 }
