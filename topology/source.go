@@ -1,6 +1,7 @@
 package topology
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 
@@ -108,7 +109,7 @@ func Admit(src []GuestSource, ids []UnitID, allowDegraded bool) (admitted, degra
 			}
 		}
 		if len(ids) == 0 {
-			return nil, nil, fmt.Errorf("refused: no unit is ready%s", map[bool]string{true: " or degraded", false: ""}[allowDegraded])
+			return nil, nil, fmt.Errorf("no unit is ready%s", map[bool]string{true: " or degraded", false: ""}[allowDegraded])
 		}
 	}
 	var refused []string
@@ -129,7 +130,7 @@ func Admit(src []GuestSource, ids []UnitID, allowDegraded bool) (admitted, degra
 		}
 	}
 	if len(refused) > 0 {
-		return nil, nil, fmt.Errorf("refused: %s", strings.Join(refused, "; "))
+		return nil, nil, errors.New(strings.Join(refused, "; "))
 	}
 	return admitted, degraded, nil
 }

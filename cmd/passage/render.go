@@ -105,7 +105,11 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		var refused *hypervisor.Refused
 		if errors.As(err, &refused) {
-			fmt.Fprintf(stderr, "passage render: REFUSED: %v\n", refused.Err)
+			from := "tree"
+			if *manifestFile != "" {
+				from = *manifestFile
+			}
+			fmt.Fprintf(stderr, "passage render: %s: REFUSED: %v\n", from, refused.Err)
 			return 1
 		}
 		fmt.Fprintf(stderr, "passage render: %v\n", err)

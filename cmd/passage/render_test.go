@@ -64,7 +64,13 @@ func bootSigned(t testing.TB, spec pcitest.Spec) signedNode {
 	cfg := initramfs.Defaults()
 	cfg.Profile, cfg.Net, cfg.TPM = "b300", initramfs.NetOff, initramfs.TPMOff
 	cfg.Key = strings.TrimPrefix(priv, root)
-	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, Now: func() time.Time { return time.Unix(1e9, 0) }}
+	// passage.out on a "disk" that is a directory of the tree: the generation counter
+	// file lives there, so the manifest's generation is 1 from source file.
+	cfg.Out = initramfs.Out{Device: "/dev/vdz", Path: "/passage"}
+	mount := func(dev, dir string) (func() error, error) {
+		return func() error { return nil }, os.MkdirAll(dir, 0o755)
+	}
+	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, Mount: mount, Now: func() time.Time { return time.Unix(1e9, 0) }}
 	var run []stages.Stage
 	for _, s := range b.Stages() {
 		switch s.Name {
@@ -212,7 +218,7 @@ func TestRenderRefusals(t *testing.T) {
 	}{
 		{"bad signature", []string{"--manifest", badSigFile, "--pub", n.pub}, "bad signature"},
 		{"wrong key", []string{"--manifest", n.envelope, "--pub", other.pub}, "another key"},
-		{"old generation", []string{"--manifest", n.envelope, "--pub", n.pub, "--min-generation", "1"}, "generation"},
+		{"old generation", []string{"--manifest", n.envelope, "--pub", n.pub, "--min-generation", "2"}, "generation 1"},
 		{"other boot", []string{"--manifest", n.envelope, "--pub", n.pub, "--boot-id", "11111111-2222-3333-4444-555555555555"}, "boot"},
 		{"failed unit", []string{"--manifest", failed.envelope, "--pub", failed.pub, "--units", "0,1"}, "gpu1 is failed"},
 		{"failed unit, degraded allowed", []string{"--manifest", failed.envelope, "--pub", failed.pub, "--units", "1", "--allow-degraded"}, "gpu1 is failed"},
@@ -227,8 +233,11 @@ func TestRenderRefusals(t *testing.T) {
 		}
 	}
 
-	// The manifest's generation is 0 (no counter in this boot): --min-generation 0 takes it.
-	if code, _, errs := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--min-generation", "0", "--boot-id", testBootID, "--units", "0"); code != 0 {
+	// The manifest's own generation and boot are accepted.
+	if n.m.Generation != 1 || n.m.GenerationSource != manifest.GenerationFile {
+		t.Fatalf("generation %d from %s, want 1 from the file counter", n.m.Generation, n.m.GenerationSource)
+	}
+	if code, _, errs := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--min-generation", "1", "--boot-id", testBootID, "--units", "0"); code != 0 {
 		t.Errorf("the right boot: exit %d %s", code, errs)
 	}
 	// Degraded with the flag: rendered, and named.
