@@ -67,6 +67,22 @@ type Rendering struct {
 	Out      []byte
 }
 
+// LeftOut names the units a rendering of every admitted unit (Units nil) leaves out,
+// with their verdicts ("" when none is).
+func LeftOut(in Input, g *topology.Guest) string {
+	inGuest := map[topology.UnitID]bool{}
+	for _, u := range g.Units {
+		inGuest[u.Unit] = true
+	}
+	var out []string
+	for _, s := range in.Sources {
+		if !inGuest[s.ID] {
+			out = append(out, fmt.Sprintf("%s (%s)", s.ID, s.Status))
+		}
+	}
+	return strings.Join(out, ", ")
+}
+
 // DegradedNote names the degraded units a rendering holds and why ("" for none).
 func (r *Rendering) DegradedNote() string {
 	var parts []string
@@ -92,6 +108,11 @@ func Render(in Input, format string, dom topology.DomainOptions) (*Rendering, er
 	switch format {
 	case FormatQEMU:
 		r.Out = []byte(g.QEMUText(nil))
+		if note := r.DegradedNote(); note != "" {
+			// A shell comment line ahead of the arguments: the rendering names what it
+			// admitted degraded, as the domain's <description> does.
+			r.Out = append([]byte("# passage: "+strings.Join(strings.Fields(note), " ")+"\n"), r.Out...)
+		}
 	case FormatLibvirt:
 		dom.HostCPUs = in.HostCPUs
 		if note := r.DegradedNote(); note != "" {

@@ -118,6 +118,11 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	if note := r.DegradedNote(); note != "" {
 		fmt.Fprintf(stderr, "passage render: --allow-degraded: %s\n", note)
 	}
+	if in.Units == nil {
+		if left := hypervisor.LeftOut(in, r.Guest); left != "" {
+			fmt.Fprintf(stderr, "passage render: --units all leaves out %s\n", left)
+		}
+	}
 	if _, err := stdout.Write(r.Out); err != nil {
 		fmt.Fprintf(stderr, "passage render: %v\n", err)
 		return 1

@@ -245,10 +245,15 @@ func TestRenderRefusals(t *testing.T) {
 	if code != 0 || !strings.Contains(errs, "gpu0 is degraded") || !strings.Contains(out, "<description>gpu0 is degraded") || strings.Contains(errs, "gpu1") {
 		t.Errorf("degraded with --allow-degraded: exit %d, stderr %q\n%s", code, errs, out)
 	}
-	// --units all renders what the verdicts admit: every unit but the failed one.
-	code, out, _ = runCmd(t, cmdRender, "--manifest", failed.envelope, "--pub", failed.pub, "--format", "libvirt-devices")
-	if code != 0 || strings.Count(out, "<hostdev ") != 7*4 {
-		t.Errorf("--units all with a failed unit: exit %d, %d hostdevs, want 28", code, strings.Count(out, "<hostdev "))
+	code, out, errs = runCmd(t, cmdRender, "--manifest", degraded.envelope, "--pub", degraded.pub, "--units", "0", "--allow-degraded", "--format", "qemu")
+	if code != 0 || !strings.HasPrefix(out, "# passage: gpu0 is degraded: ") || strings.Count(out, "\n# ") != 0 {
+		t.Errorf("degraded with --allow-degraded, qemu: exit %d, stderr %q\n%s", code, errs, out)
+	}
+	// --units all renders what the verdicts admit: every unit but the failed one, which
+	// it names.
+	code, out, errs = runCmd(t, cmdRender, "--manifest", failed.envelope, "--pub", failed.pub, "--format", "libvirt-devices")
+	if code != 0 || strings.Count(out, "<hostdev ") != 7*4 || !strings.Contains(errs, "leaves out gpu1 (failed)") {
+		t.Errorf("--units all with a failed unit: exit %d, %d hostdevs, want 28; stderr %q", code, strings.Count(out, "<hostdev "), errs)
 	}
 
 	// Usage: tree flags with --manifest, manifest flags without it.
