@@ -15,6 +15,12 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
 # mkfs.ext4 and debugfs: the QEMU tests' disk (passage.out) is made and read without mounting.
 { command -v mkfs.ext4 && command -v debugfs; } >/dev/null || need+=(e2fsprogs)
+# libvirt: render's domain is checked by libvirt itself (cmd/passage/libvirt_test.go):
+# virt-xml-validate (libvirt-clients, xmllint from libxml2-utils)
+# and libvirtd with its QEMU driver, started by the test in a private mount namespace.
+command -v virt-xml-validate >/dev/null || need+=(libvirt-clients)
+command -v xmllint >/dev/null || need+=(libxml2-utils)
+command -v libvirtd >/dev/null || need+=(libvirt-daemon libvirt-daemon-driver-qemu)
 # Network boot under Secure Boot (qemu-tests scenario 8, image/uki.sh): OVMF's Secure Boot
 # firmware with the snakeoil test key enrolled; the iPXE option ROMs QEMU loads for the NIC;
 # systemd's EFI stub for the unified kernel image; objcopy to assemble it; sbsign to sign it;
@@ -46,6 +52,15 @@ if ((${#need[@]})); then
 	fi
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+# libvirtd's QEMU driver looks its default user up before it reads any qemu.conf:
+# libvirt-daemon-system would create it, with services this project does not want.
+if ! getent passwd libvirt-qemu >/dev/null; then
+	if [[ $(id -u) != 0 ]]; then
+		echo "deps: no libvirt-qemu user; run as root or create it" >&2
+		exit 1
+	fi
+	useradd --system --no-create-home --home-dir /var/lib/libvirt --shell /usr/sbin/nologin libvirt-qemu
 fi
 # Nor should they start at the machine's next boot, where systemd runs.
 for s in prometheus prometheus-pushgateway; do

@@ -90,6 +90,7 @@ func Digest(payload []byte) string {
 
 func normalize(m Manifest) Manifest {
 	m.Time = m.Time.UTC()
+	m.NUMACPUs = nonNil(m.NUMACPUs)
 	m.Units = nonNil(m.Units)
 	for i := range m.Units {
 		u := &m.Units[i]

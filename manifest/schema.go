@@ -43,8 +43,11 @@ const (
 // Manifest is the payload of the DSSE envelope. Field order is the JSON key order: it is
 // part of the schema, so do not reorder fields without bumping SchemaVersion.
 type Manifest struct {
-	SchemaVersion    int              `json:"schema_version"`
-	Node             Node             `json:"node"`
+	SchemaVersion int  `json:"schema_version"`
+	Node          Node `json:"node"`
+	// NUMACPUs are the host NUMA nodes' CPUs (schema 2), in node order: what a
+	// hypervisor pins a guest cell's vCPUs to. Empty when the node's sysfs does not say.
+	NUMACPUs         []NUMACPUs       `json:"numa_cpus"`
 	BootID           string           `json:"boot_id"` // /proc/sys/kernel/random/boot_id
 	Generation       uint64           `json:"generation"`
 	GenerationSource GenerationSource `json:"generation_source"`
@@ -69,6 +72,13 @@ type Node struct {
 	Product   string `json:"product"`    // /sys/class/dmi/id/product_name
 }
 
+// NUMACPUs is one NUMA node's CPU list, as /sys/devices/system/node/node<N>/cpulist
+// writes it ("0-63,128-191").
+type NUMACPUs struct {
+	Node int    `json:"node"`
+	CPUs string `json:"cpus"`
+}
+
 // Profile names the role rules the node was labelled with and the sha256 of their bytes,
 // so the hypervisor can tell two nodes labelled by different rules apart.
 type Profile struct {
@@ -87,6 +97,10 @@ type Unit struct {
 	ATSFindings []Finding   `json:"ats_findings"`
 	// Erase is the erase stage's record (schema 2); absent when nothing was erased.
 	Erase *UnitErase `json:"erase,omitempty"`
+	// UpLink is the link of the root port above the unit's GPU, the unit's link to the
+	// CPU (schema 2): a guest's emulated root port cannot show it, so the hypervisor's
+	// NCCL topology file carries it. Zero when the GPU has no root port above it.
+	UpLink Link `json:"uplink"`
 }
 
 // Function is one PCIe function of a unit. IDs are lower-case hex with a 0x prefix, as in

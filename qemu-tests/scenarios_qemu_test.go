@@ -347,6 +347,15 @@ func TestScenario1CleanBoot(t *testing.T) {
 	if err != nil {
 		t.Fatalf("manifest does not verify with the TPM's key: %v", err)
 	}
+	// The hypervisor's side: render the guest from this manifest alone and boot it.
+	pemPub, err := manifest.MarshalPublicKey(k.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	tpmPub := filepath.Join(t.TempDir(), "tpm.pub")
+	if err := os.WriteFile(tpmPub, pemPub, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	logName := "manifest.dsse.json" + manifest.EventLogSuffix
 	var evlog manifest.EventLog
 	if err := json.Unmarshal(run.Files[logName], &evlog); err != nil {
@@ -371,6 +380,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 			t.Errorf("PCR %d %s = %x, event log replay %s", evlog.PCR, bank, got, want)
 		}
 	}
+	guestFromManifest(t, run, tpmPub)
 }
 
 // Scenario 2: two boots on the same disk and TPM state.

@@ -43,12 +43,12 @@ type GuestPort struct {
 
 // GuestFunction is one passthrough function and its place in the guest.
 type GuestFunction struct {
-	Host   *pci.Device `json:"-"`
-	HostID pci.Address `json:"host"`
-	Role   Role        `json:"role"`
-	Port   GuestPort   `json:"port"` // the downstream port above it
-	ID     string      `json:"id"`   // QEMU device id
-	Addr   pci.Address `json:"addr"` // predicted guest address
+	Host   HostFunction `json:"-"`
+	HostID pci.Address  `json:"host"`
+	Role   Role         `json:"role"`
+	Port   GuestPort    `json:"port"` // the downstream port above it
+	ID     string       `json:"id"`   // QEMU device id
+	Addr   pci.Address  `json:"addr"` // predicted guest address
 }
 
 // Expander is a pxb-pcie host bridge of the guest.
@@ -97,10 +97,15 @@ type Guest struct {
 	GuestNodes map[int]int `json:"guest_nodes,omitempty"`
 }
 
-// GuestPlan lays out the chosen units for a guest. Guest bus numbers are predicted the
+// GuestPlan lays out the chosen units for a guest (PlanGuest over SourcesOf(units)).
+func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
+	return PlanGuest(SourcesOf(units), opt)
+}
+
+// PlanGuest lays out the chosen units for a guest. Guest bus numbers are predicted the
 // way firmware numbers buses (depth first, in slot order); with NUMA the expanders pin
 // them.
-func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
+func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 	if opt.FirstBus == 0 {
 		opt.FirstBus = 1
 	}
@@ -141,7 +146,7 @@ func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
 	}
 	bus := opt.FirstBus
 	for i, u := range chosen {
-		gu := GuestUnit{Unit: u.ID, HostNUMA: u.NUMANode, UpLink: linkOf(rootPortOf(u.GPU))}
+		gu := GuestUnit{Unit: u.ID, HostNUMA: u.NUMANode, UpLink: u.UpLink}
 		chassis := i + 1
 		prefix := fmt.Sprintf("u%d", u.ID)
 		rp := GuestPort{ID: prefix + "rp", Model: "pcie-root-port", Bus: "pcie.0", Dev: opt.RootSlot + i, Chassis: chassis, Slot: 0}
@@ -159,7 +164,7 @@ func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
 		} else {
 			rp.Addr = pci.Address{Bus: 0, Device: uint8(rp.Dev)}
 		}
-		fns := u.Functions()
+		fns := u.Functions
 		need := 2 + len(fns)
 		if opt.NUMA && need >= opt.ExpanderStride {
 			return nil, fmt.Errorf("guest plan: %s needs %d buses, expander stride is %d", u.ID, need, opt.ExpanderStride)
@@ -176,16 +181,7 @@ func GuestPlan(units []*Unit, opt GuestOptions) (*Guest, error) {
 		for k, f := range fns {
 			ds := GuestPort{ID: fmt.Sprintf("%sds%d", prefix, k), Model: "xio3130-downstream", Bus: us.ID, Dev: k,
 				Chassis: chassis, Slot: k + 1, Addr: pci.Address{Bus: uint8(bus + 1), Device: uint8(k)}, Secondary: bus + 2 + k}
-			role := RoleGPU
-			switch {
-			case contains(u.NICs, f):
-				role = RoleGPUNIC
-			case contains(u.DataDirect, f):
-				role = RoleDataDirect
-			case contains(u.NVMe, f):
-				role = RoleGPUNVMe
-			}
-			gu.Functions = append(gu.Functions, GuestFunction{Host: f, HostID: f.Addr, Role: role, Port: ds,
+			gu.Functions = append(gu.Functions, GuestFunction{Host: f, HostID: f.Addr, Role: f.Role, Port: ds,
 				ID: fmt.Sprintf("%sf%d", prefix, k), Addr: pci.Address{Bus: uint8(ds.Secondary)}})
 		}
 		bus += need
@@ -211,9 +207,9 @@ func rootPortOf(d *pci.Device) *pci.Device {
 	return anc[len(anc)-1]
 }
 
-func chooseUnits(units []*Unit, ids []UnitID) ([]*Unit, error) {
+func chooseUnits(units []GuestSource, ids []UnitID) ([]GuestSource, error) {
 	if ids == nil {
-		var out []*Unit
+		var out []GuestSource
 		for _, u := range units {
 			if u.Status != StatusFailed {
 				out = append(out, u)
@@ -221,10 +217,10 @@ func chooseUnits(units []*Unit, ids []UnitID) ([]*Unit, error) {
 		}
 		return out, nil
 	}
-	var out []*Unit
-	byID := make(map[UnitID]*Unit, len(units))
-	for _, u := range units {
-		byID[u.ID] = u
+	var out []GuestSource
+	byID := make(map[UnitID]*GuestSource, len(units))
+	for i := range units {
+		byID[units[i].ID] = &units[i]
 	}
 	seen := map[UnitID]bool{}
 	for _, id := range ids {
@@ -239,7 +235,7 @@ func chooseUnits(units []*Unit, ids []UnitID) ([]*Unit, error) {
 		if found.Status == StatusFailed {
 			return nil, fmt.Errorf("guest plan: %s is failed: %v", id, found.Reasons)
 		}
-		out = append(out, found)
+		out = append(out, *found)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out, nil

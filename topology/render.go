@@ -69,7 +69,7 @@ type lvController struct {
 	Type    string     `xml:"type,attr"`
 	Index   int        `xml:"index,attr"`
 	Model   string     `xml:"model,attr"`
-	Name    lvModel    `xml:"model"`
+	Name    *lvModel   `xml:"model"`
 	Target  *lvTarget  `xml:"target,omitempty"`
 	Address *lvAddress `xml:"address,omitempty"`
 }
@@ -112,37 +112,46 @@ func lvAddr(typ string, a pci.Address) lvAddress {
 
 // Libvirt renders the plan as a libvirt <devices> fragment: the expanders, root ports
 // and switch ports as <controller>s (a PCI controller's index is the guest bus it
-// provides), the functions as managed <hostdev>s. Paste its children into a domain's
-// <devices>.
+// provides), the functions as <hostdev managed='no'>s (passage bound them to vfio-pci
+// at boot; libvirt must not rebind them). Paste its children into a domain's <devices>;
+// Domain writes the whole domain.
 func (g *Guest) Libvirt() ([]byte, error) {
-	d := lvDevices{Comment: " passage guest plan: one virtual switch per GPU unit "}
-	ip := func(v int) *int { return &v }
-	for _, x := range g.Expanders {
-		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: x.BusNr, Model: "pcie-expander-bus",
-			Name: lvModel{"pxb-pcie"}, Target: &lvTarget{BusNr: ip(x.BusNr), Node: ip(x.NUMANode)},
-			Address: ptr(lvAddr("pci", pci.Address{Device: uint8(x.Dev)}))})
-	}
-	for _, u := range g.Units {
-		rp := u.RootPort
-		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: rp.Secondary, Model: "pcie-root-port",
-			Name: lvModel{"pcie-root-port"}, Target: &lvTarget{Chassis: ip(rp.Chassis), Port: fmt.Sprintf("0x%x", rp.Slot)},
-			Address: ptr(lvAddr("pci", rp.Addr))})
-		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: u.Upstream.Secondary, Model: "pcie-switch-upstream-port",
-			Name: lvModel{"x3130-upstream"}, Address: ptr(lvAddr("pci", u.Upstream.Addr))})
-		for _, f := range u.Functions {
-			p := f.Port
-			d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: p.Secondary, Model: "pcie-switch-downstream-port",
-				Name: lvModel{"xio3130-downstream"}, Target: &lvTarget{Chassis: ip(p.Chassis), Port: fmt.Sprintf("0x%x", p.Slot)},
-				Address: ptr(lvAddr("pci", p.Addr))})
-			d.Hostdevs = append(d.Hostdevs, lvHostdev{Mode: "subsystem", Type: "pci", Managed: "yes",
-				Source: lvSource{Address: lvAddr("", f.HostID)}, Address: lvAddr("pci", f.Addr)})
-		}
+	d, err := g.devices()
+	if err != nil {
+		return nil, err
 	}
 	out, err := xml.MarshalIndent(d, "", "  ")
 	if err != nil {
 		return nil, fmt.Errorf("libvirt xml: %w", err)
 	}
 	return append(out, '\n'), nil
+}
+
+func (g *Guest) devices() (lvDevices, error) {
+	d := lvDevices{Comment: " passage guest plan: one virtual switch per GPU unit "}
+	ip := func(v int) *int { return &v }
+	for _, x := range g.Expanders {
+		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: x.BusNr, Model: "pcie-expander-bus",
+			Name: &lvModel{"pxb-pcie"}, Target: &lvTarget{BusNr: ip(x.BusNr), Node: ip(x.NUMANode)},
+			Address: ptr(lvAddr("pci", pci.Address{Device: uint8(x.Dev)}))})
+	}
+	for _, u := range g.Units {
+		rp := u.RootPort
+		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: rp.Secondary, Model: "pcie-root-port",
+			Name: &lvModel{"pcie-root-port"}, Target: &lvTarget{Chassis: ip(rp.Chassis), Port: fmt.Sprintf("0x%x", rp.Slot)},
+			Address: ptr(lvAddr("pci", rp.Addr))})
+		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: u.Upstream.Secondary, Model: "pcie-switch-upstream-port",
+			Name: &lvModel{"x3130-upstream"}, Address: ptr(lvAddr("pci", u.Upstream.Addr))})
+		for _, f := range u.Functions {
+			p := f.Port
+			d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: p.Secondary, Model: "pcie-switch-downstream-port",
+				Name: &lvModel{"xio3130-downstream"}, Target: &lvTarget{Chassis: ip(p.Chassis), Port: fmt.Sprintf("0x%x", p.Slot)},
+				Address: ptr(lvAddr("pci", p.Addr))})
+			d.Hostdevs = append(d.Hostdevs, lvHostdev{Mode: "subsystem", Type: "pci", Managed: "no",
+				Source: lvSource{Address: lvAddr("", f.HostID)}, Address: lvAddr("pci", f.Addr)})
+		}
+	}
+	return d, nil
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -209,9 +218,9 @@ func (g *Guest) NCCLTopology() ([]byte, error) {
 			if f.Role != RoleGPU && f.Role != RoleGPUNIC && f.Role != RoleDataDirect {
 				continue // NCCL has no use for the NVMe
 			}
-			h, l := f.Host, linkOf(f.Host)
+			h, l := f.Host, f.Host.Link
 			sw.PCIs = append(sw.PCIs, ncclPCI{BusID: f.Addr.String(), Class: fmt.Sprintf("0x%06x", h.Class),
-				Vendor: fmt.Sprintf("0x%04x", h.VendorID), Device: fmt.Sprintf("0x%04x", h.DeviceID),
+				Vendor: fmt.Sprintf("0x%04x", h.Vendor), Device: fmt.Sprintf("0x%04x", h.Device),
 				SubsystemVendor: fmt.Sprintf("0x%04x", h.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", h.SubsystemDevice),
 				LinkSpeed: sysfsSpeed(l), LinkWidth: l.Width})
 		}

@@ -25,7 +25,7 @@ func commands() map[string]command {
 		"inspect":    {"show the PCIe tree with links, ACS and ATS", cmdInspect},
 		"snapshot":   {"capture the sysfs files a scan reads into a tar.gz", cmdSnapshot},
 		"plan":       {"label roles, group GPU units, plan ACS and the guest topology", cmdPlan},
-		"render":     {"print the guest topology as QEMU args, libvirt XML or NCCL XML", cmdRender},
+		"render":     {"print a guest (QEMU args, libvirt domain, NCCL XML) from a verified manifest, or from a tree to plan", cmdRender},
 		"apply":      {"program ACS and bind passthrough devices to vfio-pci", cmdApply},
 		"unbind":     {"return a unit's devices to their host drivers", cmdUnbind},
 		"recycle":    {"erase and reset units between tenants on a running host, sign a new generation", cmdRecycle},

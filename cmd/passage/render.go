@@ -1,17 +1,39 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"strings"
+
+	"github.com/passage-boot/passage/hypervisor"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
 )
 
+// cmdRender writes a guest for the chosen units. With --manifest it reads the verified
+// manifest and nothing else (no sysfs, no snapshot): what a hypervisor builds a VM from.
+// Without, it decides on a tree as plan does: planning output for a node not yet booted,
+// said so on stderr. Both give the renderer the same input (hypervisor.Input), so the
+// two print the same bytes for the same node. A unit that is not ready is refused (exit
+// 1, reason on stderr, nothing on stdout); --allow-degraded admits degraded ones and
+// names them.
 func cmdRender(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("render", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var f planFlags
 	f.register(fs)
-	format := fs.String("format", "qemu", "qemu (arguments), libvirt (<devices> fragment) or nccl-xml (NCCL_TOPO_FILE)")
+	var vf verifyFlags
+	vf.register(fs)
+	manifestFile := fs.String("manifest", "", "render from this signed manifest `FILE` (verified with --pub or --tpm-pub), reading nothing else")
+	format := fs.String("format", "qemu", "qemu (arguments), libvirt (a complete <domain>), libvirt-devices (the <devices> fragment) or nccl-xml (NCCL_TOPO_FILE)")
+	allowDegraded := fs.Bool("allow-degraded", false, "admit degraded units (named on stderr and in the domain's <description>)")
+	var dom topology.DomainOptions
+	fs.StringVar(&dom.Type, "domain-type", "kvm", "libvirt domain type: kvm, or qemu where there is no KVM")
+	fs.StringVar(&dom.Name, "name", "", "libvirt domain name (default passage-<units>)")
+	fs.IntVar(&dom.VCPUs, "vcpus", 8, "libvirt domain vCPUs (split across NUMA cells with --numa)")
+	fs.IntVar(&dom.MemoryMiB, "memory", 32768, "libvirt domain memory in MiB (split across NUMA cells with --numa)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -19,39 +41,116 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage render: unexpected argument %q\n", fs.Arg(0))
 		return 2
 	}
-	switch *format {
-	case "qemu", "libvirt", "nccl-xml":
-	default:
-		fmt.Fprintf(stderr, "passage render: --format %q: want qemu, libvirt or nccl-xml\n", *format)
+	units, err := parseUnits(f.units)
+	if err != nil {
+		return exitFor(stderr, err)
+	}
+	set := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+
+	in := hypervisor.Input{Units: units, NUMA: f.numa, AllowDegraded: *allowDegraded}
+	if *manifestFile != "" {
+		for _, name := range []string{"root", "snapshot", "lspci-dump", "profile", "ats", "cmdline"} {
+			if set[name] {
+				fmt.Fprintf(stderr, "passage render: --%s reads a tree; --manifest renders from the manifest alone\n", name)
+				return 2
+			}
+		}
+		ver, code := vf.verify("render", *manifestFile, stderr)
+		if ver == nil {
+			return code
+		}
+		in.HostCPUs, err = hypervisor.HostCPUs(ver.Manifest)
+		if err == nil {
+			in.Sources, err = hypervisor.Sources(ver.Manifest)
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "passage render: %s: REFUSED: %v\n", *manifestFile, err)
+			return 1
+		}
+	} else {
+		for _, name := range []string{"pub", "key", "tpm-pub", "min-generation", "boot-id"} {
+			if set[name] {
+				fmt.Fprintf(stderr, "passage render: --%s checks a manifest; give --manifest\n", name)
+				return 2
+			}
+		}
+		// The verdicts admit units here; the decision's own guest plan (its --units) is
+		// not what is rendered.
+		f.units = "all"
+		d, err := f.decide(fs)
+		if err == nil && d.LabelErr != nil {
+			// A guest must not be rendered from a labelling the rules disagree on.
+			err = d.LabelErr
+		}
+		if err != nil {
+			return exitFor(stderr, err)
+		}
+		fmt.Fprintln(stderr, "passage render: planning output, decided on a tree: no manifest was verified; a hypervisor renders with --manifest")
+		in.Sources = topology.SourcesOf(d.Units())
+		if f.src.snapshot == "" && f.src.dump == "" {
+			// The node's CPUs per NUMA node, as the boot records them in the manifest.
+			if in.HostCPUs, err = pci.NodeCPUs(f.src.root); err != nil {
+				return exitFor(stderr, errUsage{err})
+			}
+		}
+	}
+	if dom.Name == "" {
+		dom.Name = "passage"
+		for _, id := range unitsOrAll(in) {
+			dom.Name += "-" + id.String()
+		}
+	}
+	r, err := hypervisor.Render(in, *format, dom)
+	if err != nil {
+		var refused *hypervisor.Refused
+		if errors.As(err, &refused) {
+			from := "tree"
+			if *manifestFile != "" {
+				from = *manifestFile
+			}
+			fmt.Fprintf(stderr, "passage render: %s: REFUSED: %v\n", from, refused.Err)
+			return 1
+		}
+		fmt.Fprintf(stderr, "passage render: %v\n", err)
 		return 2
 	}
-	d, err := f.decide(fs)
-	if err == nil && d.LabelErr != nil {
-		// A guest must not be rendered from a labelling the rules disagree on.
-		err = d.LabelErr
+	if note := r.DegradedNote(); note != "" {
+		fmt.Fprintf(stderr, "passage render: --allow-degraded: %s\n", note)
 	}
-	if err == nil && d.Guest == nil {
-		err = d.GuestErr
+	if in.Units == nil {
+		if left := hypervisor.LeftOut(in, r.Guest); left != "" {
+			fmt.Fprintf(stderr, "passage render: --units all leaves out %s\n", left)
+		}
 	}
-	if err != nil {
-		return exitFor(stderr, err)
-	}
-	pl := d.Plan()
-	var out []byte
-	switch *format {
-	case "qemu":
-		out = []byte(pl.Guest.QEMUText(nil))
-	case "libvirt":
-		out, err = pl.Guest.Libvirt()
-	case "nccl-xml":
-		out, err = pl.Guest.NCCLTopology()
-	}
-	if err != nil {
-		return exitFor(stderr, err)
-	}
-	if _, err := stdout.Write(out); err != nil {
+	if _, err := stdout.Write(r.Out); err != nil {
 		fmt.Fprintf(stderr, "passage render: %v\n", err)
 		return 1
 	}
 	return 0
+}
+
+// unitsOrAll are the units asked for, or with --units all those the verdicts admit.
+func unitsOrAll(in hypervisor.Input) []topology.UnitID {
+	if in.Units != nil {
+		return in.Units
+	}
+	ids, _, _ := topology.Admit(in.Sources, nil, in.AllowDegraded)
+	return ids
+}
+
+// parseUnits reads --units: "all" (nil) or gpu0,gpu1 (or 0,1).
+func parseUnits(s string) ([]topology.UnitID, error) {
+	if s == "all" {
+		return nil, nil
+	}
+	var units []topology.UnitID
+	for _, part := range strings.Split(s, ",") {
+		id, err := topology.ParseUnitName(part)
+		if err != nil {
+			return nil, errUsage{fmt.Errorf("--units %q: want all or units like gpu0,gpu1 (or 0,1)", s)}
+		}
+		units = append(units, id)
+	}
+	return units, nil
 }

@@ -1,14 +1,13 @@
 package main
 
 import (
-	"crypto/ecdsa"
-	"errors"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
-	"strconv"
 	"strings"
 
+	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/manifest"
 )
 
@@ -18,15 +17,12 @@ import (
 func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("verify", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	pub := fs.String("pub", "", "public key file of the node's ed25519 key (passage keygen)")
-	// -key is what image/demo.sh was written against; same as --pub.
-	fs.StringVar(pub, "key", "", "same as --pub")
-	tpmPub := fs.String("tpm-pub", "", "public key file of the node's TPM key (passage tpm-pubkey)")
-	minGen := fs.String("min-generation", "0", "refuse manifests with a lower generation (replay)")
-	bootID := fs.String("boot-id", "", "refuse manifests of another boot")
-	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary")
+	var vf verifyFlags
+	vf.register(fs)
+	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary (with --units: the units document)")
+	unitsView := fs.Bool("units", false, "print the units view: per unit status, reasons, NUMA node, host functions, guest placement (manifest/SCHEMA.md)")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--json] MANIFEST")
+		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--units] [--json] MANIFEST")
 		fmt.Fprintln(stderr, "       passage verify --pub KEY.pub|KEYDIR [--min-generation N] MANIFEST|DIR... (a fleet: in parallel, one line per node)")
 		fs.PrintDefaults()
 	}
@@ -46,52 +42,23 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		fs.Usage()
 		return 2
 	}
-	if (*pub == "") == (*tpmPub == "") {
-		fmt.Fprintln(stderr, "passage verify: give exactly one of --pub and --tpm-pub")
-		return 2
-	}
-	min, err := strconv.ParseUint(*minGen, 10, 64)
-	if err != nil {
-		fmt.Fprintf(stderr, "passage verify: --min-generation %q: not a generation number\n", *minGen)
-		return 2
-	}
-	keyFile := *pub + *tpmPub
 	if manyPaths(paths) {
-		if *asJSON {
-			fmt.Fprintln(stderr, "passage verify: --json takes one manifest")
+		keyFile, opts, code := vf.options("verify", stderr)
+		if code != 0 {
+			return code
+		}
+		if *asJSON || *unitsView {
+			fmt.Fprintln(stderr, "passage verify: --json and --units take one manifest")
 			return 2
 		}
-		return verifyMany(paths, keyFile, *tpmPub != "", manifest.VerifyOptions{MinGeneration: min, BootID: *bootID}, stdout, stderr)
+		return verifyMany(paths, keyFile, vf.tpmPub != "", opts, stdout, stderr)
 	}
-	v, err := manifest.LoadVerifier(keyFile)
-	if err != nil {
-		fmt.Fprintf(stderr, "passage verify: %v\n", err)
-		return 2
+	got, code := vf.verify("verify", paths[0], stderr)
+	if got == nil {
+		return code
 	}
-	if _, isEC := v.Public().(*ecdsa.PublicKey); *tpmPub != "" && !isEC {
-		fmt.Fprintf(stderr, "passage verify: --tpm-pub %s: not a TPM (ECDSA P-256) key\n", keyFile)
-		return 2
-	}
-	env, err := manifest.ReadEnvelope(paths[0])
-	if err != nil {
-		var ve *manifest.VerifyError
-		if errors.As(err, &ve) {
-			// Too large to be an envelope: refused before it is read whole.
-			fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", paths[0], err)
-			return 1
-		}
-		fmt.Fprintf(stderr, "passage verify: %v\n", err)
-		return 2
-	}
-	got, err := manifest.Verify(env, v, manifest.VerifyOptions{MinGeneration: min, BootID: *bootID})
-	if err != nil {
-		var ve *manifest.VerifyError
-		if errors.As(err, &ve) {
-			fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", paths[0], err)
-			return 1
-		}
-		fmt.Fprintf(stderr, "passage verify: %s: %v\n", paths[0], err)
-		return 2
+	if *unitsView {
+		return printUnits(stdout, stderr, paths[0], got, *asJSON)
 	}
 	if *asJSON {
 		stdout.Write(got.Payload)
@@ -99,6 +66,27 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		return 0
 	}
 	printSummary(stdout, paths[0], got)
+	return 0
+}
+
+// printUnits prints the units view of a verified manifest (hypervisor.Units).
+func printUnits(stdout, stderr io.Writer, path string, v *manifest.Verified, asJSON bool) int {
+	doc, err := hypervisor.Units(v)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage verify: %s: REFUSED: %v\n", path, err)
+		return 1
+	}
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		err = enc.Encode(doc)
+	} else {
+		err = doc.WriteText(stdout)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "passage verify: %v\n", err)
+		return 1
+	}
 	return 0
 }
 

@@ -141,6 +141,9 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 		v := verdict[u.ID]
 		mu := manifest.Unit{ID: UnitID(u.ID), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
 			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID], Erase: erase.Record(d.Erase, b.eraseResult().Unit(u.ID))}
+		if rp := u.RootPort(); rp != nil {
+			mu.UpLink = link(rp)
+		}
 		if mu.Status == "" {
 			// No verdict for a unit is no promise about it.
 			mu.Status = string(topology.StatusFailed)
@@ -273,6 +276,13 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
+	if cpus, err := pci.NodeCPUs(b.Root); err != nil {
+		errs = append(errs, fmt.Sprintf("numa cpus: %v", err))
+	} else {
+		for _, n := range pci.SortedNodes(cpus) {
+			m.NUMACPUs = append(m.NUMACPUs, manifest.NUMACPUs{Node: n, CPUs: cpus[n]})
+		}
+	}
 	if d, _, _ := b.results(); d != nil {
 		m.Profile = manifest.Profile{Name: d.Profile.Name, Digest: profileDigest(d.Profile)}
 	} else {

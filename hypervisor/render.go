@@ -1,0 +1,131 @@
+package hypervisor
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/passage-boot/passage/topology"
+)
+
+// Formats render can write.
+const (
+	FormatQEMU           = "qemu"            // qemu-system-x86_64 arguments
+	FormatLibvirt        = "libvirt"         // a complete libvirt <domain>
+	FormatLibvirtDevices = "libvirt-devices" // the <devices> fragment only
+	FormatNCCL           = "nccl-xml"        // NCCL_TOPO_FILE
+)
+
+// Formats lists the formats in the order usage names them.
+var Formats = []string{FormatQEMU, FormatLibvirt, FormatLibvirtDevices, FormatNCCL}
+
+// Input is everything a rendering reads: the units as sources (a decision's, or a
+// verified manifest's), which of them go into the guest and how it is laid out.
+type Input struct {
+	Sources []topology.GuestSource
+	// Units are the units asked for; nil asks for every unit the verdicts admit.
+	Units []topology.UnitID
+	NUMA  bool
+	// AllowDegraded admits degraded units; without it only ready ones are.
+	AllowDegraded bool
+	// HostCPUs are the host NUMA nodes' CPU lists, for the libvirt domain's vCPU pins.
+	HostCPUs map[int]string
+}
+
+// Refused is a rendering refused by a unit's verdict.
+type Refused struct{ Err error }
+
+func (r *Refused) Error() string { return r.Err.Error() }
+func (r *Refused) Unwrap() error { return r.Err }
+
+// Plan is the guest plan of the admitted units, and which of them are degraded. A unit
+// refused by its verdict is a *Refused error.
+func Plan(in Input) (*topology.Guest, []topology.GuestSource, error) {
+	ids, degraded, err := topology.Admit(in.Sources, in.Units, in.AllowDegraded)
+	if err != nil {
+		return nil, nil, &Refused{err}
+	}
+	g, err := topology.PlanGuest(in.Sources, topology.GuestOptions{Units: ids, NUMA: in.NUMA})
+	if err != nil {
+		return nil, nil, err
+	}
+	var deg []topology.GuestSource
+	for _, id := range degraded {
+		for _, s := range in.Sources {
+			if s.ID == id {
+				deg = append(deg, s)
+			}
+		}
+	}
+	return g, deg, nil
+}
+
+// Rendering is one rendered guest.
+type Rendering struct {
+	Guest *topology.Guest
+	// Degraded are the degraded units it holds (admitted with AllowDegraded).
+	Degraded []topology.GuestSource
+	Out      []byte
+}
+
+// LeftOut names the units a rendering of every admitted unit (Units nil) leaves out,
+// with their verdicts ("" when none is).
+func LeftOut(in Input, g *topology.Guest) string {
+	inGuest := map[topology.UnitID]bool{}
+	for _, u := range g.Units {
+		inGuest[u.Unit] = true
+	}
+	var out []string
+	for _, s := range in.Sources {
+		if !inGuest[s.ID] {
+			out = append(out, fmt.Sprintf("%s (%s)", s.ID, s.Status))
+		}
+	}
+	return strings.Join(out, ", ")
+}
+
+// DegradedNote names the degraded units a rendering holds and why ("" for none).
+func (r *Rendering) DegradedNote() string {
+	var parts []string
+	for _, s := range r.Degraded {
+		parts = append(parts, fmt.Sprintf("%s is degraded: %s", s.ID, strings.Join(s.Reasons, "; ")))
+	}
+	return strings.Join(parts, "; ")
+}
+
+// Render plans the guest and writes it in format; dom gives the libvirt domain what
+// the plan does not (ignored by the other formats).
+func Render(in Input, format string, dom topology.DomainOptions) (*Rendering, error) {
+	switch format {
+	case FormatQEMU, FormatLibvirt, FormatLibvirtDevices, FormatNCCL:
+	default:
+		return nil, fmt.Errorf("format %q: want %s", format, strings.Join(Formats, ", "))
+	}
+	g, deg, err := Plan(in)
+	if err != nil {
+		return nil, err
+	}
+	r := &Rendering{Guest: g, Degraded: deg}
+	switch format {
+	case FormatQEMU:
+		r.Out = []byte(g.QEMUText(nil))
+		if note := r.DegradedNote(); note != "" {
+			// A shell comment line ahead of the arguments: the rendering names what it
+			// admitted degraded, as the domain's <description> does.
+			r.Out = append([]byte("# passage: "+strings.Join(strings.Fields(note), " ")+"\n"), r.Out...)
+		}
+	case FormatLibvirt:
+		dom.HostCPUs = in.HostCPUs
+		if note := r.DegradedNote(); note != "" {
+			dom.Description = strings.TrimSpace(dom.Description + " " + note)
+		}
+		r.Out, err = g.Domain(dom)
+	case FormatLibvirtDevices:
+		r.Out, err = g.Libvirt()
+	case FormatNCCL:
+		r.Out, err = g.NCCLTopology()
+	}
+	if err != nil {
+		return nil, err
+	}
+	return r, nil
+}

@@ -1,0 +1,138 @@
+//go:build qemu
+
+package qemutest
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/passage-boot/passage/hypervisor"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/topology"
+)
+
+// guestFromManifest is the hypervisor's half of scenario 1: verify the manifest the
+// guest wrote with the TPM's public key (tpmPub, PEM, as passage tpm-pubkey prints it),
+// render the guest from it with
+// `passage render --manifest` (the command, built for this host), boot the
+// guest-topology check on that rendering (emulated stand-ins in place of vfio-pci, the
+// same plan), and hold the distances the guest's own kernel shows against the
+// manifest's expected guest matrix, cell for cell.
+func guestFromManifest(t *testing.T, run *Run, tpmPub string) {
+	t.Helper()
+	dir := t.TempDir()
+	env := filepath.Join(dir, "manifest.dsse.json")
+	if err := os.WriteFile(env, run.Files["manifest.dsse.json"], 0o644); err != nil {
+		t.Fatal(err)
+	}
+	passage := filepath.Join(dir, "passage")
+	if out, err := exec.Command("go", "build", "-o", passage, "../cmd/passage").CombinedOutput(); err != nil {
+		t.Fatalf("build passage: %v\n%s", err, out)
+	}
+	var stdout, stderr bytes.Buffer
+	render := exec.Command(passage, "render", "--manifest", env, "--tpm-pub", tpmPub, "--format", "qemu")
+	render.Stdout, render.Stderr = &stdout, &stderr
+	if err := render.Run(); err != nil {
+		t.Fatalf("passage render --manifest: %v\n%s", err, stderr.String())
+	}
+
+	// The same verified payload, read as the command reads it: the plan it rendered.
+	v, err := manifest.LoadVerifier(tpmPub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ver, err := manifest.Verify(run.Files["manifest.dsse.json"], v, manifest.VerifyOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := ver.Manifest
+	src, err := hypervisor.Sources(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, _, err := hypervisor.Plan(hypervisor.Input{Sources: src})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := g.QEMUText(nil); got != stdout.String() {
+		t.Fatalf("passage render printed\n%s\nthe manifest's plan is\n%s", stdout.String(), got)
+	}
+	t.Logf("passage render --manifest --format qemu:\n%s", stdout.String())
+
+	got := bootGuestCheck(t, g, "from-manifest")
+	exp := m.GuestPlan
+	if exp == nil {
+		t.Fatal("the manifest has no guest plan")
+	}
+	if strings.Join(got.Host.Names, " ") != strings.Join(exp.MatrixLabels, " ") {
+		t.Fatalf("guest matrix names %v, manifest %v", got.Host.Names, exp.MatrixLabels)
+	}
+	// The manifest's matrix names NVLink between GPUs where the profile has it: NVLink is
+	// not PCIe, and the stand-ins have none.
+	pcie := g.Matrix(0)
+	for i, a := range exp.MatrixLabels {
+		for j, b := range exp.MatrixLabels {
+			want := exp.ExpectedGuest[i][j]
+			if strings.HasPrefix(want, "NV") {
+				want = pcie.Cells[i][j]
+			}
+			if c := got.Host.Cells[i][j]; c != want {
+				t.Errorf("guest %s-%s = %q, manifest predicts %q", a, b, c, want)
+			}
+		}
+	}
+	var addrs []string
+	for _, a := range pcie.Addrs {
+		addrs = append(addrs, a.String())
+	}
+	if strings.Join(got.Host.Addrs, " ") != strings.Join(addrs, " ") {
+		t.Errorf("guest matrix addresses %v, rendered %v", got.Host.Addrs, addrs)
+	}
+	t.Logf("guest matrix as the guest measured it, equal to the manifest's:\n%s", textOf(got.Host))
+}
+
+// bootGuestCheck boots the image with the plan's devices as emulated stand-ins, runs
+// `passage plan --json` inside with the qemu-guest profile and returns what it measured.
+func bootGuestCheck(t *testing.T, g *topology.Guest, name string) measuredPlan {
+	t.Helper()
+	prof, err := os.ReadFile(guestProfile)
+	if err != nil {
+		t.Fatalf("guest profile: %v", err)
+	}
+	cmd := "passage plan --profile /etc/passage/qemu-guest.yaml --json"
+	run, err := Boot(context.Background(), Options{
+		Build: buildDir(t),
+		Name:  name,
+		Overlay: []OverlayFile{fakeUinit(t),
+			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
+			{Name: "etc/fakeuinit/run", Data: []byte(cmd + "\n")}},
+		Devices: g.QEMUArgs(topology.EmulatedDevice),
+		WorkDir: filepath.Join(t.TempDir(), "work"),
+		Timeout: 4 * time.Minute,
+	})
+	if run != nil {
+		t.Logf("guest check console: %s; wall %v", run.Console, run.Wall)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if run.Done != "ok" {
+		t.Fatalf("guest check: PASSAGE-DONE %q, want ok", run.Done)
+	}
+	out := run.Files["run-1.out"]
+	var got measuredPlan
+	if err := json.NewDecoder(bytes.NewReader(out)).Decode(&got); err != nil {
+		t.Fatalf("%s: %v\n%s", cmd, err, out)
+	}
+	if got.Profile != "qemu-guest" || len(got.Units) != len(g.Units) {
+		t.Fatalf("guest plan: profile %q, %d units, want qemu-guest and %d", got.Profile, len(got.Units), len(g.Units))
+	}
+	return got
+}
