@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -22,6 +23,7 @@ import (
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/record"
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
 )
@@ -141,7 +143,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	for _, v := range d.Released(o.Units, "recycle: in progress: released for erase and reset; not ready until a later generation says so") {
 		pending[v.Unit] = v
 	}
-	m, _, err := o.write(ctx, d, prev, pending, nil, nil)
+	m, _, err := o.write(ctx, d, prev, pending, nil, nil, nil)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the not-ready generation: %w", err)
 	}
@@ -209,7 +211,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			res.Verdicts = append(res.Verdicts, v)
 		}
 	}
-	m, signed, err := o.write(ctx, d, prev, final, res.Erase, acs)
+	m, signed, err := o.write(ctx, d, prev, final, res.Erase, acs, bind)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the final generation: %w", err)
 	}
@@ -270,7 +272,7 @@ func (o *Options) previous() *manifest.Manifest {
 // and what was done to them; every other unit as the previous manifest had it (or
 // failed, when there is none to carry it from).
 func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifest.Manifest, vs map[topology.UnitID]decision.Verdict,
-	er *erase.Report, acs *apply.Report) (*manifest.Manifest, *manifest.Signed, error) {
+	er *erase.Report, acs *apply.Report, bind *vfiobind.Report) (*manifest.Manifest, *manifest.Signed, error) {
 	m, err := manifest.Build(o.Root, time.Now())
 	if err != nil {
 		return nil, nil, err
@@ -282,34 +284,26 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifes
 		m.Stages = prev.Stages
 	}
 	m.Errors = []string{}
+	if cpus, err := record.NUMACPUs(o.Root); err != nil {
+		m.Errors = append(m.Errors, fmt.Sprintf("numa cpus: %v", err))
+	} else {
+		m.NUMACPUs = cpus
+	}
+	recs := map[string]manifest.Unit{}
+	for _, r := range record.Units(d, slices.Collect(maps.Values(vs)), record.Execution{ACS: acs, Bind: bind, Erase: er}, record.Drivers(o.Root)) {
+		recs[r.ID] = r
+	}
 	for _, u := range d.Units() {
-		v, ours := vs[u.ID]
-		if !ours {
-			if pu := prevUnit(prev, u.ID); pu != nil {
-				m.Units = append(m.Units, *pu)
-				continue
-			}
-			m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: manifest.StatusFailed,
-				Reasons: []string{"recycle: no verified earlier manifest to carry this unit from"}, NUMANode: u.NUMANode})
+		if _, mine := vs[u.ID]; mine {
+			m.Units = append(m.Units, recs[u.ID.String()])
 			continue
 		}
-		mu := manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
-			Erase: erase.Record(d.Erase, er.Unit(u.ID))}
-		if acs != nil {
-			for _, c := range acs.Changes {
-				if slices.Contains(c.Units(), u.ID) {
-					mu.ACSChanges = append(mu.ACSChanges, manifest.ACSChange{Port: c.Addr.String(), Before: c.Before.Lspci(),
-						Target: c.Target.Lspci(), After: c.After.Lspci(), Result: string(c.Result)})
-				}
-			}
+		if pu := prevUnit(prev, u.ID); pu != nil {
+			m.Units = append(m.Units, *pu)
+			continue
 		}
-		for _, f := range u.Functions() {
-			if f == nil {
-				continue
-			}
-			mu.Functions = append(mu.Functions, o.function(d, f))
-		}
-		m.Units = append(m.Units, mu)
+		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: manifest.StatusFailed,
+			Reasons: []string{"recycle: no verified earlier manifest to carry this unit from"}, NUMANode: u.NUMANode})
 	}
 	gen, src, gerr := manifest.NextGeneration(o.Counters...)
 	m.Generation, m.GenerationSource = gen, src
@@ -339,16 +333,4 @@ func prevUnit(prev *manifest.Manifest, id topology.UnitID) *manifest.Unit {
 		}
 	}
 	return nil
-}
-
-// function is one function's record with its driver as sysfs says now.
-func (o *Options) function(d *decision.Decision, f *pci.Device) manifest.Function {
-	drv := ""
-	if t, err := os.Readlink(filepath.Join(o.Root, pci.DevicesDir, f.Addr.String(), "driver")); err == nil {
-		drv = filepath.Base(t)
-	}
-	return manifest.Function{BDF: f.Addr.String(), Vendor: fmt.Sprintf("0x%04x", f.VendorID), Device: fmt.Sprintf("0x%04x", f.DeviceID),
-		SubsystemVendor: fmt.Sprintf("0x%04x", f.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", f.SubsystemDevice),
-		Class: fmt.Sprintf("0x%06x", f.Class), Role: string(d.Labels.RoleOf(f.Addr)), IOMMUGroup: f.IOMMUGroup, NUMANode: f.NUMANode,
-		DriverBefore: f.Driver, DriverAfter: drv}
 }

@@ -216,6 +216,18 @@ func TestRecycle(t *testing.T) {
 	if u3 == nil || u3.Status != manifest.StatusReady || u3.Erase == nil || u3.Erase.NVMe[0].Method != string(erase.SanitizeBlock) || len(u3.Erase.Resets) != 4 {
 		t.Errorf("gpu3 record %+v", u3)
 	}
+	// The record is the boot's (package record): what the hypervisor renders from a
+	// recycled unit is what it rendered from the boot's.
+	if u3 != nil {
+		if u3.UpLink.Speed == "" || len(u3.ACSChanges) == 0 || len(u3.ATSFindings) == 0 {
+			t.Errorf("gpu3 record lacks the uplink, ACS or ATS the boot records: %+v", u3)
+		}
+		for _, f := range u3.Functions {
+			if f.Link.Speed == "" || f.DriverAfter != vfiobind.VFIODriver {
+				t.Errorf("gpu3 function %s: link %+v, driver after %q", f.BDF, f.Link, f.DriverAfter)
+			}
+		}
+	}
 	if u := unitOf(m, "gpu0"); u == nil || u.Status != manifest.StatusReady || u.Erase != nil {
 		t.Errorf("gpu0 not carried as it was: %+v", u)
 	}

@@ -394,27 +394,6 @@ func (b *Boot) acs(ctx context.Context, _ *stages.State, r *stages.Result) error
 	return nil
 }
 
-// acsResult is apply's record of one port in one line, in apply's words (SCHEMA.md).
-func acsResult(c apply.Change) string {
-	s := string(c.Result)
-	if c.Error != "" {
-		s += ": " + c.Error
-	}
-	if c.Note != "" {
-		s += " (" + c.Note + ")"
-	}
-	return s
-}
-
-// acsChange is apply's record of one port in the manifest.
-func acsChange(c apply.Change) manifest.ACSChange {
-	mc := manifest.ACSChange{Port: c.Addr.String(), Target: c.Target.Lspci(), Result: acsResult(c)}
-	if c.Read {
-		mc.Before, mc.After = c.Before.Lspci(), c.After.Lspci()
-	}
-	return mc
-}
-
 // vfio binds the units the decision passes through and the acs stage left bindable.
 func (b *Boot) vfio(ctx context.Context, _ *stages.State, r *stages.Result) error {
 	d, acsRun, _ := b.results()

@@ -21,6 +21,7 @@ import (
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
+	"github.com/passage-boot/passage/record"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/stages"
@@ -238,7 +239,7 @@ func TestACSAppliesAndSkipsFailedUnits(t *testing.T) {
 			if c.Result != apply.ResultSkipped || !strings.HasPrefix(c.Note, "unit failed") {
 				t.Errorf("failed unit's port %s: %s (%s)", c.Addr, c.Result, c.Note)
 			}
-			if r := acsChange(c).Result; !strings.HasPrefix(r, "skipped (unit failed") {
+			if r := record.ACSChange(c).Result; !strings.HasPrefix(r, "skipped (unit failed") {
 				t.Errorf("failed unit's port %s in the manifest: %q", c.Addr, r)
 			}
 			continue
@@ -248,7 +249,7 @@ func TestACSAppliesAndSkipsFailedUnits(t *testing.T) {
 			applied++
 		case apply.ResultUnchanged:
 		default:
-			t.Errorf("port %s: %s", c.Addr, acsResult(c))
+			t.Errorf("port %s: %s", c.Addr, record.ACSResult(c))
 		}
 		if c.After != c.Target {
 			t.Errorf("port %s reads %#04x, target %#04x", c.Addr, uint16(c.After), uint16(c.Target))

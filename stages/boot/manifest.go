@@ -17,14 +17,12 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/decision"
-	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
-	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/record"
 	"github.com/passage-boot/passage/stages"
 	"github.com/passage-boot/passage/topology"
-	"github.com/passage-boot/passage/vfiobind"
 
 	"github.com/u-root/u-root/pkg/mount"
 )
@@ -67,16 +65,6 @@ func (b *Boot) mountOut() (dir string, unmount func() error, err error) {
 	return dir, un, nil
 }
 
-// link is the function's PCIe link as LnkSta/LnkCap report it; zero for a function
-// without one (conventional PCI, RCiEP).
-func link(d *pci.Device) manifest.Link {
-	e := d.Express
-	if e == nil || !e.HasLink {
-		return manifest.Link{}
-	}
-	return manifest.Link{Speed: e.Speed.String(), Width: int(e.Width), MaxSpeed: e.MaxSpeed.String(), MaxWidth: int(e.MaxWidth)}
-}
-
 // conclude is every unit's final verdict: the decision's, worsened by what the acs and
 // vfio stages completed (decision.Conclude). A stage that failed, panicked, ran past
 // its deadline or was skipped committed no report, and its units end failed.
@@ -105,92 +93,11 @@ func (b *Boot) conclude(st *stages.State) []decision.Verdict {
 
 func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 	d, acsRun, bindRep := b.results()
-	if d == nil {
-		return nil
-	}
-	bind := map[string]vfiobind.FunctionReport{}
-	if bindRep != nil {
-		for _, u := range bindRep.Units {
-			for _, f := range u.Functions {
-				bind[f.Addr.String()] = f
-			}
-		}
-	}
-	acs := map[topology.UnitID][]manifest.ACSChange{}
-	if acsRun != nil {
-		for _, c := range acsRun.Changes {
-			for _, u := range c.Units() {
-				acs[u] = append(acs[u], acsChange(c))
-			}
-		}
-	}
-	ats := map[topology.UnitID][]manifest.Finding{}
-	for _, f := range d.ATS {
-		sev := "info"
-		if f.Missing() {
-			sev = "warning"
-		}
-		ats[f.Unit] = append(ats[f.Unit], manifest.Finding{Object: f.Addr.String(), Severity: sev, Message: f.String()})
-	}
-	verdict := map[topology.UnitID]decision.Verdict{}
-	for _, v := range vs {
-		verdict[v.Unit] = v
-	}
-	var out []manifest.Unit
-	for _, u := range d.Units() {
-		v := verdict[u.ID]
-		mu := manifest.Unit{ID: UnitID(u.ID), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
-			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID], Erase: erase.Record(d.Erase, b.eraseResult().Unit(u.ID))}
-		if rp := u.RootPort(); rp != nil {
-			mu.UpLink = link(rp)
-		}
-		if mu.Status == "" {
-			// No verdict for a unit is no promise about it.
-			mu.Status = string(topology.StatusFailed)
-		}
-		for _, fn := range u.Functions() {
-			if fn == nil {
-				continue
-			}
-			bdf := fn.Addr.String()
-			f := manifest.Function{
-				BDF: bdf, Vendor: fmt.Sprintf("0x%04x", fn.VendorID), Device: fmt.Sprintf("0x%04x", fn.DeviceID),
-				SubsystemVendor: fmt.Sprintf("0x%04x", fn.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", fn.SubsystemDevice),
-				Class: fmt.Sprintf("0x%06x", fn.Class), Role: string(d.Labels.RoleOf(fn.Addr)), IOMMUGroup: fn.IOMMUGroup, NUMANode: fn.NUMANode,
-				DriverBefore: fn.Driver, DriverAfter: fn.Driver, Link: link(fn),
-			}
-			if br, ok := bind[bdf]; ok {
-				f.DriverBefore, f.DriverAfter, f.IOMMUGroup = br.DriverBefore, br.DriverAfter, br.Group
-			}
-			if br, ok := bind[bdf]; !ok || br.Err != "" || !verdictOK(v) {
-				// Not bound by this boot, or not cleanly (unit refused or failed, a stage
-				// cut short, dry run): what sysfs says now, so the hypervisor never trusts
-				// a stale scan.
-				if drv, ok := b.driverNow(fn); ok {
-					f.DriverAfter = drv
-				}
-			}
-			mu.Functions = append(mu.Functions, f)
-		}
-		out = append(out, mu)
-	}
-	return out
+	return record.Units(d, vs, record.Execution{ACS: acsRun, Bind: bindRep, Erase: b.eraseResult()}, record.Drivers(b.Root))
 }
 
 func verdictOK(v decision.Verdict) bool {
 	return v.Status == topology.StatusReady || v.Status == topology.StatusDegraded
-}
-
-// driverNow reads the function's driver link; ok is false when sysfs cannot say.
-func (b *Boot) driverNow(d *pci.Device) (string, bool) {
-	t, err := os.Readlink(b.path(filepath.Join("sys/bus/pci/devices", d.Addr.String(), "driver")))
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", true
-	}
-	if err != nil {
-		return "", false
-	}
-	return filepath.Base(t), true
 }
 
 // guestPlan is the guest topology of the units that may be passed through (their final
@@ -276,12 +183,10 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
-	if cpus, err := pci.NodeCPUs(b.Root); err != nil {
+	if cpus, err := record.NUMACPUs(b.Root); err != nil {
 		errs = append(errs, fmt.Sprintf("numa cpus: %v", err))
 	} else {
-		for _, n := range pci.SortedNodes(cpus) {
-			m.NUMACPUs = append(m.NUMACPUs, manifest.NUMACPUs{Node: n, CPUs: cpus[n]})
-		}
+		m.NUMACPUs = cpus
 	}
 	if d, _, _ := b.results(); d != nil {
 		m.Profile = manifest.Profile{Name: d.Profile.Name, Digest: profileDigest(d.Profile)}
