@@ -105,7 +105,8 @@ type Input struct {
 	Guest   topology.GuestOptions
 
 	// Erase is passage.erase=: whether a unit's NVMe must be erased and its functions
-	// reset before it is passed through ("" is off; erase.go judges the reports).
+	// reset before it is passed through; "" is the profile's default (off when the
+	// profile names none). erase.go judges the reports.
 	Erase erase.Policy
 }
 
@@ -140,6 +141,13 @@ func Decide(in Input) (*Decision, error) {
 	}
 	if in.ATS == "" {
 		in.ATS = firmware.PolicyPrefer
+	}
+	if in.Erase == "" {
+		p, err := erase.ParsePolicy(in.Profile.Erase)
+		if err != nil {
+			return nil, fmt.Errorf("decision: profile %s: %w", in.Profile.Name, err)
+		}
+		in.Erase = p
 	}
 	labels, lerr := topology.Label(in.Tree, in.Profile)
 	if labels == nil {

@@ -15,6 +15,7 @@ import (
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
 
+	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/pci"
 )
 
@@ -28,7 +29,9 @@ func b300Decision(t *testing.T, live Live) *Decision {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := Decide(Input{Tree: tree, Profile: p, Live: live})
+	// Erase off: these tests are about the ACS and binding steps (erase_test.go has the
+	// erase step, and TestErasePolicyDefault the profile's default).
+	d, err := Decide(Input{Tree: tree, Profile: p, Live: live, Erase: erase.PolicyOff})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,6 +62,40 @@ func statuses(vs []Verdict) map[int]topology.Status {
 
 // TestConcludeFailsClosed: a unit is ready after execution only when every step that
 // covers it completed and reported it done.
+// TestErasePolicyDefault: with no passage.erase= given, the decision takes the profile's
+// default (b300: require), and a word given overrides it.
+func TestErasePolicyDefault(t *testing.T) {
+	tree, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := topology.Builtin("b300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for given, want := range map[erase.Policy]erase.Policy{"": erase.PolicyRequire, erase.PolicyOff: erase.PolicyOff, erase.PolicyAuto: erase.PolicyAuto} {
+		d, err := Decide(Input{Tree: tree, Profile: p, Erase: given})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Erase != want {
+			t.Errorf("given %q: policy %q, want %q", given, d.Erase, want)
+		}
+		s, err := d.Save()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.Erase != want {
+			t.Errorf("given %q: saved plan says %q", given, s.Erase)
+		}
+	}
+	bad := *p
+	bad.Erase = "sometimes"
+	if _, err := Decide(Input{Tree: tree, Profile: &bad}); err == nil {
+		t.Error("a profile erase word that is no policy was accepted")
+	}
+}
+
 func TestConcludeFailsClosed(t *testing.T) {
 	d := b300Decision(t, Live{})
 	acs, bind := cleanRun(d)

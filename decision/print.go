@@ -6,6 +6,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
@@ -21,12 +22,14 @@ func (d *Decision) Plan() *topology.Plan {
 // the verdicts rest on.
 type Doc struct {
 	topology.PlanDoc
-	ATSPolicy  firmware.Policy    `json:"ats_policy"`
-	Lockdown   string             `json:"lockdown,omitempty"`
-	LabelError string             `json:"label_error,omitempty"`
-	ATS        []firmware.Finding `json:"ats"`
-	Audit      []vfiobind.Finding `json:"audit"`
-	GuestError string             `json:"guest_error,omitempty"`
+	ATSPolicy firmware.Policy `json:"ats_policy"`
+	// ErasePolicy is passage.erase= as decided (the profile's default unless given).
+	ErasePolicy erase.Policy       `json:"erase_policy"`
+	Lockdown    string             `json:"lockdown,omitempty"`
+	LabelError  string             `json:"label_error,omitempty"`
+	ATS         []firmware.Finding `json:"ats"`
+	Audit       []vfiobind.Finding `json:"audit"`
+	GuestError  string             `json:"guest_error,omitempty"`
 }
 
 // Doc returns the decision as one JSON document.
@@ -36,7 +39,7 @@ func (d *Decision) Doc() Doc { return d.DocNamed(nil) }
 func (d *Decision) DocNamed(n topology.Namer) Doc {
 	pl := d.Plan()
 	pl.Namer = n
-	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, Lockdown: d.Live.Lockdown,
+	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, ErasePolicy: d.Input.Erase, Lockdown: d.Live.Lockdown,
 		ATS: append([]firmware.Finding{}, d.ATS...), Audit: append([]vfiobind.Finding{}, d.Audit...)}
 	if d.LabelErr != nil {
 		doc.LabelError = d.LabelErr.Error()
@@ -81,6 +84,12 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 		}
 	}
 	fmt.Fprintf(&b, "  %d functions checked, %d without ATS\n", len(d.ATS), missing)
+	fmt.Fprintf(&b, "\nerase (policy %s)\n", d.Input.Erase)
+	if d.Input.Erase.Active() {
+		fmt.Fprintf(&b, "  before binding, each passed-through unit's NVMe is erased and read back, and its functions reset\n")
+	} else {
+		fmt.Fprintf(&b, "  nothing is erased: a unit's NVMe reaches its tenant as the last one left it\n")
+	}
 	b.WriteString("\nisolation audit\n")
 	for _, f := range d.Audit {
 		fmt.Fprintf(&b, "  %s\n", f)

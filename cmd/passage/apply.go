@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -58,6 +59,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	dryRun := fs.Bool("dry-run", false, "write nothing: report the decision and what ACS would change")
 	profile := fs.String("profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
 	ats := fs.String("ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
+	erasePol := fs.String("erase", "", "erase policy: off, auto or require (default: passage.erase= from the command line, else the profile's); apply itself erases nothing, so under auto or require its units end degraded or failed: passage recycle erases a running node's unit")
 	cmdline := fs.String("cmdline", "", "kernel command line (default: <root>/proc/cmdline); a pci=config_acs= on it makes matching ports verify-only")
 	release := fs.String("kernel", "", "running kernel release for the advice (default: <root>/proc/sys/kernel/osrelease)")
 	noBind := fs.Bool("no-bind", false, "program ACS only; leave drivers as they are")
@@ -91,8 +93,8 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	}
 	var saved *decision.Saved
 	if *planFile != "" {
-		if set["profile"] || set["ats"] {
-			return usageErr(fmt.Errorf("--plan takes the profile and the ATS policy from the plan: drop --profile and --ats"))
+		if set["profile"] || set["ats"] || set["erase"] {
+			return usageErr(fmt.Errorf("--plan takes the profile and the ATS and erase policies from the plan: drop --profile, --ats and --erase"))
 		}
 		f, err := os.Open(*planFile)
 		if err != nil {
@@ -104,8 +106,13 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 			return usageErr(fmt.Errorf("%s: %w", *planFile, err))
 		}
 		*ats = string(saved.ATS)
+		*erasePol, set["erase"] = string(saved.Erase), true
 	} else if !set["ats"] {
 		*ats = string(initramfs.ParseCmdline(live.Cmdline).ATS)
+	}
+	ep, err := erasePolicy(set["erase"], *erasePol, live.Cmdline)
+	if err != nil {
+		return usageErr(err)
 	}
 	policy, err := firmware.ParsePolicy(*ats)
 	if err != nil {
@@ -128,7 +135,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	if err != nil {
 		return usageErr(err)
 	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Live: live})
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Erase: ep, Live: live})
 	if err != nil {
 		return usageErr(err)
 	}
@@ -164,6 +171,12 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	ctx := context.Background()
 	cfg := pci.SysfsConfig{Root: *root}
 	x := decision.Execution{DryRun: *dryRun, Binding: !*dryRun && !*noBind}
+	if d.Erase.Active() {
+		// apply never releases a unit a tenant may hold, so it erases nothing; the
+		// decision then fails (require) or degrades (auto) the units it would pass through.
+		x.EraseErr = errApplyErases
+		out.Stages["erase"] = fmt.Sprintf("not run (policy %s): %v", d.Erase, errApplyErases)
+	}
 	out.ACS, err = d.ExecuteACS(ctx, cfg, *dryRun)
 	if err != nil {
 		return usageErr(err)
@@ -245,7 +258,7 @@ func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
 	for _, p := range out.Problems {
 		w("problem: %s", strings.ReplaceAll(p, "\n", "; "))
 	}
-	for _, st := range []string{"label", "ats", "acs", "vfio"} {
+	for _, st := range []string{"label", "ats", "erase", "acs", "vfio"} {
 		if s, ok := out.Stages[st]; ok {
 			w("%-5s %s", st+":", s)
 		}
@@ -292,3 +305,6 @@ func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
 		w("%s", line)
 	}
 }
+
+// errApplyErases is why apply leaves the erase step to the boot and to recycle.
+var errApplyErases = errors.New("apply does not erase; the boot and passage recycle do")

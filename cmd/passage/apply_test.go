@@ -11,12 +11,15 @@ import (
 
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/vfiobind"
 )
 
+// applyCmd runs apply with the erase policy off: these tests are about ACS and binding
+// (TestApplyEraseRequired has apply under the b300 profile's default, require).
 func applyCmd(t *testing.T, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errb bytes.Buffer
-	code := cmdApply(args, &out, &errb)
+	code := cmdApply(append(args, "--erase", "off"), &out, &errb)
 	return code, out.String(), errb.String()
 }
 
@@ -201,5 +204,56 @@ func TestApplyCLIBindWithoutVFIO(t *testing.T) {
 	}
 	if got := len(dtPorts(t, n.Root)); got != 8 {
 		t.Errorf("DT on %d ports, want 8", got)
+	}
+}
+
+// TestApplyEraseRequired: under the b300 profile's default erase policy (require) apply,
+// which erases nothing, fails every unit it would pass through, with the reason, and
+// binds none of them; plan and apply --dry-run show the same policy. An explicit
+// passage.erase=off on the node's command line binds them.
+func TestApplyEraseRequired(t *testing.T) {
+	n := pcitest.New(t, pcitest.B300())
+	var out, errb bytes.Buffer
+	if code := cmdPlan([]string{"--root", n.Root}, &out, &errb); code != 0 || !strings.Contains(out.String(), "erase (policy require)") {
+		t.Errorf("plan: exit %d, no erase policy in:\n%s%s", code, out.String(), errb.String())
+	}
+	out.Reset()
+	if code := cmdApply([]string{"--root", n.Root, "--dry-run", "--json"}, &out, &errb); code != 0 {
+		t.Errorf("dry run: exit %d %s", code, errb.String())
+	}
+	k := simulatedKernel(t, n.Root)
+	env := applyEnv{sysfs: func(string) vfiobind.Sysfs { return k }, modules: func(string, string) vfiobind.ModuleLoader { return k }}
+	out.Reset()
+	code := runApply([]string{"--root", n.Root, "--json"}, &out, &errb, env)
+	if code != 1 {
+		t.Errorf("apply under require: exit %d, want 1", code)
+	}
+	vs, _ := unitVerdicts(t, "apply", out.String())
+	if len(vs) != 8 {
+		t.Fatalf("%d units", len(vs))
+	}
+	for id, v := range vs {
+		if !strings.HasPrefix(v, "failed: ") || !strings.Contains(v, "apply does not erase") {
+			t.Errorf("%s: %s", id, v)
+		}
+	}
+	for _, w := range k.Writes() {
+		if strings.Contains(w.Path, "vfio-pci") || strings.HasSuffix(w.Path, "driver_override") {
+			t.Errorf("apply under require wrote %s", w.Path)
+		}
+	}
+
+	n2 := pcitest.New(t, pcitest.B300())
+	if err := os.MkdirAll(filepath.Join(n2.Root, "proc"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(n2.Root, "proc/cmdline"), []byte("passage.erase=off\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	k2 := simulatedKernel(t, n2.Root)
+	env2 := applyEnv{sysfs: func(string) vfiobind.Sysfs { return k2 }, modules: func(string, string) vfiobind.ModuleLoader { return k2 }}
+	out.Reset()
+	if code := runApply([]string{"--root", n2.Root, "--json"}, &out, &errb, env2); code != 0 {
+		t.Errorf("apply with passage.erase=off: exit %d\n%s", code, out.String())
 	}
 }

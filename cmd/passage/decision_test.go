@@ -96,7 +96,16 @@ func variants() []variant {
 func buildVariant(t *testing.T, v variant) string {
 	t.Helper()
 	n := pcitest.New(t, v.spec())
+	// Every command reads passage.erase= from the node's command line, as the boot does:
+	// off here, since plan and apply erase nothing (the erase step has its own tests).
+	files := map[string]string{"proc/cmdline": "passage.erase=off"}
 	for name, body := range v.files {
+		if name == "proc/cmdline" {
+			body += " " + files[name]
+		}
+		files[name] = body
+	}
+	for name, body := range files {
 		p := filepath.Join(n.Root, name)
 		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 			t.Fatal(err)
@@ -150,11 +159,10 @@ func bootVerdicts(t *testing.T, root, profile string) (verdicts, string, stages.
 	}
 	cfg := initramfs.Defaults()
 	cfg.Profile, cfg.Net, cfg.TPM = profile, initramfs.NetOff, initramfs.TPMOff
-	// plan and apply do not erase: the boot compared with them does not either.
-	cfg.Erase = "off"
 	if b, err := os.ReadFile(filepath.Join(root, "proc/cmdline")); err == nil {
 		cfg.Cmdline = string(b)
-		cfg.ATS = initramfs.ParseCmdline(cfg.Cmdline).ATS
+		c := initramfs.ParseCmdline(cfg.Cmdline)
+		cfg.ATS, cfg.Erase = c.ATS, c.Erase
 	}
 	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, Now: func() time.Time { return time.Unix(1e9, 0) }}
 	var run []stages.Stage

@@ -107,7 +107,7 @@ func TestJSONAddressesAreBDFs(t *testing.T) {
 	root2 := pcitest.New(t, pcitest.B300()).Root
 	k := simulatedKernel(t, root2)
 	var out, errb bytes.Buffer
-	code := runApply([]string{"--root", root2, "--json"}, &out, &errb, applyEnv{
+	code := runApply([]string{"--root", root2, "--json", "--erase", "off"}, &out, &errb, applyEnv{
 		sysfs: func(string) vfiobind.Sysfs { return k }, modules: func(string, string) vfiobind.ModuleLoader { return k }})
 	runJSON("apply", code, &out, &errb)
 

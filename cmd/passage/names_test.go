@@ -80,7 +80,7 @@ func TestNamesInCommands(t *testing.T) {
 	k := simulatedKernel(t, n.Root)
 	env := applyEnv{sysfs: func(string) vfiobind.Sysfs { return k }, modules: func(string, string) vfiobind.ModuleLoader { return k }}
 	var aout, aerr bytes.Buffer
-	if rc := runApply([]string{"--root", n.Root, "--pci-ids", ids}, &aout, &aerr, env); rc != 0 {
+	if rc := runApply([]string{"--root", n.Root, "--pci-ids", ids, "--erase", "off"}, &aout, &aerr, env); rc != 0 {
 		t.Fatalf("apply rc %d %s", rc, aerr.String())
 	}
 	if want := "  vfio gpu7: " + nic + " group "; !strings.Contains(aout.String(), want) ||

@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/decision"
+	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
@@ -21,6 +22,7 @@ type planFlags struct {
 	src            treeSource
 	profile, units string
 	ats, cmdline   string
+	erase          string
 	numa           bool
 }
 
@@ -30,6 +32,7 @@ func (f *planFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.units, "units", "all", "units the guest plan lays out: all, or gpu0,gpu1 (or 0,1); the verdicts, the bind set and --out cover every unit")
 	fs.BoolVar(&f.numa, "numa", false, "one pxb-pcie expander per unit on its NUMA node (guest NODE/SYS distances)")
 	fs.StringVar(&f.ats, "ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
+	fs.StringVar(&f.erase, "erase", "", "erase policy: off, auto or require (default: passage.erase= from the command line, else the profile's)")
 	fs.StringVar(&f.cmdline, "cmdline", "", "kernel command line (default: <root>/proc/cmdline with --root)")
 }
 
@@ -76,7 +79,11 @@ func (f *planFlags) decide(fs *flag.FlagSet) (*decision.Decision, error) {
 	if err != nil {
 		return nil, errUsage{fmt.Errorf("--ats: %w", err)}
 	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Live: live,
+	ep, err := erasePolicy(set["erase"], f.erase, live.Cmdline)
+	if err != nil {
+		return nil, errUsage{err}
+	}
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Erase: ep, Live: live,
 		Guest: topology.GuestOptions{Units: units, NUMA: f.numa}})
 	if err != nil {
 		return nil, errUsage{err}
@@ -86,6 +93,23 @@ func (f *planFlags) decide(fs *flag.FlagSet) (*decision.Decision, error) {
 		return d, errUsage{d.GuestErr}
 	}
 	return d, nil
+}
+
+// erasePolicy is --erase when given, else passage.erase= on the command line; ""
+// leaves the profile's default to the decision.
+func erasePolicy(given bool, flagValue, cmdline string) (erase.Policy, error) {
+	v := flagValue
+	if !given {
+		v = initramfs.ParseCmdline(cmdline).Erase
+	}
+	if v == "" {
+		return "", nil
+	}
+	p, err := erase.ParsePolicy(v)
+	if err != nil {
+		return "", fmt.Errorf("--erase: %w", err)
+	}
+	return p, nil
 }
 
 // verdictErr is the exit status of a decision's verdicts: labelling that contradicts

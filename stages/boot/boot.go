@@ -306,13 +306,11 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 	b.mu.Lock()
 	tree := b.Tree
 	b.mu.Unlock()
-	ep := b.Config.Erase
-	if ep == "" {
-		ep = p.Erase
-	}
-	erasePolicy, err := erase.ParsePolicy(ep)
-	if err != nil {
-		return err
+	var erasePolicy erase.Policy // "": the decision takes the profile's default
+	if b.Config.Erase != "" {
+		if erasePolicy, err = erase.ParsePolicy(b.Config.Erase); err != nil {
+			return err
+		}
 	}
 	d, err := decision.Decide(decision.Input{Tree: tree, Profile: p, ATS: policy, Erase: erasePolicy, Live: live})
 	if err != nil {
