@@ -95,6 +95,9 @@ type Config struct {
 	// Erase is passage.erase= (off, auto, require); "" takes the profile's default.
 	Erase        string
 	EraseTimeout time.Duration // passage.erase_timeout=: the erase stage's deadline
+	// EraseOverwrite is passage.erase_overwrite=on: Sanitize overwrite is allowed after
+	// every other method (hours on a large drive); off by default.
+	EraseOverwrite bool
 
 	// Cmdline is the kernel command line as read, for the manifest.
 	Cmdline string
@@ -352,6 +355,17 @@ var params = map[string]setter{
 		return nil
 	},
 	"erase_timeout": func(c *Config, v string) error { return duration(&c.EraseTimeout, v) },
+	"erase_overwrite": func(c *Config, v string) error {
+		switch v {
+		case "on":
+			c.EraseOverwrite = true
+		case "off":
+			c.EraseOverwrite = false
+		default:
+			return fmt.Errorf("want on or off")
+		}
+		return nil
+	},
 	"host_modules": func(c *Config, v string) error {
 		var mods []string
 		if v != "" {

@@ -49,6 +49,12 @@ func TestParseCmdline(t *testing.T) {
 			d.Cmdline = c.Cmdline
 			return reflect.DeepEqual(c, d)
 		}, nil},
+		{"erase", "passage.erase=require passage.erase_timeout=2h passage.erase_overwrite=on", func(c Config) bool {
+			return c.Erase == "require" && c.EraseTimeout == 2*time.Hour && c.EraseOverwrite
+		}, nil},
+		{"erase words refused", "passage.erase=maybe passage.erase_overwrite=yes", func(c Config) bool {
+			return c.Erase == "" && !c.EraseOverwrite
+		}, []string{"passage.erase=maybe", "passage.erase_overwrite=yes"}},
 		{"all set", `passage.profile=qemu passage.key=/k passage.tpm=off passage.ats=require passage.net=eth0 ` +
 			`passage.url=http://10.0.2.2:8080/m passage.out=/dev/vda1:/passage/ passage.handoff=switch_root passage.root=/dev/sda2 ` +
 			`passage.rootfstype=ext4 passage.init=/lib/systemd/systemd passage.emit=console passage.stage_timeout=5s ` +

@@ -31,6 +31,7 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 	genFile := fs.String("generation-file", "", "file generation counter, when the node has no TPM")
 	tpm := fs.String("tpm", "auto", "on, off or auto: sign with and count generations in the TPM")
 	policy := fs.String("erase", "require", "auto or require: what a unit not erased, verified and reset ends as")
+	overwrite := fs.Bool("overwrite", false, "allow Sanitize overwrite after every other method (hours on a large drive)")
 	timeout := fs.Duration("timeout", 30*time.Minute, "bound on the whole recycle")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: passage recycle --unit N[,M...] [flags]\n\nRefuses while a unit's /dev/vfio/<group> is open. Otherwise: a signed generation marking the\nunits not ready, release from vfio-pci, NVMe erase, function resets, vfio-pci again, and a\nsigned generation with the verdicts.")
@@ -66,6 +67,7 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	o := recycle.Options{Root: *root, Profile: *profile, Units: ids, Policy: p, Dir: filepath.Join(*root, *dir), Log: stdout}
+	o.Erase.Erase.Overwrite = *overwrite
 	s, err := manifest.LoadSigner(filepath.Join(*root, *key))
 	if err != nil {
 		fmt.Fprintf(stderr, "passage recycle: %v\n", err)

@@ -51,7 +51,7 @@ func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) err
 	if b.Sysfs != nil {
 		sys = b.Sysfs
 	}
-	rep := erase.Run(ctx, sys, units, open, erase.RunOptions{})
+	rep := erase.Run(ctx, sys, units, open, erase.RunOptions{Erase: erase.Options{Overwrite: b.Config.EraseOverwrite}})
 	for _, u := range rep.Units {
 		for _, n := range u.NVMe {
 			if n.Erased() {
