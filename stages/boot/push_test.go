@@ -203,7 +203,14 @@ func TestPushDeadGateway(t *testing.T) {
 				}
 				g.mu.Unlock()
 			}()
-			b := bn.boot(bootCmdline + " passage.net_timeout=2s passage.push=http://" + l.Addr().String())
+			// A hung gateway meets the stage's deadline; a refusing one must fail on its
+			// own, 3 refused tries 1 s apart, well inside a deadline that a loaded machine
+			// cannot reach.
+			timeout := "2s"
+			if mode == "refuses" {
+				timeout = "30s"
+			}
+			b := bn.boot(bootCmdline + " passage.net_timeout=" + timeout + " passage.push=http://" + l.Addr().String())
 			fakeNet(b)
 			rs, err := (&stages.Runner{Stages: b.Stages()}).Run(context.Background(), &stages.State{})
 			if err != nil {
