@@ -4,9 +4,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"strconv"
 
-	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/metrics"
 	"github.com/passage-boot/passage/pci"
 )
@@ -19,12 +17,11 @@ func cmdMetrics(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("metrics", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	file := fs.String("manifest", "", "the signed manifest envelope `FILE` (manifest.dsse.json)")
-	pub := fs.String("pub", "", "public key file of the node's ed25519 key, or a directory of keys")
-	tpmPub := fs.String("tpm-pub", "", "public key file of the node's TPM key")
-	minGen := fs.String("min-generation", "0", "refuse manifests with a lower generation (replay)")
+	var vf verifyFlags
+	vf.register(fs)
 	root := fs.String("root", "", "also compare the ports' ACS Control under `DIR` (/ on the node) with the manifest")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage metrics --manifest FILE --pub KEY|--tpm-pub FILE [--root DIR] [--min-generation N]")
+		fmt.Fprintln(stderr, "usage: passage metrics --manifest FILE --pub KEY|KEYDIR|--tpm-pub FILE [--root DIR] [--min-generation N] [--boot-id ID]")
 		fmt.Fprintln(stderr, "prints the verified manifest in Prometheus text format; metrics report the manifest, they judge nothing")
 		fs.PrintDefaults()
 	}
@@ -34,30 +31,15 @@ func cmdMetrics(args []string, stdout, stderr io.Writer) int {
 		}
 		return 2
 	}
-	if fs.NArg() > 0 || *file == "" || (*pub == "") == (*tpmPub == "") {
+	if fs.NArg() > 0 || *file == "" {
 		fs.Usage()
 		return 2
 	}
-	min, err := strconv.ParseUint(*minGen, 10, 64)
-	if err != nil {
-		fmt.Fprintf(stderr, "passage metrics: --min-generation %q: not a generation number\n", *minGen)
-		return 2
+	v, code := vf.verify("metrics", *file, stderr)
+	if code != 0 {
+		return code
 	}
-	kr, err := loadKeyring(*pub+*tpmPub, *tpmPub != "")
-	if err != nil {
-		fmt.Fprintf(stderr, "passage metrics: %v\n", err)
-		return 2
-	}
-	o := verifyFile(*file, kr, manifest.VerifyOptions{MinGeneration: min})
-	switch {
-	case o.failed != nil:
-		fmt.Fprintf(stderr, "passage metrics: %s\n", oneLine(o.failed))
-		return 2
-	case o.refused != nil:
-		fmt.Fprintf(stderr, "passage metrics: %s: REFUSED: %s\n", *file, oneLine(o.refused))
-		return 1
-	}
-	src := metrics.Source{Manifest: o.verified.Manifest, Signed: true}
+	src := metrics.Source{Manifest: v.Manifest, Signed: true}
 	if *root != "" {
 		tree, err := pci.Scan(*root)
 		if err != nil {

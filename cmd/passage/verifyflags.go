@@ -1,8 +1,6 @@
 package main
 
 import (
-	"crypto/ecdsa"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -41,43 +39,29 @@ func (f *verifyFlags) options(cmd string, stderr io.Writer) (keyFile string, opt
 	return f.pub + f.tpmPub, manifest.VerifyOptions{MinGeneration: min, BootID: f.bootID}, 0
 }
 
-// verify reads and verifies the envelope at path. It returns the accepted manifest, or
-// the exit status after printing why on stderr: 1 when the manifest is refused (the
-// reason follows REFUSED), 2 for a usage error or a file that cannot be read.
+// verify reads and verifies the envelope at path with the keyring the flags name (a key
+// file, or a directory of a fleet's keys), through verifyFile as verify's many-file form
+// does: one verification for verify, render and metrics. It returns the accepted
+// manifest, or the exit status after printing why on stderr: 1 when the manifest is
+// refused (the reason follows REFUSED), 2 for a usage error or a file that cannot be read.
 func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Verified, int) {
 	keyFile, opts, code := f.options(cmd, stderr)
 	if code != 0 {
 		return nil, code
 	}
-	v, err := manifest.LoadVerifier(keyFile)
+	kr, err := loadKeyring(keyFile, f.tpmPub != "")
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
 		return nil, 2
 	}
-	if _, isEC := v.Public().(*ecdsa.PublicKey); f.tpmPub != "" && !isEC {
-		fmt.Fprintf(stderr, "passage %s: --tpm-pub %s: not a TPM (ECDSA P-256) key\n", cmd, keyFile)
+	o := verifyFile(path, kr, opts)
+	switch {
+	case o.failed != nil:
+		fmt.Fprintf(stderr, "passage %s: %s: %s\n", cmd, path, oneLine(o.failed))
 		return nil, 2
+	case o.refused != nil:
+		fmt.Fprintf(stderr, "passage %s: %s: REFUSED: %s\n", cmd, path, oneLine(o.refused))
+		return nil, 1
 	}
-	env, err := manifest.ReadEnvelope(path)
-	if err != nil {
-		var ve *manifest.VerifyError
-		if errors.As(err, &ve) {
-			// Too large to be an envelope: refused before it is read whole.
-			fmt.Fprintf(stderr, "passage %s: %s: REFUSED: %v\n", cmd, path, err)
-			return nil, 1
-		}
-		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
-		return nil, 2
-	}
-	got, err := manifest.Verify(env, v, opts)
-	if err != nil {
-		var ve *manifest.VerifyError
-		if errors.As(err, &ve) {
-			fmt.Fprintf(stderr, "passage %s: %s: REFUSED: %v\n", cmd, path, err)
-			return nil, 1
-		}
-		fmt.Fprintf(stderr, "passage %s: %s: %v\n", cmd, path, err)
-		return nil, 2
-	}
-	return got, 0
+	return o.verified, 0
 }
