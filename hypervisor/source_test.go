@@ -2,6 +2,7 @@ package hypervisor
 
 import (
 	"errors"
+	"github.com/passage-boot/passage/manifest/manifesttest"
 	"strings"
 	"testing"
 
@@ -110,5 +111,17 @@ func TestPlanAdmits(t *testing.T) {
 		case c.want == "" && c.allow && c.n == 2 && (len(deg) != 1 || deg[0].ID != 1):
 			t.Errorf("%v: degraded %v, want gpu1", c.units, deg)
 		}
+	}
+}
+
+// TestFixtureIsAManifest: the B300 manifest other packages' tests (metrics, fleet verify)
+// build on is one the hypervisor accepts, so what they test is what a node writes.
+func TestFixtureIsAManifest(t *testing.T) {
+	srcs, err := Sources(manifesttest.B300(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(srcs) != 8 {
+		t.Errorf("%d units", len(srcs))
 	}
 }

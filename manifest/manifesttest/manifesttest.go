@@ -51,7 +51,7 @@ func B300(gen uint64) *manifest.Manifest {
 				fn(b+7, 0, "0x10de", "0x3182", "0x20e6", "0x030200", "gpu", "64GT/s", 16),
 				fn(b+4, 0, "0x15b3", "0x1023", "0x0071", "0x020700", "gpu-nic", "64GT/s", 16),
 				fn(b+4, 1, "0x15b3", "0x1023", "0x0071", "0x020700", "gpu-nic", "64GT/s", 16),
-				fn(b+9, 0, "0x144d", "0xa80a", "0xa801", "0x010802", "nvme", "16GT/s", 4),
+				fn(b+9, 0, "0x144d", "0xa80a", "0xa801", "0x010802", "gpu-nvme", "16GT/s", 4),
 			},
 		}
 		// DESIGN.md's policy: DirectTrans only on the downstream port above the CX-8 NIC;
