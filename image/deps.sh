@@ -62,7 +62,8 @@ if ! getent passwd libvirt-qemu >/dev/null; then
 	fi
 	useradd --system --no-create-home --home-dir /var/lib/libvirt --shell /usr/sbin/nologin libvirt-qemu
 fi
-# Nor should they start at the machine's next boot, where systemd runs.
+# The daemons installed above do not start at the machine's next boot either, where systemd
+# runs: the tests start their own.
 for s in prometheus prometheus-pushgateway; do
 	if [[ " ${need[*]-} " == *" $s "* ]] && command -v systemctl >/dev/null; then
 		systemctl disable --quiet "$s" 2>/dev/null || true
