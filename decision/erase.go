@@ -68,11 +68,12 @@ func (d *Decision) ExecuteBindErased(ctx context.Context, sys vfiobind.Sysfs, ac
 	return vfiobind.Bind(ctx, sys, d.Tree, d.BindableErased(acs, er), opts)
 }
 
-// Released are the verdicts of units taken out of service between two tenants (passage
-// recycle) before anything is done to them: failed, with the reason, so that the signed
-// generation written before the release can never be read as ready, whatever happens
-// after it. The verdicts that follow come from Conclude.
-func (d *Decision) Released(ids []topology.UnitID, reason string) []Verdict {
+// Unvouched are the verdicts of units a run cannot vouch for: failed, with the reason.
+// Recycle gives them to the units it takes out of service before anything is done to
+// them, so that the generation signed before the release can never be read as ready
+// whatever happens after it, and to units it has no verified earlier record of. The
+// verdicts that follow an execution come from Conclude.
+func (d *Decision) Unvouched(ids []topology.UnitID, reason string) []Verdict {
 	out := make([]Verdict, 0, len(ids))
 	for _, id := range ids {
 		out = append(out, Verdict{Unit: id, Status: topology.StatusFailed, Reasons: []string{reason}})

@@ -140,7 +140,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 
 	// 1. Not ready, signed, before anything is touched.
 	pending := map[topology.UnitID]decision.Verdict{}
-	for _, v := range d.Released(o.Units, "recycle: in progress: released for erase and reset; not ready until a later generation says so") {
+	for _, v := range d.Unvouched(o.Units, "recycle: in progress: released for erase and reset; not ready until a later generation says so") {
 		pending[v.Unit] = v
 	}
 	m, _, err := o.write(ctx, d, prev, pending, nil, nil, nil)
@@ -302,8 +302,8 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifes
 			m.Units = append(m.Units, *pu)
 			continue
 		}
-		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: manifest.StatusFailed,
-			Reasons: []string{"recycle: no verified earlier manifest to carry this unit from"}, NUMANode: u.NUMANode})
+		v := d.Unvouched([]topology.UnitID{u.ID}, "recycle: no verified earlier manifest to carry this unit from")[0]
+		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode})
 	}
 	gen, src, gerr := manifest.NextGeneration(o.Counters...)
 	m.Generation, m.GenerationSource = gen, src
