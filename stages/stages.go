@@ -312,8 +312,12 @@ type Runner struct {
 	// Grace is how long the runner waits past a stage's deadline for it to return before
 	// abandoning it as failed; the boot must go on even if a stage ignores its context.
 	Grace time.Duration
-	// Console gets one line per stage as it ends. Nil: no console output.
+	// Console gets one line per stage as it ends, and, while a stage has been waiting
+	// on something (Result.Wait) for Tick or longer, a "still waiting" line every Tick,
+	// as systemd shows a start job. Nil: no console output.
 	Console io.Writer
+	// Tick is how often a waiting stage is shown; 0 is 5 s.
+	Tick time.Duration
 	// Log gets each result as a JSON line as the stage ends. Nil: no log.
 	Log io.Writer
 	// Now is the clock; nil is time.Now.
@@ -432,15 +436,34 @@ func (rn *Runner) runOne(ctx context.Context, st *State, s Stage, done map[strin
 	if grace <= 0 {
 		grace = 2 * time.Second
 	}
+	var tick <-chan time.Time
+	if rn.Console != nil {
+		every := rn.Tick
+		if every <= 0 {
+			every = 5 * time.Second
+		}
+		t := time.NewTicker(every)
+		defer t.Stop()
+		tick = t.C
+	}
 	var r Result
-	select {
-	case r = <-done1:
-	case <-sctx.Done():
+wait:
+	for {
 		select {
 		case r = <-done1:
-		case <-time.After(grace):
-			r = Result{Name: s.Name, Status: Failed,
-				Err: fmt.Errorf("deadline %v exceeded%s, and the stage did not return within %v: abandoned", timeout, waitingOn(wn), grace)}
+			break wait
+		case <-tick:
+			if what := wn.get(); what != "" {
+				fmt.Fprintf(rn.Console, "passage: %s: still waiting for %s (%s of %v)\n", s.Name, oneLine(what), fmtDuration(rn.now().Sub(start)), timeout)
+			}
+		case <-sctx.Done():
+			select {
+			case r = <-done1:
+			case <-time.After(grace):
+				r = Result{Name: s.Name, Status: Failed,
+					Err: fmt.Errorf("deadline %v exceeded%s, and the stage did not return within %v: abandoned", timeout, waitingOn(wn), grace)}
+			}
+			break wait
 		}
 	}
 	if r.Status == Failed && r.Err == nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -62,5 +63,85 @@ func TestTimedOutStageNamesWhatItWaitedOn(t *testing.T) {
 	}
 	if strings.Contains(rs[3].Err.Error(), "waiting for") {
 		t.Errorf("finished: %v names a wait that had ended", rs[3].Err)
+	}
+}
+
+// lineWatch is a console that hands each "still waiting" line to a channel.
+type lineWatch struct {
+	mu    sync.Mutex
+	all   strings.Builder
+	still chan string
+}
+
+func (w *lineWatch) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.all.Write(p)
+	if s := string(p); strings.Contains(s, "still waiting") {
+		select {
+		case w.still <- s:
+		default:
+		}
+	}
+	return len(p), nil
+}
+
+func (w *lineWatch) count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return strings.Count(w.all.String(), "still waiting")
+}
+
+// A stage that waits on something shows it on the console while it waits, as a start
+// job does; one that waits on nothing, or no longer, shows no such line.
+func TestWaitingStageShownWhileItWaits(t *testing.T) {
+	w := &lineWatch{still: make(chan string, 1)}
+	var seen string
+	var atDone, afterDone int
+	rn := &Runner{
+		Console: w,
+		Tick:    time.Millisecond,
+		Timeout: time.Minute,
+		Stages: []Stage{
+			{Name: "quiet", Run: func(ctx context.Context, _ *State, r *Result) error {
+				time.Sleep(20 * time.Millisecond) // many ticks, no wait named
+				return nil
+			}},
+			{Name: "network", Run: func(ctx context.Context, _ *State, r *Result) error {
+				done := r.Wait("a DHCP OFFER on eth0 (xid 0x1234)")
+				select {
+				case seen = <-w.still:
+				case <-time.After(30 * time.Second):
+					return errors.New("no still-waiting line within 30 s")
+				}
+				done()
+				atDone = w.count()
+				time.Sleep(20 * time.Millisecond) // many ticks after the wait ended
+				afterDone = w.count()
+				return nil
+			}},
+		},
+	}
+	rs, err := rn.Run(context.Background(), &State{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rs {
+		if r.Status != OK {
+			t.Errorf("%s: %s %v", r.Name, r.Status, r.Err)
+		}
+	}
+	if !strings.HasPrefix(seen, "passage: network: still waiting for a DHCP OFFER on eth0 (xid 0x1234) (") || !strings.HasSuffix(seen, " of 1m0s)\n") {
+		t.Errorf("still-waiting line %q", seen)
+	}
+	w.mu.Lock()
+	all := w.all.String()
+	w.mu.Unlock()
+	if strings.Contains(all, "quiet: still waiting") {
+		t.Errorf("a stage that named no wait was shown waiting:\n%s", all)
+	}
+	// One tick may have read the wait just before it ended; none after.
+	if afterDone > atDone+1 {
+		t.Errorf("%d still-waiting lines when the wait ended, %d later: it went on being shown:\n%s", atDone, afterDone, all)
 	}
 }
