@@ -89,6 +89,19 @@ func retryable(code int) bool {
 // Publish POSTs body to url as a DSSE envelope, retrying within p. It returns every attempt
 // made; the error is the last failure, or nil once the server answered 2xx.
 func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, error) {
+	return send(ctx, hc, "publish", http.MethodPost, url, EnvelopeType, body, p)
+}
+
+// Put PUTs body, of media type ctype, to url (a Pushgateway group: the node's last boot
+// replaces its previous one), bounded and retried within p exactly as Publish is.
+func Put(ctx context.Context, hc *http.Client, url, ctype string, body []byte, p PublishPolicy) ([]Attempt, error) {
+	return send(ctx, hc, "put", http.MethodPut, url, ctype, body, p)
+}
+
+// send is Publish's and Put's one bounded request loop: an https URL first waits for the
+// kernel's random pool within ctx; then at most p.Tries requests, backing off between
+// them, no retry of a status the server will answer again.
+func send(ctx context.Context, hc *http.Client, verb, method, url, ctype string, body []byte, p PublishPolicy) ([]Attempt, error) {
 	if hc == nil {
 		hc = http.DefaultClient
 	}
@@ -101,7 +114,7 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 	}
 	if strings.HasPrefix(strings.ToLower(url), "https:") {
 		done := p.wait(entropy.Waiting)
-		err := entropy.Wait(ctx, p.Pool, "publish "+url+": TLS", p.Note)
+		err := entropy.Wait(ctx, p.Pool, verb+" "+url+": TLS", p.Note)
 		done()
 		if err != nil {
 			return nil, err
@@ -115,11 +128,11 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 		if i > 0 {
 			a.Wait = waits[i-1].String()
 			if err := sleep(ctx, waits[i-1]); err != nil {
-				return attempts, fmt.Errorf("publish %s: %w (after %d tries: %v)", url, err, i, last)
+				return attempts, fmt.Errorf("%s %s: %w (after %d tries: %v)", verb, url, err, i, last)
 			}
 		}
 		done := p.wait("a response from " + url)
-		code, err := post(ctx, hc, url, body, p.PerTry)
+		code, err := request(ctx, hc, method, url, ctype, body, p.PerTry)
 		done()
 		a.Status = code
 		if err == nil {
@@ -133,20 +146,20 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 			break
 		}
 	}
-	return attempts, fmt.Errorf("publish %s: %d tries: %w", url, len(attempts), last)
+	return attempts, fmt.Errorf("%s %s: %d tries: %w", verb, url, len(attempts), last)
 }
 
-func post(ctx context.Context, hc *http.Client, url string, body []byte, perTry time.Duration) (int, error) {
+func request(ctx context.Context, hc *http.Client, method, url, ctype string, body []byte, perTry time.Duration) (int, error) {
 	if perTry > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, perTry)
 		defer cancel()
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, method, url, bytes.NewReader(body))
 	if err != nil {
 		return 0, err
 	}
-	req.Header.Set("Content-Type", EnvelopeType)
+	req.Header.Set("Content-Type", ctype)
 	resp, err := hc.Do(req)
 	if err != nil {
 		return 0, err

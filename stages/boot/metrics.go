@@ -3,7 +3,9 @@ package boot
 import (
 	"bytes"
 	"context"
+	"time"
 
+	"github.com/passage-boot/passage/initramfs/netboot"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/metrics"
 	"github.com/passage-boot/passage/stages"
@@ -33,8 +35,12 @@ func (b *Boot) writeMetrics(ctx context.Context, r *stages.Result, dir string, m
 	b.commit(ctx, func() { b.metricsText, b.metricsInstance = text.Bytes(), inst })
 }
 
-// push sends the metrics to the Pushgateway of passage.push=, bounded by
-// metrics.DefaultPush and the stage's deadline. It runs after the manifest and the
+// pushPolicy bounds the push: a Pushgateway that does not answer in 3 x 5 s is down.
+var pushPolicy = netboot.PublishPolicy{Tries: 3, PerTry: 5 * time.Second, Backoff: time.Second, MaxBackoff: time.Second}
+
+// push sends the metrics to the Pushgateway of passage.push= through netboot.Put, the
+// publish stage's bounded request (an https gateway waits for the kernel's random pool
+// within the stage's deadline, and says so), bounded by pushPolicy and the deadline. It runs after the manifest and the
 // network: a gateway that is down fails this stage and nothing else.
 func (b *Boot) push(ctx context.Context, _ *stages.State, r *stages.Result) error {
 	if b.Config.Push == "" {
@@ -47,9 +53,12 @@ func (b *Boot) push(ctx context.Context, _ *stages.State, r *stages.Result) erro
 		return stages.Skip("no metrics: the manifest stage wrote none")
 	}
 	url := metrics.GroupURL(b.Config.Push, inst)
-	tries, err := metrics.Push(ctx, nil, url, text, metrics.DefaultPush)
-	for _, t := range tries {
-		r.Findingf("%s", t)
+	p := pushPolicy
+	p.Waiting = r.Wait
+	p.Note = func(s string) { r.Findingf("%s", s) }
+	att, err := netboot.Put(ctx, nil, url, metrics.ContentType, text, p)
+	for i, a := range att {
+		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)
 	}
 	if err != nil {
 		return err
