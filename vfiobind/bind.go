@@ -275,41 +275,55 @@ func bindFunction(ctx context.Context, sys Sysfs, st *fnState, opts Options) (fr
 	}
 	st.driver, fr.DriverBefore = before, before
 
-	if err := write(ctx, sys, &fr, devPath(a, "driver_override"), VFIODriver); err != nil {
-		// A sysfs store that fails changes nothing: no override to restore.
-		return fr, fmt.Errorf("%s: write driver_override: %w", a, err)
+	wrote, err := steer(ctx, sys, &fr, a, before, VFIODriver)
+	st.wroteOvr = wrote
+	if err != nil {
+		return fr, err
 	}
-	st.wroteOvr = true
-	if before != VFIODriver {
-		if before != "" {
-			if err := write(ctx, sys, &fr, driverPath(before, "unbind"), a.String()); err != nil {
-				return fr, fmt.Errorf("%s: unbind %s: %w", a, before, err)
-			}
-		}
-		if err := write(ctx, sys, &fr, driversProbe, a.String()); err != nil {
-			return fr, fmt.Errorf("%s: drivers_probe: %w", a, err)
-		}
-	}
-	if err := verify(ctx, sys, a, d.IOMMUGroup, opts); err != nil {
+	if err := verify(ctx, sys, a, VFIODriver, VFIODevNode(d.IOMMUGroup), opts); err != nil {
 		return fr, err
 	}
 	fr.DriverAfter = VFIODriver
 	return fr, nil
 }
 
-// verify waits for the driver link to name vfio-pci and the group's /dev/vfio node to
-// exist. drivers_probe reports success even when the probe fails, so only these two
-// say the binding happened.
-func verify(ctx context.Context, sys Sysfs, a pci.Address, group int, opts Options) error {
+// steer makes the three writes that move a function from driver before to drv: the
+// override first (so from the moment its driver lets go only drv can match), the unbind
+// of before, drivers_probe; none when it is on drv already. wrote says the override was
+// written (a sysfs store that fails changes nothing: no override to restore).
+func steer(ctx context.Context, sys Sysfs, fr *FunctionReport, a pci.Address, before, drv string) (wrote bool, err error) {
+	if err := write(ctx, sys, fr, devPath(a, "driver_override"), drv); err != nil {
+		return false, fmt.Errorf("%s: write driver_override: %w", a, err)
+	}
+	if before == drv {
+		return true, nil
+	}
+	if before != "" {
+		if err := write(ctx, sys, fr, driverPath(before, "unbind"), a.String()); err != nil {
+			return true, fmt.Errorf("%s: unbind %s: %w", a, before, err)
+		}
+	}
+	if err := write(ctx, sys, fr, driversProbe, a.String()); err != nil {
+		return true, fmt.Errorf("%s: drivers_probe: %w", a, err)
+	}
+	return true, nil
+}
+
+// verify waits for the driver link to name drv and, when node is set (the group's
+// /dev/vfio node), for node to exist. drivers_probe reports success even when the probe
+// fails, so only these say the binding happened.
+func verify(ctx context.Context, sys Sysfs, a pci.Address, want, node string, opts Options) error {
 	deadline := opts.Clock.Now().Add(opts.VerifyTimeout)
-	node := VFIODevNode(group)
 	for {
 		drv, err := currentDriver(sys, a)
 		if err != nil {
 			return err
 		}
 		var nodeErr error
-		if drv == VFIODriver {
+		if drv == want {
+			if node == "" {
+				return nil
+			}
 			nodeErr = sys.Stat(node)
 			if nodeErr == nil {
 				return nil
@@ -317,14 +331,14 @@ func verify(ctx context.Context, sys Sysfs, a pci.Address, group int, opts Optio
 		}
 		if !opts.Clock.Now().Before(deadline) {
 			switch {
-			case drv != VFIODriver && drv == "":
-				return fmt.Errorf("%s: no driver bound after drivers_probe (want %s; waited %v)", a, VFIODriver, opts.VerifyTimeout)
-			case drv != VFIODriver:
-				return fmt.Errorf("%s: driver is %s after drivers_probe (want %s; waited %v)", a, drv, VFIODriver, opts.VerifyTimeout)
+			case drv == "":
+				return fmt.Errorf("%s: no driver bound after drivers_probe (want %s; waited %v)", a, want, opts.VerifyTimeout)
+			case drv != want:
+				return fmt.Errorf("%s: driver is %s after drivers_probe (want %s; waited %v)", a, drv, want, opts.VerifyTimeout)
 			case errors.Is(nodeErr, fs.ErrNotExist):
-				return fmt.Errorf("%s: bound to %s but /%s is missing (waited %v)", a, VFIODriver, node, opts.VerifyTimeout)
+				return fmt.Errorf("%s: bound to %s but /%s is missing (waited %v)", a, want, node, opts.VerifyTimeout)
 			default:
-				return fmt.Errorf("%s: bound to %s but /%s: %w", a, VFIODriver, node, nodeErr)
+				return fmt.Errorf("%s: bound to %s but /%s: %w", a, want, node, nodeErr)
 			}
 		}
 		if err := opts.Clock.Sleep(ctx, opts.PollInterval); err != nil {

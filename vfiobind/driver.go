@@ -55,36 +55,10 @@ func BindDriver(ctx context.Context, sys Sysfs, a pci.Address, drv string, opts 
 		return fr, err
 	}
 	fr.DriverBefore = before
-	if err := write(ctx, sys, &fr, devPath(a, "driver_override"), drv); err != nil {
-		return fr, fmt.Errorf("%s: write driver_override: %w", a, err)
+	if _, err := steer(ctx, sys, &fr, a, before, drv); err != nil {
+		return fr, err
 	}
-	if before == drv {
-		return fr, nil
-	}
-	if before != "" {
-		if err := write(ctx, sys, &fr, driverPath(before, "unbind"), a.String()); err != nil {
-			return fr, fmt.Errorf("%s: unbind %s: %w", a, before, err)
-		}
-	}
-	if err := write(ctx, sys, &fr, driversProbe, a.String()); err != nil {
-		return fr, fmt.Errorf("%s: drivers_probe: %w", a, err)
-	}
-	deadline := opts.Clock.Now().Add(opts.VerifyTimeout)
-	for {
-		cur, err := currentDriver(sys, a)
-		if err != nil {
-			return fr, err
-		}
-		if cur == drv {
-			return fr, nil
-		}
-		if !opts.Clock.Now().Before(deadline) {
-			return fr, fmt.Errorf("%s: driver is %q after drivers_probe (want %s; waited %v)", a, cur, drv, opts.VerifyTimeout)
-		}
-		if err := opts.Clock.Sleep(ctx, opts.PollInterval); err != nil {
-			return fr, fmt.Errorf("%s: bind %s: %w", a, drv, err)
-		}
-	}
+	return fr, verify(ctx, sys, a, drv, "", opts)
 }
 
 // Park takes a function off whatever driver holds it and sets its override to override,
