@@ -440,17 +440,6 @@ func (d *Decision) acsVerdict(changes []apply.Change) (topology.Status, []string
 	return s, reasons
 }
 
-// Bindable are the units to bind after the ACS step reported rep: those the decision
-// passes through whose ports all reached a state they may be passed through in.
-func (d *Decision) Bindable(rep *apply.Report) []*topology.Unit {
-	if d.Erase == erase.PolicyRequire {
-		// No erase report here: under require nothing goes to vfio-pci without one
-		// (BindableErased is the binding step's question).
-		return nil
-	}
-	return d.passable(rep)
-}
-
 // passable are the units the decision passes through whose ports all reached a state
 // they may be passed through in.
 func (d *Decision) passable(rep *apply.Report) []*topology.Unit {
@@ -502,7 +491,3 @@ func (d *Decision) ExecuteACS(ctx context.Context, cfg pci.ConfigIO, dryRun bool
 		DryRun: dryRun, LockedDown: d.Live.LockedDown()})
 }
 
-// ExecuteBind binds the units the ACS step left bindable (Bindable) to vfio-pci.
-func (d *Decision) ExecuteBind(ctx context.Context, sys vfiobind.Sysfs, acs *apply.Report, opts vfiobind.Options) (*vfiobind.Report, error) {
-	return vfiobind.Bind(ctx, sys, d.Tree, d.Bindable(acs), opts)
-}

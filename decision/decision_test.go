@@ -46,7 +46,7 @@ func cleanRun(d *Decision) (*apply.Report, *vfiobind.Report) {
 			Mask: p.Mask, Flags: p.Flags, Before: p.Current, Target: p.Target(), After: p.Target(), Result: apply.ResultApplied})
 	}
 	bind := &vfiobind.Report{}
-	for _, u := range d.Bindable(acs) {
+	for _, u := range d.Bindable(acs, nil) {
 		bind.Units = append(bind.Units, vfiobind.UnitReport{ID: u.ID})
 	}
 	return acs, bind
@@ -163,7 +163,7 @@ func TestConcludeFailsClosed(t *testing.T) {
 	if got[1] != topology.StatusFailed || got[2] != topology.StatusDegraded || got[3] != topology.StatusReady {
 		t.Errorf("run-time port outcomes: %v", got)
 	}
-	for _, u := range d.Bindable(&fail) {
+	for _, u := range d.Bindable(&fail, nil) {
 		if u.ID == 1 {
 			t.Error("unit 1 bindable after its port failed")
 		}
@@ -383,7 +383,7 @@ func TestSharedPort(t *testing.T) {
 	if got := statuses(d.Conclude(Execution{ACS: acs, Binding: true, Bind: bind})); got[int(live)] != topology.StatusFailed {
 		t.Errorf("%s %s after its shared root port failed", live, got[int(live)])
 	}
-	for _, u := range d.Bindable(acs) {
+	for _, u := range d.Bindable(acs, nil) {
 		if u.ID == live {
 			t.Errorf("%s bindable after its shared root port failed", live)
 		}

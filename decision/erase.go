@@ -49,10 +49,11 @@ func (d *Decision) ErasePlan(acs *apply.Report) []*topology.Unit {
 	return d.passable(acs)
 }
 
-// BindableErased are the units to bind after the ACS step reported acs and the erase
-// step reported er: the passable ones, less those the erase policy fails. Under require
-// a unit with any erase or reset problem, or none reported, is not bound.
-func (d *Decision) BindableErased(acs *apply.Report, er *erase.Report) []*topology.Unit {
+// Bindable are the units to bind after the ACS step reported acs and the erase step
+// reported er (nil: no erase step ran): those the decision passes through whose ports
+// all reached a state they may be passed through in, less those the erase policy fails.
+// Under require a unit with any erase or reset problem, or none reported, is not bound.
+func (d *Decision) Bindable(acs *apply.Report, er *erase.Report) []*topology.Unit {
 	var out []*topology.Unit
 	for _, u := range d.passable(acs) {
 		if s, _ := d.eraseVerdict(u.ID, er, nil); s == topology.StatusFailed {
@@ -63,9 +64,9 @@ func (d *Decision) BindableErased(acs *apply.Report, er *erase.Report) []*topolo
 	return out
 }
 
-// ExecuteBindErased binds the units BindableErased gives to vfio-pci.
-func (d *Decision) ExecuteBindErased(ctx context.Context, sys vfiobind.Sysfs, acs *apply.Report, er *erase.Report, opts vfiobind.Options) (*vfiobind.Report, error) {
-	return vfiobind.Bind(ctx, sys, d.Tree, d.BindableErased(acs, er), opts)
+// ExecuteBind binds the units Bindable gives to vfio-pci.
+func (d *Decision) ExecuteBind(ctx context.Context, sys vfiobind.Sysfs, acs *apply.Report, er *erase.Report, opts vfiobind.Options) (*vfiobind.Report, error) {
+	return vfiobind.Bind(ctx, sys, d.Tree, d.Bindable(acs, er), opts)
 }
 
 // Unvouched are the verdicts of units a run cannot vouch for: failed, with the reason.

@@ -97,7 +97,7 @@ func (n *eraseNode) execute(t *testing.T, d *Decision) ([]Verdict, *erase.Report
 	acs, _ := cleanRun(d)
 	ctx := context.Background()
 	er := erase.Run(ctx, n.k, d.ErasePlan(acs), n.open, eraseOpts)
-	bind, err := d.ExecuteBindErased(ctx, n.k, acs, er, vfiobind.Options{})
+	bind, err := d.ExecuteBind(ctx, n.k, acs, er, vfiobind.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,16 +230,13 @@ func TestEraseAutoDegrades(t *testing.T) {
 func decidedFailed(vs []Verdict) bool { return Failed(vs) }
 
 // TestEraseReportMissing: under require, no erase report (the step errored, panicked,
-// timed out) fails every unit, and Bindable alone binds nothing.
+// timed out) fails every unit, and Bindable binds nothing.
 func TestEraseReportMissing(t *testing.T) {
 	n := newEraseNode(t)
 	d := n.decide(t, erase.PolicyRequire)
 	acs, bind := cleanRun(d)
-	if b := d.Bindable(acs); len(b) != 0 {
+	if b := d.Bindable(acs, nil); len(b) != 0 {
 		t.Errorf("Bindable under require without an erase report: %d units", len(b))
-	}
-	if b := d.BindableErased(acs, nil); len(b) != 0 {
-		t.Errorf("BindableErased with no report: %d units", len(b))
 	}
 	vs := d.Conclude(Execution{ACS: acs, Binding: true, Bind: bind, EraseErr: fmt.Errorf("stage erase failed: deadline")})
 	for _, v := range vs {

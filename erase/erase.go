@@ -6,7 +6,7 @@
 // namespace read back. It also resets every passthrough function through the kernel.
 //
 // It reports and judges nothing: whether a unit may be passed through after what it
-// reports is package decision's call (Decision.Conclude, Decision.BindableErased).
+// reports is package decision's call (Decision.Conclude, Decision.Bindable).
 package erase
 
 import (

@@ -196,7 +196,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 		acs = &acsRep
 	}
 	var bindUnits []*topology.Unit
-	for _, u := range d.BindableErased(acs, res.Erase) {
+	for _, u := range d.Bindable(acs, res.Erase) {
 		if slices.Contains(o.Units, u.ID) {
 			bindUnits = append(bindUnits, u)
 		}

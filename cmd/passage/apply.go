@@ -212,7 +212,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 			// Another root: its modules are not loaded into this kernel; vfio-pci must
 			// already be registered (binding checks).
 		}
-		out.VFIO, x.BindErr = d.ExecuteBind(ctx, sys, x.ACS, opts)
+		out.VFIO, x.BindErr = d.ExecuteBind(ctx, sys, x.ACS, nil, opts)
 		x.Bind = out.VFIO
 		if x.BindErr != nil && out.VFIO == nil {
 			return usageErr(x.BindErr)

@@ -399,7 +399,7 @@ func (b *Boot) vfio(ctx context.Context, _ *stages.State, r *stages.Result) erro
 		return stages.Skip("dry run")
 	}
 	er := b.eraseResult()
-	bind := d.BindableErased(acsRun, er)
+	bind := d.Bindable(acsRun, er)
 	in := map[topology.UnitID]bool{}
 	for _, u := range bind {
 		in[u.ID] = true
@@ -413,7 +413,7 @@ func (b *Boot) vfio(ctx context.Context, _ *stages.State, r *stages.Result) erro
 	if b.Sysfs != nil {
 		sys = b.Sysfs
 	}
-	rep, err := d.ExecuteBindErased(ctx, sys, acsRun, er, vfiobind.Options{})
+	rep, err := d.ExecuteBind(ctx, sys, acsRun, er, vfiobind.Options{})
 	if rep != nil {
 		if rep.ModulesErr != "" {
 			r.Degrade("vfio modules: %s", rep.ModulesErr)

@@ -24,7 +24,7 @@ func (b *Boot) eraseResult() *erase.Report {
 // of their functions (package erase), before the vfio stage binds them. It only
 // reports: the decision folds the report into the verdicts (a unit it does not cover,
 // because this stage failed or ran out of time, is failed under passage.erase=require),
-// and the vfio stage binds only what BindableErased allows.
+// and the vfio stage binds only what Bindable allows.
 func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) error {
 	d, acsRun, _ := b.results()
 	if !d.Erase.Active() {

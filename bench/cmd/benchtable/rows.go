@@ -205,7 +205,7 @@ func applyInProcess(root string, k *vfiotest.Kernel) error {
 	if k == nil {
 		return nil
 	}
-	br, err := d.ExecuteBind(context.Background(), k, &rep, vfiobind.Options{Modules: k})
+	br, err := d.ExecuteBind(context.Background(), k, &rep, nil, vfiobind.Options{Modules: k})
 	if err != nil {
 		return err
 	}
