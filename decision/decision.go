@@ -490,4 +490,3 @@ func (d *Decision) ExecuteACS(ctx context.Context, cfg pci.ConfigIO, dryRun bool
 	return apply.ACS(ctx, d.ACS, apply.Options{IO: cfg, Cmdline: d.Live.Cmdline, KernelRelease: d.Live.Release,
 		DryRun: dryRun, LockedDown: d.Live.LockedDown()})
 }
-
