@@ -294,6 +294,11 @@ type Verdict struct {
 	Reasons []string        `json:"reasons,omitempty"`
 }
 
+// Usable says the unit may be passed through: ready, or degraded with a documented loss.
+func (v Verdict) Usable() bool {
+	return v.Status == topology.StatusReady || v.Status == topology.StatusDegraded
+}
+
 // Decided returns the verdicts as decided, before execution.
 func (d *Decision) Decided() []Verdict {
 	out := make([]Verdict, 0, len(d.Units()))

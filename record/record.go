@@ -108,7 +108,7 @@ func Units(d *decision.Decision, vs []decision.Verdict, x Execution, now DriverN
 			if bound {
 				f.DriverBefore, f.DriverAfter, f.IOMMUGroup = br.DriverBefore, br.DriverAfter, br.Group
 			}
-			if !bound || br.Err != "" || !passes(v) {
+			if !bound || br.Err != "" || !v.Usable() {
 				// Not bound by this run, or not cleanly (unit refused or failed, a step
 				// cut short, dry run): what sysfs says now, so the hypervisor never trusts
 				// a stale scan.
@@ -123,10 +123,6 @@ func Units(d *decision.Decision, vs []decision.Verdict, x Execution, now DriverN
 		out = append(out, mu)
 	}
 	return out
-}
-
-func passes(v decision.Verdict) bool {
-	return v.Status == topology.StatusReady || v.Status == topology.StatusDegraded
 }
 
 // Link is a function's link in the manifest's words (zero without a PCIe link).

@@ -96,10 +96,6 @@ func (b *Boot) manifestUnits(vs []decision.Verdict) []manifest.Unit {
 	return record.Units(d, vs, record.Execution{ACS: acsRun, Bind: bindRep, Erase: b.eraseResult()}, record.Drivers(b.Root))
 }
 
-func verdictOK(v decision.Verdict) bool {
-	return v.Status == topology.StatusReady || v.Status == topology.StatusDegraded
-}
-
 // guestPlan is the guest topology of the units that may be passed through (their final
 // verdict is not failed), with the host matrix over the same units and the matrix the
 // guest should show.
@@ -110,7 +106,7 @@ func (b *Boot) guestPlan(vs []decision.Verdict) (*manifest.GuestPlan, error) {
 	}
 	var ids []topology.UnitID
 	for _, v := range vs {
-		if verdictOK(v) {
+		if v.Usable() {
 			ids = append(ids, v.Unit)
 		}
 	}
