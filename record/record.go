@@ -7,11 +7,7 @@
 package record
 
 import (
-	"errors"
 	"fmt"
-	"io/fs"
-	"os"
-	"path/filepath"
 
 	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/decision"
@@ -34,17 +30,13 @@ type Execution struct {
 // cannot say.
 type DriverNow func(*pci.Device) (driver string, ok bool)
 
-// Drivers reads driver links beneath root.
+// Drivers reads driver links beneath root, through vfiobind's resolver (a link that
+// leaves the root is an error, not a path followed).
 func Drivers(root string) DriverNow {
+	sys := vfiobind.Root(root)
 	return func(d *pci.Device) (string, bool) {
-		t, err := os.Readlink(filepath.Join(root, pci.DevicesDir, d.Addr.String(), "driver"))
-		if errors.Is(err, fs.ErrNotExist) {
-			return "", true
-		}
-		if err != nil {
-			return "", false
-		}
-		return filepath.Base(t), true
+		drv, err := vfiobind.Driver(sys, d.Addr)
+		return drv, err == nil
 	}
 }
 
