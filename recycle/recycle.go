@@ -181,7 +181,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 
 	// 3. Erase and reset; 4. ACS as decided (unchanged unless someone changed it); 5. bind.
 	if o.Open == nil {
-		if err := nvmeDriver(o.Root); err != nil {
+		if err := nvmeDriver(o.Root, live.Release); err != nil {
 			// Each NVMe's erase then says it did not reach the nvme driver.
 			o.logf("%v", err)
 		}

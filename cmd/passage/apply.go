@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"strings"
 
 	"github.com/passage-boot/passage/apply"
@@ -202,10 +201,11 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 			// Modules go into the running kernel: only from the running system's own
 			// directory, unless the operator says otherwise, and never through a release
 			// that is not a plain name (a tree's /proc may say "../../tmp").
-			if !kmod.PlainRelease(live.Release) {
-				return usageErr(fmt.Errorf("kernel release %q: not a plain release name; no module loaded", live.Release))
+			ix, err := kmod.OpenRelease(*root, live.Release)
+			if errors.Is(err, kmod.ErrRelease) {
+				return usageErr(fmt.Errorf("%w; no module loaded", err))
 			}
-			if ix, err := kmod.Open(filepath.Join(*root, "lib", "modules", live.Release)); err == nil {
+			if err == nil {
 				opts.Modules = &vfiobind.Kmod{Index: ix}
 			}
 		default:

@@ -249,6 +249,19 @@ func (ix *Index) Load(names ...string) ([]Result, error) {
 	return results, errors.Join(errs...)
 }
 
+// ErrRelease is OpenRelease's refusal of a release that is not a plain name.
+var ErrRelease = errors.New("not a plain release name")
+
+// OpenRelease opens the module tree of kernel release rel beneath root
+// (root/lib/modules/rel), refusing a release that is not a plain name: a tree's /proc
+// may say "../../tmp".
+func OpenRelease(root, rel string) (*Index, error) {
+	if !PlainRelease(rel) {
+		return nil, fmt.Errorf("kernel release %q: %w", rel, ErrRelease)
+	}
+	return Open(filepath.Join(root, "lib", "modules", rel))
+}
+
 // PlainRelease says whether s can name a directory of /lib/modules: a kernel release
 // such as "6.1.0-57-amd64", never a path ("..", "/", empty).
 func PlainRelease(s string) bool {

@@ -200,10 +200,7 @@ func (b *Boot) openModules() error {
 	if b.kernelRelease() == "" {
 		return fmt.Errorf("kernel release: %s unreadable", b.path("proc/sys/kernel/osrelease"))
 	}
-	if !kmod.PlainRelease(b.Release) {
-		return fmt.Errorf("kernel release %q: not a plain release name", b.Release)
-	}
-	ix, err := kmod.Open(b.path(filepath.Join("lib/modules", b.Release)))
+	ix, err := kmod.OpenRelease(b.Root, b.Release)
 	if err != nil {
 		return err
 	}
