@@ -108,8 +108,9 @@ func (r Report) Writes() int {
 // Options tune a run. IO is required.
 type Options struct {
 	IO pci.ConfigIO
-	// Cmdline is the kernel command line. A port it already configures with the same
-	// pci=config_acs= setting is verified, not written.
+	// Cmdline is the kernel command line. A port it configures with the plan's own
+	// pci=config_acs= setting is read back: verified when the kernel set the target; when
+	// it did not, written (with a note), or under lockdown a mismatch.
 	Cmdline string
 	// KernelRelease ("6.1.0-57-amd64") goes into the lockdown advice.
 	KernelRelease string
@@ -135,7 +136,7 @@ const (
 type executor struct {
 	opt     Options
 	ctx     context.Context
-	cmdline map[pci.Address]acsSetting
+	cmdline map[pci.Address]ACSSetting
 	stopped map[topology.UnitID]string // unit -> the port whose failure stopped it
 }
 
@@ -160,7 +161,7 @@ func ACS(ctx context.Context, ports []topology.ACSPort, opt Options) (Report, er
 	if opt.Sleep == nil {
 		opt.Sleep = sleepCtx
 	}
-	x := &executor{opt: opt, ctx: ctx, cmdline: parseConfigACS(opt.Cmdline), stopped: map[topology.UnitID]string{}}
+	x := &executor{opt: opt, ctx: ctx, cmdline: ParseConfigACS(opt.Cmdline), stopped: map[topology.UnitID]string{}}
 	var write []topology.ACSPort
 	for _, p := range ports {
 		if p.Skip == "" {
@@ -244,8 +245,7 @@ func (x *executor) port(p topology.ACSPort) Change {
 	c.Before, c.Target, c.After, c.Read = cur, p.Target(), cur, true
 
 	set, inCmdline := x.cmdline[p.Addr]
-	// Compared as topology.KernelArg renders the port: what the mask covers.
-	inCmdline = inCmdline && set.Mask == p.Mask && set.Flags == p.Flags&p.Mask
+	inCmdline = inCmdline && set.Plans(p)
 	switch {
 	case cur == c.Target && inCmdline:
 		c.Result = ResultVerified
@@ -259,6 +259,12 @@ func (x *executor) port(p topology.ACSPort) Change {
 		c.Note = fmt.Sprintf("kernel did not apply pci=config_acs=%s", set.Entry)
 	}
 	switch {
+	case x.opt.LockedDown && inCmdline:
+		// The kernel was asked and did not set it; nothing else may.
+		c.Result = ResultMismatch
+		c.Error = fmt.Sprintf("pci=config_acs=%s asks 0x%04x, reads 0x%04x (locked down: not written)", set.Entry, uint16(c.Target), uint16(cur))
+		c.Note = ""
+		return c
 	case x.opt.LockedDown:
 		c.Result = ResultLockedDown
 		c.Error = "the kernel is locked down: config writes from user space are refused"

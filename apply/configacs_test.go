@@ -21,7 +21,7 @@ func TestConfigACSRoundTrip(t *testing.T) {
 	if want := "pci=config_acs=1x111x1@0000:ec:00.0;0x11101@0001:05:02.0"; arg != want {
 		t.Fatalf("topology.KernelArg = %q, want %q (the parser below assumes this form)", arg, want)
 	}
-	got := parseConfigACS("ro quiet " + arg + " intel_iommu=on")
+	got := ParseConfigACS("ro quiet " + arg + " intel_iommu=on")
 	if len(got) != 2 || got[a].Mask != isoDT || got[a].Flags != isoDT || got[b].Mask != iso|pci.ACSDT|pci.ACSTB || got[b].Flags != iso {
 		t.Errorf("parse: %+v", got)
 	}
@@ -49,7 +49,7 @@ func TestParseConfigACS(t *testing.T) {
 		{"pci=config_acs=1x111x1", 0, 0, false},
 		{"pci=config_acs=@0000:ec:00.0", 0, 0, false},
 	} {
-		got, ok := parseConfigACS(tc.cmdline)[a]
+		got, ok := ParseConfigACS(tc.cmdline)[a]
 		if ok != tc.found || got.Mask != tc.mask || got.Flags != tc.flags {
 			t.Errorf("%q: %+v %v, want mask %s flags %s found %v", tc.cmdline, got, ok, tc.mask, tc.flags, tc.found)
 		}
@@ -77,12 +77,12 @@ func FuzzParseConfigACS(f *testing.F) {
 	f.Add("pci=config_acs=1x111x1@0000:ec:00.0;xx111x1@01:00.0")
 	f.Add(`"pci=noaer,config_acs=101@ec:00.0" ro`)
 	f.Fuzz(func(t *testing.T, s string) {
-		for a, set := range parseConfigACS(s) {
+		for a, set := range ParseConfigACS(s) {
 			if set.Flags&^set.Mask != 0 || set.Mask&^0x7f != 0 {
 				t.Fatalf("%s: %+v", a, set)
 			}
 			// What parses must render back to an entry that parses the same.
-			round := parseConfigACS(topology.KernelArg([]topology.ACSPort{{Addr: a, Offset: 0x150, Mask: set.Mask, Flags: set.Flags}}))
+			round := ParseConfigACS(topology.KernelArg([]topology.ACSPort{{Addr: a, Offset: 0x150, Mask: set.Mask, Flags: set.Flags}}))
 			if set.Mask != 0 && round[a].Mask != set.Mask || round[a].Flags != set.Flags {
 				t.Fatalf("%s: %+v round-trips to %+v", a, set, round[a])
 			}

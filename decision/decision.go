@@ -39,6 +39,9 @@ type Live struct {
 	// "integrity", "confidentiality"); "" when the file is absent (no securityfs, or a
 	// tree without it), which reads as not locked down.
 	Lockdown string
+	// KernelLog are the kernel log's lines about ACS (ReadKernelLog): what the kernel did
+	// with pci=config_acs=. nil when there is no log to read.
+	KernelLog []string `json:",omitempty"`
 }
 
 // LockedDown says the kernel refuses config-space writes from user space: both
@@ -79,6 +82,11 @@ func ReadLive(root string) (Live, error) {
 	l.Cmdline = read("proc/cmdline")
 	l.Release = read("proc/sys/kernel/osrelease")
 	l.Lockdown = ParseLockdown(read("sys/kernel/security/lockdown"))
+	log, err := ReadKernelLog(root)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	l.KernelLog = log
 	return l, errors.Join(errs...)
 }
 
@@ -124,6 +132,9 @@ type Decision struct {
 	ACS       []topology.ACSPort
 	KernelArg string
 	Host      *topology.Matrix
+	// Image is the ACS plan the kernel command line carries (pci=config_acs=,
+	// passage.plan=) compared with this node's; nil when it carries none.
+	Image *ImagePlan
 	// Guest is the guest plan of the chosen units (GuestErr why there is none).
 	Guest       *topology.Guest
 	GuestMatrix *topology.Matrix
@@ -218,7 +229,14 @@ func Decide(in Input) (*Decision, error) {
 		return false
 	}
 
-	// A locked-down kernel refuses every config write: the ports keep what they hold.
+	// The plan the signed image's command line carries, which the kernel programs
+	// itself: a port it set is only read back.
+	d.Image = imagePlan(in.Live, ports)
+
+	// A locked-down kernel refuses every config write: the ports keep what they hold. A
+	// port the image's argument plans as this node does, and which the kernel did not
+	// set, is a mismatch; one it plans otherwise, or not at all, means the image was
+	// planned for another topology, and fails the units that need it.
 	locked := in.Live.LockedDown()
 	if locked {
 		need := map[topology.UnitID][]topology.ACSPort{}
@@ -227,8 +245,13 @@ func Decide(in Input) (*Decision, error) {
 			if p.Offset == 0 || p.Target() == p.Current {
 				continue
 			}
+			s, why, judged := d.Image.lockedPort(p, in.Live.Release)
 			for _, id := range p.Units() {
 				if u := byID[id]; u == nil || u.Status == topology.StatusFailed {
+					continue
+				}
+				if judged {
+					mark(id, s, why)
 					continue
 				}
 				if need[id] == nil {
@@ -415,14 +438,14 @@ func (d *Decision) acsVerdict(changes []apply.Change) (topology.Status, []string
 	var locked []topology.ACSPort
 	var unwritten []string
 	for _, c := range changes {
+		if d.foreseen(c) {
+			continue // the decision judged the port as it still is
+		}
 		switch c.Result {
 		case apply.ResultFailed, apply.ResultMismatch:
 			s = s.Worse(topology.StatusFailed)
 			reasons = append(reasons, fmt.Sprintf("acs %s (%s): %s: %s", c.Addr, c.Position, c.Result, c.Error))
 		case apply.ResultLockedDown:
-			if d.Live.LockedDown() {
-				continue // foreseen: the decision gave the verdict
-			}
 			if !c.Isolated() {
 				s = s.Worse(topology.StatusFailed)
 			} else {
@@ -443,6 +466,22 @@ func (d *Decision) acsVerdict(changes []apply.Change) (topology.Status, []string
 		reasons = append(reasons, unwritten...)
 	}
 	return s, reasons
+}
+
+// foreseen says a port left unwritten by a locked-down kernel (refused, or set by
+// pci=config_acs= otherwise than asked) reads what the decision judged it by: then the
+// decision's verdict stands. A port that changed between the decision and its execution
+// is judged by what execution found.
+func (d *Decision) foreseen(c apply.Change) bool {
+	if !d.Live.LockedDown() || c.Result != apply.ResultLockedDown && c.Result != apply.ResultMismatch || !c.Read {
+		return false
+	}
+	for _, p := range d.ACS {
+		if p.Addr == c.Addr {
+			return p.Current == c.Before
+		}
+	}
+	return false
 }
 
 // passable are the units the decision passes through whose ports all reached a state

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# initramfs.sh BUILD: builds BUILD/initramfs.cpio.gz with u-root (pinned in go.mod by a
-# tool directive): `passage boot` as the uinit, gosh as the shell, a few core commands
-# for debugging at the console, and the kernel modules passage boot loads, with their
-# dependency closure (image/modsel reads each module's .modinfo; the .deb has no
-# modules.dep), under /lib/modules/<release>/kernel/... as in the .deb. Nothing is
-# downloaded but Go modules. Reproducible: the same inputs give the same bytes.
+# initramfs.sh IMAGE [SHARED]: builds IMAGE/initramfs.cpio.gz for the kernel unpacked in
+# IMAGE/kernel (image/kernel.sh). Two parts, each rebuilt only when its inputs change:
+#   SHARED/uroot.cpio   u-root (pinned in go.mod by a tool directive): `passage boot` as
+#                       the uinit, gosh as the shell, a few core commands for debugging at
+#                       the console. The same for every kernel: built once.
+#   the kernel's part   the modules passage boot loads, with their dependency closure
+#                       (image/modsel: decompressed, with a modules.dep), under
+#                       /lib/modules/<release>/kernel/... as in the .deb, and the names of
+#                       the devices the profiles know; added to uroot.cpio by u-root's own
+#                       -base merge.
+# Nothing is downloaded but Go modules. Reproducible: the same inputs give the same bytes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${1:?usage: initramfs.sh BUILD}
-mkdir -p "$build"
+build=${1:?usage: initramfs.sh IMAGE [SHARED]}
+shared=${2:-$build}
+mkdir -p "$build" "$shared"
 build=$(cd "$build" && pwd)
+shared=$(cd "$shared" && pwd)
 kernel=$build/kernel
 [[ -s $kernel/release ]] || { echo "initramfs: no kernel in $kernel (run make kernel)" >&2; exit 1; }
 release=$(cat "$kernel/release")
@@ -31,26 +38,39 @@ for c in "${urootcmds[@]}"; do pkgs+=("github.com/u-root/u-root/cmds/core/$c"); 
 pkgs+=(github.com/passage-boot/passage/cmd/passage)
 
 # Inputs: every file git knows about or would add (other engineers' work in progress
-# is built too), the Go toolchain, the kernel release and the module list.
-stamp_now() {
-	{
-		if git rev-parse --git-dir >/dev/null 2>&1; then
-			git ls-files -z --cached --others --exclude-standard -- . ':!build' ':!passage'
-		else # an exported tree: every file but the build output
-			find . -path ./build -prune -o -type f -print0 | sort -z
-		fi | xargs -0 -r sha256sum 2>/dev/null || true
-		go version
-		sha256sum /usr/share/misc/pci.ids 2>/dev/null || true
-		echo "$release ${modules[*]} ${urootcmds[*]}"
-	} | sha256sum | cut -d' ' -f1
+# is built too), the Go toolchain, and what each part adds.
+sources() {
+	if git rev-parse --git-dir >/dev/null 2>&1; then
+		git ls-files -z --cached --others --exclude-standard -- . ':!build' ':!passage'
+	else # an exported tree: every file but the build output
+		find . -path ./build -prune -o -type f -print0 | sort -z
+	fi | xargs -0 -r sha256sum 2>/dev/null || true
+	go version
 }
-stamp=$(stamp_now)
+core_stamp=$({ sources; echo "${urootcmds[*]}"; } | sha256sum | cut -d' ' -f1)
+stamp=$({ echo "$core_stamp"; sha256sum /usr/share/misc/pci.ids 2>/dev/null || true
+	echo "$release $(cat "$kernel/package" 2>/dev/null) ${modules[*]}"; } | sha256sum | cut -d' ' -f1)
 if [[ -s $out && -f $out.stamp && $(cat "$out.stamp") == "$stamp" ]]; then
 	echo "initramfs: $out up to date ($(stat -c %s "$out") bytes)"
 	exit 0
 fi
 
 start=$(date +%s.%N)
+core=$shared/uroot.cpio
+export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
+# u-root v0.16 warns that it was tested up to Go 1.22; it builds fine with this Go.
+quiet() { grep -v -e 'recommended Go versions' -e 'Some packages may not compile' \
+	-e 'golang.org/doc/install' -e 'golang.org/dl/go1' || true; }
+if [[ ! -s $core || ! -f $core.stamp || $(cat "$core.stamp") != "$core_stamp" ]]; then
+	# -uinitcmd="passage boot" links /bin/uinit to passage and writes "boot" to
+	# /etc/uinit.flags; u-root's init puts uroot.uinitargs= from the kernel command line
+	# *before* those flags, so passage's configuration comes only from passage.* arguments.
+	go tool u-root -o "$core.tmp" -uinitcmd="passage boot" -defaultsh=gosh "${pkgs[@]}" 2>&1 | quiet
+	mv "$core.tmp" "$core"
+	echo "$core_stamp" >"$core.stamp"
+	printf 'initramfs: u-root part %s built in %.1f s\n' "$core" "$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')"
+fi
+
 stage=$build/initramfs-stage
 rm -rf "$stage"
 mkdir -p "$stage"
@@ -64,17 +84,10 @@ if [[ -f /usr/share/misc/pci.ids ]]; then
 	files+=(-files "$stage/usr:usr")
 fi
 
-export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
-# -uinitcmd="passage boot" links /bin/uinit to passage and writes "boot" to
-# /etc/uinit.flags; u-root's init puts uroot.uinitargs= from the kernel command line
-# *before* those flags, so passage's configuration comes only from passage.* arguments.
-go tool u-root -o "$build/initramfs.cpio.tmp" \
-	-uinitcmd="passage boot" -defaultsh=gosh \
-	"${files[@]}" \
-	"${pkgs[@]}" 2>&1 |
-	# u-root v0.16 warns that it was tested up to Go 1.22; it builds fine with this Go.
-	{ grep -v -e 'recommended Go versions' -e 'Some packages may not compile' \
-		-e 'golang.org/doc/install' -e 'golang.org/dl/go1' || true; }
+# The kernel's part goes into a copy of the u-root part: -nocmd builds nothing, and
+# the empty -initcmd/-uinitcmd/-defaultsh keep the base's own links.
+go tool u-root -nocmd -base "$core" -initcmd= -uinitcmd= -defaultsh= -o "$build/initramfs.cpio.tmp" \
+	"${files[@]}" 2>&1 | quiet | { grep -v 'Successfully built' || true; }
 gzip -9 -n -c "$build/initramfs.cpio.tmp" >"$out.tmp"
 mv "$build/initramfs.cpio.tmp" "$build/initramfs.cpio"
 mv "$out.tmp" "$out"

@@ -91,6 +91,37 @@ func OpenAttr(root, name string, flag int) (*os.File, error) {
 	return os.NewFile(uintptr(fd), full), nil
 }
 
+// OpenStream opens name beneath root for reading as OpenAttr does, but takes a
+// character device as well as a regular file (char says which): a kernel log such as
+// /dev/kmsg, which the caller reads record by record until EAGAIN. The file is
+// non-blocking, so reading it never waits.
+func OpenStream(root, name string) (f *os.File, char bool, err error) {
+	if root == "" {
+		root = "/"
+	}
+	full := filepath.Join(root, filepath.FromSlash(name))
+	rfd, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, false, &fs.PathError{Op: "open", Path: root, Err: err}
+	}
+	defer unix.Close(rfd)
+	fd, err := openat2(rfd, name, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOFOLLOW|unix.O_NOCTTY, unix.RESOLVE_BENEATH)
+	if err != nil {
+		return nil, false, &fs.PathError{Op: "open", Path: full, Err: explainOpen(rfd, name, err)}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, false, &fs.PathError{Op: "stat", Path: full, Err: err}
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG, unix.S_IFCHR:
+		return os.NewFile(uintptr(fd), full), st.Mode&unix.S_IFMT == unix.S_IFCHR, nil
+	}
+	unix.Close(fd)
+	return nil, false, &fs.PathError{Op: "open", Path: full, Err: &notRegularError{fileKind(st.Mode)}}
+}
+
 // errOutsideRoot is what a path that resolves outside the root gets (openat2's EXDEV
 // under RESOLVE_BENEATH).
 var errOutsideRoot = errors.New("resolves outside the root")

@@ -267,10 +267,7 @@ func BenchmarkBootErase(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				build := os.Getenv("PASSAGE_BUILD")
-				if build == "" {
-					b.Fatal("PASSAGE_BUILD is not set")
-				}
+				build := buildDir(b)
 				b.StartTimer()
 				run, err := Boot(context.Background(), Options{Build: build, Key: priv, Name: b.Name(), WorkDir: filepath.Join(dir, "work"),
 					Timeout: 4 * time.Minute, Topology: Topology{NVMeImages: images}, Append: []string{"passage.erase=" + policy, "passage.net=off"}})

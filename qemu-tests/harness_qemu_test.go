@@ -29,14 +29,31 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// buildDir is the `make kernel initramfs` output the Makefile passes as PASSAGE_BUILD.
-func buildDir(t *testing.T) string {
+// buildDir is the image of the suite's kernel (PASSAGE_KERNEL, 6.12 when unset) under
+// the build directory the Makefile passes as PASSAGE_BUILD.
+func buildDir(t testing.TB) string {
+	t.Helper()
+	k := os.Getenv("PASSAGE_KERNEL")
+	if k == "" {
+		k = DefaultKernel
+	}
+	return kernelBuild(t, k)
+}
+
+// kernelBuild is the image of kernel line k (`make initramfs KERNEL=k`): a scenario that
+// must hold on another kernel than the suite's boots it. A missing image fails the test:
+// `make qemu-test` builds every kernel the suite names.
+func kernelBuild(t testing.TB, k string) string {
 	t.Helper()
 	b := os.Getenv("PASSAGE_BUILD")
 	if b == "" {
-		t.Fatal("PASSAGE_BUILD is not set: run `make qemu-test` (it builds the kernel and initramfs first)")
+		t.Fatal("PASSAGE_BUILD is not set: run `make qemu-test` (it builds the kernels and initramfs images first)")
 	}
-	return b
+	dir := filepath.Join(b, "linux-"+k)
+	if _, err := os.Stat(filepath.Join(dir, "initramfs.cpio.gz")); err != nil {
+		t.Fatalf("no image for kernel %s: %v (make initramfs KERNEL=%s)", k, err, k)
+	}
+	return dir
 }
 
 // fakeUinit builds the protocol test double as a static binary, overlaid as /bbin/uinit

@@ -69,6 +69,10 @@ type Options struct {
 	NoRDRAND bool
 }
 
+// DefaultKernel is the kernel line the suite boots unless PASSAGE_KERNEL names another
+// (the Makefile's KERNEL).
+const DefaultKernel = "6.12"
+
 // DefaultCmdline is the kernel command line every boot starts from. no_timer_check:
 // under TCG on a busy host the IO-APIC timer check in setup_IO_APIC can miss its
 // window and, with interrupt remapping on, panics ("timer doesn't work through

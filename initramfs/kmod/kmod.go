@@ -8,9 +8,12 @@ package kmod
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -18,9 +21,13 @@ import (
 
 // Module is one loadable module file found under the module directory.
 type Module struct {
-	Name    string   // canonical name ('-' folded to '_'), from .modinfo name= (file name if absent)
+	Name    string   // canonical name ('-' folded to '_') of the file, as depmod names it
 	Path    string   // absolute path of the .ko, .ko.xz or .ko.zst file
-	Depends []string // canonical names, from .modinfo depends=
+	Depends []string // canonical names, from modules.dep or .modinfo depends=
+
+	// known says Depends has been read: a module's .modinfo is read only when an Order
+	// needs it (a compressed one must be decompressed whole for it).
+	known bool
 }
 
 // Index is every module below one <root>/lib/modules/<release> directory.
@@ -61,9 +68,18 @@ func moduleExt(name string) string {
 	return ""
 }
 
-// Open reads the .modinfo of every module file below dir (a <root>/lib/modules/<release>
-// directory) and modules.builtin when it is there. A module file that cannot be read
-// is an error naming the file: a half-read index would give a wrong load order.
+// DepFile is depmod's dependency list, which Open reads instead of every module's
+// .modinfo when the directory has one (an installed system's, or the one
+// image/modsel writes into the initramfs).
+const DepFile = "modules.dep"
+
+// Open indexes the modules below dir (a <root>/lib/modules/<release> directory), and
+// reads modules.builtin when it is there. With a modules.dep the index is that file
+// alone: reading a module's .modinfo means decompressing a whole .ko.xz, which takes
+// seconds for a few modules in an emulated guest. Without one, modules are indexed by
+// file name and each one's .modinfo is read when an Order first needs it. A file that
+// cannot be read is an error naming it, from Open or from the Order that needed it: a
+// half-read index would give a wrong load order.
 func Open(dir string) (*Index, error) {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
@@ -78,6 +94,12 @@ func Open(dir string) (*Index, error) {
 	}
 	ix := &Index{dir: abs, mods: map[string]*Module{}, builtin: map[string]bool{}}
 	ix.load = ix.finit
+	switch err := ix.readDep(); {
+	case err == nil:
+		return ix, ix.readBuiltin()
+	case !errors.Is(err, fs.ErrNotExist):
+		return nil, err
+	}
 	err = filepath.WalkDir(abs, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return fmt.Errorf("kmod %s: %w", path, err)
@@ -88,10 +110,8 @@ func Open(dir string) (*Index, error) {
 		if !d.Type().IsRegular() && d.Type()&fs.ModeSymlink == 0 {
 			return nil
 		}
-		m, err := readModuleFile(path)
-		if err != nil {
-			return err
-		}
+		base := filepath.Base(path)
+		m := &Module{Name: Canonical(strings.TrimSuffix(base, moduleExt(base))), Path: path}
 		if prev, ok := ix.mods[m.Name]; ok {
 			return fmt.Errorf("kmod %s: module %s also in %s", path, m.Name, prev.Path)
 		}
@@ -105,6 +125,103 @@ func Open(dir string) (*Index, error) {
 		return nil, err
 	}
 	return ix, nil
+}
+
+// maxDepFile bounds modules.dep: a distribution kernel's is about 1 MiB.
+const maxDepFile = 16 << 20
+
+// readDep reads modules.dep ("kernel/a/x.ko.xz: kernel/b/y.ko.xz kernel/c/z.ko.xz" a
+// line, paths relative to the directory; depmod lists every module a module needs,
+// directly or not, which orders the same). A module is named after its file, as
+// depmod and modprobe name it. fs.ErrNotExist when there is none.
+func (ix *Index) readDep() error {
+	p := filepath.Join(ix.dir, DepFile)
+	f, err := os.Open(p)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+		return fmt.Errorf("kmod %s: %w", p, err)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxDepFile+1))
+	if err != nil {
+		return fmt.Errorf("kmod %s: %w", p, err)
+	}
+	if len(b) > maxDepFile {
+		return fmt.Errorf("kmod %s: larger than %d bytes", p, maxDepFile)
+	}
+	name := func(rel string) (string, error) {
+		base := path.Base(rel)
+		e := moduleExt(base)
+		if e == "" || path.IsAbs(rel) || !fs.ValidPath(rel) {
+			return "", fmt.Errorf("%q is not a module path inside the directory", rel)
+		}
+		return Canonical(strings.TrimSuffix(base, e)), nil
+	}
+	for n, line := range strings.Split(string(b), "\n") {
+		if strings.TrimSpace(line) == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		mod, deps, ok := strings.Cut(line, ":")
+		if !ok {
+			return fmt.Errorf("kmod %s:%d: no ':' after the module", p, n+1)
+		}
+		mod = strings.TrimSpace(mod)
+		mn, err := name(mod)
+		if err != nil {
+			return fmt.Errorf("kmod %s:%d: %v", p, n+1, err)
+		}
+		m := &Module{Name: mn, Path: filepath.Join(ix.dir, filepath.FromSlash(mod)), known: true}
+		for _, d := range strings.Fields(deps) {
+			dn, err := name(d)
+			if err != nil {
+				return fmt.Errorf("kmod %s:%d: %v", p, n+1, err)
+			}
+			m.Depends = append(m.Depends, dn)
+		}
+		// Load order, as Order would compute it from each .modinfo.
+		slices.Reverse(m.Depends)
+		if prev, ok := ix.mods[mn]; ok {
+			return fmt.Errorf("kmod %s:%d: module %s also at %s", p, n+1, mn, prev.Path)
+		}
+		ix.mods[mn] = m
+	}
+	return nil
+}
+
+// WriteDep writes modules.dep lines for the given canonical names, in the order given:
+// each module's path (rel maps a module to it), then every module it needs, directly or
+// not, as depmod lists them: the last to load first. Built-in modules have no line.
+func (ix *Index) WriteDep(w io.Writer, names []string, rel func(m *Module) (string, error)) error {
+	for _, n := range names {
+		m := ix.mods[n]
+		if m == nil {
+			continue
+		}
+		mp, err := rel(m)
+		if err != nil {
+			return err
+		}
+		order, err := ix.Order(n)
+		if err != nil {
+			return err
+		}
+		var deps []string
+		for _, d := range slices.Backward(order[:len(order)-1]) {
+			if dm := ix.mods[d]; dm != nil {
+				dp, err := rel(dm)
+				if err != nil {
+					return err
+				}
+				deps = append(deps, dp)
+			}
+		}
+		if _, err := fmt.Fprintf(w, "%s:%s\n", mp, strings.Join(append([]string{""}, deps...), " ")); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // readBuiltin reads modules.builtin (one "kernel/<path>/<name>.ko" a line), which
@@ -134,8 +251,32 @@ func (ix *Index) readBuiltin() error {
 // Dir is the module directory the index was read from.
 func (ix *Index) Dir() string { return ix.dir }
 
-// Module returns the module named name (either spelling), or nil.
-func (ix *Index) Module(name string) *Module { return ix.mods[Canonical(name)] }
+// Module returns the module named name (either spelling), or nil. Its Depends are
+// read if they can be (Order reports why they cannot).
+func (ix *Index) Module(name string) *Module {
+	m := ix.mods[Canonical(name)]
+	if m != nil {
+		_ = ix.known(m)
+	}
+	return m
+}
+
+// known reads the module's dependencies from its .modinfo, once.
+func (ix *Index) known(m *Module) error {
+	if m.known {
+		return nil
+	}
+	mi, err := ReadModinfo(m.Path)
+	if err != nil {
+		return err
+	}
+	if n := mi.First("name"); n != "" && Canonical(n) != m.Name {
+		// depmod, modprobe and this index name a module after its file.
+		return fmt.Errorf("kmod %s: .modinfo names it %s", m.Path, n)
+	}
+	m.Depends, m.known = mi.Depends(), true
+	return nil
+}
 
 // Names is every module file's canonical name, sorted.
 func (ix *Index) Names() []string {
@@ -182,6 +323,9 @@ func (ix *Index) Order(names ...string) ([]string, error) {
 				return fmt.Errorf("kmod %s: needed by %s: no such module in %s", name, chain[len(chain)-1], ix.dir)
 			}
 			return fmt.Errorf("kmod %s: no such module in %s", name, ix.dir)
+		}
+		if err := ix.known(m); err != nil {
+			return err
 		}
 		state[name] = visiting
 		for _, d := range m.Depends {

@@ -277,9 +277,20 @@ func TestOpenErrors(t *testing.T) {
 	dir := writeTree(t, debianLike[:2])
 	bad := filepath.Join(dir, "kernel", "broken.ko")
 	os.WriteFile(bad, []byte("garbage"), 0o644)
-	_, err := Open(dir)
-	if err == nil || !strings.Contains(err.Error(), bad) {
+	ix, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A module file is read when an order needs it, and then an unreadable one is an
+	// error naming it.
+	if _, err := ix.Order("broken"); err == nil || !strings.Contains(err.Error(), bad) {
 		t.Errorf("broken module: err = %v, want it to name %s", err, bad)
+	}
+	misnamed := writeTree(t, []fakeMod{{"kernel/a/x.ko", "y", ""}})
+	if ix, err := Open(misnamed); err != nil {
+		t.Fatal(err)
+	} else if _, err := ix.Order("x"); err == nil || !strings.Contains(err.Error(), "names it y") {
+		t.Errorf("module whose .modinfo names another: err = %v", err)
 	}
 	dup := writeTree(t, []fakeMod{{"kernel/a/x.ko", "x", ""}, {"kernel/b/x.ko.xz", "x", ""}})
 	if _, err := Open(dup); err == nil || !strings.Contains(err.Error(), "also in") {
@@ -461,5 +472,70 @@ func BenchmarkOpenOrder(b *testing.B) {
 		if _, err := ix.Order("vfio", "vfio_iommu_type1", "vfio-pci"); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// The modules.dep modsel writes is what the boot reads: the same order as from every
+// module's .modinfo, without opening a module file.
+func TestModulesDep(t *testing.T) {
+	dir := writeTree(t, debianLike, "crypto/crc32c_generic")
+	ix, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := ix.Order("vfio", "vfio_iommu_type1", "vfio-pci", "nvme", "e1000e")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dep bytes.Buffer
+	rel := func(m *Module) (string, error) {
+		r, err := filepath.Rel(ix.Dir(), m.Path)
+		return filepath.ToSlash(r), err
+	}
+	if err := ix.WriteDep(&dep, want, rel); err != nil {
+		t.Fatal(err)
+	}
+	// depmod's shape: every dependency, the last to load first.
+	if !strings.Contains(dep.String(), "kernel/drivers/vfio/pci/vfio-pci.ko: kernel/drivers/vfio/pci/vfio-pci-core.ko ") ||
+		!strings.HasPrefix(dep.String(), "kernel/drivers/vfio/vfio.ko:\n") {
+		t.Errorf("modules.dep:\n%s", dep.String())
+	}
+	os.WriteFile(filepath.Join(dir, DepFile), dep.Bytes(), 0o644)
+	// Every module file becomes unreadable: only modules.dep can answer.
+	for _, m := range debianLike {
+		os.WriteFile(filepath.Join(dir, filepath.FromSlash(m.path)), []byte("not read"), 0o644)
+	}
+	fromDep, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := fromDep.Order("vfio", "vfio_iommu_type1", "vfio-pci", "nvme", "e1000e")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("order from modules.dep %q\nfrom .modinfo %q", got, want)
+	}
+	if m := fromDep.Module("vfio_pci"); m == nil || m.Path != filepath.Join(dir, "kernel/drivers/vfio/pci/vfio-pci.ko") {
+		t.Errorf("vfio_pci from modules.dep: %+v", m)
+	}
+	if !fromDep.Builtin("crc32c_generic") {
+		t.Error("modules.builtin not read beside modules.dep")
+	}
+
+	for _, tc := range []struct{ name, dep, want string }{
+		{"no colon", "kernel/a.ko kernel/b.ko\n", "no ':'"},
+		{"outside the directory", "kernel/a.ko: ../../etc/x.ko\n", "not a module path"},
+		{"absolute", "/lib/a.ko:\n", "not a module path"},
+		{"not a module", "kernel/a.txt:\n", "not a module path"},
+		{"twice", "kernel/a.ko:\nkernel/b/a.ko.xz:\n", "also at"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := t.TempDir()
+			os.WriteFile(filepath.Join(d, DepFile), []byte(tc.dep), 0o644)
+			if _, err := Open(d); err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), DepFile) {
+				t.Errorf("err = %v, want %q naming %s", err, tc.want, DepFile)
+			}
+		})
 	}
 }

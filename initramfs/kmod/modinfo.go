@@ -108,18 +108,24 @@ func modinfoFromELF(path string, ra io.ReaderAt) (Modinfo, error) {
 	return mi, nil
 }
 
-func readModuleFile(path string) (*Module, error) {
-	mi, err := ReadModinfo(path)
+// ReadModule returns the module file at path as the kernel loads it: decompressed when
+// it is a .ko.xz, .ko.zst or .ko.gz. A signed module keeps its signature: kbuild signs
+// the ELF image before compressing it.
+func ReadModule(path string) ([]byte, error) {
+	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("kmod %s: %w", path, err)
 	}
-	base := filepath.Base(path)
-	name := mi.First("name")
-	if name == "" {
-		// Modules from before modpost wrote name= are named by kbuild after the file.
-		name = strings.TrimSuffix(base, moduleExt(base))
+	defer f.Close()
+	return decompress(path, f)
+}
+
+// Uncompressed is a module file name with its compression ending replaced by .ko.
+func Uncompressed(name string) string {
+	if e := moduleExt(name); e != "" {
+		return strings.TrimSuffix(name, e) + ".ko"
 	}
-	return &Module{Name: Canonical(name), Path: path, Depends: mi.Depends()}, nil
+	return name
 }
 
 // decompress returns the whole decompressed module named path read from r.

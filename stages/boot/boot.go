@@ -328,7 +328,15 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 		r.Findingf("%s", f)
 	}
 	if live.LockedDown() {
-		r.Degrade("kernel lockdown %s: config writes will be refused", live.Lockdown)
+		// What it costs each unit is in the unit's verdict; ports the kernel set from
+		// the command line cost nothing.
+		r.Findingf("kernel lockdown %s: config writes are refused; ports are read back, not written", live.Lockdown)
+	}
+	if im := d.Image; im != nil {
+		r.Findingf("%s", im.Summary())
+		for _, diff := range im.Differences {
+			r.Findingf("  %s", diff)
+		}
 	}
 	if d.KernelArg != "" {
 		r.Findingf("the plan as a kernel argument: %s", d.KernelArg)

@@ -98,7 +98,7 @@ func TestACSLockdownAdvice(t *testing.T) {
 			b.ConfigIO = cfg
 			rs, st := run(t, b, "scan", "decide", "acs", "vfio", "manifest")
 			decide, acs, vfio, mr := rs[1], rs[2], rs[3], rs[4]
-			if said := slices.Contains(decide.Findings, "kernel lockdown integrity: config writes will be refused"); said != tc.foreseen {
+			if said := slices.Contains(decide.Findings, "kernel lockdown integrity: config writes are refused; ports are read back, not written"); said != tc.foreseen {
 				t.Errorf("decide %s %q: lockdown foreseen %v, want %v", decide.Status, decide.Findings, said, tc.foreseen)
 			}
 			if acs.Status != stages.Degraded {

@@ -32,7 +32,7 @@ func main() {
 func run(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("qemurun", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	build := fs.String("build", "build", "build dir (kernel/vmlinuz, initramfs.cpio.gz)")
+	build := fs.String("build", filepath.Join("build", "linux-"+qemutest.DefaultKernel), "image dir (kernel/vmlinuz, initramfs.cpio.gz): make initramfs KERNEL=... builds build/linux-<kernel>")
 	out := fs.String("out", "", "dir for console.log and the decoded files (default: a temp dir)")
 	topo := fs.String("topology", "default", "default, or variants joined by +: ats-off, shared-group, no-acs-port")
 	appendArgs := fs.String("append", "", "extra kernel arguments (a passage.* key replaces the default)")

@@ -1,0 +1,169 @@
+package decision
+
+import (
+	"encoding/hex"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+)
+
+// PlanArg names, on the kernel command line, the digest of the saved plan (`passage plan
+// --out F`) a signed boot image was built with (`make uki PLAN=F`): the image's
+// pci=config_acs= is that plan's kernel argument.
+const PlanArg = "passage.plan"
+
+// ImagePlan is the ACS plan the kernel command line carries, and how this node's own
+// plan compares with it. The kernel programs that argument before passage runs (Linux
+// 6.11+), which a locked-down kernel (Secure Boot) leaves as the only way to set ACS.
+type ImagePlan struct {
+	// Digest is PlanArg's value ("sha256:<hex>"), "" when the line has none.
+	Digest string `json:"digest,omitempty"`
+	// ConfigACS is the pci=config_acs= argument ("" when the line has none).
+	ConfigACS string `json:"config_acs,omitempty"`
+	// Matched says this node plans exactly the ports and settings the argument sets.
+	Matched bool `json:"matched"`
+	// Differences name each port where the two plans differ.
+	Differences []string `json:"differences,omitempty"`
+	// Kernel is what the kernel log says it did with the argument: "configured N
+	// ports", "refused", "no port configured", or "" without a log.
+	Kernel string `json:"kernel,omitempty"`
+
+	entries map[pci.Address]apply.ACSSetting
+	log     apply.KernelACSLog
+}
+
+// parsePlanDigest returns the last passage.plan= value on the line (the kernel's own
+// rule for a repeated argument), and whether it is a well-formed sha256 digest.
+func parsePlanDigest(cmdline string) (string, bool) {
+	v := ""
+	for _, a := range strings.Fields(cmdline) {
+		if x, ok := strings.CutPrefix(strings.Trim(a, `"`), PlanArg+"="); ok {
+			v = x
+		}
+	}
+	h, ok := strings.CutPrefix(v, "sha256:")
+	if _, err := hex.DecodeString(h); !ok || err != nil || len(h) != 64 {
+		return v, false
+	}
+	return v, true
+}
+
+// imagePlan reads the argument and the plan digest off the command line and compares the
+// argument with ports, this node's plan; nil when the line carries neither.
+func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
+	entries := apply.ParseConfigACS(live.Cmdline)
+	digest, ok := parsePlanDigest(live.Cmdline)
+	if entries == nil && digest == "" {
+		return nil
+	}
+	ip := &ImagePlan{Digest: digest, entries: entries, log: apply.ParseKernelACSLog(live.KernelLog)}
+	if !ok && digest != "" {
+		ip.Differences = append(ip.Differences, fmt.Sprintf("%s=%q is not a sha256:<hex> digest", PlanArg, digest))
+	}
+	if entries == nil {
+		ip.Differences = append(ip.Differences, "the command line carries "+PlanArg+"= but no pci=config_acs=")
+	}
+	var planned []topology.ACSPort
+	seen := map[pci.Address]bool{}
+	for _, p := range ports {
+		if p.Offset == 0 || p.Mask == 0 {
+			continue
+		}
+		planned = append(planned, p)
+		seen[p.Addr] = true
+		e, ok := entries[p.Addr]
+		switch {
+		case !ok:
+			ip.Differences = append(ip.Differences, fmt.Sprintf("acs %s (%s): this node plans %s, the image nothing",
+				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags)))
+		case !e.Plans(p):
+			ip.Differences = append(ip.Differences, fmt.Sprintf("acs %s (%s): this node plans %s, the image %s",
+				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags), e.Entry))
+		}
+	}
+	ip.ConfigACS = topology.KernelArg(planned)
+	var extra []string
+	for a, e := range entries {
+		if !seen[a] {
+			extra = append(extra, fmt.Sprintf("acs %s: the image plans %s, which this node's plan does not hold", a, e.Entry))
+		}
+	}
+	slices.Sort(extra)
+	ip.Differences = append(ip.Differences, extra...)
+	// The argument as the command line spells it, not as this node would.
+	if arg := configACSArg(live.Cmdline); arg != "" {
+		ip.ConfigACS = arg
+	}
+	ip.Matched = len(ip.Differences) == 0
+	switch l := ip.log; {
+	case !l.Read:
+	case l.Refused:
+		ip.Kernel = "refused"
+	case len(l.Configured) == 0:
+		ip.Kernel = "no port configured"
+	default:
+		ip.Kernel = fmt.Sprintf("configured %d ports", len(l.Configured))
+	}
+	return ip
+}
+
+// configACSArg is the last pci=config_acs= option on the line, as written.
+func configACSArg(cmdline string) string {
+	v := ""
+	for _, a := range strings.Fields(cmdline) {
+		opts, ok := strings.CutPrefix(strings.Trim(a, `"`), "pci=")
+		if !ok {
+			continue
+		}
+		for _, o := range strings.Split(opts, ",") {
+			if strings.HasPrefix(o, "config_acs=") {
+				v = "pci=" + o
+			}
+		}
+	}
+	return v
+}
+
+// lockedPort judges a port of a live unit that a locked-down kernel leaves as it is
+// although the plan wants another value: the port stays at p.Current. ok is false when
+// the line carries no argument (the caller gives the lockdown advice instead).
+func (ip *ImagePlan) lockedPort(p topology.ACSPort, release string) (s topology.Status, why string, ok bool) {
+	if ip == nil || ip.entries == nil {
+		return "", "", false
+	}
+	e, listed := ip.entries[p.Addr]
+	if !listed || !e.Plans(p) {
+		image := "has no entry for it"
+		if listed {
+			image = "sets " + e.Entry
+		}
+		return topology.StatusFailed, fmt.Sprintf("acs %s (%s): the image's pci=config_acs= %s, this node plans %s@%s and a locked-down kernel takes no other (ACSCtl reads 0x%04x): the image was planned for another topology",
+			p.Addr, p.Position, image, topology.ConfigACSFlags(p.Mask, p.Flags), p.Addr, uint16(p.Current)), true
+	}
+	s = topology.StatusDegraded
+	if want := p.Flags & pci.ACSIsolation; p.Current&want != want {
+		s = topology.StatusFailed
+	}
+	return s, fmt.Sprintf("acs %s (%s): mismatch: pci=config_acs=%s asks ACSCtl 0x%04x, reads 0x%04x: %s",
+		p.Addr, p.Position, e.Entry, uint16(p.Target()), uint16(p.Current), ip.log.KernelSays(p.Addr, release)), true
+}
+
+// Summary is one line on the image's plan and this node, for the console and plan.
+func (ip *ImagePlan) Summary() string {
+	digest := ip.Digest
+	if digest == "" {
+		digest = "no " + PlanArg + "="
+	}
+	s := fmt.Sprintf("image plan %s: this node matches it", digest)
+	if !ip.Matched {
+		s = fmt.Sprintf("image plan %s: this node differs at %d ports", digest, len(ip.Differences))
+	}
+	if ip.Kernel != "" {
+		s += "; kernel: " + ip.Kernel
+	}
+	return s
+}
