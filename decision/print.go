@@ -26,6 +26,7 @@ type Doc struct {
 	// ErasePolicy is passage.erase= as decided (the profile's default unless given).
 	ErasePolicy erase.Policy       `json:"erase_policy"`
 	Lockdown    string             `json:"lockdown,omitempty"`
+	ImagePlan   *ImagePlan         `json:"image_plan,omitempty"`
 	LabelError  string             `json:"label_error,omitempty"`
 	ATS         []firmware.Finding `json:"ats"`
 	Audit       []vfiobind.Finding `json:"audit"`
@@ -40,7 +41,7 @@ func (d *Decision) DocNamed(n topology.Namer) Doc {
 	pl := d.Plan()
 	pl.Namer = n
 	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, ErasePolicy: d.Input.Erase, Lockdown: d.Live.Lockdown,
-		ATS: append([]firmware.Finding{}, d.ATS...), Audit: append([]vfiobind.Finding{}, d.Audit...)}
+		ImagePlan: d.Image, ATS: append([]firmware.Finding{}, d.ATS...), Audit: append([]vfiobind.Finding{}, d.Audit...)}
 	if d.LabelErr != nil {
 		doc.LabelError = d.LabelErr.Error()
 	}
@@ -99,6 +100,12 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	}
 	if d.Live.LockedDown() {
 		fmt.Fprintf(&b, "\nlockdown: %s (config writes are refused)\n", d.Live.Lockdown)
+	}
+	if im := d.Image; im != nil {
+		fmt.Fprintf(&b, "\n%s\n", im.Summary())
+		for _, diff := range im.Differences {
+			fmt.Fprintf(&b, "  %s\n", diff)
+		}
 	}
 	if d.GuestErr != nil {
 		fmt.Fprintf(&b, "\nguest: %v\n", d.GuestErr)

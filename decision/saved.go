@@ -1,11 +1,15 @@
 package decision
 
 import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"slices"
+	"strings"
 
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/firmware"
@@ -179,4 +183,29 @@ func (s *Saved) Diff(d *Decision) []string {
 	diff("kernel argument", s.KernelArg, now.KernelArg)
 	diff("bind set", s.Bind, now.Bind)
 	return out
+}
+
+// PlanDigest is how a boot image names the saved plan it carries: the sha256 of the
+// file's bytes, as `sha256sum` prints it.
+func PlanDigest(b []byte) string {
+	sum := sha256.Sum256(b)
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
+// ImageArgs are the kernel arguments a signed boot image carries for the saved plan in
+// b (`make uki PLAN=F`): the plan's pci=config_acs=, which Linux 6.11+ programs before
+// passage runs, and PlanArg naming the plan, which the node records in its manifest.
+// A plan with nothing to set is refused: the image would carry no ACS at all.
+func ImageArgs(b []byte) (string, error) {
+	s, err := ReadSaved(bytes.NewReader(b))
+	if err != nil {
+		return "", err
+	}
+	if s.KernelArg == "" {
+		return "", errors.New("saved plan: no pci=config_acs= (no unit's ports are to be set): nothing to bake into an image")
+	}
+	if strings.ContainsAny(s.KernelArg, " \t\n\"") || !strings.HasPrefix(s.KernelArg, "pci=config_acs=") {
+		return "", fmt.Errorf("saved plan: kernel argument %q is not one pci=config_acs= word", s.KernelArg)
+	}
+	return s.KernelArg + " " + PlanArg + "=" + PlanDigest(b), nil
 }

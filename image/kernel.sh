@@ -49,7 +49,10 @@ mirror() {
 base=$(mirror || true)
 [[ -n $base ]] || { echo "kernel: no Debian archive in the host's apt sources (set KERNEL_MIRROR=)" >&2; exit 1; }
 
-aptdir=${KERNEL_CACHE:-$dest/..}/apt
+cachedir=${KERNEL_CACHE:-$dest/..}
+mkdir -p "$cachedir"
+cachedir=$(cd "$cachedir" && pwd) # apt takes relative paths as relative to its own dirs
+aptdir=$cachedir/apt
 # apt_suite SUITE ARGS...: apt-get or apt-cache against SUITE's own lists only.
 apt_suite() {
 	local suite=$1 tool=$2
@@ -89,7 +92,7 @@ done
 kver=${pkg#linux-image-}
 
 start=$(date +%s.%N)
-cache=${KERNEL_CACHE:-$dest/..}/kernel-deb
+cache=$cachedir/kernel-deb
 mkdir -p "$cache"
 deb=$(ls "$cache"/"${pkg}"_*.deb 2>/dev/null | head -n1 || true)
 if [[ -z $deb ]]; then

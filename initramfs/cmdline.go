@@ -1,6 +1,8 @@
 package initramfs
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -93,7 +95,10 @@ type Config struct {
 	HostModules  []string      // passage.host_modules=
 	Log          string        // passage.log=
 	// Erase is passage.erase= (off, auto, require); "" takes the profile's default.
-	Erase        string
+	Erase string
+	// Plan is passage.plan=, the digest of the saved plan a signed image was built with
+	// (make uki PLAN=); the decision reads it with the image's pci=config_acs=.
+	Plan         string
 	EraseTimeout time.Duration // passage.erase_timeout=: the erase stage's deadline
 	// EraseOverwrite is passage.erase_overwrite=on: Sanitize overwrite is allowed after
 	// every other method (hours on a large drive); off by default.
@@ -355,6 +360,14 @@ var params = map[string]setter{
 		return nil
 	},
 	"erase_timeout": func(c *Config, v string) error { return duration(&c.EraseTimeout, v) },
+	"plan": func(c *Config, v string) error {
+		h, ok := strings.CutPrefix(v, "sha256:")
+		if _, err := hex.DecodeString(h); !ok || err != nil || len(h) != 2*sha256.Size {
+			return fmt.Errorf("want sha256:<64 hex digits>, the digest of the saved plan the image was built with")
+		}
+		c.Plan = v
+		return nil
+	},
 	"erase_overwrite": func(c *Config, v string) error {
 		switch v {
 		case "on":

@@ -18,6 +18,7 @@
 //	passage.ats=require|prefer prefer            a CX-8 function without ATS: prefer degrades its unit (no DT), require fails it
 //	passage.erase=off|auto|require (profile)     erase each unit's NVMe and reset its functions before vfio binding; require fails a unit that was not (b300: require)
 //	passage.erase_timeout=DUR 30m                deadline of the erase stage (a sanitize can take minutes)
+//	passage.plan=sha256:HEX   —                  digest of the saved plan a signed image carries (make uki PLAN=), with its pci=config_acs=
 //	passage.erase_overwrite=on|off off           allow Sanitize overwrite after every other method (hours on a large drive)
 //	passage.net=IFACE|auto|off auto              management NIC to bring up with DHCPv4; auto tries every link that stays on a host driver
 //	passage.net_timeout=DUR   30s                bound on link-up plus DHCP for the network stage

@@ -15,7 +15,7 @@ import (
 
 // SchemaVersion is the version this package writes and the only one Verify accepts.
 // Any change to the payload's fields, their meaning or their encoding bumps it.
-const SchemaVersion = 2
+const SchemaVersion = 3 // 3 added image_plan
 
 // PayloadType is the DSSE payloadType of a passage manifest.
 const PayloadType = "application/vnd.passage.manifest+json"
@@ -54,11 +54,27 @@ type Manifest struct {
 	Time             time.Time        `json:"time"`           // UTC, RFC 3339 with nanoseconds
 	KernelRelease    string           `json:"kernel_release"` // /proc/sys/kernel/osrelease
 	KernelCmdline    string           `json:"kernel_cmdline"` // /proc/cmdline
-	Profile          Profile          `json:"profile"`
-	Units            []Unit           `json:"units"`
-	GuestPlan        *GuestPlan       `json:"guest_plan,omitempty"`
-	Stages           []StageResult    `json:"stages"`
-	Errors           []string         `json:"errors"`
+	// ImagePlan is the ACS plan the boot image's command line carried (schema 3), and
+	// whether this node matched it; absent when the line carries none.
+	ImagePlan *ImagePlan    `json:"image_plan,omitempty"`
+	Profile   Profile       `json:"profile"`
+	Units     []Unit        `json:"units"`
+	GuestPlan *GuestPlan    `json:"guest_plan,omitempty"`
+	Stages    []StageResult `json:"stages"`
+	Errors    []string      `json:"errors"`
+}
+
+// ImagePlan is the plan a signed boot image carries on its command line (`make uki
+// PLAN=F`): passage.plan=, the digest of the saved plan file, and the pci=config_acs=
+// the kernel programmed before passage ran; and how this node's own plan compared.
+type ImagePlan struct {
+	Digest      string   `json:"digest"`     // "sha256:<hex>" of the plan file; "" when the line names none
+	ConfigACS   string   `json:"config_acs"` // the pci=config_acs= argument, as the line spells it
+	Matched     bool     `json:"matched"`    // this node plans exactly what the argument sets
+	Differences []string `json:"differences"`
+	// Kernel is what the kernel's log says it did with the argument ("configured 12
+	// ports", "refused", "no port configured"); "" when there was no log to read.
+	Kernel string `json:"kernel"`
 }
 
 // Node identifies the machine. DMI fields are empty when the firmware does not expose them

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/initramfs/emit"
 )
 
@@ -67,6 +68,10 @@ type Options struct {
 	// random pool is then not ready for a minute or more, as on a node whose CPU RNG the
 	// kernel does not trust.
 	NoRDRAND bool
+	// Plan is a saved plan (`passage plan --out`) whose image arguments
+	// (decision.ImageArgs: its pci=config_acs= and passage.plan=) go on the command line,
+	// as `make uki PLAN=` bakes them into the signed image.
+	Plan []byte
 }
 
 // DefaultKernel is the kernel line the suite boots unless PASSAGE_KERNEL names another
@@ -175,6 +180,19 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	extra := o.Append
 	if o.KeepTPM {
 		extra = append([]string{"passage.handoff=hold"}, extra...)
+	}
+	if o.NoRDRAND {
+		// A kernel that trusts the TPM's RNG (6.12 credits it as a hwrng at full
+		// quality) seeds its pool from it as soon as tpm_tis probes: credit none, so the
+		// pool stays cold as on a node whose firmware gives the kernel nothing.
+		extra = append([]string{"rng_core.default_quality=0"}, extra...)
+	}
+	if len(o.Plan) > 0 {
+		a, err := decision.ImageArgs(o.Plan)
+		if err != nil {
+			return nil, fmt.Errorf("boot: plan: %w", err)
+		}
+		extra = append(extra, strings.Fields(a)...)
 	}
 	cmdline := Cmdline(extra)
 	mem, smp := o.MemMiB, o.SMP

@@ -13,9 +13,11 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/stages"
 )
@@ -40,7 +42,9 @@ func testKey(t *testing.T) (priv string, v *manifest.PublicKeyVerifier) {
 func bootPassage(t *testing.T, o Options) (*Run, *manifest.Manifest) {
 	t.Helper()
 	priv, v := testKey(t)
-	o.Build = buildDir(t)
+	if o.Build == "" {
+		o.Build = buildDir(t)
+	}
 	o.Key = priv
 	if o.WorkDir == "" {
 		o.WorkDir = filepath.Join(t.TempDir(), "work")
@@ -501,30 +505,97 @@ func TestScenario3ATSMissing(t *testing.T) {
 	}
 }
 
-// Scenario 4: lockdown=integrity refuses config writes; vfio binding still works.
+// Scenario 4: lockdown=integrity refuses config writes; vfio binding still works. Without
+// a plan on the command line every unit is degraded with the pci=config_acs= advice, on
+// 6.1 and on 6.12 alike.
 func TestScenario4Lockdown(t *testing.T) {
-	run, m := bootPassage(t, Options{Append: []string{"lockdown=integrity"}})
-	rb := readbackOf(t, run)
+	for _, k := range []string{"6.12", "6.1"} {
+		t.Run(k, func(t *testing.T) {
+			run, m := bootPassage(t, Options{Build: kernelBuild(t, k), Append: []string{"lockdown=integrity"}})
+			rb := readbackOf(t, run)
+			for i := range m.Units {
+				u := &m.Units[i]
+				if u.Status != manifest.StatusDegraded {
+					t.Errorf("unit %s: %s, want degraded", u.ID, u.Status)
+				}
+				why := strings.Join(u.Reasons, "; ")
+				if !strings.Contains(why, "pci=config_acs=") || !strings.Contains(why, "6.11") {
+					t.Errorf("unit %s reasons %q: want the pci=config_acs= advice naming Linux 6.11", u.ID, why)
+				}
+				checkBound(t, u)
+			}
+			for port := range nicPorts {
+				// apply's word for a write the kernel refuses (manifest/SCHEMA.md), then why.
+				if c := acsChange(m, port); c == nil || !strings.HasPrefix(c.Result, "locked down: ") {
+					t.Errorf("ACS %s under lockdown: %+v, want a refused write (locked down)", port, c)
+				}
+				if ctl := rb.acsCtl(t, port); ctl != acsIsolation {
+					t.Errorf("guest reads ACSCtl %#04x on %s under lockdown, want the kernel's %#04x", ctl, port, acsIsolation)
+				}
+			}
+		})
+	}
+}
+
+// plans caches planFor's saved plans by topology: one reference boot per topology.
+var plans sync.Map
+
+// planFor is the saved plan `passage plan --out` writes on a node of topology topo booted
+// directly, without lockdown: the reference node an operator plans a SKU's image on.
+func planFor(t *testing.T, topo Topology) []byte {
+	t.Helper()
+	if b, ok := plans.Load(topo.Name()); ok {
+		return b.([]byte)
+	}
+	run, _ := bootPassage(t, Options{Topology: topo, Overlay: []OverlayFile{preflightUinit(t)},
+		Append: []string{"passage.net=off"}, Name: t.Name() + " (reference node " + topo.Name() + ")"})
+	b := run.Files["preflight-plan.saved.json"]
+	if len(b) == 0 {
+		t.Fatalf("the reference boot saved no plan (plan --out: %s)", run.Files["preflight-saveplan.exit"])
+	}
+	plans.Store(topo.Name(), b)
+	return b
+}
+
+// checkPlanVerified holds a boot whose command line carried the node's own plan to what
+// a locked-down 6.12 does with it: the kernel programmed every listed port (its log
+// says so), passage read each back as verified and wrote none, every unit is ready and
+// bound, and the manifest names the plan and says the node matched it.
+func checkPlanVerified(t *testing.T, run *Run, m *manifest.Manifest, plan []byte) {
+	t.Helper()
+	if run.Done != "ok" {
+		t.Errorf("PASSAGE-DONE %s, want ok", run.Done)
+	}
 	for i := range m.Units {
 		u := &m.Units[i]
-		if u.Status != manifest.StatusDegraded {
-			t.Errorf("unit %s: %s, want degraded", u.ID, u.Status)
+		if u.Status != manifest.StatusReady {
+			t.Errorf("unit %s: %s %q, want ready: the kernel set every port", u.ID, u.Status, u.Reasons)
 		}
-		why := strings.Join(u.Reasons, "; ")
-		if !strings.Contains(why, "pci=config_acs=") || !strings.Contains(why, "6.11") {
-			t.Errorf("unit %s reasons %q: want the pci=config_acs= advice naming Linux 6.11", u.ID, why)
+		for _, c := range u.ACSChanges {
+			if !strings.HasPrefix(c.Result, "verified") {
+				t.Errorf("unit %s: ACS %s: %s, want verified", u.ID, c.Port, c.Result)
+			}
 		}
 		checkBound(t, u)
 	}
+	rb := readbackOf(t, run)
 	for port := range nicPorts {
-		// apply's word for a write the kernel refuses (manifest/SCHEMA.md), then why.
-		if c := acsChange(m, port); c == nil || !strings.HasPrefix(c.Result, "locked down: ") {
-			t.Errorf("ACS %s under lockdown: %+v, want a refused write (locked down)", port, c)
-		}
-		if ctl := rb.acsCtl(t, port); ctl != acsIsolation {
-			t.Errorf("guest reads ACSCtl %#04x on %s under lockdown, want the kernel's %#04x", ctl, port, acsIsolation)
+		if ctl := rb.acsCtl(t, port); ctl != acsIsolation|acsDT {
+			t.Errorf("guest reads ACSCtl %#04x on %s, want %#04x set by the kernel", ctl, port, acsIsolation|acsDT)
 		}
 	}
+	ip := m.ImagePlan
+	if ip == nil || ip.Digest != decision.PlanDigest(plan) || !ip.Matched || !strings.HasPrefix(ip.Kernel, "configured ") {
+		t.Errorf("manifest image_plan %+v, want digest %s, matched, configured by the kernel", ip, decision.PlanDigest(plan))
+	}
+}
+
+// Scenario 4 with the plan: a 6.12 kernel booted with the reference node's plan and
+// lockdown=integrity programs ACS itself; passage verifies instead of writing.
+func TestScenario4LockdownPlanned(t *testing.T) {
+	plan := planFor(t, Topology{})
+	run, m := bootPassage(t, Options{Append: []string{"lockdown=integrity"}, Plan: plan})
+	checkPlanVerified(t, run, m, plan)
 }
 
 // Scenario 5: a passthrough stand-in sharing an IOMMU group with a management NIC,

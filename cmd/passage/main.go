@@ -25,6 +25,7 @@ func commands() map[string]command {
 		"inspect":    {"show the PCIe tree with links, ACS and ATS", cmdInspect},
 		"snapshot":   {"capture the sysfs files a scan reads into a tar.gz", cmdSnapshot},
 		"plan":       {"label roles, group GPU units, plan ACS and the guest topology", cmdPlan},
+		"cmdline":    {"print the kernel arguments a signed boot image carries for a saved plan", cmdCmdline},
 		"render":     {"print a guest (QEMU args, libvirt domain, NCCL XML) from a verified manifest, or from a tree to plan", cmdRender},
 		"apply":      {"program ACS and bind passthrough devices to vfio-pci", cmdApply},
 		"unbind":     {"return a unit's devices to their host drivers", cmdUnbind},
