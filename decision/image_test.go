@@ -247,10 +247,14 @@ func TestReadKernelLog(t *testing.T) {
 		t.Errorf("no log: %q %v", got, err)
 	}
 	os.MkdirAll(filepath.Join(root, "dev"), 0o755)
-	os.WriteFile(filepath.Join(root, KernelLogFile), []byte("6,1,2,-;pci 0000:05:00.0: Configured ACS to 0x005d\n6,2,3,-;random: crng init done\n"), 0o644)
+	os.WriteFile(filepath.Join(root, KernelLogFile), []byte("6,1,2,-;pci 0000:05:00.0: Configured ACS to 0x005d\n SUBSYSTEM=pci\n DEVICE=+pci:0000:05:00.0\n6,2,3,-;random: crng init done\n"), 0o644)
 	got, err := ReadKernelLog(root)
 	if err != nil || len(got) != 1 || !strings.Contains(got[0], "Configured ACS") {
 		t.Errorf("log: %q %v", got, err)
+	}
+	// A record read from the device comes whole, with its device lines.
+	if m := kmsgMessage("6,1,2,-;pci 0000:05:00.0: Configured ACS to 0x005d\n SUBSYSTEM=pci\n DEVICE=+pci:0000:05:00.0\n"); m != "6,1,2,-;pci 0000:05:00.0: Configured ACS to 0x005d" {
+		t.Errorf("record message %q", m)
 	}
 	l := apply.ParseKernelACSLog(got)
 	a, _ := pci.ParseAddress("0000:05:00.0")

@@ -38,9 +38,9 @@ func ReadKernelLog(root string) ([]string, error) {
 	}
 	defer f.Close()
 	out := []string{}
-	keep := func(line string) {
-		if strings.Contains(line, "ACS") {
-			out = append(out, strings.TrimRight(line, "\n"))
+	keep := func(record string) {
+		if line := kmsgMessage(record); strings.Contains(line, "ACS") {
+			out = append(out, line)
 		}
 	}
 	if !char {
@@ -83,4 +83,11 @@ func ReadKernelLog(root string) ([]string, error) {
 		keep(string(buf[:n]))
 	}
 	return out, nil
+}
+
+// kmsgMessage is a /dev/kmsg record's message line: the record goes on with the device
+// it concerns as indented "KEY=value" lines (Documentation/ABI/testing/dev-kmsg).
+func kmsgMessage(record string) string {
+	line, _, _ := strings.Cut(record, "\n")
+	return line
 }
