@@ -3,7 +3,7 @@ SHELL := /bin/bash
 BUILD := build
 GO ?= go
 
-.PHONY: all deps build test unit qemu-test demo kernel initramfs ipxe uki bench fuzz clean
+.PHONY: all deps build test unit qemu-test qemu-bench demo kernel initramfs ipxe uki bench fuzz clean
 
 all: build
 
@@ -61,6 +61,12 @@ unit: deps
 qemu-test: deps
 	@for k in $(QEMU_KERNELS); do $(MAKE) --no-print-directory initramfs KERNEL=$$k || exit 1; done
 	PASSAGE_BUILD=$(abspath $(BUILD)) PASSAGE_KERNEL=$(KERNEL) $(GO) test -count=1 -timeout 25m -tags qemu -v ./qemu-tests/
+
+# qemu-bench times the boot's modules stage on each kernel the suite boots (three boots
+# each): the table goes to $(BUILD)/qemu-bench.txt.
+qemu-bench: deps
+	@for k in $(QEMU_KERNELS); do $(MAKE) --no-print-directory initramfs KERNEL=$$k || exit 1; done
+	PASSAGE_BUILD=$(abspath $(BUILD)) $(GO) test -count=1 -timeout 20m -tags qemu -run '^$$' -bench ModulesStage -benchtime 3x ./qemu-tests/ | tee $(BUILD)/qemu-bench.txt
 
 test: unit qemu-test
 

@@ -37,19 +37,30 @@ pkgs=()
 for c in "${urootcmds[@]}"; do pkgs+=("github.com/u-root/u-root/cmds/core/$c"); done
 pkgs+=(github.com/passage-boot/passage/cmd/passage)
 
-# Inputs: every file git knows about or would add (other engineers' work in progress
-# is built too), the Go toolchain, and what each part adds.
+# Inputs: the u-root part is what `passage` is built from (the Go and embedded files of
+# the packages it links from this module, as they are in the tree, and go.mod and go.sum
+# for the rest), the Go toolchain and the commands; the
+# kernel's part adds the kernel package, the module list, the tools that select them
+# (image/) and the names database.
+# sources PKG...: sha256 of every Go and embedded file of this module's packages that
+# PKG links.
 sources() {
-	if git rev-parse --git-dir >/dev/null 2>&1; then
-		git ls-files -z --cached --others --exclude-standard -- . ':!build' ':!passage'
-	else # an exported tree: every file but the build output
-		find . -path ./build -prune -o -type f -print0 | sort -z
-	fi | xargs -0 -r sha256sum 2>/dev/null || true
-	go version
+	go list -deps -f '{{if .Module}}{{if eq .Module.Path "github.com/passage-boot/passage"}}{{range .GoFiles}}{{$.Dir}}/{{.}}{{"\n"}}{{end}}{{range .EmbedFiles}}{{$.Dir}}/{{.}}{{"\n"}}{{end}}{{end}}{{end}}' "$@" |
+		LC_ALL=C sort | xargs -r sha256sum
 }
-core_stamp=$({ sources; echo "${urootcmds[*]}"; } | sha256sum | cut -d' ' -f1)
-stamp=$({ echo "$core_stamp"; sha256sum /usr/share/misc/pci.ids 2>/dev/null || true
-	echo "$release $(cat "$kernel/package" 2>/dev/null) ${modules[*]}"; } | sha256sum | cut -d' ' -f1)
+core_stamp=$({
+	sources ./cmd/passage
+	sha256sum go.mod go.sum
+	go version
+	echo "${urootcmds[*]}"
+} | sha256sum | cut -d' ' -f1)
+stamp=$({
+	echo "$core_stamp"
+	sources ./image/modsel ./image/pciids
+	find image -maxdepth 1 -type f | LC_ALL=C sort | xargs -r sha256sum
+	sha256sum /usr/share/misc/pci.ids 2>/dev/null || true
+	echo "$release $(cat "$kernel/package" 2>/dev/null) ${modules[*]}"
+} | sha256sum | cut -d' ' -f1)
 if [[ -s $out && -f $out.stamp && $(cat "$out.stamp") == "$stamp" ]]; then
 	echo "initramfs: $out up to date ($(stat -c %s "$out") bytes)"
 	exit 0
