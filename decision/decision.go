@@ -108,6 +108,10 @@ type Input struct {
 	// reset before it is passed through; "" is the profile's default (off when the
 	// profile names none). erase.go judges the reports.
 	Erase erase.Policy
+
+	// For is the command that will execute the decision ("" is the boot): the steps it
+	// does not run are judged here, before any write (command.go).
+	For Command
 }
 
 // Decision is the node's verdict before anything is written.
@@ -141,6 +145,9 @@ func Decide(in Input) (*Decision, error) {
 	}
 	if in.ATS == "" {
 		in.ATS = firmware.PolicyPrefer
+	}
+	if in.For == "" {
+		in.For = CommandBoot
 	}
 	if in.Erase == "" {
 		p, err := erase.ParsePolicy(in.Profile.Erase)
@@ -201,6 +208,7 @@ func Decide(in Input) (*Decision, error) {
 		s, why := f.Verdict(in.ATS)
 		mark(f.Unit, s, why)
 	}
+	d.markSteps(mark)
 
 	ports := firmware.DropDT(topology.ACSPlan(units), d.ATS)
 	for _, p := range ports {

@@ -24,12 +24,14 @@ type Doc struct {
 	topology.PlanDoc
 	ATSPolicy firmware.Policy `json:"ats_policy"`
 	// ErasePolicy is passage.erase= as decided (the profile's default unless given).
-	ErasePolicy erase.Policy       `json:"erase_policy"`
-	Lockdown    string             `json:"lockdown,omitempty"`
-	LabelError  string             `json:"label_error,omitempty"`
-	ATS         []firmware.Finding `json:"ats"`
-	Audit       []vfiobind.Finding `json:"audit"`
-	GuestError  string             `json:"guest_error,omitempty"`
+	ErasePolicy erase.Policy `json:"erase_policy"`
+	// For is the command whose outcome the verdicts predict.
+	For        Command            `json:"for"`
+	Lockdown   string             `json:"lockdown,omitempty"`
+	LabelError string             `json:"label_error,omitempty"`
+	ATS        []firmware.Finding `json:"ats"`
+	Audit      []vfiobind.Finding `json:"audit"`
+	GuestError string             `json:"guest_error,omitempty"`
 }
 
 // Doc returns the decision as one JSON document.
@@ -39,7 +41,7 @@ func (d *Decision) Doc() Doc { return d.DocNamed(nil) }
 func (d *Decision) DocNamed(n topology.Namer) Doc {
 	pl := d.Plan()
 	pl.Namer = n
-	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, ErasePolicy: d.Input.Erase, Lockdown: d.Live.Lockdown,
+	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, ErasePolicy: d.Input.Erase, For: d.For, Lockdown: d.Live.Lockdown,
 		ATS: append([]firmware.Finding{}, d.ATS...), Audit: append([]vfiobind.Finding{}, d.Audit...)}
 	if d.LabelErr != nil {
 		doc.LabelError = d.LabelErr.Error()
@@ -72,6 +74,7 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 		return err
 	}
 	var b strings.Builder
+	fmt.Fprintf(&b, "\nthe verdicts predict passage %s, which runs %s\n", d.For, d.For.steps())
 	if d.LabelErr != nil {
 		fmt.Fprintf(&b, "\nlabelling failed: %s\n", strings.ReplaceAll(d.LabelErr.Error(), "\n", "; "))
 	}
@@ -85,7 +88,9 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	}
 	fmt.Fprintf(&b, "  %d functions checked, %d without ATS\n", len(d.ATS), missing)
 	fmt.Fprintf(&b, "\nerase (policy %s)\n", d.Input.Erase)
-	if d.Input.Erase.Active() {
+	if d.Input.Erase.Active() && !d.For.Erases() {
+		fmt.Fprintf(&b, "  %s: every unit ends %s\n", d.For.notErased(), d.erasePolicyStatus())
+	} else if d.Input.Erase.Active() {
 		fmt.Fprintf(&b, "  before binding, each passed-through unit's NVMe is erased and read back, and its functions reset\n")
 	} else {
 		fmt.Fprintf(&b, "  nothing is erased: a unit's NVMe reaches its tenant as the last one left it\n")
