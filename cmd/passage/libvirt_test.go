@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -138,25 +139,53 @@ func virsh(t *testing.T, uri string, args ...string) string {
 	return string(out)
 }
 
-// TestLibvirtAcceptsDomain: the domain rendered from a signed manifest validates against
-// libvirt's own schema (virt-xml-validate), and a real libvirtd defines it (type qemu:
-// no KVM here) and keeps every controller and hostdev address as rendered.
+// noNUMA is the reference B300 tree on a host that reports no NUMA placement: every
+// function's numa_node reads -1, as under QEMU or on a single-socket host.
+func noNUMA() pcitest.Spec {
+	s := pcitest.B300()
+	for i := range s.Hosts {
+		s.Hosts[i].NUMA = -1
+	}
+	return s
+}
+
+// TestLibvirtAcceptsDomain: every domain rendered from a signed manifest, in every
+// combination (flat and --numa, kvm and qemu, units whose numa_node is -1 and >= 0),
+// validates against libvirt's own schema (virt-xml-validate), and a real libvirtd
+// defines it and keeps every controller and hostdev address as rendered.
 func TestLibvirtAcceptsDomain(t *testing.T) {
 	if _, err := exec.LookPath("virt-xml-validate"); err != nil {
 		t.Fatalf("virt-xml-validate is needed for this test (apt-get install libvirt-clients libxml2-utils): %v", err)
 	}
-	n := bootSigned(t, pcitest.B300())
+	nodes := map[string]signedNode{"numa": bootSigned(t, pcitest.B300()), "nonuma": bootSigned(t, noNUMA())}
+	for _, u := range nodes["nonuma"].m.Units {
+		for _, f := range u.Functions {
+			if f.NUMANode != -1 {
+				t.Fatalf("nonuma: %s numa_node %d, want -1", f.BDF, f.NUMANode)
+			}
+		}
+	}
 	dir := t.TempDir()
-	cases := []struct {
-		name string
-		args []string
-	}{
-		{"flat", []string{"--units", "0,1"}},
-		{"numa", []string{"--units", "0,1,4", "--numa"}},
+	type domainCase struct {
+		name, node string
+		args       []string
+	}
+	var cases []domainCase
+	for _, node := range []string{"numa", "nonuma"} {
+		for _, layout := range []struct {
+			name string
+			args []string
+		}{{"flat", []string{"--units", "0,1"}}, {"numa", []string{"--units", "0,1,4", "--numa"}}} {
+			for _, typ := range []string{"kvm", "qemu"} {
+				cases = append(cases, domainCase{name: node + "-" + layout.name + "-" + typ, node: node,
+					args: append([]string{"--domain-type", typ}, layout.args...)})
+			}
+		}
 	}
 	files := map[string]string{}
 	for _, c := range cases {
-		args := append([]string{"--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt", "--domain-type", "qemu",
+		n := nodes[c.node]
+		args := append([]string{"--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt",
 			"--vcpus", "2", "--memory", "1024", "--name", "passage-test-" + c.name}, c.args...)
 		code, out, errs := runCmd(t, cmdRender, args...)
 		if code != 0 {
@@ -191,7 +220,7 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 		if err := xml.Unmarshal([]byte(dumped), &got); err != nil {
 			t.Fatalf("dumpxml: %v\n%s", err, dumped)
 		}
-		if got.Type != "qemu" || got.Name != name {
+		if typ := c.args[1]; got.Type != typ || got.Name != name {
 			t.Errorf("%s: libvirt keeps type %q name %q", c.name, got.Type, got.Name)
 		}
 		kept := map[int]string{}
@@ -227,11 +256,11 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 				t.Errorf("%s: hostdev %s: libvirt puts it at %q, rendered %q", c.name, h.Source.key(t), g, h.Address.key(t))
 			}
 		}
-		units := len(strings.Split(c.args[1], ","))
+		units := len(strings.Split(c.args[3], ","))
 		if len(want.Hostdevs) != 4*units || len(got.Hostdevs) != len(want.Hostdevs) || controllers < 1+6*units {
 			t.Errorf("%s: rendered %d hostdevs, %d controllers; libvirt kept %d hostdevs", c.name, len(want.Hostdevs), controllers, len(got.Hostdevs))
 		}
-		if c.name == "numa" {
+		if c.node == "numa" && slices.Contains(c.args, "--numa") {
 			// Two guest cells (host nodes 0 and 1), one vCPU each, pinned to its node's CPUs.
 			for _, pin := range []string{`<vcpupin vcpu='0' cpuset='0-63,128-191'/>`, `<vcpupin vcpu='1' cpuset='64-127,192-255'/>`, `<memnode cellid='1' mode='strict' nodeset='1'/>`} {
 				if !strings.Contains(dumped, pin) {
