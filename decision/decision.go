@@ -132,6 +132,9 @@ type Decision struct {
 	Guest       *topology.Guest
 	GuestMatrix *topology.Matrix
 	GuestErr    error
+	// NotJudged names what the input cannot show and the verdicts therefore do not
+	// cover (input.go): facts about the input, not about the node.
+	NotJudged []string
 }
 
 // Units are the decision's units, their Status and Reasons the decided ones.
@@ -160,7 +163,7 @@ func Decide(in Input) (*Decision, error) {
 	if labels == nil {
 		return nil, lerr
 	}
-	d := &Decision{Input: in, Labels: labels, LabelErr: lerr}
+	d := &Decision{Input: in, Labels: labels, LabelErr: lerr, NotJudged: notJudged(in.Tree)}
 	units := labels.Units
 	byID := map[topology.UnitID]*topology.Unit{}
 	for _, u := range units {

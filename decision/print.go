@@ -32,6 +32,8 @@ type Doc struct {
 	ATS        []firmware.Finding `json:"ats"`
 	Audit      []vfiobind.Finding `json:"audit"`
 	GuestError string             `json:"guest_error,omitempty"`
+	// NotJudged is what the input cannot show (Decision.NotJudged).
+	NotJudged []string `json:"not_judged,omitempty"`
 }
 
 // Doc returns the decision as one JSON document.
@@ -49,6 +51,7 @@ func (d *Decision) DocNamed(n topology.Namer) Doc {
 	if d.GuestErr != nil {
 		doc.GuestError = d.GuestErr.Error()
 	}
+	doc.NotJudged = append(doc.NotJudged, d.NotJudged...)
 	return doc
 }
 
@@ -75,6 +78,9 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "\nthe verdicts predict passage %s, which runs %s\n", d.For, d.For.steps())
+	for _, n := range d.NotJudged {
+		fmt.Fprintf(&b, "not judged: %s\n", n)
+	}
 	if d.LabelErr != nil {
 		fmt.Fprintf(&b, "\nlabelling failed: %s\n", strings.ReplaceAll(d.LabelErr.Error(), "\n", "; "))
 	}
@@ -99,7 +105,11 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	for _, f := range d.Audit {
 		fmt.Fprintf(&b, "  %s\n", f)
 	}
-	if len(d.Audit) == 0 {
+	switch {
+	case len(d.Audit) > 0:
+	case d.Tree.NoGroups != "":
+		b.WriteString("  every unit's ports isolate it (its groups are not judged: see above)\n")
+	default:
 		b.WriteString("  every unit's groups and ports isolate it\n")
 	}
 	if d.Live.LockedDown() {
