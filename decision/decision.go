@@ -132,6 +132,9 @@ type Decision struct {
 	Guest       *topology.Guest
 	GuestMatrix *topology.Matrix
 	GuestErr    error
+	// NoUnits says the profile found none of the units it exists for ("" when it found
+	// some): the node is not what the profile is for, and nothing it does is ready.
+	NoUnits string
 	// NotJudged names what the input cannot show and the verdicts therefore do not
 	// cover (input.go): facts about the input, not about the node.
 	NotJudged []string
@@ -163,7 +166,7 @@ func Decide(in Input) (*Decision, error) {
 	if labels == nil {
 		return nil, lerr
 	}
-	d := &Decision{Input: in, Labels: labels, LabelErr: lerr, NotJudged: notJudged(in.Tree)}
+	d := &Decision{Input: in, Labels: labels, LabelErr: lerr, NotJudged: notJudged(in.Tree), NoUnits: noUnits(in.Profile, labels)}
 	units := labels.Units
 	byID := map[topology.UnitID]*topology.Unit{}
 	for _, u := range units {
@@ -471,6 +474,18 @@ func (d *Decision) passable(rep *apply.Report) []*topology.Unit {
 		out = append(out, u)
 	}
 	return out
+}
+
+// Err is why the decision as a whole fails, before any unit's verdict: labels that
+// contradict each other, or a profile that found none of its units. nil otherwise.
+func (d *Decision) Err() error {
+	switch {
+	case d.LabelErr != nil:
+		return d.LabelErr
+	case d.NoUnits != "":
+		return errors.New(d.NoUnits)
+	}
+	return nil
 }
 
 // Failed says whether the verdicts hold a failed unit: then the command exits 1. A

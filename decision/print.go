@@ -32,6 +32,7 @@ type Doc struct {
 	ATS        []firmware.Finding `json:"ats"`
 	Audit      []vfiobind.Finding `json:"audit"`
 	GuestError string             `json:"guest_error,omitempty"`
+	NoUnits    string             `json:"no_units,omitempty"`
 	// NotJudged is what the input cannot show (Decision.NotJudged).
 	NotJudged []string `json:"not_judged,omitempty"`
 }
@@ -52,6 +53,7 @@ func (d *Decision) DocNamed(n topology.Namer) Doc {
 		doc.GuestError = d.GuestErr.Error()
 	}
 	doc.NotJudged = append(doc.NotJudged, d.NotJudged...)
+	doc.NoUnits = d.NoUnits
 	return doc
 }
 
@@ -81,6 +83,9 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	for _, n := range d.NotJudged {
 		fmt.Fprintf(&b, "not judged: %s\n", n)
 	}
+	if d.NoUnits != "" {
+		fmt.Fprintf(&b, "no units: %s\n", d.NoUnits)
+	}
 	if d.LabelErr != nil {
 		fmt.Fprintf(&b, "\nlabelling failed: %s\n", strings.ReplaceAll(d.LabelErr.Error(), "\n", "; "))
 	}
@@ -107,6 +112,8 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	}
 	switch {
 	case len(d.Audit) > 0:
+	case len(d.Units()) == 0:
+		b.WriteString("  no unit to audit\n")
 	case d.Tree.NoGroups != "":
 		b.WriteString("  every unit's ports isolate it (its groups are not judged: see above)\n")
 	default:

@@ -168,6 +168,9 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 		return 1
 	}
 	out.Stages["label"] = fmt.Sprintf("%d units", len(d.Units()))
+	if d.NoUnits != "" {
+		out.Problems = append(out.Problems, d.NoUnits)
+	}
 	out.Stages["ats"] = fmt.Sprintf("%d functions checked, %d without ATS (policy %s)", len(d.ATS), len(firmware.NoDT(d.ATS)), policy)
 
 	ctx := context.Background()
@@ -237,7 +240,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	vs := d.Conclude(x)
 	out.Units = d.UnitsJSON(vs)
 	writeApply(stdout, stderr, out, *asJSON)
-	if decision.Failed(vs) {
+	if decision.Failed(vs) || d.Err() != nil {
 		return 1
 	}
 	return 0

@@ -119,10 +119,11 @@ func erasePolicy(given bool, flagValue, cmdline string) (erase.Policy, error) {
 }
 
 // verdictErr is the exit status of a decision's verdicts: labelling that contradicts
-// itself or a failed unit is 1; degraded units are usable and exit 0.
+// itself, a profile that found none of its units, or a failed unit is 1; degraded units
+// are usable and exit 0.
 func verdictErr(d *decision.Decision, vs []decision.Verdict) error {
-	if d.LabelErr != nil {
-		return d.LabelErr
+	if err := d.Err(); err != nil {
+		return err
 	}
 	for _, v := range vs {
 		if v.Status == topology.StatusFailed {

@@ -73,3 +73,39 @@ func TestPlanLspciDump(t *testing.T) {
 		}
 	}
 }
+
+// hostWithoutGPUs is the reference B300 node's host bus alone: its management NICs on
+// their root ports, no GPU complex.
+func hostWithoutGPUs() pcitest.Spec {
+	s := pcitest.B300()
+	s.Hosts = s.Hosts[:1]
+	return s
+}
+
+// TestPlanProfileFindsNoUnits: the b300 profile on a host without GPUs says it found
+// none of the units it is for and exits 1, in text and JSON, and apply does the same;
+// it never reads as a node whose units all isolate.
+func TestPlanProfileFindsNoUnits(t *testing.T) {
+	root := pcitest.New(t, hostWithoutGPUs()).Root
+	code, out, errs := runCmd(t, cmdPlan, "--root", root)
+	if code != 1 || !strings.Contains(out, "no units: profile b300") || !strings.Contains(errs, "found none of the units it is for") ||
+		strings.Contains(out, "isolate it") {
+		t.Errorf("plan: exit %d, want 1 saying the profile found no unit:\n%s\n%s", code, out, errs)
+	}
+	code, out, _ = runCmd(t, cmdPlan, "--root", root, "--json")
+	var doc struct {
+		NoUnits string            `json:"no_units"`
+		Units   []json.RawMessage `json:"units"`
+	}
+	if err := json.Unmarshal([]byte(out), &doc); err != nil || code != 1 || len(doc.Units) != 0 || !strings.Contains(doc.NoUnits, "profile b300") {
+		t.Errorf("plan --json: exit %d, %v, no_units %q, %d units", code, err, doc.NoUnits, len(doc.Units))
+	}
+	code, out, _ = runCmd(t, cmdApply, "--root", root, "--dry-run")
+	if code != 1 || !strings.Contains(out, "problem: profile b300") {
+		t.Errorf("apply --dry-run: exit %d, want 1 naming the profile:\n%s", code, out)
+	}
+	// The node the profile is for exits 0.
+	if code, _, errs := runCmd(t, cmdPlan, "--root", pcitest.New(t, pcitest.B300()).Root); code != 0 {
+		t.Errorf("plan on the reference node: exit %d %s", code, errs)
+	}
+}
