@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/run.sh [benchtable flags]: what `make bench` runs. Builds passage and
 # bench/cmd/benchtable, makes sure the image exists (make initramfs, a no-op when it is up
-# to date), then prints the table and writes bench/results.md.
+# to date), then prints the table and writes it, with the details, to $BUILD/bench.md
+# (build/bench.md): a run's figures are output, not a tracked file.
 #   bash bench/run.sh -boot=false -rounds 5    # quick: no QEMU boots, fewer runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,4 +32,5 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 go build -o "$tmp/passage" ./cmd/passage
 go build -o "$tmp/benchtable" ./bench/cmd/benchtable
-"$tmp/benchtable" -passage "$tmp/passage" -build "$build" -out bench/results.md "$@"
+mkdir -p "$build"
+"$tmp/benchtable" -passage "$tmp/passage" -build "$build" -out "$build/bench.md" "$@"

@@ -1,10 +1,10 @@
 // Command benchtable measures passage against the tools an operator would otherwise run
 // (lspci, setpci, bench/acs-plan.sh) on the same synthetic sysfs trees, alternating the
 // sides and keeping each side's median, and prints one table; with -out it also writes
-// the table and the details behind it as Markdown (bench/results.md). `make bench` runs
+// the table and the details behind it as Markdown (build/bench.md). `make bench` runs
 // it through bench/run.sh.
 //
-//	benchtable -passage build/passage [-rounds 11] [-build build] [-boot=false] [-out bench/results.md]
+//	benchtable -passage build/passage [-rounds 11] [-build build] [-boot=false] [-out build/bench.md]
 package main
 
 import (
