@@ -15,6 +15,7 @@ require (
 	github.com/vishvananda/netlink v1.3.1
 	golang.org/x/sys v0.50.0
 	gopkg.in/yaml.v3 v3.0.1
+	libvirt.org/go/libvirtxml v1.12008.0
 )
 
 require (

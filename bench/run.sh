@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # bench/run.sh [benchtable flags]: what `make bench` runs. Builds passage and
 # bench/cmd/benchtable, makes sure the image exists (make initramfs, a no-op when it is up
-# to date), then prints the table and writes bench/results.md.
+# to date), then prints the table and writes it, with the details, to $BUILD/bench.md
+# (build/bench.md): a run's figures are output, not a tracked file.
 #   bash bench/run.sh -boot=false -rounds 5    # quick: no QEMU boots, fewer runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD:-build}
+# The image and boot rows read the default kernel's image (make initramfs: IMAGE).
+image=${IMAGE:-$build/linux-6.12}
 
 # strace counts the sysfs reads of the passage process (the floor row).
 if ! command -v strace >/dev/null; then
@@ -23,12 +26,13 @@ for a in "$@"; do
 	[[ $a == -boot=false || $a == --boot=false ]] && boot=0
 done
 # The image row reads the initramfs and the boot row boots it: build it when stale.
-if ((boot)) || [[ ! -s $build/initramfs.cpio.gz ]]; then
-	make --no-print-directory initramfs BUILD="$build"
+if ((boot)) || [[ ! -s $image/initramfs.cpio.gz ]]; then
+	make --no-print-directory initramfs BUILD="$build" IMAGE="$image"
 fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 go build -o "$tmp/passage" ./cmd/passage
 go build -o "$tmp/benchtable" ./bench/cmd/benchtable
-"$tmp/benchtable" -passage "$tmp/passage" -build "$build" -out bench/results.md "$@"
+mkdir -p "$build"
+"$tmp/benchtable" -passage "$tmp/passage" -build "$image" -out "$build/bench.md" "$@"

@@ -116,6 +116,10 @@ type Input struct {
 	// reset before it is passed through; "" is the profile's default (off when the
 	// profile names none). erase.go judges the reports.
 	Erase erase.Policy
+
+	// For is the command that will execute the decision ("" is the boot): the steps it
+	// does not run are judged here, before any write (command.go).
+	For Command
 }
 
 // Decision is the node's verdict before anything is written.
@@ -139,6 +143,12 @@ type Decision struct {
 	Guest       *topology.Guest
 	GuestMatrix *topology.Matrix
 	GuestErr    error
+	// NoUnits says the profile found none of the units it exists for ("" when it found
+	// some): the node is not what the profile is for, and nothing it does is ready.
+	NoUnits string
+	// NotJudged names what the input cannot show and the verdicts therefore do not
+	// cover (input.go): facts about the input, not about the node.
+	NotJudged []string
 }
 
 // Units are the decision's units, their Status and Reasons the decided ones.
@@ -153,6 +163,9 @@ func Decide(in Input) (*Decision, error) {
 	if in.ATS == "" {
 		in.ATS = firmware.PolicyPrefer
 	}
+	if in.For == "" {
+		in.For = CommandBoot
+	}
 	if in.Erase == "" {
 		p, err := erase.ParsePolicy(in.Profile.Erase)
 		if err != nil {
@@ -164,7 +177,7 @@ func Decide(in Input) (*Decision, error) {
 	if labels == nil {
 		return nil, lerr
 	}
-	d := &Decision{Input: in, Labels: labels, LabelErr: lerr}
+	d := &Decision{Input: in, Labels: labels, LabelErr: lerr, NotJudged: notJudged(in.Tree), NoUnits: noUnits(in.Profile, labels)}
 	units := labels.Units
 	byID := map[topology.UnitID]*topology.Unit{}
 	for _, u := range units {
@@ -212,6 +225,7 @@ func Decide(in Input) (*Decision, error) {
 		s, why := f.Verdict(in.ATS)
 		mark(f.Unit, s, why)
 	}
+	d.markSteps(mark)
 
 	ports := firmware.DropDT(topology.ACSPlan(units), d.ATS)
 	for _, p := range ports {
@@ -499,6 +513,18 @@ func (d *Decision) passable(rep *apply.Report) []*topology.Unit {
 		out = append(out, u)
 	}
 	return out
+}
+
+// Err is why the decision as a whole fails, before any unit's verdict: labels that
+// contradict each other, or a profile that found none of its units. nil otherwise.
+func (d *Decision) Err() error {
+	switch {
+	case d.LabelErr != nil:
+		return d.LabelErr
+	case d.NoUnits != "":
+		return errors.New(d.NoUnits)
+	}
+	return nil
 }
 
 // Failed says whether the verdicts hold a failed unit: then the command exits 1. A

@@ -14,14 +14,14 @@ import (
 // verified, whose functions were not all reset, or that the report does not cover (the
 // step errored, panicked, timed out, or was skipped), is failed under require and
 // degraded under auto.
+//
+// Under a command that does not erase, the decision gave the verdict (markSteps) and the
+// report adds nothing.
 func (d *Decision) eraseVerdict(id topology.UnitID, rep *erase.Report, stepErr error) (topology.Status, []string) {
-	if !d.Erase.Active() {
+	if !d.Erase.Active() || !d.For.Erases() {
 		return "", nil
 	}
-	s := topology.StatusDegraded
-	if d.Erase == erase.PolicyRequire {
-		s = topology.StatusFailed
-	}
+	s := d.erasePolicyStatus()
 	var reasons []string
 	switch ur := rep.Unit(id); {
 	case rep == nil:
@@ -39,11 +39,20 @@ func (d *Decision) eraseVerdict(id topology.UnitID, rep *erase.Report, stepErr e
 	return s, reasons
 }
 
+// erasePolicyStatus is what a unit not erased becomes under the active policy: failed
+// under require, degraded under auto.
+func (d *Decision) erasePolicyStatus() topology.Status {
+	if d.Erase == erase.PolicyRequire {
+		return topology.StatusFailed
+	}
+	return topology.StatusDegraded
+}
+
 // ErasePlan are the units the erase step works on after the ACS step reported acs: the
 // ones the decision passes through whose ports all reached a state they may be passed
-// through in. Nil when the policy is off.
+// through in. Nil when the policy is off or the command does not erase.
 func (d *Decision) ErasePlan(acs *apply.Report) []*topology.Unit {
-	if !d.Erase.Active() {
+	if !d.Erase.Active() || !d.For.Erases() {
 		return nil
 	}
 	return d.passable(acs)

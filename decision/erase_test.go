@@ -245,3 +245,71 @@ func TestEraseReportMissing(t *testing.T) {
 		}
 	}
 }
+
+// TestDecideForACommandThatDoesNotErase: under an active erase policy a decision for
+// apply (which erases nothing) settles every unit before any write: failed under
+// require, with every port left alone, nothing bound and nothing to erase; degraded under
+// auto, its ports written as for the boot. The conclusion adds nothing and repeats no
+// reason. For the boot and recycle, which erase, the same node is ready.
+func TestDecideForACommandThatDoesNotErase(t *testing.T) {
+	tree, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prof, err := topology.Builtin("b300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		policy erase.Policy
+		cmd    Command
+		want   topology.Status
+	}{
+		{erase.PolicyRequire, CommandApply, topology.StatusFailed},
+		{erase.PolicyAuto, CommandApply, topology.StatusDegraded},
+		{erase.PolicyOff, CommandApply, topology.StatusReady},
+		{erase.PolicyRequire, CommandBoot, topology.StatusReady},
+		{erase.PolicyRequire, CommandRecycle, topology.StatusReady},
+		{erase.PolicyRequire, "", topology.StatusReady},
+	} {
+		name := fmt.Sprintf("%s for %q", c.policy, c.cmd)
+		d, err := Decide(Input{Tree: tree, Profile: prof, Erase: c.policy, For: c.cmd})
+		if err != nil {
+			t.Fatal(err)
+		}
+		decided := d.Decided()
+		for _, v := range decided {
+			if v.Status != c.want {
+				t.Errorf("%s: %s %s %v, want %s", name, v.Unit, v.Status, v.Reasons, c.want)
+			}
+			if c.want != topology.StatusReady && (len(v.Reasons) != 1 || !strings.Contains(v.Reasons[0], "apply does not erase")) {
+				t.Errorf("%s: %s reasons %q", name, v.Unit, v.Reasons)
+			}
+		}
+		skipped := 0
+		for _, p := range d.ACS {
+			if p.Skip != "" {
+				skipped++
+			}
+		}
+		if wantSkip := c.want == topology.StatusFailed; (skipped == len(d.ACS)) != wantSkip || (skipped > 0) != wantSkip {
+			t.Errorf("%s: %d of %d ports skipped", name, skipped, len(d.ACS))
+		}
+		if (d.KernelArg == "") != (c.want == topology.StatusFailed) {
+			t.Errorf("%s: kernel argument %q", name, d.KernelArg)
+		}
+		acs, bind := cleanRun(d)
+		if len(bind.Units) != 0 && c.want == topology.StatusFailed {
+			t.Errorf("%s: %d units to bind", name, len(bind.Units))
+		}
+		if n := len(d.ErasePlan(acs)); (n != 0) != (c.policy.Active() && c.cmd != CommandApply) {
+			t.Errorf("%s: %d units to erase", name, n)
+		}
+		if c.cmd == CommandApply {
+			got := d.Conclude(Execution{ACS: acs, Binding: true, Bind: bind})
+			if fmt.Sprint(got) != fmt.Sprint(decided) {
+				t.Errorf("%s: concluded %v, decided %v", name, got, decided)
+			}
+		}
+	}
+}

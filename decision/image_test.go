@@ -2,7 +2,6 @@ package decision
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -11,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/apply/applytest"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
@@ -39,21 +39,19 @@ func kernelBoot(t *testing.T, drop func(topology.ACSPort) bool, unset func(topol
 	node := pcitest.New(t, pcitest.B300())
 	// The reference node: the plan `passage plan --out` saves and `make uki PLAN=` bakes.
 	ref := b300Decision(t, Live{})
-	var planned []topology.ACSPort
-	var log []string
-	cfg := pci.SysfsConfig{Root: node.Root}
+	var planned, set []topology.ACSPort
 	for _, p := range ref.ACS {
 		if p.Skip != "" || p.Offset == 0 || drop != nil && drop(p) {
 			continue
 		}
 		planned = append(planned, p)
-		if unset != nil && unset(p) {
-			continue
+		if unset == nil || !unset(p) {
+			set = append(set, p)
 		}
-		if _, err := pci.WriteRegister(cfg, p.Addr, p.CtlOffset(), 2, uint32(p.Target())); err != nil {
-			t.Fatal(err)
-		}
-		log = append(log, fmt.Sprintf("6,%d,1000,-;pci %s: Configured ACS to %#06x", 400+len(log), p.Addr, uint16(p.Target())))
+	}
+	log, err := applytest.KernelSets(pci.SysfsConfig{Root: node.Root}, set)
+	if err != nil {
+		t.Fatal(err)
 	}
 	live := Live{Cmdline: "console=ttyS0 " + topology.KernelArg(planned) + " " + PlanArg + "=" + testPlanDigest,
 		Release: "6.12.117+deb13-amd64", Lockdown: "integrity", KernelLog: log}

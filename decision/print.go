@@ -24,13 +24,18 @@ type Doc struct {
 	topology.PlanDoc
 	ATSPolicy firmware.Policy `json:"ats_policy"`
 	// ErasePolicy is passage.erase= as decided (the profile's default unless given).
-	ErasePolicy erase.Policy       `json:"erase_policy"`
-	Lockdown    string             `json:"lockdown,omitempty"`
-	ImagePlan   *ImagePlan         `json:"image_plan,omitempty"`
-	LabelError  string             `json:"label_error,omitempty"`
-	ATS         []firmware.Finding `json:"ats"`
-	Audit       []vfiobind.Finding `json:"audit"`
-	GuestError  string             `json:"guest_error,omitempty"`
+	ErasePolicy erase.Policy `json:"erase_policy"`
+	// For is the command whose outcome the verdicts predict.
+	For        Command            `json:"for"`
+	Lockdown   string             `json:"lockdown,omitempty"`
+	ImagePlan  *ImagePlan         `json:"image_plan,omitempty"`
+	LabelError string             `json:"label_error,omitempty"`
+	ATS        []firmware.Finding `json:"ats"`
+	Audit      []vfiobind.Finding `json:"audit"`
+	GuestError string             `json:"guest_error,omitempty"`
+	NoUnits    string             `json:"no_units,omitempty"`
+	// NotJudged is what the input cannot show (Decision.NotJudged).
+	NotJudged []string `json:"not_judged,omitempty"`
 }
 
 // Doc returns the decision as one JSON document.
@@ -40,7 +45,7 @@ func (d *Decision) Doc() Doc { return d.DocNamed(nil) }
 func (d *Decision) DocNamed(n topology.Namer) Doc {
 	pl := d.Plan()
 	pl.Namer = n
-	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, ErasePolicy: d.Input.Erase, Lockdown: d.Live.Lockdown,
+	doc := Doc{PlanDoc: pl.Doc(), ATSPolicy: d.Input.ATS, ErasePolicy: d.Input.Erase, For: d.For, Lockdown: d.Live.Lockdown,
 		ImagePlan: d.Image, ATS: append([]firmware.Finding{}, d.ATS...), Audit: append([]vfiobind.Finding{}, d.Audit...)}
 	if d.LabelErr != nil {
 		doc.LabelError = d.LabelErr.Error()
@@ -48,6 +53,8 @@ func (d *Decision) DocNamed(n topology.Namer) Doc {
 	if d.GuestErr != nil {
 		doc.GuestError = d.GuestErr.Error()
 	}
+	doc.NotJudged = append(doc.NotJudged, d.NotJudged...)
+	doc.NoUnits = d.NoUnits
 	return doc
 }
 
@@ -73,6 +80,13 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 		return err
 	}
 	var b strings.Builder
+	fmt.Fprintf(&b, "\nthe verdicts predict passage %s, which runs %s\n", d.For, d.For.steps())
+	for _, n := range d.NotJudged {
+		fmt.Fprintf(&b, "not judged: %s\n", n)
+	}
+	if d.NoUnits != "" {
+		fmt.Fprintf(&b, "no units: %s\n", d.NoUnits)
+	}
 	if d.LabelErr != nil {
 		fmt.Fprintf(&b, "\nlabelling failed: %s\n", strings.ReplaceAll(d.LabelErr.Error(), "\n", "; "))
 	}
@@ -86,7 +100,9 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	}
 	fmt.Fprintf(&b, "  %d functions checked, %d without ATS\n", len(d.ATS), missing)
 	fmt.Fprintf(&b, "\nerase (policy %s)\n", d.Input.Erase)
-	if d.Input.Erase.Active() {
+	if d.Input.Erase.Active() && !d.For.Erases() {
+		fmt.Fprintf(&b, "  %s: every unit ends %s\n", d.For.notErased(), d.erasePolicyStatus())
+	} else if d.Input.Erase.Active() {
 		fmt.Fprintf(&b, "  before binding, each passed-through unit's NVMe is erased and read back, and its functions reset\n")
 	} else {
 		fmt.Fprintf(&b, "  nothing is erased: a unit's NVMe reaches its tenant as the last one left it\n")
@@ -95,7 +111,13 @@ func (d *Decision) WriteTextNamed(w io.Writer, n topology.Namer) error {
 	for _, f := range d.Audit {
 		fmt.Fprintf(&b, "  %s\n", f)
 	}
-	if len(d.Audit) == 0 {
+	switch {
+	case len(d.Audit) > 0:
+	case len(d.Units()) == 0:
+		b.WriteString("  no unit to audit\n")
+	case d.Tree.NoGroups != "":
+		b.WriteString("  every unit's ports isolate it (its groups are not judged: see above)\n")
+	default:
 		b.WriteString("  every unit's groups and ports isolate it\n")
 	}
 	if d.Live.LockedDown() {

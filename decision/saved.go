@@ -18,7 +18,7 @@ import (
 )
 
 // SavedVersion is the version of the saved-plan format.
-const SavedVersion = 2 // 2 added erase_policy
+const SavedVersion = 3 // 2 added erase_policy, 3 for
 
 // Saved is a decision written down by `passage plan --out F`, for `passage apply --plan
 // F`: as with a saved Terraform plan, apply decides again on the node as it is now, with
@@ -30,6 +30,7 @@ type Saved struct {
 	Profile   json.RawMessage           `json:"profile"`
 	ATS       firmware.Policy           `json:"ats_policy"`
 	Erase     erase.Policy              `json:"erase_policy"`
+	For       Command                   `json:"for"` // the command the plan predicts
 	Live      Live                      `json:"live"`
 	Verdicts  []Verdict                 `json:"verdicts"`
 	ACS       []SavedPort               `json:"acs"`
@@ -54,7 +55,7 @@ func (d *Decision) Save() (*Saved, error) {
 	if err != nil {
 		return nil, fmt.Errorf("saved plan: profile: %w", err)
 	}
-	s := &Saved{Version: SavedVersion, Profile: prof, ATS: d.Input.ATS, Erase: d.Input.Erase, Live: d.Live, Verdicts: d.Decided(),
+	s := &Saved{Version: SavedVersion, Profile: prof, ATS: d.Input.ATS, Erase: d.Input.Erase, For: d.For, Live: d.Live, Verdicts: d.Decided(),
 		KernelArg: d.KernelArg, ACS: []SavedPort{}, Bind: []pci.Address{}, Groups: map[topology.UnitID][]int{}}
 	for _, p := range d.ACS {
 		sp := SavedPort{Addr: p.Addr, Unit: p.Unit, Offset: p.Offset, Skip: p.Skip}
@@ -131,6 +132,7 @@ func (s *Saved) Diff(d *Decision) []string {
 	diff("profile", s.Profile, now.Profile)
 	diff("ats policy", s.ATS, now.ATS)
 	diff("erase policy", s.Erase, now.Erase)
+	diff("command", s.For, now.For)
 	diff("lockdown", s.Live.Lockdown, now.Live.Lockdown)
 	diff("kernel command line", s.Live.Cmdline, now.Live.Cmdline)
 	verdicts := func(vs []Verdict) map[topology.UnitID]Verdict {

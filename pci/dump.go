@@ -283,8 +283,12 @@ func ParseDump(r io.Reader) (*Tree, error) {
 	}
 	t := NewTree(devs)
 	t.Problems = append(tree.Problems, t.Problems...)
+	t.NoGroups = DumpNoGroups
 	return t, nil
 }
+
+// DumpNoGroups is Tree.NoGroups of a dump.
+const DumpNoGroups = "an lspci dump carries config space only, no IOMMU groups"
 
 // The problems of a dump that holds less config space than lspci -xxxx writes.
 const (

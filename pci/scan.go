@@ -21,6 +21,10 @@ type Tree struct {
 	Devices  []*Device // every function, in address order
 	Roots    []*Device // functions on root buses (no parent bridge), in address order
 	Problems []string  // what could not be read at the tree level (vanished functions, ...)
+	// NoGroups says why the input carries no IOMMU groups at all ("" when it does): an
+	// lspci dump holds config space only. A fact about the input, not about the node:
+	// no function's group can be judged from it.
+	NoGroups string
 
 	byAddr map[Address]*Device
 }

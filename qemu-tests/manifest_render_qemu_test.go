@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/hypervisor"
+	"github.com/passage-boot/passage/hypervisor/libvirttest"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/topology"
 )
@@ -65,6 +67,7 @@ func guestFromManifest(t *testing.T, run *Run, tpmPub string) {
 		t.Fatalf("passage render printed\n%s\nthe manifest's plan is\n%s", stdout.String(), got)
 	}
 	t.Logf("passage render --manifest --format qemu:\n%s", stdout.String())
+	domainsFromManifest(t, passage, env, tpmPub, m)
 
 	got := bootGuestCheck(t, g, "from-manifest")
 	exp := m.GuestPlan
@@ -135,4 +138,50 @@ func bootGuestCheck(t *testing.T, g *topology.Guest, name string) measuredPlan {
 		t.Fatalf("guest plan: profile %q, %d units, want qemu-guest and %d", got.Profile, len(got.Units), len(g.Units))
 	}
 	return got
+}
+
+// domainsFromManifest renders the libvirt domain of every unit (--units all) from the
+// manifest of a real boot, flat and with --numa, for kvm and for qemu, and has libvirt
+// judge each: virt-xml-validate against libvirt's schema, then virsh define in a
+// libvirtd of the test's own, which keeps every hostdev. The boot's units have numa_node
+// -1 (the scenario's VM defines no NUMA node), the case a hand-made domain got wrong.
+func domainsFromManifest(t *testing.T, passage, env, tpmPub string, m *manifest.Manifest) {
+	t.Helper()
+	var nodes []string
+	for _, u := range m.Units {
+		nodes = append(nodes, fmt.Sprintf("%s numa_node %d", u.ID, u.NUMANode))
+	}
+	dir := t.TempDir()
+	uri := libvirttest.Start(t)
+	for _, numa := range []bool{false, true} {
+		for _, typ := range []string{"kvm", "qemu"} {
+			name := "passage-scenario1-" + typ
+			args := []string{"render", "--manifest", env, "--tpm-pub", tpmPub, "--format", "libvirt", "--units", "all",
+				"--domain-type", typ, "--vcpus", "2", "--memory", "1024"}
+			if numa {
+				name += "-numa"
+				args = append(args, "--numa")
+			}
+			args = append(args, "--name", name)
+			out, err := exec.Command(passage, args...).Output()
+			if err != nil {
+				t.Fatalf("passage %s: %v", strings.Join(args, " "), err)
+			}
+			f := filepath.Join(dir, name+".xml")
+			if err := os.WriteFile(f, out, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if v, err := exec.Command("virt-xml-validate", f, "domain").CombinedOutput(); err != nil || !strings.Contains(string(v), "validates") {
+				t.Errorf("%s: virt-xml-validate: %v\n%s\n%s", name, err, v, out)
+				continue
+			}
+			libvirttest.Virsh(t, uri, "define", f)
+			dumped := libvirttest.Virsh(t, uri, "dumpxml", name)
+			libvirttest.Virsh(t, uri, "undefine", name)
+			if got, want := strings.Count(dumped, "<hostdev "), strings.Count(string(out), "<hostdev "); got != want || want == 0 {
+				t.Errorf("%s: libvirt keeps %d hostdevs of %d rendered", name, got, want)
+			}
+			t.Logf("%s (%s): virt-xml-validate and virsh define accept it", name, strings.Join(nodes, ", "))
+		}
+	}
 }

@@ -100,7 +100,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	if lerr != nil {
 		o.logf("kernel state: %v", lerr)
 	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live})
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live, For: decision.CommandRecycle})
 	if err != nil {
 		return res, err
 	}

@@ -1,10 +1,11 @@
 package topology
 
 import (
-	"encoding/xml"
 	"fmt"
 	"sort"
 	"strings"
+
+	"libvirt.org/go/libvirtxml"
 )
 
 // DomainOptions are what a libvirt domain needs beyond the guest plan.
@@ -20,83 +21,6 @@ type DomainOptions struct {
 	// vCPUs of a guest cell are pinned to the CPUs of the host node it stands for. Nodes
 	// without a list get no pin.
 	HostCPUs map[int]string
-}
-
-// The libvirt domain XML elements below follow https://libvirt.org/formatdomain.html.
-type lvDomain struct {
-	XMLName     xml.Name    `xml:"domain"`
-	Type        string      `xml:"type,attr"`
-	Comment     string      `xml:",comment"`
-	Name        string      `xml:"name"`
-	Description string      `xml:"description,omitempty"`
-	Memory      lvSized     `xml:"memory"`
-	VCPU        lvVCPU      `xml:"vcpu"`
-	CPUTune     *lvCPUTune  `xml:"cputune"`
-	NUMATune    *lvNUMATune `xml:"numatune"`
-	OS          lvOS        `xml:"os"`
-	Features    lvFeatures  `xml:"features"`
-	CPU         *lvCPU      `xml:"cpu"`
-	OnPoweroff  string      `xml:"on_poweroff"`
-	OnReboot    string      `xml:"on_reboot"`
-	OnCrash     string      `xml:"on_crash"`
-	Devices     lvDevices   `xml:"devices"`
-}
-
-type lvSized struct {
-	Unit  string `xml:"unit,attr"`
-	Value int    `xml:",chardata"`
-}
-
-type lvVCPU struct {
-	Placement string `xml:"placement,attr"`
-	Value     int    `xml:",chardata"`
-}
-
-type lvCPUTune struct {
-	Pins []lvVCPUPin `xml:"vcpupin"`
-}
-
-type lvVCPUPin struct {
-	VCPU   int    `xml:"vcpu,attr"`
-	CPUSet string `xml:"cpuset,attr"`
-}
-
-type lvNUMATune struct {
-	Memory   lvNUMAMemory   `xml:"memory"`
-	MemNodes []lvNUMAMemory `xml:"memnode"`
-}
-
-type lvNUMAMemory struct {
-	CellID  *int   `xml:"cellid,attr,omitempty"`
-	Mode    string `xml:"mode,attr"`
-	NodeSet string `xml:"nodeset,attr"`
-}
-
-type lvOS struct {
-	Type lvOSType `xml:"type"`
-}
-
-type lvOSType struct {
-	Arch    string `xml:"arch,attr"`
-	Machine string `xml:"machine,attr"`
-	Value   string `xml:",chardata"`
-}
-
-type lvFeatures struct {
-	ACPI struct{} `xml:"acpi"`
-	APIC struct{} `xml:"apic"`
-}
-
-type lvCPU struct {
-	Mode  string   `xml:"mode,attr,omitempty"`
-	Cells []lvCell `xml:"numa>cell"`
-}
-
-type lvCell struct {
-	ID     int    `xml:"id,attr"`
-	CPUs   string `xml:"cpus,attr"`
-	Memory int    `xml:"memory,attr"`
-	Unit   string `xml:"unit,attr"`
 }
 
 // Domain renders the plan as a complete libvirt <domain>: q35, vCPUs and memory from
@@ -117,14 +41,17 @@ func (g *Guest) Domain(opt DomainOptions) ([]byte, error) {
 	if opt.VCPUs < 1 || opt.MemoryMiB < 1 {
 		return nil, fmt.Errorf("libvirt domain: %d vCPUs, %d MiB: want at least 1 of each", opt.VCPUs, opt.MemoryMiB)
 	}
-	d := lvDomain{Type: opt.Type, Name: opt.Name, Description: opt.Description,
-		Comment:    " passage guest: " + g.unitList() + "; each function already on vfio-pci (managed='no') ",
-		Memory:     lvSized{Unit: "MiB", Value: opt.MemoryMiB},
-		VCPU:       lvVCPU{Placement: "static", Value: opt.VCPUs},
-		OS:         lvOS{Type: lvOSType{Arch: "x86_64", Machine: "q35", Value: "hvm"}},
+	// libvirt's own types: every optional element is a nil pointer or an empty slice and
+	// is not written, so no element is ever written empty (an empty <numa> inside <cpu>
+	// is refused by libvirt's schema and by virsh define).
+	d := libvirtxml.Domain{Type: opt.Type, Name: opt.Name, Description: opt.Description,
+		Memory:     &libvirtxml.DomainMemory{Unit: "MiB", Value: uint(opt.MemoryMiB)},
+		VCPU:       &libvirtxml.DomainVCPU{Placement: "static", Value: uint(opt.VCPUs)},
+		OS:         &libvirtxml.DomainOS{Type: &libvirtxml.DomainOSType{Arch: "x86_64", Machine: "q35", Type: "hvm"}},
+		Features:   &libvirtxml.DomainFeatureList{ACPI: &libvirtxml.DomainFeature{}, APIC: &libvirtxml.DomainFeatureAPIC{}},
 		OnPoweroff: "destroy", OnReboot: "restart", OnCrash: "destroy"}
 	if opt.Type == "kvm" {
-		d.CPU = &lvCPU{Mode: "host-passthrough"}
+		d.CPU = &libvirtxml.DomainCPU{Mode: "host-passthrough"}
 	}
 	if g.NUMA && len(g.GuestNodes) > 0 {
 		if err := g.numaCells(&d, opt); err != nil {
@@ -135,14 +62,9 @@ func (g *Guest) Domain(opt DomainOptions) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	devs.Comment = ""
-	devs.Controllers = append([]lvController{{Type: "pci", Index: 0, Model: "pcie-root"}}, devs.Controllers...)
+	devs.Controllers = append([]libvirtxml.DomainController{{Type: "pci", Index: ptr(uint(0)), Model: "pcie-root"}}, devs.Controllers...)
 	d.Devices = devs
-	out, err := xml.MarshalIndent(d, "", "  ")
-	if err != nil {
-		return nil, fmt.Errorf("libvirt domain: %w", err)
-	}
-	return append(out, '\n'), nil
+	return marshalXML(" passage guest: "+g.unitList()+"; each function already on vfio-pci (managed='no') ", &d, "domain")
 }
 
 func (g *Guest) unitList() string {
@@ -154,7 +76,7 @@ func (g *Guest) unitList() string {
 }
 
 // numaCells adds the guest cells, their memory binding and vCPU pins.
-func (g *Guest) numaCells(d *lvDomain, opt DomainOptions) error {
+func (g *Guest) numaCells(d *libvirtxml.Domain, opt DomainOptions) error {
 	host := make([]int, len(g.GuestNodes)) // guest cell -> host node
 	for h, c := range g.GuestNodes {
 		if c < 0 || c >= len(host) {
@@ -167,10 +89,22 @@ func (g *Guest) numaCells(d *lvDomain, opt DomainOptions) error {
 		return fmt.Errorf("libvirt domain: %d vCPUs and %d MiB do not cover %d NUMA cells", opt.VCPUs, opt.MemoryMiB, n)
 	}
 	if d.CPU == nil {
-		d.CPU = &lvCPU{}
+		d.CPU = &libvirtxml.DomainCPU{}
 	}
-	nt := &lvNUMATune{Memory: lvNUMAMemory{Mode: "strict", NodeSet: nodeSet(host)}}
-	var pins []lvVCPUPin
+	numa := &libvirtxml.DomainNuma{}
+	// A guest cell stands for a host node; one whose host node is not known (numa_node
+	// -1: QEMU, a single-socket host) binds its memory nowhere in particular.
+	var known []int
+	for _, h := range host {
+		if h >= 0 {
+			known = append(known, h)
+		}
+	}
+	var nt *libvirtxml.DomainNUMATune
+	if len(known) > 0 {
+		nt = &libvirtxml.DomainNUMATune{Memory: &libvirtxml.DomainNUMATuneMemory{Mode: "strict", Nodeset: nodeSet(known)}}
+	}
+	var pins []libvirtxml.DomainCPUTuneVCPUPin
 	first, mem := 0, opt.MemoryMiB
 	for c := 0; c < n; c++ {
 		cpus := opt.VCPUs / n
@@ -182,19 +116,22 @@ func (g *Guest) numaCells(d *lvDomain, opt DomainOptions) error {
 			m = mem
 		}
 		mem -= m
-		d.CPU.Cells = append(d.CPU.Cells, lvCell{ID: c, CPUs: cpuRange(first, first+cpus-1), Memory: m, Unit: "MiB"})
-		cell := c
-		nt.MemNodes = append(nt.MemNodes, lvNUMAMemory{CellID: &cell, Mode: "strict", NodeSet: fmt.Sprint(host[c])})
+		numa.Cell = append(numa.Cell, libvirtxml.DomainCell{ID: ptr(uint(c)), CPUs: cpuRange(first, first+cpus-1), Memory: uint(m), Unit: "MiB"})
+		if host[c] >= 0 {
+			nt.MemNodes = append(nt.MemNodes, libvirtxml.DomainNUMATuneMemNode{CellID: uint(c), Mode: "strict", Nodeset: fmt.Sprint(host[c])})
+		}
 		if set := opt.HostCPUs[host[c]]; set != "" {
 			for v := first; v < first+cpus; v++ {
-				pins = append(pins, lvVCPUPin{VCPU: v, CPUSet: set})
+				pins = append(pins, libvirtxml.DomainCPUTuneVCPUPin{VCPU: uint(v), CPUSet: set})
 			}
 		}
 		first += cpus
 	}
+	// n >= 1 here: the cells are never empty.
+	d.CPU.Numa = numa
 	d.NUMATune = nt
 	if len(pins) > 0 {
-		d.CPUTune = &lvCPUTune{Pins: pins}
+		d.CPUTune = &libvirtxml.DomainCPUTune{VCPUPin: pins}
 	}
 	return nil
 }

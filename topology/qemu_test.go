@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"libvirt.org/go/libvirtxml"
+
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 )
@@ -503,19 +505,20 @@ func TestLibvirtWellFormed(t *testing.T) {
 				t.Fatalf("libvirt xml not well-formed: %v\n%s", err, b)
 			}
 		}
-		var d lvDevices
+		var d libvirtxml.DomainDeviceList
 		if err := xml.Unmarshal(b, &d); err != nil {
 			t.Fatal(err)
 		}
 		if len(d.Hostdevs) != 32 {
 			t.Errorf("%d hostdevs, want 32", len(d.Hostdevs))
 		}
-		idx := map[int]bool{}
+		idx := map[uint]bool{}
 		for _, c := range d.Controllers {
-			if idx[c.Index] {
-				t.Errorf("controller index %d twice", c.Index)
+			if c.Index == nil || idx[*c.Index] {
+				t.Errorf("controller %+v: no index, or its index twice", c)
+				continue
 			}
-			idx[c.Index] = true
+			idx[*c.Index] = true
 		}
 		wantCtl := 8 * (2 + 4)
 		if numa {

@@ -1,9 +1,12 @@
 package topology
 
 import (
+	"bytes"
 	"encoding/xml"
 	"fmt"
 	"strings"
+
+	"libvirt.org/go/libvirtxml"
 
 	"github.com/passage-boot/passage/pci"
 )
@@ -57,57 +60,17 @@ func (g *Guest) QEMUText(device QEMUDevice) string {
 	return b.String()
 }
 
-// libvirt domain XML (https://libvirt.org/formatdomain.html#controllers, #hostdev).
-type lvDevices struct {
-	XMLName     xml.Name       `xml:"devices"`
-	Comment     string         `xml:",comment"`
-	Controllers []lvController `xml:"controller"`
-	Hostdevs    []lvHostdev    `xml:"hostdev"`
+// libvirtAddr is a PCI address as libvirt writes one (https://libvirt.org/formatdomain.html#device-addresses).
+func libvirtAddr(a pci.Address) *libvirtxml.DomainAddressPCI {
+	return &libvirtxml.DomainAddressPCI{Domain: ptr(uint(a.Domain)), Bus: ptr(uint(a.Bus)), Slot: ptr(uint(a.Device)), Function: ptr(uint(a.Function))}
 }
 
-type lvController struct {
-	Type    string     `xml:"type,attr"`
-	Index   int        `xml:"index,attr"`
-	Model   string     `xml:"model,attr"`
-	Name    *lvModel   `xml:"model"`
-	Target  *lvTarget  `xml:"target,omitempty"`
-	Address *lvAddress `xml:"address,omitempty"`
-}
-
-type lvModel struct {
-	Name string `xml:"name,attr"`
-}
-
-type lvTarget struct {
-	Chassis *int   `xml:"chassis,attr,omitempty"`
-	Port    string `xml:"port,attr,omitempty"`
-	BusNr   *int   `xml:"busNr,attr,omitempty"`
-	Node    *int   `xml:"node,omitempty"`
-}
-
-type lvAddress struct {
-	Type     string `xml:"type,attr,omitempty"`
-	Domain   string `xml:"domain,attr"`
-	Bus      string `xml:"bus,attr"`
-	Slot     string `xml:"slot,attr"`
-	Function string `xml:"function,attr"`
-}
-
-type lvHostdev struct {
-	Mode    string    `xml:"mode,attr"`
-	Type    string    `xml:"type,attr"`
-	Managed string    `xml:"managed,attr"`
-	Source  lvSource  `xml:"source"`
-	Address lvAddress `xml:"address"`
-}
-
-type lvSource struct {
-	Address lvAddress `xml:"address"`
-}
-
-func lvAddr(typ string, a pci.Address) lvAddress {
-	return lvAddress{Type: typ, Domain: fmt.Sprintf("0x%04x", a.Domain), Bus: fmt.Sprintf("0x%02x", a.Bus),
-		Slot: fmt.Sprintf("0x%02x", a.Device), Function: fmt.Sprintf("0x%x", a.Function)}
+// libvirtController is a PCI controller (https://libvirt.org/formatdomain.html#controllers):
+// its index is the guest bus it provides, model names the QEMU device.
+func libvirtController(index int, model, qemuModel string, target *libvirtxml.DomainControllerPCITarget, at pci.Address) libvirtxml.DomainController {
+	return libvirtxml.DomainController{Type: "pci", Index: ptr(uint(index)), Model: model,
+		PCI:     &libvirtxml.DomainControllerPCI{Model: &libvirtxml.DomainControllerPCIModel{Name: qemuModel}, Target: target},
+		Address: &libvirtxml.DomainAddress{PCI: libvirtAddr(at)}}
 }
 
 // Libvirt renders the plan as a libvirt <devices> fragment: the expanders, root ports
@@ -120,35 +83,48 @@ func (g *Guest) Libvirt() ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := xml.MarshalIndent(d, "", "  ")
-	if err != nil {
-		return nil, fmt.Errorf("libvirt xml: %w", err)
-	}
-	return append(out, '\n'), nil
+	return marshalXML(" passage guest plan: one virtual switch per GPU unit ", d, "devices")
 }
 
-func (g *Guest) devices() (lvDevices, error) {
-	d := lvDevices{Comment: " passage guest plan: one virtual switch per GPU unit "}
-	ip := func(v int) *int { return &v }
+// marshalXML writes v as the element name, indented, after a comment.
+func marshalXML(comment string, v any, name string) ([]byte, error) {
+	var b bytes.Buffer
+	e := xml.NewEncoder(&b)
+	e.Indent("", "  ")
+	err := e.EncodeToken(xml.Comment(comment))
+	if err == nil {
+		err = e.EncodeToken(xml.CharData("\n"))
+	}
+	if err == nil {
+		err = e.EncodeElement(v, xml.StartElement{Name: xml.Name{Local: name}})
+	}
+	if err == nil {
+		err = e.Close()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("libvirt %s: %w", name, err)
+	}
+	return append(b.Bytes(), '\n'), nil
+}
+
+func (g *Guest) devices() (*libvirtxml.DomainDeviceList, error) {
+	d := &libvirtxml.DomainDeviceList{}
 	for _, x := range g.Expanders {
-		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: x.BusNr, Model: "pcie-expander-bus",
-			Name: &lvModel{"pxb-pcie"}, Target: &lvTarget{BusNr: ip(x.BusNr), Node: ip(x.NUMANode)},
-			Address: ptr(lvAddr("pci", pci.Address{Device: uint8(x.Dev)}))})
+		d.Controllers = append(d.Controllers, libvirtController(x.BusNr, "pcie-expander-bus", "pxb-pcie",
+			&libvirtxml.DomainControllerPCITarget{BusNr: ptr(uint(x.BusNr)), NUMANode: ptr(uint(x.NUMANode))}, pci.Address{Device: uint8(x.Dev)}))
 	}
 	for _, u := range g.Units {
 		rp := u.RootPort
-		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: rp.Secondary, Model: "pcie-root-port",
-			Name: &lvModel{"pcie-root-port"}, Target: &lvTarget{Chassis: ip(rp.Chassis), Port: fmt.Sprintf("0x%x", rp.Slot)},
-			Address: ptr(lvAddr("pci", rp.Addr))})
-		d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: u.Upstream.Secondary, Model: "pcie-switch-upstream-port",
-			Name: &lvModel{"x3130-upstream"}, Address: ptr(lvAddr("pci", u.Upstream.Addr))})
+		d.Controllers = append(d.Controllers, libvirtController(rp.Secondary, "pcie-root-port", "pcie-root-port",
+			&libvirtxml.DomainControllerPCITarget{Chassis: ptr(uint(rp.Chassis)), Port: ptr(uint(rp.Slot))}, rp.Addr))
+		d.Controllers = append(d.Controllers, libvirtController(u.Upstream.Secondary, "pcie-switch-upstream-port", "x3130-upstream", nil, u.Upstream.Addr))
 		for _, f := range u.Functions {
 			p := f.Port
-			d.Controllers = append(d.Controllers, lvController{Type: "pci", Index: p.Secondary, Model: "pcie-switch-downstream-port",
-				Name: &lvModel{"xio3130-downstream"}, Target: &lvTarget{Chassis: ip(p.Chassis), Port: fmt.Sprintf("0x%x", p.Slot)},
-				Address: ptr(lvAddr("pci", p.Addr))})
-			d.Hostdevs = append(d.Hostdevs, lvHostdev{Mode: "subsystem", Type: "pci", Managed: "no",
-				Source: lvSource{Address: lvAddr("", f.HostID)}, Address: lvAddr("pci", f.Addr)})
+			d.Controllers = append(d.Controllers, libvirtController(p.Secondary, "pcie-switch-downstream-port", "xio3130-downstream",
+				&libvirtxml.DomainControllerPCITarget{Chassis: ptr(uint(p.Chassis)), Port: ptr(uint(p.Slot))}, p.Addr))
+			d.Hostdevs = append(d.Hostdevs, libvirtxml.DomainHostdev{Managed: "no",
+				SubsysPCI: &libvirtxml.DomainHostdevSubsysPCI{Source: &libvirtxml.DomainHostdevSubsysPCISource{Address: libvirtAddr(f.HostID)}},
+				Address:   &libvirtxml.DomainAddress{PCI: libvirtAddr(f.Addr)}})
 		}
 	}
 	return d, nil

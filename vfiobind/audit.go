@@ -176,10 +176,14 @@ func auditUnit(tree *pci.Tree, groups map[int][]*pci.Device, counts groupCounts,
 				Detail: fmt.Sprintf("%d SR-IOV VFs enabled (%s..%s): releasing the PF would remove them; write 0 to its sriov_numvfs first",
 					len(vfs), vfs[0], vfs[len(vfs)-1])})
 		}
-		if d.IOMMUGroup < 0 {
+		switch {
+		case tree.NoGroups != "":
+			// The input carries no groups (a dump): nothing to say about this
+			// function's group; the decision says what was not judged.
+		case d.IOMMUGroup < 0:
 			out = append(out, Finding{Kind: KindNoGroup, Unit: u.ID, Status: topology.StatusFailed, Addr: d.Addr, Group: -1,
 				Detail: "no iommu_group link: is the IOMMU on (intel_iommu=on)?"})
-		} else if !seenGroup[d.IOMMUGroup] {
+		case !seenGroup[d.IOMMUGroup]:
 			seenGroup[d.IOMMUGroup] = true
 			members := groups[d.IOMMUGroup]
 			// Counted once per group (groupCounts), so a node whose functions share one

@@ -104,6 +104,9 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 		if err != nil {
 			return usageErr(fmt.Errorf("%s: %w", *planFile, err))
 		}
+		if saved.For != decision.CommandApply {
+			return usageErr(fmt.Errorf("%s is a plan for %s, not for apply (what apply ends with differs: it does not erase); make it with plan --for apply --out %s", *planFile, saved.For, *planFile))
+		}
 		*ats = string(saved.ATS)
 		*erasePol, set["erase"] = string(saved.Erase), true
 	} else if !set["ats"] {
@@ -134,7 +137,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	if err != nil {
 		return usageErr(err)
 	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Erase: ep, Live: live})
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Erase: ep, Live: live, For: decision.CommandApply})
 	if err != nil {
 		return usageErr(err)
 	}
@@ -165,6 +168,9 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 		return 1
 	}
 	out.Stages["label"] = fmt.Sprintf("%d units", len(d.Units()))
+	if d.NoUnits != "" {
+		out.Problems = append(out.Problems, d.NoUnits)
+	}
 	out.Stages["ats"] = fmt.Sprintf("%d functions checked, %d without ATS (policy %s)", len(d.ATS), len(firmware.NoDT(d.ATS)), policy)
 
 	ctx := context.Background()
@@ -172,9 +178,9 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	x := decision.Execution{DryRun: *dryRun, Binding: !*dryRun && !*noBind}
 	if d.Erase.Active() {
 		// apply never releases a unit a tenant may hold, so it erases nothing; the
-		// decision then fails (require) or degrades (auto) the units it would pass through.
-		x.EraseErr = errApplyErases
-		out.Stages["erase"] = fmt.Sprintf("not run (policy %s): %v", d.Erase, errApplyErases)
+		// decision, knowing so, failed (require) or degraded (auto) the units before any
+		// write, and the ports of failed units are left alone.
+		out.Stages["erase"] = fmt.Sprintf("not run (policy %s): apply does not erase; the boot and passage recycle do", d.Erase)
 	}
 	out.ACS, err = d.ExecuteACS(ctx, cfg, *dryRun)
 	if err != nil {
@@ -234,7 +240,7 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	vs := d.Conclude(x)
 	out.Units = d.UnitsJSON(vs)
 	writeApply(stdout, stderr, out, *asJSON)
-	if decision.Failed(vs) {
+	if decision.Failed(vs) || d.Err() != nil {
 		return 1
 	}
 	return 0
@@ -305,6 +311,3 @@ func writeApply(stdout, stderr io.Writer, out applyOutput, asJSON bool) {
 		w("%s", line)
 	}
 }
-
-// errApplyErases is why apply leaves the erase step to the boot and to recycle.
-var errApplyErases = errors.New("apply does not erase; the boot and passage recycle do")

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -208,19 +209,28 @@ func TestApplyCLIBindWithoutVFIO(t *testing.T) {
 }
 
 // TestApplyEraseRequired: under the b300 profile's default erase policy (require) apply,
-// which erases nothing, fails every unit it would pass through, with the reason, and
-// binds none of them; plan and apply --dry-run show the same policy. An explicit
-// passage.erase=off on the node's command line binds them.
+// which erases nothing, fails every unit it would pass through, with the reason, before
+// any write: no port is written, none bound. apply --dry-run and plan --for apply say so
+// beforehand, with the same verdicts; plan for the boot (which erases) passes them. An
+// explicit passage.erase=off on the node's command line binds them.
 func TestApplyEraseRequired(t *testing.T) {
 	n := pcitest.New(t, pcitest.B300())
 	var out, errb bytes.Buffer
-	if code := cmdPlan([]string{"--root", n.Root}, &out, &errb); code != 0 || !strings.Contains(out.String(), "erase (policy require)") {
-		t.Errorf("plan: exit %d, no erase policy in:\n%s%s", code, out.String(), errb.String())
+	if code := cmdPlan([]string{"--root", n.Root}, &out, &errb); code != 0 || !strings.Contains(out.String(), "erase (policy require)") ||
+		!strings.Contains(out.String(), "the verdicts predict passage boot") {
+		t.Errorf("plan: exit %d, no erase policy or command in:\n%s%s", code, out.String(), errb.String())
 	}
 	out.Reset()
-	if code := cmdApply([]string{"--root", n.Root, "--dry-run", "--json"}, &out, &errb); code != 0 {
-		t.Errorf("dry run: exit %d %s", code, errb.String())
+	if code := cmdPlan([]string{"--root", n.Root, "--for", "apply"}, &out, &errb); code != 1 ||
+		!strings.Contains(out.String(), "the verdicts predict passage apply") || !strings.Contains(out.String(), "every unit ends failed") {
+		t.Errorf("plan --for apply: exit %d, want 1 saying every unit ends failed:\n%s%s", code, out.String(), errb.String())
 	}
+	out.Reset()
+	if code := cmdApply([]string{"--root", n.Root, "--dry-run", "--json"}, &out, &errb); code != 1 {
+		t.Errorf("dry run: exit %d, want 1 %s", code, errb.String())
+	}
+	dry, _ := unitVerdicts(t, "apply --dry-run", out.String())
+	before := allConfigs(t, n.Root)
 	k := simulatedKernel(t, n.Root)
 	env := applyEnv{sysfs: func(string) vfiobind.Sysfs { return k }, modules: func(string, string) vfiobind.ModuleLoader { return k }}
 	out.Reset()
@@ -237,10 +247,16 @@ func TestApplyEraseRequired(t *testing.T) {
 			t.Errorf("%s: %s", id, v)
 		}
 	}
+	if !reflect.DeepEqual(vs, dry) {
+		t.Errorf("apply ends with %v; apply --dry-run said %v", vs, dry)
+	}
 	for _, w := range k.Writes() {
 		if strings.Contains(w.Path, "vfio-pci") || strings.HasSuffix(w.Path, "driver_override") {
 			t.Errorf("apply under require wrote %s", w.Path)
 		}
+	}
+	if fmt.Sprint(allConfigs(t, n.Root)) != fmt.Sprint(before) {
+		t.Errorf("apply under require wrote config space of units it fails")
 	}
 
 	n2 := pcitest.New(t, pcitest.B300())

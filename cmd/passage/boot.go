@@ -18,13 +18,14 @@ import (
 	"github.com/passage-boot/passage/stages/boot"
 )
 
-// cmdBoot is the uinit. It returns only with --no-handoff (tests, a synthetic --root) or on
-// a usage error that names --no-handoff: as the uinit, returning would panic the kernel.
+// cmdBoot is the uinit. It returns only with --no-handoff (tests, a synthetic --root),
+// with --dry-run (a decision, run by a person, never the uinit), or on a usage error that
+// names --no-handoff: as the uinit, returning would panic the kernel.
 func cmdBoot(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("boot", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	root := fs.String("root", "/", "root of the tree to read (/proc, /sys, /lib/modules, /run) and write (/run/passage)")
-	dryRun := fs.Bool("dry-run", false, "scan, label and report; write nothing to sysfs, load no module, touch no NIC")
+	dryRun := fs.Bool("dry-run", false, "scan, decide and report, then return: write nothing to sysfs, load no module, touch no NIC, sign no manifest, hand nothing off")
 	noHandoff := fs.Bool("no-handoff", false, "return after the report instead of handing off (never as the uinit)")
 	if err := fs.Parse(args); err != nil {
 		if slices.Contains(args, "--no-handoff") || slices.Contains(args, "-no-handoff") || err == flag.ErrHelp {
@@ -33,6 +34,10 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 		// As the uinit a bad flag must not end the boot: go on as a plain boot of "/".
 		fmt.Fprintf(stderr, "passage boot: %v; booting with defaults\n", err)
 		*root, *dryRun = "/", false
+	}
+	if *dryRun {
+		// A dry run ends by itself: there is nothing to hand off to.
+		*noHandoff = true
 	}
 	console := stdout
 	var ttys []*os.File
@@ -123,7 +128,11 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	if err != nil {
 		summary = stages.Failed
 	}
-	fmt.Fprintf(console, "passage: boot %s\n", summary)
+	if dryRun {
+		fmt.Fprintf(console, "passage: boot --dry-run %s: the decision only; nothing written, bound, erased or signed\n", summary)
+	} else {
+		fmt.Fprintf(console, "passage: boot %s\n", summary)
+	}
 
 	if cfg.Emit == initramfs.EmitConsole {
 		// A fresh scan beside the manifest, so whoever reads the console can check the

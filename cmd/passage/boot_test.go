@@ -5,10 +5,12 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/passage-boot/passage/initramfs/emit"
 	"github.com/passage-boot/passage/manifest"
@@ -43,11 +45,23 @@ func bootTree(t *testing.T, cmdline string) string {
 	return root
 }
 
+// TestBootDryRun: boot --dry-run on the B300 reference tree, with passage.handoff=hold
+// on its command line and without --no-handoff, returns by itself; it decides and
+// reports, and signs nothing: no envelope or payload anywhere under the root, so no
+// signed record calls a unit ready that nothing bound. The console and log.jsonl carry
+// the decision.
 func TestBootDryRun(t *testing.T) {
 	root := bootTree(t, "console=ttyS0 passage.profile=b300 passage.key=/etc/passage/passage.key passage.tpm=off "+
-		"passage.emit=console passage.handoff=poweroff passage.bogus=1")
+		"passage.emit=console passage.handoff=hold passage.bogus=1")
 	var out, errb bytes.Buffer
-	code := cmdBoot([]string{"--root", root, "--dry-run", "--no-handoff"}, &out, &errb)
+	done := make(chan int, 1)
+	go func() { done <- cmdBoot([]string{"--root", root, "--dry-run"}, &out, &errb) }()
+	var code int
+	select {
+	case code = <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("boot --dry-run did not return within 60s (it holds)")
+	}
 	con := out.String()
 	if os.Getenv("PASSAGE_SHOW") != "" {
 		t.Log(con)
@@ -68,21 +82,39 @@ func TestBootDryRun(t *testing.T) {
 		"passage: acs       ok",
 		"reads 0x001d: would apply",
 		"passage: vfio      skipped",
-		"passage: manifest  ok",
+		"passage: manifest  skipped",
+		"dry run: nothing was prepared, nothing is signed",
 		"passage: publish   skipped",
-		"PASSAGE-T manifest-written 7.250\n",
-		"passage: boot failed\n",
+		"passage: boot --dry-run failed: the decision only; nothing written, bound, erased or signed\n",
 		"===PASSAGE-DONE failed===\n",
 	} {
 		if !strings.Contains(con, want) {
 			t.Errorf("console lacks %q", want)
 		}
 	}
-	if strings.Contains(con, "PASSAGE-T handoff") {
-		t.Error("handoff marker with --no-handoff")
+	for _, not := range []string{"PASSAGE-T handoff", "PASSAGE-T manifest-written", "passage: handoff"} {
+		if strings.Contains(con, not) {
+			t.Errorf("console has %q in a dry run", not)
+		}
+	}
+	// A dry run plans DT on every unit's NIC port and writes none of them.
+	if n := strings.Count(con, "would apply"); n != 8 {
+		t.Errorf("%d ports left for the dry run, want 8 (one NIC port per unit)", n)
 	}
 
-	// What left over the console is what is on disk, and the envelope verifies.
+	// Nothing signed, nothing that reads as a manifest, anywhere under the root.
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		if n := d.Name(); strings.HasPrefix(n, "manifest") || strings.HasSuffix(n, ".dsse.json") {
+			t.Errorf("a dry run wrote %s", strings.TrimPrefix(p, root))
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	got, err := emit.Parse(strings.NewReader(con))
 	if err != nil {
 		t.Fatal(err)
@@ -90,46 +122,12 @@ func TestBootDryRun(t *testing.T) {
 	if len(got.Errors) != 0 {
 		t.Errorf("console blocks damaged: %v", got.Errors)
 	}
-	if got.Done != "failed" || got.Markers["uinit-start"] != 7.25 || got.Markers["manifest-written"] != 7.25 {
+	if got.Done != "failed" || got.Markers["uinit-start"] != 7.25 {
 		t.Errorf("read back PASSAGE-DONE %q, markers %v", got.Done, got.Markers)
 	}
-	for _, n := range []string{"manifest.dsse.json", "manifest.json", "log.jsonl", "readback.json"} {
-		disk, err := os.ReadFile(filepath.Join(root, "run/passage", n))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if n != "log.jsonl" && !bytes.Equal(got.Files[n], disk) {
-			t.Errorf("%s emitted differs from disk", n)
-		}
-		if len(got.Files[n]) == 0 {
-			t.Errorf("%s not emitted", n)
-		}
-	}
-	v, err := manifest.LoadVerifier(filepath.Join(root, "etc/passage/passage.pub"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ver, err := manifest.Verify(got.Files["manifest.dsse.json"], v, manifest.VerifyOptions{})
-	if err != nil {
-		t.Fatalf("verify: %v", err)
-	}
-	m := ver.Manifest
-	if m.BootID != "6f1c2a34-0000-4000-8000-000000000001" || m.Profile.Name != "b300" {
-		t.Errorf("manifest boot id %q profile %q", m.BootID, m.Profile.Name)
-	}
-	if len(m.Units) != 8 {
-		t.Errorf("manifest has %d units, want 8", len(m.Units))
-	}
-	// A dry run plans DT on every unit's NIC port and writes none of them.
-	for _, u := range m.Units {
-		dry := 0
-		for _, c := range u.ACSChanges {
-			if c.Result == "would apply" && strings.Contains(c.Target, "DirectTrans+") && !strings.Contains(c.After, "DirectTrans+") {
-				dry++
-			}
-		}
-		if dry != 1 {
-			t.Errorf("unit %s: %d NIC ports left for the dry run, want 1: %+v", u.ID, dry, u.ACSChanges)
+	for n := range got.Files {
+		if n != "log.jsonl" && n != "readback.json" {
+			t.Errorf("a dry run emitted %s", n)
 		}
 	}
 	var rb struct {
@@ -137,18 +135,6 @@ func TestBootDryRun(t *testing.T) {
 	}
 	if err := json.Unmarshal(got.Files["readback.json"], &rb); err != nil || len(rb.Functions) == 0 {
 		t.Errorf("readback.json: %v (%d functions)", err, len(rb.Functions))
-	}
-	if len(m.Errors) != 1 || !strings.Contains(m.Errors[0], "passage.bogus=1") {
-		t.Errorf("manifest errors = %q", m.Errors)
-	}
-	var names []string
-	for _, s := range m.Stages {
-		names = append(names, s.Name)
-	}
-	// The manifest is written before the network and publish stages: it records the
-	// stages that prepared the node, not its delivery.
-	if strings.Join(names, " ") != "modules scan decide acs erase vfio host" {
-		t.Errorf("manifest stages = %v", names)
 	}
 
 	// log.jsonl: one line per stage, then one per unit.

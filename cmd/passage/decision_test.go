@@ -5,18 +5,26 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/apply/applytest"
+	"github.com/passage-boot/passage/decision"
+	"github.com/passage-boot/passage/erase"
+	"github.com/passage-boot/passage/erase/erasetest"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/stages"
 	"github.com/passage-boot/passage/stages/boot"
+	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
 	"github.com/passage-boot/passage/vfiobind/vfiotest"
 )
@@ -31,6 +39,18 @@ type variant struct {
 	// variant bites, not only that the commands agree).
 	unit int
 	want string
+	// image is the signed image's plan on the command line (nil: none), and what the
+	// kernel made of it.
+	image *imageKernel
+}
+
+// imageKernel is a boot from an image planned on the reference B300 (make uki PLAN=):
+// its pci=config_acs= and passage.plan= on the command line, and a 6.12 kernel that set
+// the listed ports and logged it before passage ran.
+type imageKernel struct {
+	drop    int  // a unit whose ports the image's plan lacks (planned for another topology); -1 none
+	unset   int  // a unit whose ports the kernel did not set; -1 none
+	refused bool // the kernel's log says it could not parse the argument
 }
 
 func b300With(edit func(s *pcitest.Spec)) func() pcitest.Spec {
@@ -89,21 +109,93 @@ func variants() []variant {
 		{name: "unit-missing-nvme", spec: b300With(func(s *pcitest.Spec) { s.Fn("bcm-dsp-nvme5").Below = nil }), unit: 5, want: "ready"},
 		{name: "lockdown-integrity", spec: pcitest.B300,
 			files: map[string]string{"sys/kernel/security/lockdown": "none [integrity] confidentiality\n"}, unit: 6, want: "degraded"},
+		{name: "lockdown-image-plan", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: -1}, unit: 6, want: "ready"},
+		{name: "lockdown-image-plan-not-set", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: 6}, unit: 6, want: "degraded"},
+		{name: "lockdown-image-plan-refused", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: 6, refused: true}, unit: 6, want: "degraded"},
+		{name: "lockdown-image-other-topology", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: 6, unset: -1}, unit: 6, want: "failed"},
+		{name: "image-plan-unlocked", spec: pcitest.B300, image: &imageKernel{drop: 2, unset: 3}, unit: 3, want: "ready"},
 	}
 }
 
-// buildVariant builds a fresh tree of v (every command that writes gets its own).
-func buildVariant(t *testing.T, v variant) string {
+// lockedDown612 is a Secure Boot node's kernel: 6.12, locked down.
+var lockedDown612 = map[string]string{
+	"sys/kernel/security/lockdown": "none [integrity] confidentiality\n",
+	"proc/sys/kernel/osrelease":    "6.12.117+deb13-amd64\n",
+}
+
+// bootImage plays the image's kernel on the tree under root: the reference node's plan
+// as the image carries it, the ports the kernel set, and its log. It returns the command
+// line words the image adds and the kernel log.
+func bootImage(t *testing.T, root string, im *imageKernel) (cmdline, kmsg string) {
+	t.Helper()
+	ref, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := topology.Builtin("b300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := decision.Decide(decision.Input{Tree: ref, Profile: p, Erase: erase.PolicyOff})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var planned, set []topology.ACSPort
+	for _, port := range d.ACS {
+		if port.Skip != "" || slices.Contains(port.Units(), topology.UnitID(im.drop)) {
+			continue
+		}
+		planned = append(planned, port)
+		if !slices.Contains(port.Units(), topology.UnitID(im.unset)) {
+			set = append(set, port)
+		}
+	}
+	log, err := applytest.KernelSets(pci.SysfsConfig{Root: root}, set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if im.refused {
+		log = append(log, "6,399,900000,-;PCI: Can't parse ACS command line parameter")
+	}
+	return topology.KernelArg(planned) + " passage.plan=sha256:" + strings.Repeat("5a", 32), strings.Join(log, "\n") + "\n"
+}
+
+// erasePolicies are the erase policies every variant runs under.
+var erasePolicies = []string{"off", "auto", "require"}
+
+// buildVariant builds a fresh tree of v (every command that writes gets its own) with
+// passage.erase=policy on its command line: every command reads it, as the boot does.
+// Every function has a reset method and every NVMe a simulated controller (nvme) holding
+// a tenant's data, for the boot's erase step.
+func buildVariant(t *testing.T, v variant, policy string) (root string, nvme erase.Opener) {
 	t.Helper()
 	n := pcitest.New(t, v.spec())
-	// Every command reads passage.erase= from the node's command line, as the boot does:
-	// off here, since plan and apply erase nothing (the erase step has its own tests).
-	files := map[string]string{"proc/cmdline": "passage.erase=off"}
+	files := map[string]string{"proc/cmdline": "passage.erase=" + policy}
 	for name, body := range v.files {
 		if name == "proc/cmdline" {
 			body += " " + files[name]
 		}
 		files[name] = body
+	}
+	if v.image != nil {
+		words, log := bootImage(t, n.Root, v.image)
+		files["proc/cmdline"] += " " + words
+		files[decision.KernelLogFile] = log
+	}
+	tree, err := pci.Scan(n.Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctrls := map[pci.Address]*erasetest.Controller{}
+	for _, d := range tree.Devices {
+		dir := filepath.Join(pci.DevicesDir, d.Addr.String())
+		files[filepath.Join(dir, "reset_method")] = "flr bus\n"
+		files[filepath.Join(dir, "reset")] = ""
+		if d.Class == pcitest.ClassNVMe {
+			c := erasetest.New("S"+d.Addr.String(), erase.SANICAPCES|erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 16})
+			c.Write(1, 0, bytes.Repeat([]byte{0xa5}, 512))
+			ctrls[d.Addr] = c
+		}
 	}
 	for name, body := range files {
 		p := filepath.Join(n.Root, name)
@@ -114,32 +206,81 @@ func buildVariant(t *testing.T, v variant) string {
 			t.Fatal(err)
 		}
 	}
-	return n.Root
+	return n.Root, func(_ context.Context, a pci.Address) (erase.Controller, string, error) {
+		if c := ctrls[a]; c != nil {
+			return c, "nvme", nil
+		}
+		return nil, "", fmt.Errorf("%s: %w", a, erase.ErrNoController)
+	}
 }
 
 // verdicts is unit -> "status: reason; reason".
 type verdicts map[string]string
 
-func unitVerdicts(t *testing.T, what, out string) (verdicts, string) {
+// commandDoc is what plan --json, apply --json and the manifest share: units with their
+// verdicts, the kernel argument, and (apply) the ACS changes.
+type commandDoc struct {
+	Units []struct {
+		ID      string   `json:"id"`
+		Status  string   `json:"status"`
+		Reasons []string `json:"reasons"`
+	} `json:"units"`
+	KernelArg string `json:"kernel_arg"`
+	// ACS is plan's targets or apply's report (applyChanges reads the latter).
+	ACS json.RawMessage `json:"acs"`
+}
+
+// applyChanges are the ACS changes of apply --json.
+func (doc commandDoc) applyChanges(t *testing.T) []apply.Change {
 	t.Helper()
-	var doc struct {
-		Units []struct {
-			ID      string   `json:"id"`
-			Status  string   `json:"status"`
-			Reasons []string `json:"reasons"`
-		} `json:"units"`
-		KernelArg string `json:"kernel_arg"`
+	var rep apply.Report
+	if err := json.Unmarshal(doc.ACS, &rep); err != nil {
+		t.Fatalf("apply's acs report: %v", err)
 	}
+	return rep.Changes
+}
+
+func parseCommandDoc(t *testing.T, what, out string) commandDoc {
+	t.Helper()
+	var doc commandDoc
 	if err := json.Unmarshal([]byte(out), &doc); err != nil {
 		t.Fatalf("%s: %v\n%s", what, err, out)
 	}
+	return doc
+}
+
+func (doc commandDoc) verdicts() verdicts {
 	vs := verdicts{}
 	for _, u := range doc.Units {
 		vs[u.ID] = u.Status + ": " + strings.Join(u.Reasons, "; ")
 	}
-	return vs, doc.KernelArg
+	return vs
 }
 
+func unitVerdicts(t *testing.T, what, out string) (verdicts, string) {
+	t.Helper()
+	doc := parseCommandDoc(t, what, out)
+	return doc.verdicts(), doc.KernelArg
+}
+
+// writtenForFailed are the ACS changes applied on a port whose units all end failed:
+// config space written for nothing any guest receives.
+func writtenForFailed(changes []apply.Change, vs verdicts) []string {
+	var out []string
+	for _, c := range changes {
+		if c.Result != apply.ResultApplied {
+			continue
+		}
+		all := true
+		for _, id := range c.Units() {
+			all = all && strings.HasPrefix(vs[id.String()], "failed:")
+		}
+		if all {
+			out = append(out, c.String())
+		}
+	}
+	return out
+}
 func simulatedKernel(t *testing.T, root string) *vfiotest.Kernel {
 	t.Helper()
 	k, err := vfiotest.New(root)
@@ -149,9 +290,17 @@ func simulatedKernel(t *testing.T, root string) *vfiotest.Kernel {
 	return k
 }
 
-// bootVerdicts runs the boot's stages from scan to manifest on root, binding through a
-// simulated kernel, and returns the manifest's units and kernel argument.
-func bootVerdicts(t *testing.T, root, profile string) (verdicts, string, stages.Status) {
+// bootRun is what the boot's stages ended with.
+type bootRun struct {
+	verdicts  verdicts
+	kernelArg string
+	worst     stages.Status
+	changes   []apply.Change
+}
+
+// runBootStages runs the boot's stages from scan to manifest on root, erasing through
+// simulated controllers (nvme) and binding through a simulated kernel.
+func runBootStages(t *testing.T, root, profile string, nvme erase.Opener) bootRun {
 	t.Helper()
 	k := simulatedKernel(t, root)
 	if err := k.Load(vfiobind.Modules...); err != nil {
@@ -164,11 +313,11 @@ func bootVerdicts(t *testing.T, root, profile string) (verdicts, string, stages.
 		c := initramfs.ParseCmdline(cfg.Cmdline)
 		cfg.ATS, cfg.Erase = c.ATS, c.Erase
 	}
-	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, Now: func() time.Time { return time.Unix(1e9, 0) }}
+	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, OpenNVMe: nvme, Now: func() time.Time { return time.Unix(1e9, 0) }}
 	var run []stages.Stage
 	for _, s := range b.Stages() {
 		switch s.Name {
-		case "scan", "decide", "acs", "vfio", "manifest":
+		case "scan", "decide", "acs", "erase", "vfio", "manifest":
 			run = append(run, s)
 		}
 	}
@@ -180,90 +329,141 @@ func bootVerdicts(t *testing.T, root, profile string) (verdicts, string, stages.
 	if b.Manifest == nil {
 		t.Fatal("boot wrote no manifest")
 	}
-	vs := verdicts{}
+	r := bootRun{verdicts: verdicts{}, kernelArg: b.Decision.KernelArg, worst: stages.OK}
 	for _, u := range b.Manifest.Units {
-		vs[u.ID] = u.Status + ": " + strings.Join(u.Reasons, "; ")
+		r.verdicts[u.ID] = u.Status + ": " + strings.Join(u.Reasons, "; ")
 	}
-	worst := stages.OK
 	for _, u := range st.Units() {
-		worst = stages.Worse(worst, u.Status)
+		r.worst = stages.Worse(r.worst, u.Status)
 	}
-	return vs, b.Decision.KernelArg, worst
+	if b.ACSRun != nil {
+		r.changes = b.ACSRun.Changes
+	}
+	return r
 }
 
-// TestDecisionAgrees is the differential test of the decision: on every variant, plan,
-// apply --dry-run, apply and the boot's manifest give every unit the same status and
-// reasons and the same kernel argument, and the exit codes follow the verdict.
+// sameVerdicts reports every unit on which got differs from want.
+func sameVerdicts(t *testing.T, name string, got, want verdicts, wantName string) {
+	t.Helper()
+	if reflect.DeepEqual(got, want) {
+		return
+	}
+	for id := range want {
+		if got[id] != want[id] {
+			t.Errorf("%s: %s is %q; %s says %q", name, id, got[id], wantName, want[id])
+		}
+	}
+	if len(got) != len(want) {
+		t.Errorf("%s: %d units, %s %d", name, len(got), wantName, len(want))
+	}
+}
+
+func anyFailed(vs verdicts) bool {
+	for _, s := range vs {
+		if strings.HasPrefix(s, "failed:") {
+			return true
+		}
+	}
+	return false
+}
+
+func exitFor1(failed bool) int {
+	if failed {
+		return 1
+	}
+	return 0
+}
+
+// TestDecisionAgrees is the differential test of the decision: on every variant, under
+// every erase policy, plan predicts the command it is asked for. plan (for the boot)
+// gives every unit the status and reasons the boot's manifest gives, and the same kernel
+// argument; plan --for apply, apply --dry-run and apply agree the same way (apply erases
+// nothing, so under auto or require they differ from the boot, and the decision knows it
+// before any write: no port is written whose units all end failed, by apply or the
+// boot). Under erase off all four agree. The exit codes follow the verdict.
 func TestDecisionAgrees(t *testing.T) {
 	for _, v := range variants() {
-		t.Run(v.name, func(t *testing.T) {
-			profile := v.profile
-			if profile == "" {
-				profile = "b300"
-			}
-			root := buildVariant(t, v)
-			var out, errb bytes.Buffer
-			planCode := cmdPlan([]string{"--root", root, "--profile", profile, "--json"}, &out, &errb)
-			plan, planArg := unitVerdicts(t, "plan", out.String())
+		for _, policy := range erasePolicies {
+			t.Run(v.name+"/erase="+policy, func(t *testing.T) { checkAgrees(t, v, policy) })
+		}
+	}
+}
 
-			out.Reset()
-			errb.Reset()
-			dryCode := cmdApply([]string{"--root", root, "--profile", profile, "--dry-run", "--json"}, &out, &errb)
-			dry, dryArg := unitVerdicts(t, "apply --dry-run", out.String())
+func checkAgrees(t *testing.T, v variant, policy string) {
+	profile := v.profile
+	if profile == "" {
+		profile = "b300"
+	}
+	root, _ := buildVariant(t, v, policy)
+	run := func(cmd func([]string, io.Writer, io.Writer) int, what string, args ...string) (commandDoc, int) {
+		var out, errb bytes.Buffer
+		code := cmd(append([]string{"--root", root, "--profile", profile, "--json"}, args...), &out, &errb)
+		return parseCommandDoc(t, what, out.String()), code
+	}
+	planBoot, planBootCode := run(cmdPlan, "plan")
+	planApply, planApplyCode := run(cmdPlan, "plan --for apply", "--for", "apply")
+	dry, dryCode := run(cmdApply, "apply --dry-run", "--dry-run")
 
-			root2 := buildVariant(t, v)
-			k := simulatedKernel(t, root2)
-			env := applyEnv{sysfs: func(string) vfiobind.Sysfs { return k },
-				modules: func(string, string) vfiobind.ModuleLoader { return k }}
-			out.Reset()
-			errb.Reset()
-			applyCode := runApply([]string{"--root", root2, "--profile", profile, "--json"}, &out, &errb, env)
-			applied, applyArg := unitVerdicts(t, "apply", out.String())
-			if errb.Len() > 0 {
-				t.Errorf("apply stderr: %s", errb.String())
-			}
+	root2, _ := buildVariant(t, v, policy)
+	k := simulatedKernel(t, root2)
+	env := applyEnv{sysfs: func(string) vfiobind.Sysfs { return k },
+		modules: func(string, string) vfiobind.ModuleLoader { return k }}
+	var out, errb bytes.Buffer
+	applyCode := runApply([]string{"--root", root2, "--profile", profile, "--json"}, &out, &errb, env)
+	applied := parseCommandDoc(t, "apply", out.String())
+	if errb.Len() > 0 {
+		t.Errorf("apply stderr: %s", errb.String())
+	}
 
-			booted, bootArg, worst := bootVerdicts(t, buildVariant(t, v), profile)
+	bootRoot, nvme := buildVariant(t, v, policy)
+	booted := runBootStages(t, bootRoot, profile, nvme)
 
-			if len(plan) == 0 {
-				t.Fatalf("plan found no units")
+	pb, pa := planBoot.verdicts(), planApply.verdicts()
+	if len(pb) == 0 {
+		t.Fatalf("plan found no units")
+	}
+	sameVerdicts(t, "boot manifest", booted.verdicts, pb, "plan")
+	sameVerdicts(t, "apply --dry-run", dry.verdicts(), pa, "plan --for apply")
+	sameVerdicts(t, "apply", applied.verdicts(), dry.verdicts(), "apply --dry-run")
+	if policy == "off" {
+		sameVerdicts(t, "plan --for apply", pa, pb, "plan (for the boot)")
+	}
+	if booted.kernelArg != planBoot.KernelArg {
+		t.Errorf("boot kernel argument %q, plan %q", booted.kernelArg, planBoot.KernelArg)
+	}
+	for name, arg := range map[string]string{"apply --dry-run": dry.KernelArg, "apply": applied.KernelArg} {
+		if arg != planApply.KernelArg {
+			t.Errorf("%s kernel argument %q, plan --for apply %q", name, arg, planApply.KernelArg)
+		}
+	}
+	for _, c := range writtenForFailed(applied.applyChanges(t), applied.verdicts()) {
+		t.Errorf("apply wrote a port whose units all end failed: %s", c)
+	}
+	for _, c := range writtenForFailed(booted.changes, booted.verdicts) {
+		t.Errorf("the boot wrote a port whose units all end failed: %s", c)
+	}
+
+	id := fmt.Sprintf("gpu%d", v.unit)
+	t.Logf("%s: boot %s; apply %s; kernel argument %q", id, pb[id], pa[id], planBoot.KernelArg)
+	if !strings.HasPrefix(pb[id], v.want+":") {
+		t.Errorf("%s: %s, want %s", id, pb[id], v.want)
+	}
+	if policy != "off" {
+		// apply erases nothing: every unit carries the reason, at least as bad as the
+		// policy makes it.
+		for uid, s := range pa {
+			bad := strings.HasPrefix(s, "failed:") || (policy == "auto" && strings.HasPrefix(s, "degraded:"))
+			if !bad || !strings.Contains(s, "erase ("+policy+"): not run: apply does not erase") {
+				t.Errorf("plan --for apply under erase=%s: %s %s", policy, uid, s)
 			}
-			for name, got := range map[string]verdicts{"apply --dry-run": dry, "apply": applied, "boot manifest": booted} {
-				if !reflect.DeepEqual(got, plan) {
-					for id := range plan {
-						if got[id] != plan[id] {
-							t.Errorf("%s: %s is %q; plan says %q", name, id, got[id], plan[id])
-						}
-					}
-					if len(got) != len(plan) {
-						t.Errorf("%s: %d units, plan %d", name, len(got), len(plan))
-					}
-				}
-			}
-			for name, arg := range map[string]string{"apply --dry-run": dryArg, "apply": applyArg, "boot": bootArg} {
-				if arg != planArg {
-					t.Errorf("%s kernel argument %q, plan %q", name, arg, planArg)
-				}
-			}
-			id := fmt.Sprintf("gpu%d", v.unit)
-			t.Logf("%s: %s; kernel argument %q", id, plan[id], planArg)
-			if !strings.HasPrefix(plan[id], v.want+":") {
-				t.Errorf("%s: %s, want %s", id, plan[id], v.want)
-			}
-			failed := false
-			for _, s := range plan {
-				failed = failed || strings.HasPrefix(s, "failed:")
-			}
-			want := 0
-			if failed {
-				want = 1
-			}
-			if planCode != want || dryCode != want || applyCode != want {
-				t.Errorf("exit codes plan %d, apply --dry-run %d, apply %d; want %d (a unit failed: %v)", planCode, dryCode, applyCode, want, failed)
-			}
-			if failed != (worst == stages.Failed) {
-				t.Errorf("boot's units end %s; a unit failed: %v", worst, failed)
-			}
-		})
+		}
+	}
+	wantBoot, wantApply := exitFor1(anyFailed(pb)), exitFor1(anyFailed(pa))
+	if planBootCode != wantBoot || planApplyCode != wantApply || dryCode != wantApply || applyCode != wantApply {
+		t.Errorf("exit codes plan %d (want %d), plan --for apply %d, apply --dry-run %d, apply %d (want %d)",
+			planBootCode, wantBoot, planApplyCode, dryCode, applyCode, wantApply)
+	}
+	if anyFailed(pb) != (booted.worst == stages.Failed) {
+		t.Errorf("boot's units end %s; plan has a failed unit: %v", booted.worst, anyFailed(pb))
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -194,17 +193,7 @@ func TestSnapshotCommandRoundTrip(t *testing.T) {
 }
 
 func TestInspectLspciDump(t *testing.T) {
-	n := pcitest.New(t, pcitest.B300())
-	lspci, err := exec.LookPath("lspci")
-	if err != nil {
-		t.Fatalf("lspci not found (install pciutils): %v", err)
-	}
-	dump, err := exec.Command(lspci, "-D", "-xxxx", "-A", "linux-sysfs", "-O", "sysfs.path="+n.SysfsPath()).Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	file := filepath.Join(t.TempDir(), "dump.txt")
-	os.WriteFile(file, dump, 0o644)
+	file := lspciDump(t, pcitest.B300())
 	rc, out, _ := inspect("--lspci-dump", file, "--json")
 	doc := decodeJSON(t, out)
 	if rc != 0 || len(doc.Devices) != 134 {

@@ -1,19 +1,18 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"encoding/xml"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
+	"github.com/passage-boot/passage/hypervisor/libvirttest"
 	"github.com/passage-boot/passage/pci/pcitest"
 )
 
@@ -56,107 +55,53 @@ func (a lvAddrXML) key(t *testing.T) string {
 	return strings.Join(out, ":")
 }
 
-// privateLibvirtd starts libvirtd as root in a mount namespace of its own: tmpfs over
-// /run, /var/lib, /var/cache and /var/log, and a private /etc/libvirt whose qemu.conf
-// runs QEMU as root, so the daemon's state, its domain definitions and its sockets live
-// and die with the test and nothing on the host changes. No network is defined, so none
-// is started. It returns the qemu:///system URI of its socket; cleanup stops it and
-// waits for it.
-func privateLibvirtd(t *testing.T) string {
-	t.Helper()
-	if os.Getuid() != 0 {
-		t.Fatal("libvirtd's system instance needs root (CI runs as root)")
+// noNUMA is the reference B300 tree on a host that reports no NUMA placement: every
+// function's numa_node reads -1, as under QEMU or on a single-socket host.
+func noNUMA() pcitest.Spec {
+	s := pcitest.B300()
+	for i := range s.Hosts {
+		s.Hosts[i].NUMA = -1
 	}
-	for _, tool := range []string{"libvirtd", "virsh", "unshare"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Fatalf("%s is needed for this test (image/deps.sh installs it): %v", tool, err)
-		}
-	}
-	dir := t.TempDir()
-	for _, d := range []string{"etc", "run"} {
-		if err := os.Mkdir(filepath.Join(dir, d), 0o700); err != nil {
-			t.Fatal(err)
-		}
-	}
-	files := map[string]string{
-		"etc/qemu.conf": "user = \"root\"\ngroup = \"root\"\n",
-		"libvirtd.conf": fmt.Sprintf("unix_sock_dir = %q\nauth_unix_rw = \"none\"\nauth_unix_ro = \"none\"\nlog_outputs = \"3:file:%s\"\n",
-			filepath.Join(dir, "run"), filepath.Join(dir, "libvirtd.log")),
-		"start.sh": fmt.Sprintf("set -e\nfor d in /run /var/lib /var/cache /var/log; do mount -t tmpfs -o mode=0755 passage-libvirt $d; done\n"+
-			"mount --bind %s /etc/libvirt\nexec libvirtd -f %s -p %s\n",
-			filepath.Join(dir, "etc"), filepath.Join(dir, "libvirtd.conf"), filepath.Join(dir, "run/libvirtd.pid")),
-	}
-	for name, body := range files {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	var out bytes.Buffer
-	cmd := exec.Command("unshare", "--mount", "--propagation", "private", "sh", filepath.Join(dir, "start.sh"))
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Signal(os.Interrupt)
-		select {
-		case <-done:
-		case <-time.After(20 * time.Second):
-			cmd.Process.Kill()
-			<-done
-		}
-	})
-	sock := filepath.Join(dir, "run", "libvirt-sock")
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if _, err := os.Stat(sock); err == nil {
-			break
-		}
-		select {
-		case err := <-done:
-			log, _ := os.ReadFile(filepath.Join(dir, "libvirtd.log"))
-			t.Fatalf("libvirtd exited: %v\n%s\n%s", err, out.String(), log)
-		case <-time.After(100 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("libvirtd: no socket %s after 30 s\n%s", sock, out.String())
-		}
-	}
-	return "qemu:///system?socket=" + sock
+	return s
 }
 
-func virsh(t *testing.T, uri string, args ...string) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "virsh", append([]string{"-c", uri}, args...)...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("virsh %s: %v\n%s", strings.Join(args, " "), err, out)
-	}
-	return string(out)
-}
-
-// TestLibvirtAcceptsDomain: the domain rendered from a signed manifest validates against
-// libvirt's own schema (virt-xml-validate), and a real libvirtd defines it (type qemu:
-// no KVM here) and keeps every controller and hostdev address as rendered.
+// TestLibvirtAcceptsDomain: every domain rendered from a signed manifest, in every
+// combination (flat and --numa, kvm and qemu, units whose numa_node is -1 and >= 0),
+// validates against libvirt's own schema (virt-xml-validate), and a real libvirtd
+// defines it and keeps every controller and hostdev address as rendered.
 func TestLibvirtAcceptsDomain(t *testing.T) {
 	if _, err := exec.LookPath("virt-xml-validate"); err != nil {
 		t.Fatalf("virt-xml-validate is needed for this test (apt-get install libvirt-clients libxml2-utils): %v", err)
 	}
-	n := bootSigned(t, pcitest.B300())
+	nodes := map[string]signedNode{"numa": bootSigned(t, pcitest.B300()), "nonuma": bootSigned(t, noNUMA())}
+	for _, u := range nodes["nonuma"].m.Units {
+		for _, f := range u.Functions {
+			if f.NUMANode != -1 {
+				t.Fatalf("nonuma: %s numa_node %d, want -1", f.BDF, f.NUMANode)
+			}
+		}
+	}
 	dir := t.TempDir()
-	cases := []struct {
-		name string
-		args []string
-	}{
-		{"flat", []string{"--units", "0,1"}},
-		{"numa", []string{"--units", "0,1,4", "--numa"}},
+	type domainCase struct {
+		name, node string
+		args       []string
+	}
+	var cases []domainCase
+	for _, node := range []string{"numa", "nonuma"} {
+		for _, layout := range []struct {
+			name string
+			args []string
+		}{{"flat", []string{"--units", "0,1"}}, {"numa", []string{"--units", "0,1,4", "--numa"}}} {
+			for _, typ := range []string{"kvm", "qemu"} {
+				cases = append(cases, domainCase{name: node + "-" + layout.name + "-" + typ, node: node,
+					args: append([]string{"--domain-type", typ}, layout.args...)})
+			}
+		}
 	}
 	files := map[string]string{}
 	for _, c := range cases {
-		args := append([]string{"--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt", "--domain-type", "qemu",
+		n := nodes[c.node]
+		args := append([]string{"--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt",
 			"--vcpus", "2", "--memory", "1024", "--name", "passage-test-" + c.name}, c.args...)
 		code, out, errs := runCmd(t, cmdRender, args...)
 		if code != 0 {
@@ -173,16 +118,16 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 		}
 	}
 
-	uri := privateLibvirtd(t)
+	uri := libvirttest.Start(t)
 	for _, c := range cases {
 		rendered, err := os.ReadFile(files[c.name])
 		if err != nil {
 			t.Fatal(err)
 		}
 		name := "passage-test-" + c.name
-		virsh(t, uri, "define", files[c.name])
-		dumped := virsh(t, uri, "dumpxml", name)
-		virsh(t, uri, "undefine", name)
+		libvirttest.Virsh(t, uri, "define", files[c.name])
+		dumped := libvirttest.Virsh(t, uri, "dumpxml", name)
+		libvirttest.Virsh(t, uri, "undefine", name)
 
 		var want, got libvirtXML
 		if err := xml.Unmarshal(rendered, &want); err != nil {
@@ -191,7 +136,7 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 		if err := xml.Unmarshal([]byte(dumped), &got); err != nil {
 			t.Fatalf("dumpxml: %v\n%s", err, dumped)
 		}
-		if got.Type != "qemu" || got.Name != name {
+		if typ := c.args[1]; got.Type != typ || got.Name != name {
 			t.Errorf("%s: libvirt keeps type %q name %q", c.name, got.Type, got.Name)
 		}
 		kept := map[int]string{}
@@ -227,11 +172,11 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 				t.Errorf("%s: hostdev %s: libvirt puts it at %q, rendered %q", c.name, h.Source.key(t), g, h.Address.key(t))
 			}
 		}
-		units := len(strings.Split(c.args[1], ","))
+		units := len(strings.Split(c.args[3], ","))
 		if len(want.Hostdevs) != 4*units || len(got.Hostdevs) != len(want.Hostdevs) || controllers < 1+6*units {
 			t.Errorf("%s: rendered %d hostdevs, %d controllers; libvirt kept %d hostdevs", c.name, len(want.Hostdevs), controllers, len(got.Hostdevs))
 		}
-		if c.name == "numa" {
+		if c.node == "numa" && slices.Contains(c.args, "--numa") {
 			// Two guest cells (host nodes 0 and 1), one vCPU each, pinned to its node's CPUs.
 			for _, pin := range []string{`<vcpupin vcpu='0' cpuset='0-63,128-191'/>`, `<vcpupin vcpu='1' cpuset='64-127,192-255'/>`, `<memnode cellid='1' mode='strict' nodeset='1'/>`} {
 				if !strings.Contains(dumped, pin) {
@@ -242,7 +187,7 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 		t.Logf("%s: libvirt kept %d controllers and %d hostdevs as rendered", c.name, controllers, len(got.Hostdevs))
 	}
 	// Nothing of the host's networking was touched: no network defined, no bridge.
-	if nets := strings.TrimSpace(virsh(t, uri, "net-list", "--all", "--name")); nets != "" {
+	if nets := strings.TrimSpace(libvirttest.Virsh(t, uri, "net-list", "--all", "--name")); nets != "" {
 		t.Errorf("libvirt has networks: %q", nets)
 	}
 	if _, err := net.InterfaceByName("virbr0"); err == nil {

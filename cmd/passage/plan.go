@@ -24,6 +24,8 @@ type planFlags struct {
 	ats, cmdline   string
 	erase          string
 	numa           bool
+	// command is the command the decision predicts (plan --for); "" is the boot.
+	command string
 }
 
 func (f *planFlags) register(fs *flag.FlagSet) {
@@ -83,7 +85,11 @@ func (f *planFlags) decide(fs *flag.FlagSet) (*decision.Decision, error) {
 	if err != nil {
 		return nil, errUsage{err}
 	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Erase: ep, Live: live,
+	cmd, err := decision.ParseCommand(f.command)
+	if err != nil {
+		return nil, errUsage{fmt.Errorf("--for: %w", err)}
+	}
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, ATS: policy, Erase: ep, Live: live, For: cmd,
 		Guest: topology.GuestOptions{Units: units, NUMA: f.numa}})
 	if err != nil {
 		return nil, errUsage{err}
@@ -113,10 +119,11 @@ func erasePolicy(given bool, flagValue, cmdline string) (erase.Policy, error) {
 }
 
 // verdictErr is the exit status of a decision's verdicts: labelling that contradicts
-// itself or a failed unit is 1; degraded units are usable and exit 0.
+// itself, a profile that found none of its units, or a failed unit is 1; degraded units
+// are usable and exit 0.
 func verdictErr(d *decision.Decision, vs []decision.Verdict) error {
-	if d.LabelErr != nil {
-		return d.LabelErr
+	if err := d.Err(); err != nil {
+		return err
 	}
 	for _, v := range vs {
 		if v.Status == topology.StatusFailed {
@@ -143,6 +150,7 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	var f planFlags
 	f.register(fs)
+	fs.StringVar(&f.command, "for", string(decision.CommandBoot), "the command whose outcome the plan predicts: boot, apply or recycle (apply erases nothing, so under an active erase policy its units end failed or degraded); apply --plan takes only a plan --for apply")
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
 	var names namesFlag
 	names.register(fs)

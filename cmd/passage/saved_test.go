@@ -18,7 +18,12 @@ func TestPlanOutApplyPlan(t *testing.T) {
 	root := pcitest.New(t, pcitest.B300()).Root
 	saved := filepath.Join(t.TempDir(), "node.plan.json")
 	var out, errb bytes.Buffer
-	if code := cmdPlan([]string{"--root", root, "--out", saved, "--erase", "off"}, &out, &errb); code != 0 {
+	if code := cmdPlan([]string{"--root", root, "--out", saved, "--erase", "off", "--for", "apply"}, &out, &errb); code != 0 {
+		t.Fatalf("plan --out: exit %d: %s", code, errb.String())
+	}
+	// A plan for the boot is not apply's: refused before anything is read or written.
+	forBoot := filepath.Join(t.TempDir(), "boot.plan.json")
+	if code := cmdPlan([]string{"--root", root, "--out", forBoot, "--erase", "off"}, &out, &errb); code != 0 {
 		t.Fatalf("plan --out: exit %d: %s", code, errb.String())
 	}
 	k := simulatedKernel(t, root)
@@ -27,6 +32,16 @@ func TestPlanOutApplyPlan(t *testing.T) {
 		var out, errb bytes.Buffer
 		code := runApply([]string{"--root", root, "--plan", saved}, &out, &errb, env)
 		return code, out.String(), errb.String()
+	}
+
+	before := allConfigs(t, root)
+	errb.Reset()
+	if code := runApply([]string{"--root", root, "--plan", forBoot}, &out, &errb, env); code != 2 ||
+		!strings.Contains(errb.String(), "a plan for boot, not for apply") || !strings.Contains(errb.String(), "plan --for apply") {
+		t.Errorf("apply --plan with a plan for the boot: exit %d, want 2 naming plan --for apply:\n%s", code, errb.String())
+	}
+	if fmt.Sprint(allConfigs(t, root)) != fmt.Sprint(before) {
+		t.Errorf("a plan for the boot: config space written")
 	}
 
 	// A node that changed since the plan: refused, nothing written.

@@ -6,6 +6,7 @@ package boot
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -359,13 +360,15 @@ func (b *Boot) decide(ctx context.Context, st *stages.State, r *stages.Result) e
 		su = append(su, x)
 	}
 	r.Findingf("profile %s: %d units", p.Name, len(units))
-	if len(units) == 0 {
-		r.Degrade("no GPU units found")
-	}
 	if !b.commit(ctx, func() { b.Decision = d }) {
 		return ctx.Err()
 	}
 	st.SetUnits(su)
+	if d.NoUnits != "" {
+		// Nothing this boot prepares is what the profile is for: the boot fails, and its
+		// manifest (written all the same) says why.
+		return errors.New(d.NoUnits)
+	}
 	return nil
 }
 

@@ -697,3 +697,39 @@ func TestStartTPMSilent(t *testing.T) {
 		}
 	}
 }
+
+// TestBootProfileFindsNoUnits: a boot under the b300 profile on a host without GPUs
+// fails its decide stage, saying the profile found none of its units, and the boot's
+// verdict is failed, not ok; the manifest is written all the same, with no unit and the
+// reason in its decide stage.
+func TestBootProfileFindsNoUnits(t *testing.T) {
+	s := pcitest.B300()
+	s.Hosts = s.Hosts[:1] // the management NICs alone
+	root := pcitest.New(t, s).Root
+	k, err := vfiotest.New(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.profile=b300 passage.erase=off passage.tpm=off"), Sysfs: k}
+	rs, st := run(t, b, "scan", "decide", "acs", "erase", "vfio", "manifest")
+	decide := rs[1]
+	if decide.Status != stages.Failed || decide.Err == nil || !strings.Contains(decide.Err.Error(), "profile b300") ||
+		!strings.Contains(decide.Err.Error(), "found none of the units it is for") {
+		t.Errorf("decide %s %v, want failed naming the profile", decide.Status, decide.Err)
+	}
+	if sum := stages.Summary(rs, st.Units()); sum != stages.Failed {
+		t.Errorf("boot %s, want failed", sum)
+	}
+	if b.Manifest == nil || len(b.Manifest.Units) != 0 {
+		t.Fatalf("manifest %v", b.Manifest)
+	}
+	var found bool
+	for _, sr := range b.Manifest.Stages {
+		for _, f := range sr.Findings {
+			found = found || sr.Name == "decide" && strings.Contains(f.Message, "found none of the units it is for")
+		}
+	}
+	if !found {
+		t.Errorf("the manifest's decide stage does not say why: %+v", b.Manifest.Stages)
+	}
+}

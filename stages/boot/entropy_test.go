@@ -18,6 +18,8 @@ import (
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/vfiobind"
+	"github.com/passage-boot/passage/vfiobind/vfiotest"
 )
 
 // The boot's stages up to the signed manifest, with every random source of the process
@@ -39,9 +41,18 @@ func TestBootPathWithBlockedRandomSource(t *testing.T) {
 		}
 		return k, k, nil
 	}
+	// The kernel's driver core simulated (a synthetic tree has none); erase off: a
+	// synthetic tree has no NVMe controller to erase.
+	kern, err := vfiotest.New(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := kern.Load(vfiobind.Modules...); err != nil {
+		t.Fatal(err)
+	}
 	blk := entropytest.Block(t)
-	b := &Boot{Root: root, OpenTPM: open, Sysfs: nil, DryRun: true,
-		Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key passage.net=off")}
+	b := &Boot{Root: root, OpenTPM: open, Sysfs: kern,
+		Config: initramfs.ParseCmdline("passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key passage.net=off passage.erase=off")}
 	var rs []stages.Result
 	var runErr error
 	within := 20 * time.Second

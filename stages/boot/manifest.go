@@ -169,7 +169,16 @@ func profileDigest(p *topology.Profile) string {
 // manifest builds, signs and writes the manifest; it runs whatever happened before so the
 // hypervisor always learns what this boot did. Failing to sign still leaves the unsigned
 // payload in /run/passage for an operator, and fails the stage.
+//
+// A dry run signs nothing: it is a decision, not a boot. Nothing was bound, erased or
+// written, so a signed record could only call a unit ready that nothing prepared; the
+// decision is on the console and in log.jsonl.
 func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result) error {
+	if b.DryRun {
+		vs := b.conclude(st)
+		b.commit(ctx, func() { b.Verdicts = vs })
+		return stages.Skip("dry run: nothing was prepared, nothing is signed (the decision is on the console and in log.jsonl)")
+	}
 	var errs []string
 	m, err := manifest.Build(b.Root, b.now())
 	if err != nil {

@@ -1,10 +1,10 @@
 // Command benchtable measures passage against the tools an operator would otherwise run
 // (lspci, setpci, bench/acs-plan.sh) on the same synthetic sysfs trees, alternating the
 // sides and keeping each side's median, and prints one table; with -out it also writes
-// the table and the details behind it as Markdown (bench/results.md). `make bench` runs
+// the table and the details behind it as Markdown (build/bench.md). `make bench` runs
 // it through bench/run.sh.
 //
-//	benchtable -passage build/passage [-rounds 11] [-build build] [-boot=false] [-out bench/results.md]
+//	benchtable -passage build/passage [-rounds 11] [-build build] [-boot=false] [-out build/bench.md]
 package main
 
 import (
@@ -76,6 +76,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	var t table
 	var details bytes.Buffer
 	start := time.Now()
+	loadBefore := loadAverage()
 	steps := []struct {
 		name string
 		fn   func(*env, *table, io.Writer) error
@@ -133,9 +134,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintf(&doc, "# passage benchmarks\n\n")
 	fmt.Fprintf(&doc, "Produced by `make bench` (bench/run.sh -> bench/cmd/benchtable) on %s: %d CPUs, %s, %s; "+
 		"%d alternating runs per side, medians; ratio = baseline / passage (higher is better for passage). "+
-		"Trees on %s. Total run %.0f s.\n\n",
+		"Trees on %s. Total run %.0f s; 1-minute load average %s at the start, %s at the end "+
+		"(above the CPU count, other work shared the machine and every figure is slower for it).\n\n",
 		time.Now().UTC().Format("2006-01-02"), runtime.NumCPU(), runtime.Version(), toolVersion("lspci", "--version"),
-		e.rounds, fsKind(scratch), time.Since(start).Seconds())
+		e.rounds, fsKind(scratch), time.Since(start).Seconds(), loadBefore, loadAverage())
 	t.markdown(&doc)
 	fmt.Fprintf(&doc, "\n## Targets\n\n")
 	for _, tg := range t.targets {
@@ -175,4 +177,13 @@ func fsKind(dir string) string {
 		return "tmpfs (/dev/shm)"
 	}
 	return "the temp dir"
+}
+
+// loadAverage is /proc/loadavg's 1-minute figure, or "unknown".
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if f := strings.Fields(string(b)); err == nil && len(f) > 0 {
+		return f[0]
+	}
+	return "unknown"
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/passage-boot/passage/bench"
 	"github.com/passage-boot/passage/decision"
+	"github.com/passage-boot/passage/erase"
 
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
@@ -190,7 +191,9 @@ func applyInProcess(root string, k *vfiotest.Kernel) error {
 	if err != nil {
 		return err
 	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: b300Profile})
+	// As `passage apply --erase off` decides: apply erases nothing, so under the
+	// profile's erase policy (require) it would fail every unit and write nothing.
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: b300Profile, Erase: erase.PolicyOff, For: decision.CommandApply})
 	if err != nil {
 		return err
 	}
@@ -246,7 +249,7 @@ func rowApply(e *env, t *table, w io.Writer) error {
 	}()
 	s, err := bench.Measure(e.rounds,
 		bench.Side{Name: "passage apply --no-bind", Prepare: fresh(false), Run: func() error {
-			return proc(e.passage, "apply", "--root", cur, "--no-bind")()
+			return proc(e.passage, "apply", "--root", cur, "--no-bind", "--erase", "off")()
 		}},
 		bench.Side{Name: "ACS in-process", Prepare: fresh(false), Run: func() error { return applyInProcess(cur, nil) }},
 		bench.Side{Name: "ACS+bind in-process", Prepare: fresh(true), Run: func() error { return applyInProcess(cur, kernel) }},
@@ -258,7 +261,7 @@ func rowApply(e *env, t *table, w io.Writer) error {
 		return err
 	}
 	in := "fresh B300 tree per run, 8 of 32 ports written"
-	t.pair("3a", "apply: `passage apply --root --no-bind` (process)", in, s[0].Median, s[3].Median, "acs-plan.sh --apply",
+	t.pair("3a", "apply: `passage apply --root --no-bind --erase off` (process)", in, s[0].Median, s[3].Median, "acs-plan.sh --apply",
 		"ACS only: binding needs a kernel that answers drivers_probe; the script's 32x3 bind echoes are bash builtins")
 	t.pair("3b", "apply: scan+plan+`apply.ACS` (in-process)", in, s[1].Median, s[3].Median, "acs-plan.sh --apply", "ACS write + read-back")
 	t.pair("3c", "apply: ACS + `vfiobind.Bind` (in-process)", in, s[2].Median, s[3].Median, "acs-plan.sh --apply",

@@ -1,0 +1,99 @@
+// Package libvirttest starts a libvirtd of a test's own, so that what passage renders
+// for a hypervisor is judged by libvirt itself (virsh define) without touching the
+// host's libvirt: the unit tests of cmd/passage and the QEMU scenarios use it.
+package libvirttest
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Start starts libvirtd as root in a mount namespace of its own: tmpfs over
+// /run, /var/lib, /var/cache and /var/log, and a private /etc/libvirt whose qemu.conf
+// runs QEMU as root, so the daemon's state, its domain definitions and its sockets live
+// and die with the test and nothing on the host changes. No network is defined, so none
+// is started. It returns the qemu:///system URI of its socket; cleanup stops it and
+// waits for it.
+func Start(t testing.TB) string {
+	t.Helper()
+	if os.Getuid() != 0 {
+		t.Fatal("libvirtd's system instance needs root (CI runs as root)")
+	}
+	for _, tool := range []string{"libvirtd", "virsh", "unshare"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s is needed for this test (image/deps.sh installs it): %v", tool, err)
+		}
+	}
+	dir := t.TempDir()
+	for _, d := range []string{"etc", "run"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	files := map[string]string{
+		"etc/qemu.conf": "user = \"root\"\ngroup = \"root\"\n",
+		"libvirtd.conf": fmt.Sprintf("unix_sock_dir = %q\nauth_unix_rw = \"none\"\nauth_unix_ro = \"none\"\nlog_outputs = \"3:file:%s\"\n",
+			filepath.Join(dir, "run"), filepath.Join(dir, "libvirtd.log")),
+		"start.sh": fmt.Sprintf("set -e\nfor d in /run /var/lib /var/cache /var/log; do mount -t tmpfs -o mode=0755 passage-libvirt $d; done\n"+
+			"mount --bind %s /etc/libvirt\nexec libvirtd -f %s -p %s\n",
+			filepath.Join(dir, "etc"), filepath.Join(dir, "libvirtd.conf"), filepath.Join(dir, "run/libvirtd.pid")),
+	}
+	for name, body := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out bytes.Buffer
+	cmd := exec.Command("unshare", "--mount", "--propagation", "private", "sh", filepath.Join(dir, "start.sh"))
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(os.Interrupt)
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	sock := filepath.Join(dir, "run", "libvirt-sock")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		select {
+		case err := <-done:
+			log, _ := os.ReadFile(filepath.Join(dir, "libvirtd.log"))
+			t.Fatalf("libvirtd exited: %v\n%s\n%s", err, out.String(), log)
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("libvirtd: no socket %s after 30 s\n%s", sock, out.String())
+		}
+	}
+	return "qemu:///system?socket=" + sock
+}
+
+// Virsh runs virsh against uri and returns its output; a failure fails the test.
+func Virsh(t testing.TB, uri string, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "virsh", append([]string{"-c", uri}, args...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("virsh %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
