@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	"runtime/debug"
 	"slices"
 
+	"github.com/passage-boot/passage/buildinfo"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/emit"
 	"github.com/passage-boot/passage/stages"
@@ -81,6 +83,10 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		}
 	}()
 
+	// The build first: whoever reads a console capture or a log learns which release
+	// decided before anything it decided.
+	build := buildinfo.Read()
+	fmt.Fprintln(console, build)
 	emit.Mark(console, root, "uinit-start")
 	cfg, err := initramfs.ReadConfig(root)
 	if err != nil {
@@ -102,6 +108,9 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	} else {
 		defer f.Close()
 		logw = f
+		if err := writeBuildRecord(logw, build); err != nil {
+			fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
+		}
 	}
 
 	// The TPM's slow start (key creation, counter increment) overlaps the PCIe stages.
@@ -146,4 +155,19 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		}
 	}
 	return cfg, summary
+}
+
+// buildRecord is log.jsonl's first line: {"type":"build", and the build's fields}.
+type buildRecord struct {
+	Type string `json:"type"`
+	buildinfo.Info
+}
+
+func writeBuildRecord(w io.Writer, b buildinfo.Info) error {
+	j, err := json.Marshal(buildRecord{Type: "build", Info: b})
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(j, '\n'))
+	return err
 }

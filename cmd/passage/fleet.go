@@ -231,13 +231,13 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 			if c[manifest.StatusFailed] > 0 {
 				nodesWithFailed++
 			}
-			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s units %d ready %d degraded %d failed%s\n",
+			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s units %d ready %d degraded %d failed%s build %s\n",
 				o.path, orDash(m.Node.Hostname), m.Generation, m.GenerationSource, orDash(m.BootID),
-				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m))
+				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m), buildWords(m))
 		}
 	}
-	fmt.Fprintf(&b, "%d manifests: %d verified, %d refused, %d unreadable; units %d ready, %d degraded, %d failed (on %d nodes)\n",
-		len(out), ok, refused, unreadable, units[manifest.StatusReady], units[manifest.StatusDegraded], units[manifest.StatusFailed], nodesWithFailed)
+	fmt.Fprintf(&b, "%d manifests: %d verified, %d refused, %d unreadable; units %d ready, %d degraded, %d failed%s\n",
+		len(out), ok, refused, unreadable, units[manifest.StatusReady], units[manifest.StatusDegraded], units[manifest.StatusFailed], onNodes(nodesWithFailed))
 	stdout.Write(b.Bytes())
 	switch {
 	case unreadable > 0:
@@ -246,6 +246,25 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 		return 1
 	}
 	return 0
+}
+
+// onNodes says on how many nodes the failed units are, when there are any.
+func onNodes(n int) string {
+	switch n {
+	case 0:
+		return ""
+	case 1:
+		return " (on 1 node)"
+	}
+	return fmt.Sprintf(" (on %d nodes)", n)
+}
+
+// buildWords is the build that signed m on a fleet line: version and revision.
+func buildWords(m *manifest.Manifest) string {
+	if m.Build == nil {
+		return "unknown"
+	}
+	return m.Build.VersionString() + " " + m.Build.Rev()
 }
 
 // failedUnits names the units that are not ready, for the node's line.

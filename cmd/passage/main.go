@@ -34,6 +34,7 @@ func commands() map[string]command {
 		"verify":     {"verify a signed manifest (the hypervisor side)", cmdVerify},
 		"perfcheck":  {"compare host and guest nccl-tests/nvbandwidth results", cmdPerfcheck},
 		"metrics":    {"print a verified manifest as Prometheus metrics", cmdMetrics},
+		"version":    {"print the build: module version, VCS revision, Go version", cmdVersion},
 	}
 }
 
@@ -70,6 +71,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
 		usage(stdout)
 		return 0
+	}
+	if args[0] == "--version" || args[0] == "-version" {
+		return cmdVersion(nil, stdout, stderr)
 	}
 	c, ok := commands()[args[0]]
 	if !ok {

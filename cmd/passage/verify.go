@@ -90,10 +90,19 @@ func printUnits(stdout, stderr io.Writer, path string, v *manifest.Verified, asJ
 	return 0
 }
 
+// signedBy names the passage build that signed m; a schema 2 manifest does not say.
+func signedBy(m *manifest.Manifest) string {
+	if m.Build == nil {
+		return fmt.Sprintf("not recorded (schema %d)", m.SchemaVersion)
+	}
+	return m.Build.String()
+}
+
 func printSummary(w io.Writer, path string, v *manifest.Verified) {
 	m := v.Manifest
 	fmt.Fprintf(w, "%s: OK, signed by %s\n", path, v.KeyID)
 	fmt.Fprintf(w, "  payload     %s (schema %d)\n", v.Digest, m.SchemaVersion)
+	fmt.Fprintf(w, "  build       %s\n", signedBy(m))
 	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", orDash(m.Node.Hostname), orDash(m.Node.DMISerial), orDash(m.Node.DMIUUID))
 	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", m.BootID, m.Time.Format("2006-01-02T15:04:05Z07:00"), orDash(m.KernelRelease))
 	fmt.Fprintf(w, "  generation  %d (%s)\n", m.Generation, m.GenerationSource)
