@@ -20,16 +20,20 @@ import (
 	"github.com/passage-boot/passage/stages/boot"
 )
 
-// cmdBoot is the uinit. It returns only with --no-handoff (tests, a synthetic --root) or on
-// a usage error that names --no-handoff: as the uinit, returning would panic the kernel.
+// cmdBoot is the uinit. It returns only with --no-handoff (tests, a synthetic --root), for
+// -h, or on a usage error that names --no-handoff: as the uinit, returning would panic the
+// kernel.
 func cmdBoot(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("boot", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("boot", stderr)
 	root := fs.String("root", "/", "root of the tree to read (/proc, /sys, /lib/modules, /run) and write (/run/passage)")
 	dryRun := fs.Bool("dry-run", false, "scan, label and report; write nothing to sysfs, load no module, touch no NIC")
 	noHandoff := fs.Bool("no-handoff", false, "return after the report instead of handing off (never as the uinit)")
 	if err := fs.Parse(args); err != nil {
-		if slices.Contains(args, "--no-handoff") || slices.Contains(args, "-no-handoff") || err == flag.ErrHelp {
+		if errors.Is(err, flag.ErrHelp) {
+			writeHelp(stdout, fs)
+			return 0
+		}
+		if slices.Contains(args, "--no-handoff") || slices.Contains(args, "-no-handoff") {
 			return 2
 		}
 		// As the uinit a bad flag must not end the boot: go on as a plain boot of "/".

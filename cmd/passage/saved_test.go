@@ -18,7 +18,7 @@ func TestPlanOutApplyPlan(t *testing.T) {
 	root := pcitest.New(t, pcitest.B300()).Root
 	saved := filepath.Join(t.TempDir(), "node.plan.json")
 	var out, errb bytes.Buffer
-	if code := cmdPlan([]string{"--root", root, "--out", saved, "--erase", "off"}, &out, &errb); code != 0 {
+	if code := cmdPlan([]string{"--root", root, "-o", saved, "--erase", "off"}, &out, &errb); code != 0 {
 		t.Fatalf("plan --out: exit %d: %s", code, errb.String())
 	}
 	k := simulatedKernel(t, root)

@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"flag"
 	"fmt"
 	"io"
 
@@ -12,17 +11,14 @@ import (
 // cmdVersion prints this binary's build, the same that its manifests, log.jsonl, console
 // and passage_build_info carry.
 func cmdVersion(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("version", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("version", stderr)
 	asJSON := fs.Bool("json", false, `print {"version","revision","modified","go_version"} as the manifest's build does`)
-	if err := fs.Parse(args); err != nil {
-		if err == flag.ErrHelp {
-			return 0
-		}
-		return 2
+	pos, code, ok := parseFlags(fs, args, stdout)
+	if !ok {
+		return code
 	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage version: unexpected argument %q\n", fs.Arg(0))
+	if len(pos) > 0 {
+		fmt.Fprintf(stderr, "passage version: unexpected argument %q\n", pos[0])
 		return 2
 	}
 	b := buildinfo.Read()
