@@ -126,11 +126,11 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	if err != nil {
 		return usageErr(err)
 	}
-	db, err := names.open()
+	tree, err := pci.Scan(*root)
 	if err != nil {
 		return usageErr(err)
 	}
-	tree, err := pci.Scan(*root)
+	db, err := names.open(tree)
 	if err != nil {
 		return usageErr(err)
 	}

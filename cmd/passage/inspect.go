@@ -34,7 +34,7 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 		return 2
 	}
-	db, err := names.open()
+	db, err := names.open(tree)
 	if err != nil {
 		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 		return 2

@@ -155,14 +155,14 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage plan: unexpected argument %q\n", pos[0])
 		return 2
 	}
-	db, nerr := names.open()
-	if nerr != nil {
-		fmt.Fprintf(stderr, "passage plan: %v\n", nerr)
-		return 2
-	}
 	d, err := f.decide(fs)
 	if d == nil {
 		return exitFor(stderr, err)
+	}
+	db, nerr := names.open(d.Tree)
+	if nerr != nil {
+		fmt.Fprintf(stderr, "passage plan: %v\n", nerr)
+		return 2
 	}
 	if *outFile != "" {
 		if serr := saveDecision(d, *outFile); serr != nil {
