@@ -66,13 +66,8 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	var names namesFlag
 	names.register(fs)
 	planFile := fs.String("plan", "", "execute the decision saved by plan -o `FILE`, and only if the node still matches it (profile and policy come from the file)")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage apply: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	usageErr := func(err error) int {
 		fmt.Fprintf(stderr, "passage apply: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))

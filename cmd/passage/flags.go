@@ -42,6 +42,17 @@ func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) (pos []string
 	}
 }
 
+// parseNoArgs is parseFlags for a command that takes flags only: an argument is a usage
+// error (exit 2).
+func parseNoArgs(fs *flag.FlagSet, args []string, stdout io.Writer) (code int, ok bool) {
+	pos, code, ok := parseFlags(fs, args, stdout)
+	if ok && len(pos) > 0 {
+		fmt.Fprintf(fs.Output(), "passage %s: unexpected argument %q\n", fs.Name(), pos[0])
+		return 2, false
+	}
+	return code, ok
+}
+
 // writeHelp is a command's help: its synopsis, what it does, more when it has more to
 // say, and its flags.
 func writeHelp(w io.Writer, fs *flag.FlagSet) {

@@ -21,13 +21,8 @@ func cmdInspect(args []string, stdout, stderr io.Writer) int {
 	names.register(fs)
 	asJSON := fs.Bool("json", false, `print {"devices":[...],"units":[...]} as JSON instead of the tree`)
 	profile := fs.String("profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file, for roles and units in --json")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage inspect: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	tree, err := src.load(fs)
 	if err != nil {

@@ -17,13 +17,8 @@ func cmdKeygen(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("keygen", stderr)
 	dir := fs.String("o", ".", "`DIR` to write "+manifest.PrivateKeyFile+" and "+manifest.PublicKeyFile+" into, created (mode 0700) when missing")
 	wait := fs.Duration("wait", time.Minute, "how long to wait for the kernel's random pool (a freshly booted machine may not have it yet)")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) != 0 {
-		fmt.Fprintf(stderr, "passage keygen: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	// The private key's directory is no one else's business: 0700, as ssh-keygen makes ~/.ssh.
 	if err := os.MkdirAll(*dir, 0o700); err != nil {

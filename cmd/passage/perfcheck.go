@@ -22,13 +22,8 @@ func cmdPerfcheck(args []string, stdout, stderr io.Writer) int {
 	fs.Float64Var(&th.Large8MiBPct, "large", def.Large8MiBPct, "max loss in `percent` at any message >= 8 MiB")
 	fs.Float64Var(&th.NVBandwidthPct, "nvbandwidth", def.NVBandwidthPct, "max loss in `percent` for nvbandwidth host->device and device->host")
 	fs.Float64Var(&th.SmallPct, "small", def.SmallPct, "loss in `percent` that names a message < 8 MiB an outlier (never fails)")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage perfcheck: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	if cfg.HostDir == "" || cfg.GuestDir == "" {
 		fmt.Fprintln(stderr, "passage perfcheck: --host and --guest are required")

@@ -147,13 +147,8 @@ func cmdPlan(args []string, stdout, stderr io.Writer) int {
 	names.register(fs)
 	outFile := fs.String("o", "", "also save the decision to `FILE`, for apply --plan (applies only while the node still matches it)")
 	deprecatedAlias(fs, "out", "o")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage plan: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	d, err := f.decide(fs)
 	if d == nil {

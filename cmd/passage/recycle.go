@@ -31,13 +31,8 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 	policy := fs.String("erase", "require", "auto or require: what a unit not erased, verified and reset ends as")
 	overwrite := fs.Bool("overwrite", false, "allow Sanitize overwrite after every other method (hours on a large drive)")
 	timeout := fs.Duration("timeout", 30*time.Minute, "bound on the whole recycle")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage recycle: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	var ids []topology.UnitID
 	for _, s := range strings.Split(*units, ",") {

@@ -13,13 +13,8 @@ func cmdSnapshot(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("snapshot", stderr)
 	out := fs.String("o", "", "write the snapshot to `FILE` (.tar.gz)")
 	root := fs.String("root", "/", "scan the sysfs tree under `DIR`")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage snapshot: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	if *out == "" {
 		fmt.Fprintln(stderr, "passage snapshot: -o FILE is required")

@@ -18,13 +18,8 @@ func cmdTPMPubkey(args []string, stdout, stderr io.Writer) int {
 	// --tpm is a choice (on, off, auto) in recycle; here it was the device.
 	deprecatedAlias(fs, "tpm", "tpm-device")
 	out := fs.String("o", "", "write the PEM to `FILE` instead of stdout")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) != 0 {
-		fmt.Fprintf(stderr, "passage tpm-pubkey: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	k, err := tpmkey.Open(*dev)
 	if err != nil {

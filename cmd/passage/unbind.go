@@ -37,13 +37,8 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 	profile := fs.String("profile", "b300", "role profile that labels the units: a built-in name or a file")
 	bdfs := fs.String("bdf", "", "comma-separated functions to return instead of a unit (DDDD:BB:DD.F)")
 	asJSON := fs.Bool("json", false, "print the per-function report as JSON")
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage unbind: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	if (*unit == "") == (*bdfs == "") {
 		fmt.Fprintln(stderr, "passage unbind: give exactly one of --unit or --bdf")

@@ -13,13 +13,8 @@ import (
 func cmdVersion(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("version", stderr)
 	asJSON := fs.Bool("json", false, `print {"version","revision","modified","go_version"} as the manifest's build does`)
-	pos, code, ok := parseFlags(fs, args, stdout)
-	if !ok {
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
-	}
-	if len(pos) > 0 {
-		fmt.Fprintf(stderr, "passage version: unexpected argument %q\n", pos[0])
-		return 2
 	}
 	b := buildinfo.Read()
 	if *asJSON {

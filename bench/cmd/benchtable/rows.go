@@ -29,17 +29,7 @@ const b300Fns = 134
 
 // proc is one run of a command with its output thrown away; a non-zero exit is an error
 // (the side must have done the work, not failed fast).
-func proc(name string, args ...string) func() error {
-	return func() error {
-		cmd := exec.Command(name, args...)
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("%s %s: %w: %s", filepath.Base(name), strings.Join(args, " "), err, firstLine(stderr.String()))
-		}
-		return nil
-	}
-}
+func proc(name string, args ...string) func() error { return procCPU(nil, name, args...) }
 
 func firstLine(s string) string {
 	s = strings.TrimSpace(s)
@@ -333,8 +323,9 @@ func rowScaling(e *env, t *table, w io.Writer) error {
 	return nil
 }
 
-// procCPU is proc that also records the child's CPU time (user + system): on two shared
-// cores a wall-clock figure carries the other engineers' load, CPU time much less.
+// procCPU is proc that also records the child's CPU time (user + system) in cpu when it
+// is not nil: on two shared cores a wall-clock figure carries the other engineers' load,
+// CPU time much less.
 func procCPU(cpu *[]time.Duration, name string, args ...string) func() error {
 	return func() error {
 		cmd := exec.Command(name, args...)
@@ -343,7 +334,9 @@ func procCPU(cpu *[]time.Duration, name string, args ...string) func() error {
 		if err := cmd.Run(); err != nil {
 			return fmt.Errorf("%s %s: %w: %s", filepath.Base(name), strings.Join(args, " "), err, firstLine(stderr.String()))
 		}
-		*cpu = append(*cpu, cmd.ProcessState.UserTime()+cmd.ProcessState.SystemTime())
+		if cpu != nil {
+			*cpu = append(*cpu, cmd.ProcessState.UserTime()+cmd.ProcessState.SystemTime())
+		}
 		return nil
 	}
 }
