@@ -47,6 +47,10 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   passage.host_modules=e1000e,igb  host drivers for kept devices, loaded after vfio binding
 #   passage.emit=off           console: print /run/passage/* as base64 blocks (the QEMU tests' channel)
 #   passage.stage_timeout=60s  deadline of each stage; passage.log=/run/passage/log.jsonl
+#   passage.emergency=hold     hold|shell|reboot|poweroff instead of the handoff when the boot fails, after the
+#                              manifest; passage.emergency_on=failed (failed|degraded|never): which verdicts
+#                              take it (with failed, a node with a failed unit does not switch_root)
+#   passage.debug=on           whole stage errors on the console, waits shown every second (off by default)
 # Do not set uroot.uinitargs=: u-root's init puts them before the image's "boot".
 #
 # The sha256 sums above are for the operator's eyes: nothing here verifies them, and

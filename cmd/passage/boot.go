@@ -12,6 +12,8 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"strings"
+	"time"
 
 	"github.com/passage-boot/passage/buildinfo"
 	"github.com/passage-boot/passage/initramfs"
@@ -52,29 +54,78 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 			console = io.MultiWriter(ws...)
 		}
 	}
+	// Every console line into the kernel log too, so the booted system's journal keeps
+	// them; no kernel log (a synthetic root without dev/kmsg) is no error.
+	if k, err := initramfs.OpenKmsg(*root); err == nil {
+		defer k.Close()
+		console = io.MultiWriter(console, initramfs.NewKmsg(k))
+	}
 
-	cfg, summary := runBoot(*root, *dryRun, console)
+	cfg, summary, units := runBoot(*root, *dryRun, console)
+	why := emergencyWhy(cfg, summary, units)
 	if *noHandoff {
+		if why != "" {
+			fmt.Fprintf(console, "passage: emergency %s would be taken (%s); --no-handoff\n", cfg.Emergency, why)
+		}
 		if summary == stages.Failed {
 			return 1
 		}
 		return 0
 	}
 	emit.Mark(console, *root, "handoff")
-	fmt.Fprintf(console, "passage: handoff %s\n", cfg.Handoff)
+	if why == "" {
+		fmt.Fprintf(console, "passage: handoff %s\n", cfg.Handoff)
+	} else {
+		fmt.Fprintf(console, "passage: handoff %s not taken: %s\n", cfg.Handoff, why)
+	}
 	for _, f := range ttys {
 		if err := emit.Drain(f); err != nil {
 			fmt.Fprintf(console, "passage: %s: %v\n", f.Name(), err)
 			emit.Drain(f)
 		}
 	}
+	if why != "" {
+		initramfs.RunEmergency(cfg, initramfs.LinuxSystem(), console, why)
+	}
 	initramfs.Do(cfg, initramfs.LinuxSystem(), console)
-	return 0 // not reached: Do never returns
+	return 0 // not reached: neither returns
+}
+
+// emergencyWhy says why the boot takes its emergency action instead of the handoff
+// (passage.emergency_on=): the units the verdict did not pass, or "" for the handoff. A
+// run that failed without units (an internal error before the decision) counts as failed.
+func emergencyWhy(cfg initramfs.Config, summary stages.Status, units []stages.Unit) string {
+	var failed, degraded []string
+	for _, u := range units {
+		switch u.Status {
+		case stages.Failed:
+			failed = append(failed, u.ID)
+		case stages.Degraded:
+			degraded = append(degraded, u.ID)
+		}
+	}
+	if len(units) == 0 && summary == stages.Failed {
+		if cfg.EmergencyFor(true, false) {
+			return "the boot failed before any unit was decided"
+		}
+		return ""
+	}
+	if !cfg.EmergencyFor(len(failed) > 0, len(degraded) > 0) {
+		return ""
+	}
+	var parts []string
+	if len(failed) > 0 {
+		parts = append(parts, "failed: "+strings.Join(failed, ", "))
+	}
+	if len(degraded) > 0 && cfg.EmergencyOn == initramfs.EmergencyOnDegraded {
+		parts = append(parts, "degraded: "+strings.Join(degraded, ", "))
+	}
+	return "units " + strings.Join(parts, "; ") + " (passage.emergency_on=" + string(cfg.EmergencyOn) + ")"
 }
 
 // runBoot does everything before the handoff. A panic outside the runner (which recovers
 // its stages' own) still ends in a handoff, with the run counted as failed.
-func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status) {
+func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status, units []stages.Unit) {
 	cfg = initramfs.Defaults()
 	summary = stages.Failed
 	defer func() {
@@ -120,12 +171,15 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	// The TPM's slow start (key creation, counter increment) overlaps the PCIe stages.
 	b.StartTPM()
 	st := &stages.State{}
-	rn := &stages.Runner{Stages: b.Stages(), Timeout: cfg.StageTimeout, Console: console, Log: logw}
+	rn := &stages.Runner{Stages: b.Stages(), Timeout: cfg.StageTimeout, Console: console, Log: logw, Verbose: cfg.Debug}
+	if cfg.Debug {
+		rn.Tick = time.Second
+	}
 	results, err := rn.Run(context.Background(), st)
 	if err != nil {
 		fmt.Fprintf(console, "passage: %v\n", err)
 	}
-	units := st.Units()
+	units = st.Units()
 	stages.WriteUnitTable(console, units)
 	if logw != nil {
 		if err := stages.WriteUnitsJSON(logw, units); err != nil {
@@ -158,7 +212,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 	}
-	return cfg, summary
+	return cfg, summary, units
 }
 
 // buildRecord is log.jsonl's first line: {"type":"build", and the build's fields}.
