@@ -43,8 +43,13 @@ func FromBuildInfo(bi *debug.BuildInfo) Info {
 				continue
 			}
 			i.Version = d.Version
-			if d.Replace != nil && d.Replace.Version != "" {
-				i.Version = d.Replace.Version
+			if r := d.Replace; r != nil {
+				// A replacement by a directory (how u-root's busybox takes passage's
+				// tree) has no version: the build is of a work tree, as go build's.
+				i.Version = r.Version
+				if i.Version == "" {
+					i.Version = "(devel)"
+				}
 			}
 		}
 		return i

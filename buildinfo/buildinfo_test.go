@@ -27,8 +27,13 @@ func TestFromBuildInfo(t *testing.T) {
 			bi: debug.BuildInfo{GoVersion: "go1.26.0", Main: debug.Module{Path: "bb.u-root.com/bb"}, Settings: vcs,
 				Deps: []*debug.Module{{Path: "github.com/u-root/u-root", Version: "v0.16.0"},
 					{Path: ModulePath, Version: "v0.0.0-00010101000000-000000000000", Replace: &debug.Module{Path: "/src/passage"}}}},
-			want: Info{Version: "v0.0.0-00010101000000-000000000000", GoVersion: "go1.26.0"},
-			str:  "passage v0.0.0-00010101000000-000000000000 (revision unknown, go1.26.0)",
+			want: Info{Version: "(devel)", GoVersion: "go1.26.0"},
+			str:  "passage (devel) (revision unknown, go1.26.0)",
+		},
+		"dependency at a tagged version": {
+			bi:   debug.BuildInfo{GoVersion: "go1.26.0", Main: debug.Module{Path: "example.com/tool"}, Deps: []*debug.Module{{Path: ModulePath, Version: "v1.4.0"}}},
+			want: Info{Version: "v1.4.0", GoVersion: "go1.26.0"},
+			str:  "passage v1.4.0 (revision unknown, go1.26.0)",
 		},
 		"nothing recorded": {
 			bi:  debug.BuildInfo{Main: debug.Module{Path: "other"}},
