@@ -39,6 +39,6 @@
 //
 // DUR is a Go duration (30s, 2m). handoff=switch_root without passage.root falls back to
 // hold, with an error recorded. Every console line is also written to /dev/kmsg as
-// "passage: ..." (level warning for a failed or degraded line, info otherwise), so the
+// "passage: ..." (level err for a failed line, warning for a degraded one, debug otherwise), so the
 // initramfs's messages reach the booted system's journal.
 package initramfs

@@ -11,7 +11,9 @@ import (
 // Kmsg mirrors the console into the kernel log, one record a line, so what the initramfs
 // printed reaches the booted system's journal (journalctl -k, dmesg) as dracut's messages
 // do. Each record reads "passage: ..." at a syslog level of the user facility: err for a
-// line that says failed or emergency, warning for degraded, info otherwise. Timeline
+// line that says failed or emergency, warning for degraded, debug otherwise, so that at
+// the kernel's default console log level (7) only errors and warnings are printed on the
+// console a second time, after passage's own line. Timeline
 // markers and the file blocks of initramfs/emit are left out: they are the QEMU tests'
 // channel, not messages, and would flood the log.
 type Kmsg struct {
@@ -70,7 +72,7 @@ func (k *Kmsg) line(l []byte) {
 		msg = msg[:kmsgMax]
 	}
 	const user = 1 << 3 // LOG_USER: the kernel refuses LOG_KERN from user space
-	level := 6          // LOG_INFO
+	level := 7          // LOG_DEBUG: kept off the console passage already wrote it to
 	switch {
 	case bytes.Contains(msg, []byte("failed")), bytes.Contains(msg, []byte("emergency")):
 		level = 3 // LOG_ERR

@@ -25,10 +25,10 @@ func TestKmsg(t *testing.T) {
 			t.Fatalf("Write = %d, %v", n, err)
 		}
 	}
-	want := "<14>passage: passage (devel) (revision unknown, go1.26.0)\n" +
-		"<14>passage: scan      ok         0.051s  (1 findings, 0 changes)\n" +
+	want := "<15>passage: passage (devel) (revision unknown, go1.26.0)\n" +
+		"<15>passage: scan      ok         0.051s  (1 findings, 0 changes)\n" +
 		"<12>passage: acs       degraded   0.012s\n" +
-		"<14>passage: UNIT  GPU           NICS  STATUS  WHY\n" +
+		"<15>passage: UNIT  GPU           NICS  STATUS  WHY\n" +
 		"<11>passage: boot failed\n"
 	if log.String() != want {
 		t.Errorf("kmsg records:\n%s\nwant:\n%s", log.String(), want)

@@ -56,7 +56,7 @@ func TestBootKmsgAndEmergency(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"<14>passage: passage ", "passage: scan      ok", "<11>passage: boot failed\n"} {
+	for _, want := range []string{"<15>passage: passage ", "passage: scan      ok", "<11>passage: boot failed\n"} {
 		if !bytes.Contains(log, []byte(want)) {
 			t.Errorf("kernel log lacks %q:\n%s", want, log)
 		}
