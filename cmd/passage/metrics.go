@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 
+	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/metrics"
 	"github.com/passage-boot/passage/pci"
 )
@@ -42,12 +43,31 @@ func cmdMetrics(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		src.LiveACS = liveACS(tree)
+		if !anyPort(v.Manifest, src.LiveACS) {
+			// Every port would read as drifted: this is another node than the manifest's.
+			fmt.Fprintf(stderr, "passage metrics: --root %s holds none of the ports the manifest of %s recorded: not that node\n", *root, orDash(v.Manifest.Node.Hostname))
+			return 2
+		}
 	}
 	if err := metrics.Write(stdout, src); err != nil {
 		fmt.Fprintf(stderr, "passage metrics: %v\n", err)
 		return 2
 	}
 	return 0
+}
+
+// anyPort says whether live holds a port of m's ACS records (or m records none).
+func anyPort(m *manifest.Manifest, live map[string]string) bool {
+	recorded := false
+	for _, u := range m.Units {
+		for _, c := range u.ACSChanges {
+			if _, ok := live[c.Port]; ok {
+				return true
+			}
+			recorded = true
+		}
+	}
+	return !recorded
 }
 
 // liveACS is every port's ACS Control register in lspci's words, as the manifest

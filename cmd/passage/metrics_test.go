@@ -61,6 +61,11 @@ func TestMetricsCommand(t *testing.T) {
 			t.Errorf("metrics lack %s", want)
 		}
 	}
+	// On another node none of the manifest's ports is there: refused, not all drifted.
+	elsewhere := pcitest.New(t, pcitest.SRIOVNode(1, 1, 1))
+	if rc, out, errs := run(envFile, "--pub", pubFile, "--root", elsewhere.Root); rc != 2 || out != "" || !strings.Contains(errs, "not that node") {
+		t.Errorf("--root of another node: rc %d, %d bytes out, stderr %q", rc, len(out), errs)
+	}
 	if rc, out, _ := run(envFile, "--pub", pubFile); rc != 0 || strings.Contains(out, "drifted") {
 		t.Errorf("without --root: rc %d, drift %v", rc, strings.Contains(out, "drifted"))
 	}
