@@ -36,7 +36,7 @@ ipxe: initramfs
 # uki writes $(IMAGE)/netboot/passage.efi, the kernel, initramfs and command line as one
 # unified kernel image signed for UEFI Secure Boot, and the boot.ipxe that chains it.
 # UKI_KEY/UKI_CERT: the operator's db signing key (never one shipped in an image).
-# PLAN: a saved plan (passage plan --out) of a reference node of the SKU: its
+# PLAN: a saved plan (passage plan -o) of a reference node of the SKU: its
 # pci=config_acs= and passage.plan=sha256:<digest> go into the signed command line, so a
 # locked-down kernel (6.11+) programs the ACS itself and passage verifies it.
 UKI_CMDLINE ?= console=ttyS0,115200 intel_iommu=on panic=-1 rdinit=/bbin/passage passage.profile=b300 passage.handoff=switch_root passage.root=LABEL=root

@@ -6,7 +6,6 @@ require (
 	github.com/google/go-tpm v0.9.8
 	github.com/google/go-tpm-tools v0.4.11
 	github.com/insomniacslk/dhcp v0.0.0-20260901064844-234b97448fae
-	github.com/jaypipes/pcidb v1.1.1
 	github.com/klauspost/compress v1.18.0
 	github.com/secure-systems-lab/go-securesystemslib v0.11.1
 	github.com/u-root/u-root v0.16.0

@@ -128,19 +128,19 @@ func ParseKernelACSLog(lines []string) KernelACSLog {
 		if _, msg, ok := strings.Cut(line, ";"); ok && strings.Count(line[:len(line)-len(msg)], ",") >= 3 {
 			line = msg
 		}
-		if strings.Contains(line, logCantParse) {
+		// Only the kernel's own words count: passage mirrors its console, which quotes
+		// them, into the same log.
+		line = strings.TrimSpace(line)
+		if strings.HasPrefix(line, "PCI: "+logCantParse) {
 			l.Refused = true
 			continue
 		}
 		head, val, ok := strings.Cut(line, ": "+logConfigured)
-		if !ok {
-			continue
-		}
 		f := strings.Fields(head)
-		if len(f) == 0 {
+		if !ok || len(f) != 2 || f[0] != "pci" {
 			continue
 		}
-		a, err := pci.ParseAddress(f[len(f)-1])
+		a, err := pci.ParseAddress(f[1])
 		v, verr := strconv.ParseUint(strings.TrimSpace(val), 0, 16)
 		if err == nil && verr == nil {
 			l.Configured[a] = pci.ACSBits(v)

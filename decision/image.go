@@ -12,7 +12,7 @@ import (
 )
 
 // PlanArg names, on the kernel command line, the digest of the saved plan (`passage plan
-// --out F`) a signed boot image was built with (`make uki PLAN=F`): the image's
+// -o F`) a signed boot image was built with (`make uki PLAN=F`): the image's
 // pci=config_acs= is that plan's kernel argument.
 const PlanArg = "passage.plan"
 

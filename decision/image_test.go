@@ -37,7 +37,7 @@ const testPlanDigest = "sha256:5b1f0c8e54c2b3d2b8a1f0e2d6c4a8b9e7f6d5c4b3a29180f
 func kernelBoot(t *testing.T, drop func(topology.ACSPort) bool, unset func(topology.ACSPort) bool) (string, *Decision, Live) {
 	t.Helper()
 	node := pcitest.New(t, pcitest.B300())
-	// The reference node: the plan `passage plan --out` saves and `make uki PLAN=` bakes.
+	// The reference node: the plan `passage plan -o` saves and `make uki PLAN=` bakes.
 	ref := b300Decision(t, Live{})
 	var planned, set []topology.ACSPort
 	for _, p := range ref.ACS {
@@ -253,6 +253,14 @@ func TestReadKernelLog(t *testing.T) {
 	// A record read from the device comes whole, with its device lines.
 	if m := kmsgMessage("6,1,2,-;pci 0000:05:00.0: Configured ACS to 0x005d\n SUBSYSTEM=pci\n DEVICE=+pci:0000:05:00.0\n"); m != "6,1,2,-;pci 0000:05:00.0: Configured ACS to 0x005d" {
 		t.Errorf("record message %q", m)
+	}
+	// passage's own console, mirrored into the same log, quotes the kernel's words: never
+	// taken for them.
+	if m := apply.ParseKernelACSLog([]string{
+		`12,9,9,-;passage:   - unit gpu1: acs 0000:0e:00.0: the kernel refused the argument ("PCI: Can't parse ACS command line parameter")`,
+		`12,10,9,-;passage: acs 0000:05:00.0: Configured ACS to 0x005d`,
+	}); m.Refused || len(m.Configured) != 0 {
+		t.Errorf("passage's own lines read as the kernel's: %+v", m)
 	}
 	l := apply.ParseKernelACSLog(got)
 	a, _ := pci.ParseAddress("0000:05:00.0")

@@ -24,7 +24,7 @@ verify_rc=0
 if [[ -s $env ]]; then
 	echo
 	echo "demo: passage verify (ed25519 key $keys/passage.pub)"
-	"$build/passage" verify -key "$keys/passage.pub" "$env" || verify_rc=$?
+	"$build/passage" verify --pub "$keys/passage.pub" "$env" || verify_rc=$?
 else
 	echo "demo: FAILED: the guest returned no manifest.dsse.json (console $out/console.log)" >&2
 	verify_rc=1

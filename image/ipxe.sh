@@ -2,8 +2,9 @@
 # ipxe.sh BUILD: writes BUILD/boot.ipxe, the iPXE script that PXE-boots a node into
 # passage: Debian's kernel (BUILD/kernel/vmlinuz) and BUILD/initramfs.cpio.gz, served
 # next to the script over HTTP(S) (iPXE fetches paths relative to the script's URL).
-# The kernel arguments are passage's (initramfs/doc.go has the full table); edit the
-# `set` lines or override them from the DHCP server's iPXE options.
+# The kernel arguments are passage's: the script's comment lists every one
+# initramfs/README.md documents (a test keeps the two in step); edit the `set` lines or
+# override them from the DHCP server's iPXE options.
 set -euo pipefail
 build=${1:?usage: ipxe.sh BUILD}
 [[ -s $build/initramfs.cpio.gz && -s $build/kernel/vmlinuz ]] ||
@@ -30,6 +31,13 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   passage.key=PATH           ed25519 signing key in the initramfs (default /etc/passage/key)
 #   passage.tpm=auto           sign with the TPM-resident key and extend a PCR when a TPM is there (on|off|auto)
 #   passage.ats=prefer         a CX-8 function without ATS degrades its unit; require fails it
+#   passage.erase=require      off|auto|require (default: the profile's; b300's is require): erase each
+#                              unit's NVMe (sanitize or format, read back) and reset its functions before
+#                              vfio binding, on EVERY boot; require fails a unit not erased, auto degrades
+#                              it, off keeps the NVMe data; passage.erase_timeout=30m bounds the stage
+#   passage.plan=sha256:HEX    the saved plan a signed image carries with its pci=config_acs= (make uki PLAN=);
+#                              this unsigned script carries none: its ACS is written by passage, which a
+#                              locked-down (Secure Boot) kernel refuses
 #   passage.net=auto           management NIC for DHCPv4 (IFACE|auto|off); passage.net_timeout=30s
 #   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish)
 #   passage.push=URL           Prometheus Pushgateway for the manifest's metrics (none: no push)
@@ -42,6 +50,10 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   passage.host_modules=e1000e,igb  host drivers for kept devices, loaded after vfio binding
 #   passage.emit=off           console: print /run/passage/* as base64 blocks (the QEMU tests' channel)
 #   passage.stage_timeout=60s  deadline of each stage; passage.log=/run/passage/log.jsonl
+#   passage.emergency=hold     hold|shell|reboot|poweroff instead of the handoff when the boot fails, after the
+#                              manifest; passage.emergency_on=failed (failed|degraded|never): which verdicts
+#                              take it (with failed, a node with a failed unit does not switch_root)
+#   passage.debug=on           whole stage errors on the console, waits shown every second (off by default)
 # Do not set uroot.uinitargs=: u-root's init puts them before the image's "boot".
 #
 # The sha256 sums above are for the operator's eyes: nothing here verifies them, and

@@ -24,6 +24,27 @@ const (
 	HandoffHold       Handoff = "hold"
 )
 
+// Emergency is passage.emergency=: what a boot does instead of its handoff when the
+// verdict fails (see EmergencyOn) or the handoff itself fails, as dracut's rd.emergency=.
+type Emergency string
+
+const (
+	EmergencyHold     Emergency = "hold"     // stay, with the console's last lines saying why
+	EmergencyShell    Emergency = "shell"    // u-root's shell on the console, respawned on exit
+	EmergencyReboot   Emergency = "reboot"   // reboot(RESTART): try the boot again
+	EmergencyPoweroff Emergency = "poweroff" // reboot(POWER_OFF): out of the fleet until someone looks
+)
+
+// EmergencyOn is passage.emergency_on=: which verdicts take the emergency action before
+// the handoff.
+type EmergencyOn string
+
+const (
+	EmergencyOnFailed   EmergencyOn = "failed"   // a failed unit
+	EmergencyOnDegraded EmergencyOn = "degraded" // a failed or a degraded unit
+	EmergencyOnNever    EmergencyOn = "never"    // only a failed handoff
+)
+
 // TPMMode is passage.tpm=.
 type TPMMode string
 
@@ -104,6 +125,12 @@ type Config struct {
 	// every other method (hours on a large drive); off by default.
 	EraseOverwrite bool
 
+	Emergency   Emergency   // passage.emergency=
+	EmergencyOn EmergencyOn // passage.emergency_on=
+	// Debug is passage.debug (or passage.debug=on): every stage's whole error (a panic's
+	// stack included) on the console, and a waiting stage shown every second.
+	Debug bool
+
 	// Cmdline is the kernel command line as read, for the manifest.
 	Cmdline string
 	// Errors holds one error per unknown or malformed passage.* argument. The boot goes on
@@ -133,6 +160,8 @@ func Defaults() Config {
 		Log:         RunDir + "/log.jsonl",
 		// A sanitize of a large drive takes minutes; its own deadline, not the stages'.
 		EraseTimeout: 30 * time.Minute,
+		Emergency:    EmergencyHold,
+		EmergencyOn:  EmergencyOnFailed,
 	}
 }
 
@@ -392,6 +421,23 @@ var params = map[string]setter{
 		c.HostModules = mods
 		return nil
 	},
+	"emergency": func(c *Config, v string) error {
+		return oneOf(&c.Emergency, v, EmergencyHold, EmergencyShell, EmergencyReboot, EmergencyPoweroff)
+	},
+	"emergency_on": func(c *Config, v string) error {
+		return oneOf(&c.EmergencyOn, v, EmergencyOnFailed, EmergencyOnDegraded, EmergencyOnNever)
+	},
+	"debug": func(c *Config, v string) error {
+		switch v {
+		case "on", "1":
+			c.Debug = true
+		case "off", "0":
+			c.Debug = false
+		default:
+			return fmt.Errorf("want on or off (or passage.debug alone)")
+		}
+		return nil
+	},
 	"log": func(c *Config, v string) error {
 		if err := absPath(v); err != nil {
 			return err
@@ -400,6 +446,10 @@ var params = map[string]setter{
 		return nil
 	},
 }
+
+// bare are the switches that may be given without a value, as rd.debug is, and the
+// value that means.
+var bare = map[string]string{"debug": "on"}
 
 // ParamNames returns the passage.* keys the parser knows, sorted.
 func ParamNames() []string {
@@ -434,6 +484,8 @@ func ParseCmdline(cmdline string) Config {
 		switch {
 		case !known:
 			c.Errors = append(c.Errors, &ArgError{Arg: written, Reason: "unknown passage argument (known: " + strings.Join(ParamNames(), ", ") + ")"})
+		case !a.HasValue && bare[paramKey(name)] != "":
+			set(&c, bare[paramKey(name)])
 		case !a.HasValue:
 			c.Errors = append(c.Errors, &ArgError{Arg: written, Reason: "missing =value"})
 		default:

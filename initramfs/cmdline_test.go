@@ -83,6 +83,15 @@ func TestParseCmdline(t *testing.T) {
 		{"out to run", "passage.out=/dev/vda1:/p passage.out=/run", func(c Config) bool { return c.Out == Out{} }, nil},
 		{"after -- is init's", "passage.tpm=on -- passage.tpm=bogus", func(c Config) bool { return c.TPM == TPMOn }, nil},
 		{"quoted url", `passage.url="http://h/p?a=1 b"`, func(c Config) bool { return c.URL == "http://h/p?a=1 b" }, nil},
+		{"emergency", "passage.emergency=poweroff passage.emergency_on=degraded passage.debug", func(c Config) bool {
+			return c.Emergency == EmergencyPoweroff && c.EmergencyOn == EmergencyOnDegraded && c.Debug
+		}, nil},
+		{"emergency defaults: hold on a failed unit, no debug", "passage.debug=off", func(c Config) bool {
+			return c.Emergency == EmergencyHold && c.EmergencyOn == EmergencyOnFailed && !c.Debug
+		}, nil},
+		{"emergency words refused", "passage.emergency=panic passage.emergency_on=always passage.debug=yes passage.tpm", func(c Config) bool {
+			return c.Emergency == EmergencyHold && c.EmergencyOn == EmergencyOnFailed && !c.Debug
+		}, []string{"passage.emergency=panic", "passage.emergency_on=always", "passage.debug=yes", "passage.tpm"}},
 		{"relative key", "passage.key=key", func(c Config) bool { return c.Key == Defaults().Key }, []string{"passage.key=key"}},
 	}
 	for _, tt := range tests {

@@ -33,8 +33,13 @@
 //	passage.emit=console|off  off                print /run/passage/* on the console after the manifest (the QEMU tests' channel)
 //	passage.stage_timeout=DUR 60s                deadline of each stage
 //	passage.host_modules=A,B  e1000e,igb         host drivers loaded by the host stage, after vfio binding (empty value: none)
-//	passage.log=PATH          /run/passage/log.jsonl  stage results as JSON lines
+//	passage.log=PATH          /run/passage/log.jsonl  the build, then stage results as JSON lines
+//	passage.emergency=hold|shell|reboot|poweroff hold  what a failed boot does instead of its handoff (after the manifest is written)
+//	passage.emergency_on=failed|degraded|never failed  verdicts that take the emergency action: a failed unit, a failed or degraded one, or only a failed handoff
+//	passage.debug=on|off      off                every stage's whole error on the console, a waiting stage shown every second; passage.debug alone is on
 //
 // DUR is a Go duration (30s, 2m). handoff=switch_root without passage.root falls back to
-// hold, with an error recorded.
+// hold, with an error recorded. Every console line is also written to /dev/kmsg as
+// "passage: ..." (level err for a failed line, warning for a degraded one, debug otherwise), so the
+// initramfs's messages reach the booted system's journal.
 package initramfs

@@ -22,6 +22,7 @@ type System struct {
 	Getpid   func() int
 	Sync     func()
 	PowerOff func() error
+	Reboot   func() error
 	// FindRoot resolves passage.root= (UUID=, LABEL=, PARTUUID= or a /dev path) to a
 	// device node, waiting up to wait for it to appear (initramfs/rootdev).
 	FindRoot   func(spec string, wait time.Duration) (dev string, err error)
@@ -39,6 +40,9 @@ func LinuxSystem() System {
 		Sync:   unix.Sync,
 		PowerOff: func() error {
 			return unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+		},
+		Reboot: func() error {
+			return unix.Reboot(unix.LINUX_REBOOT_CMD_RESTART)
 		},
 		MountRoot: func(dev, dir, fstype string) error {
 			mkdir := func() error { return os.MkdirAll(dir, 0o755) }
@@ -82,14 +86,58 @@ var Shells = []string{"/bbin/gosh", "/bin/gosh", "/bin/defaultsh", "/bin/sh", "/
 
 // Do performs the handoff c asks for and never returns: u-root's init panics the kernel
 // when the uinit exits under console=ttyS0, which would lose the console an operator needs
-// to see why. When the handoff fails it says so on the console and holds.
+// to see why. When the handoff fails it says so on the console and takes the emergency
+// action (passage.emergency=, hold by default).
 func Do(c Config, sys System, console io.Writer) {
 	err := attempt(c, sys, console)
 	if err == nil {
 		// Only hold and a shell that keeps being respawned get here, and they do not return.
 		err = errors.New("returned")
 	}
-	fmt.Fprintf(console, "passage: handoff %s failed: %v; holding (passage boot never returns)\n", c.Handoff, err)
+	if c.Emergency == EmergencyHold || c.Emergency == "" {
+		fmt.Fprintf(console, "passage: handoff %s failed: %v; holding (passage boot never returns)\n", c.Handoff, err)
+		Hold(sys)
+	}
+	fmt.Fprintf(console, "passage: handoff %s failed: %v\n", c.Handoff, err)
+	RunEmergency(c, sys, console, fmt.Sprintf("handoff %s failed", c.Handoff))
+}
+
+// EmergencyFor says whether a verdict with a failed or a degraded unit takes the
+// emergency action instead of the handoff (passage.emergency_on=).
+func (c Config) EmergencyFor(failed, degraded bool) bool {
+	switch c.EmergencyOn {
+	case EmergencyOnNever:
+		return false
+	case EmergencyOnDegraded:
+		return failed || degraded
+	}
+	return failed
+}
+
+// RunEmergency takes passage.emergency's action, after saying on the console why, and never
+// returns: an action that fails (no shell, a reboot refused) holds.
+func RunEmergency(c Config, sys System, console io.Writer, why string) {
+	fmt.Fprintf(console, "passage: emergency (%s): %s (passage.emergency=%s)\n", why, c.Emergency, c.Emergency)
+	var err error
+	switch c.Emergency {
+	case EmergencyShell:
+		err = shell(sys, console)
+	case EmergencyReboot:
+		sys.Sync()
+		if err = sys.Reboot(); err == nil {
+			err = errors.New("reboot(RESTART) returned")
+		}
+	case EmergencyPoweroff:
+		sys.Sync()
+		if err = sys.PowerOff(); err == nil {
+			err = errors.New("reboot(POWER_OFF) returned")
+		}
+	case EmergencyHold, "":
+		Hold(sys)
+	default:
+		err = fmt.Errorf("unknown emergency action %q", c.Emergency)
+	}
+	fmt.Fprintf(console, "passage: emergency %s failed: %v; holding\n", c.Emergency, err)
 	Hold(sys)
 }
 
@@ -98,6 +146,26 @@ func Do(c Config, sys System, console io.Writer) {
 func Hold(sys System) {
 	for {
 		sys.Sleep(time.Hour)
+	}
+}
+
+// shell runs the first shell of Shells on the console, again each time it exits (an
+// operator typing exit must not panic the kernel); it returns only when there is none.
+func shell(sys System, console io.Writer) error {
+	for {
+		sh := ""
+		for _, s := range Shells {
+			if sys.Stat(s) == nil {
+				sh = s
+				break
+			}
+		}
+		if sh == "" {
+			return fmt.Errorf("no shell among %v", Shells)
+		}
+		err := sys.RunShell(sh)
+		fmt.Fprintf(console, "passage: shell %s exited (%v); starting it again\n", sh, err)
+		sys.Sleep(time.Second)
 	}
 }
 
@@ -112,22 +180,7 @@ func attempt(c Config, sys System, console io.Writer) error {
 	case HandoffSwitchRoot:
 		return switchRoot(c, sys, console)
 	case HandoffShell:
-		for {
-			sh := ""
-			for _, s := range Shells {
-				if sys.Stat(s) == nil {
-					sh = s
-					break
-				}
-			}
-			if sh == "" {
-				return fmt.Errorf("no shell among %v", Shells)
-			}
-			err := sys.RunShell(sh)
-			// Respawn: an operator typing exit must not panic the kernel.
-			fmt.Fprintf(console, "passage: shell %s exited (%v); starting it again\n", sh, err)
-			sys.Sleep(time.Second)
-		}
+		return shell(sys, console)
 	case HandoffHold, "":
 		fmt.Fprintln(console, "passage: holding (passage.handoff=hold)")
 		Hold(sys)

@@ -37,6 +37,7 @@ func (f *fakeSystem) sys() System {
 		Getpid:   func() int { return f.pid },
 		Sync:     func() { f.log("sync") },
 		PowerOff: func() error { f.log("poweroff"); return f.powerErr },
+		Reboot:   func() error { f.log("reboot"); return f.powerErr },
 		FindRoot: func(spec string, wait time.Duration) (string, error) {
 			f.log("find " + spec + " " + wait.String())
 			if f.findErr != nil {
@@ -74,20 +75,27 @@ func (f *fakeSystem) sys() System {
 
 func runDo(t *testing.T, c Config, f *fakeSystem) string {
 	t.Helper()
+	return runNeverReturns(t, func(con *bytes.Buffer) { Do(c, f.sys(), con) })
+}
+
+// runNeverReturns runs do, which must end in the fake system's last sleep, and returns
+// what it printed.
+func runNeverReturns(t *testing.T, do func(con *bytes.Buffer)) string {
+	t.Helper()
 	var con bytes.Buffer
 	returned := make(chan bool, 1)
 	go func() {
 		defer func() { returned <- false }()
-		Do(c, f.sys(), &con)
+		do(&con)
 		returned <- true
 	}()
 	select {
 	case r := <-returned:
 		if r {
-			t.Fatal("Do returned")
+			t.Fatal("returned")
 		}
 	case <-time.After(5 * time.Second):
-		t.Fatal("Do did not reach its fake sleep")
+		t.Fatal("did not reach its fake sleep")
 	}
 	return con.String()
 }
@@ -126,6 +134,12 @@ func TestHandoff(t *testing.T) {
 			"shell /bin/sh sleep shell /bin/sh sleep", "shell /bin/sh exited"},
 		{"no shell", func(c *Config) { c.Handoff = HandoffShell }, fakeSystem{},
 			"sleep", "no shell among"},
+		{"failed handoff, emergency poweroff", func(c *Config) { c.Handoff, c.Root, c.Emergency = HandoffSwitchRoot, "/dev/sda2", EmergencyPoweroff },
+			fakeSystem{pid: 1, mountErr: errors.New("ENXIO")},
+			"find /dev/sda2 30s sync mount /dev/sda2 /newroot  sync poweroff sleep", "emergency (handoff switch_root failed): poweroff"},
+		{"failed handoff, emergency shell", func(c *Config) { c.Handoff, c.Emergency = HandoffPoweroff, EmergencyShell },
+			fakeSystem{maxSleep: 2, powerErr: errors.New("EPERM"), exists: map[string]bool{"/bbin/gosh": true}},
+			"sync poweroff shell /bbin/gosh sleep shell /bbin/gosh sleep", "handoff poweroff failed: reboot(POWER_OFF): EPERM\n"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -144,5 +158,54 @@ func TestHandoff(t *testing.T) {
 				t.Errorf("console = %q, want it to contain %q", con, tt.wantCon)
 			}
 		})
+	}
+}
+
+// TestEmergency: each passage.emergency= action, taken for a verdict, after the console
+// says why; one that fails holds.
+func TestEmergency(t *testing.T) {
+	for _, tt := range []struct {
+		action    Emergency
+		f         fakeSystem
+		wantCalls string
+		wantCon   string
+	}{
+		{EmergencyHold, fakeSystem{maxSleep: 2}, "sleep sleep", "emergency (unit gpu1 failed): hold"},
+		{EmergencyPoweroff, fakeSystem{}, "sync poweroff sleep", "reboot(POWER_OFF) returned; holding"},
+		{EmergencyReboot, fakeSystem{}, "sync reboot sleep", "emergency reboot failed: reboot(RESTART) returned; holding"},
+		{EmergencyReboot, fakeSystem{powerErr: errors.New("EPERM")}, "sync reboot sleep", "emergency reboot failed: EPERM; holding"},
+		{EmergencyShell, fakeSystem{maxSleep: 1, exists: map[string]bool{"/bin/sh": true}}, "shell /bin/sh sleep", "shell /bin/sh exited"},
+		{EmergencyShell, fakeSystem{}, "sleep", "emergency shell failed: no shell among"},
+	} {
+		t.Run(string(tt.action), func(t *testing.T) {
+			c := Defaults()
+			c.Emergency = tt.action
+			f := tt.f
+			f.mu = new(sync.Mutex)
+			if f.maxSleep == 0 {
+				f.maxSleep = 1
+			}
+			con := runNeverReturns(t, func(con *bytes.Buffer) { RunEmergency(c, f.sys(), con, "unit gpu1 failed") })
+			if got := strings.Join(f.calls, " "); got != tt.wantCalls {
+				t.Errorf("calls = %q, want %q", got, tt.wantCalls)
+			}
+			if !strings.HasPrefix(con, "passage: emergency (unit gpu1 failed): "+string(tt.action)) || !strings.Contains(con, tt.wantCon) {
+				t.Errorf("console = %q, want it to contain %q", con, tt.wantCon)
+			}
+		})
+	}
+}
+
+func TestEmergencyFor(t *testing.T) {
+	for on, want := range map[EmergencyOn][3]bool{ // failed, degraded, neither
+		EmergencyOnFailed:   {true, false, false},
+		EmergencyOnDegraded: {true, true, false},
+		EmergencyOnNever:    {false, false, false},
+	} {
+		c := Config{EmergencyOn: on}
+		got := [3]bool{c.EmergencyFor(true, false), c.EmergencyFor(false, true), c.EmergencyFor(false, false)}
+		if got != want {
+			t.Errorf("emergency_on=%s: failed, degraded, neither -> %v, want %v", on, got, want)
+		}
 	}
 }

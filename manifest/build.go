@@ -12,16 +12,19 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/passage-boot/passage/buildinfo"
 )
 
-// Build starts a manifest for this boot: schema version, node identity, boot id, kernel
-// release and command line, all read under root ("/" on a live node, a temp dir in tests),
-// and the time. The stages fill in the rest. A missing optional file (DMI on a VM, a
+// Build starts a manifest for this boot: schema version, this binary's build, node
+// identity, boot id, kernel release and command line, all read under root ("/" on a live
+// node, a temp dir in tests), and the time. The stages fill in the rest. A missing optional file (DMI on a VM, a
 // root-only product_serial) leaves its field empty; boot_id is required because the
 // hypervisor matches manifests to boots with it.
 func Build(root string, now time.Time) (*Manifest, error) {
 	m := &Manifest{
 		SchemaVersion:    SchemaVersion,
+		Build:            ThisBuild(),
 		GenerationSource: GenerationNone,
 		Time:             now.UTC(),
 	}
@@ -53,6 +56,12 @@ func Build(root string, now time.Time) (*Manifest, error) {
 		*o.dst = v
 	}
 	return m, nil
+}
+
+// ThisBuild is the running binary's build, as a manifest records it.
+func ThisBuild() *buildinfo.Info {
+	b := buildinfo.Read()
+	return &b
 }
 
 func readTrimmed(root, rel string) (string, error) {

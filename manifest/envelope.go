@@ -216,8 +216,8 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 	if head.SchemaVersion == nil {
 		return nil, verr(ErrUnknownSchema, "payload has no schema_version")
 	}
-	if *head.SchemaVersion != SchemaVersion {
-		return nil, verr(ErrUnknownSchema, "schema_version %d, this verifier knows %d", *head.SchemaVersion, SchemaVersion)
+	if *head.SchemaVersion < OldestSchemaVersion || *head.SchemaVersion > SchemaVersion {
+		return nil, verr(ErrUnknownSchema, "schema_version %d, this verifier knows %d to %d", *head.SchemaVersion, OldestSchemaVersion, SchemaVersion)
 	}
 	m, err := unmarshal(payload)
 	if err != nil {
@@ -232,9 +232,9 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 	return &Verified{Manifest: m, Payload: payload, Digest: digest, KeyID: keyID}, nil
 }
 
-// Unmarshal decodes a payload of the current schema strictly: unknown fields are an
+// Unmarshal decodes a payload of a schema Verify accepts strictly: unknown fields are an
 // error, since any new field comes with a new SchemaVersion, and so is a key given twice
-// in one object (see Verify).
+// in one object (see Verify), or a field its schema version does not have.
 func Unmarshal(payload []byte) (*Manifest, error) {
 	if err := checkUniqueKeys(payload); err != nil {
 		return nil, err
@@ -253,8 +253,13 @@ func unmarshal(payload []byte) (*Manifest, error) {
 	if dec.More() {
 		return nil, errors.New("trailing data after the manifest")
 	}
-	if m.SchemaVersion != SchemaVersion {
-		return nil, fmt.Errorf("schema_version %d, want %d", m.SchemaVersion, SchemaVersion)
+	switch {
+	case m.SchemaVersion < OldestSchemaVersion || m.SchemaVersion > SchemaVersion:
+		return nil, fmt.Errorf("schema_version %d, want %d to %d", m.SchemaVersion, OldestSchemaVersion, SchemaVersion)
+	case m.SchemaVersion >= 3 && m.Build == nil:
+		return nil, fmt.Errorf("schema_version %d has no build", m.SchemaVersion)
+	case m.SchemaVersion < 3 && m.Build != nil:
+		return nil, fmt.Errorf("schema_version %d has no build field, the payload gives one", m.SchemaVersion)
 	}
 	return &m, nil
 }

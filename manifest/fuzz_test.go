@@ -35,14 +35,30 @@ func fuzzSeeds(t testing.TB) map[string][]byte {
 	}
 	other, _ := Sign(context.Background(), m, testSigner(t, 2))
 	return map[string][]byte{
-		"valid":          good,
-		"wrong-key":      other.Envelope,
-		"unknown-schema": sign(bytes.Replace(signed.Payload, []byte(fmt.Sprintf(`"schema_version":%d`, SchemaVersion)), []byte(fmt.Sprintf(`"schema_version":%d`, SchemaVersion+1)), 1)),
-		"edited":         bytes.Replace(good, []byte(`"payload": "eyJ`), []byte(`"payload": "eyK`), 1),
-		"truncated":      good[:len(good)/2],
-		"empty-object":   []byte(`{}`),
-		"null-sigs":      []byte(`{"payloadType":"application/vnd.passage.manifest+json","payload":"e30=","signatures":null}`),
+		"valid":           good,
+		"wrong-key":       other.Envelope,
+		"unknown-schema":  sign(bytes.Replace(signed.Payload, []byte(fmt.Sprintf(`"schema_version":%d`, SchemaVersion)), []byte(fmt.Sprintf(`"schema_version":%d`, SchemaVersion+1)), 1)),
+		"previous-schema": sign(schema2(t, signed.Payload)),
+		"edited":          bytes.Replace(good, []byte(`"payload": "eyJ`), []byte(`"payload": "eyK`), 1),
+		"truncated":       good[:len(good)/2],
+		"empty-object":    []byte(`{}`),
+		"null-sigs":       []byte(`{"payloadType":"application/vnd.passage.manifest+json","payload":"e30=","signatures":null}`),
 	}
+}
+
+// schema2 is payload as the previous image signs it: schema 2, no build.
+func schema2(t testing.TB, payload []byte) []byte {
+	t.Helper()
+	m, err := Unmarshal(payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.SchemaVersion, m.Build = 2, nil
+	p, err := Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
 
 // TestFuzzSeedsCurrent keeps the committed seeds in step with the schema and key: the

@@ -84,7 +84,7 @@ func TestMarshalCanonical(t *testing.T) {
 	if !bytes.Equal(a, b) {
 		t.Fatal("two marshals of one manifest differ")
 	}
-	if !bytes.HasPrefix(a, []byte(fmt.Sprintf(`{"schema_version":%d,"node":{"hostname":`, SchemaVersion))) {
+	if !bytes.HasPrefix(a, []byte(fmt.Sprintf(`{"schema_version":%d,"build":{"version":"v1.4.0","revision":"3f2a9c1d5e7b8a604f1c2d3e4b5a69788c9d0e1f","modified":false,"go_version":"go1.26.0"},"node":{"hostname":`, SchemaVersion))) {
 		t.Errorf("key order: payload starts %q", a[:60])
 	}
 	back, err := Unmarshal(a)
@@ -457,5 +457,58 @@ func TestGenerateKeyWaitsForThePool(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 0 || blk.Calls() != 0 {
 		t.Errorf("%d files written, %d reads from the blocked source", len(ents), blk.Calls())
+	}
+}
+
+// TestVerifySchemaVersions: a verifier accepts what this release signs and, for one
+// release, what the previous one signed (schema 2: no build); a payload whose fields do
+// not match its version is refused.
+func TestVerifySchemaVersions(t *testing.T) {
+	signed, err := Sign(context.Background(), manifesttest.B300(3), testSigner(t, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	v3 := signed.Payload
+	v2 := schema2(t, v3)
+	retag := func(p []byte, from, to int) []byte {
+		return bytes.Replace(p, []byte(fmt.Sprintf(`"schema_version":%d`, from)), []byte(fmt.Sprintf(`"schema_version":%d`, to)), 1)
+	}
+	for name, tc := range map[string]struct {
+		payload []byte
+		want    error // nil: accepted
+	}{
+		"current with build":      {v3, nil},
+		"previous without build":  {v2, nil},
+		"previous with build":     {retag(v3, 3, 2), ErrMalformed},
+		"current without build":   {retag(v2, 2, 3), ErrMalformed},
+		"older than the previous": {retag(v2, 2, 1), ErrUnknownSchema},
+		"newer than this":         {retag(v3, 3, 4), ErrUnknownSchema},
+	} {
+		t.Run(name, func(t *testing.T) {
+			s, err := SignPayload(context.Background(), tc.payload, testSigner(t, 1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := Verify(s.Envelope, testVerifier(t, 1), VerifyOptions{})
+			if tc.want == nil {
+				if err != nil {
+					t.Fatal(err)
+				}
+				if (got.Manifest.SchemaVersion == 3) != (got.Manifest.Build != nil) {
+					t.Errorf("schema %d, build %+v", got.Manifest.SchemaVersion, got.Manifest.Build)
+				}
+				return
+			}
+			if !errors.Is(err, tc.want) {
+				t.Errorf("err = %v, want %v", err, tc.want)
+			}
+		})
+	}
+	m, err := Unmarshal(v3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *m.Build != manifesttest.Build {
+		t.Errorf("build %+v, want %+v", *m.Build, manifesttest.Build)
 	}
 }

@@ -5,17 +5,25 @@
 // stages fill the plain data types below.
 //
 // The schema is deliberately plain Go data (strings, numbers, slices) so this package
-// depends on no other package of the project; the stages convert their own types into it.
+// depends on no other package of the project but buildinfo (a leaf that reads the
+// binary's own build); the stages convert their own types into it.
 package manifest
 
 import (
 	"encoding/json"
 	"time"
+
+	"github.com/passage-boot/passage/buildinfo"
 )
 
-// SchemaVersion is the version this package writes and the only one Verify accepts.
-// Any change to the payload's fields, their meaning or their encoding bumps it.
-const SchemaVersion = 3 // 3 added image_plan
+// SchemaVersion is the version this package writes. Any change to the payload's fields,
+// their meaning or their encoding bumps it.
+const SchemaVersion = 3 // 3 added build and image_plan
+
+// OldestSchemaVersion is the oldest version Verify still accepts: a hypervisor upgraded
+// before its nodes must go on accepting what their previous image signs, for one
+// release. Schema 2 is schema 3 without build and image_plan.
+const OldestSchemaVersion = 2
 
 // PayloadType is the DSSE payloadType of a passage manifest.
 const PayloadType = "application/vnd.passage.manifest+json"
@@ -43,8 +51,10 @@ const (
 // Manifest is the payload of the DSSE envelope. Field order is the JSON key order: it is
 // part of the schema, so do not reorder fields without bumping SchemaVersion.
 type Manifest struct {
-	SchemaVersion int  `json:"schema_version"`
-	Node          Node `json:"node"`
+	SchemaVersion int `json:"schema_version"`
+	// Build is the passage build that decided and signed (schema 3; absent in schema 2).
+	Build *buildinfo.Info `json:"build,omitempty"`
+	Node  Node            `json:"node"`
 	// NUMACPUs are the host NUMA nodes' CPUs (schema 2), in node order: what a
 	// hypervisor pins a guest cell's vCPUs to. Empty when the node's sysfs does not say.
 	NUMACPUs         []NUMACPUs       `json:"numa_cpus"`

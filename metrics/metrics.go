@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/passage-boot/passage/buildinfo"
 	"github.com/passage-boot/passage/manifest"
 )
 
@@ -79,6 +80,12 @@ func Write(w io.Writer, src Source) error {
 		return f
 	}
 
+	var build buildinfo.Info
+	if m.Build != nil {
+		build = *m.Build
+	}
+	fam("passage_build_info", "The passage build that decided and signed the manifest (unknown: a schema 2 manifest, which does not say); always 1.").
+		add(1, "version", build.VersionString(), "revision", build.Rev(), "goversion", build.GoString())
 	info := fam("passage_manifest_info", "The manifest's node, boot, kernel and profile; always 1.")
 	info.add(1, "hostname", m.Node.Hostname, "dmi_serial", m.Node.DMISerial, "dmi_uuid", m.Node.DMIUUID,
 		"boot_id", m.BootID, "kernel_release", m.KernelRelease, "profile", m.Profile.Name,

@@ -95,6 +95,7 @@ func TestValues(t *testing.T) {
 	port := m.Units[0].ACSChanges[2].Port
 	text := render(t, metrics.Source{Manifest: m, Signed: true, LiveACS: live(m, port)})
 	for _, want := range []string{
+		`passage_build_info{version="v1.4.0",revision="3f2a9c1d5e7b8a604f1c2d3e4b5a69788c9d0e1f",goversion="go1.26.0"} 1`,
 		`passage_unit_status{unit="gpu0",status="ready"} 1`,
 		`passage_unit_status{unit="gpu1",status="degraded"} 1`,
 		`passage_unit_status{unit="gpu1",status="ready"} 0`,

@@ -1,8 +1,10 @@
 // Package pciids names PCI vendors and devices from a pci.ids database, as lspci does:
 // the same file (/usr/share/misc/pci.ids on Debian), the same lookup (vendor, then
 // vendor+device; subsystems name only lspci's Subsystem line, which passage does not
-// print). Parsing is github.com/jaypipes/pcidb's; this package bounds the input, turns
-// a malformed file into an error, and writes the subset an initramfs carries.
+// print). A command names the functions of one tree, a few dozen IDs out of the file's
+// tens of thousands, so OpenFor reads the file once, front to back, keeps only the names
+// asked for and stops as soon as the vendors asked for are behind it; Open reads every
+// name, for WriteSubset, which writes the subset an initramfs carries.
 package pciids
 
 import (
@@ -15,11 +17,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
-	"unicode/utf8"
-
-	"github.com/jaypipes/pcidb"
 )
 
 // DefaultPath is where Debian's pciutils (and hwdata's symlink) keep the database, and
@@ -40,9 +38,40 @@ type DB struct {
 	byVen map[uint16][]uint16
 }
 
-// Open reads the database at path. A file that is not there is fs.ErrNotExist (wrapped);
-// one too large, not a regular file, or not in pci.ids format is an error naming it.
-func Open(path string) (*DB, error) {
+// ID is a function's vendor and device, what OpenFor is asked to name.
+type ID struct{ Vendor, Device uint16 }
+
+// Open reads every name of the database at path. A file that is not there is
+// fs.ErrNotExist (wrapped); one too large, not a regular file, or not in pci.ids format
+// is an error naming it.
+func Open(path string) (*DB, error) { return load(path, nil) }
+
+// OpenFor reads the names of ids only: the lookups a command makes for one tree. It
+// stops reading at the end of the last block of a vendor in ids (pci.ids lists each
+// vendor once, with its devices below it), or at the class section that follows the
+// vendors. A malformed line it reads is an error as with Open; lines past where it
+// stopped are not read.
+func OpenFor(path string, ids []ID) (*DB, error) {
+	w := &wanted{devices: map[uint32]bool{}}
+	for _, id := range ids {
+		if !slices.Contains(w.vendors, id.Vendor) {
+			w.vendors = append(w.vendors, id.Vendor)
+		}
+		w.devices[uint32(id.Vendor)<<16|uint32(id.Device)] = true
+	}
+	return load(path, w)
+}
+
+// wanted is what OpenFor was asked for: a tree's few vendors, searched as a list (a
+// lookup per vendor line of the file), and their devices.
+type wanted struct {
+	vendors []uint16
+	devices map[uint32]bool
+}
+
+// load reads path; want nil keeps every name, else only the vendors and devices it
+// holds.
+func load(path string, want *wanted) (*DB, error) {
 	fi, err := os.Stat(path)
 	if err != nil {
 		return nil, fmt.Errorf("pci.ids %s: %w", path, err)
@@ -53,69 +82,131 @@ func Open(path string) (*DB, error) {
 	if fi.Size() > maxSize {
 		return nil, fmt.Errorf("pci.ids %s: %d bytes, more than the %d a pci.ids can be", path, fi.Size(), maxSize)
 	}
-	raw, err := os.ReadFile(path)
+	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("pci.ids %s: %w", path, err)
 	}
-	if err := check(raw); err != nil {
-		return nil, fmt.Errorf("pci.ids %s: %w", path, err)
-	}
-	// pcidb reads the file itself (WithPath); it was checked above, so its parser, which
-	// indexes lines without bounds checks, sees only well-formed lines. The recover is
-	// for a file changed between the two reads.
-	var db *pcidb.DB
-	func() {
-		defer func() {
-			if r := recover(); r != nil {
-				err = fmt.Errorf("malformed (%v)", r)
-			}
-		}()
-		net := false
-		db, err = pcidb.New(&pcidb.WithOption{Path: &path, EnableNetworkFetch: &net})
-	}()
+	defer f.Close()
+	db, err := parse(io.LimitReader(f, maxSize), want)
 	if err != nil {
 		return nil, fmt.Errorf("pci.ids %s: %w", path, err)
 	}
-	out := &DB{path: path, vendors: map[uint16]string{}, devices: map[uint32]string{}, byVen: map[uint16][]uint16{}}
-	for id, v := range db.Vendors {
-		vid, err := strconv.ParseUint(id, 16, 16)
-		if err != nil {
-			return nil, fmt.Errorf("pci.ids %s: vendor %q: not a 16-bit hex ID", path, id)
-		}
-		out.vendors[uint16(vid)] = v.Name
-	}
-	// Products, not Vendor.Products: pcidb fills a vendor's Products when the next vendor
-	// starts, so the file's last vendor has none.
-	for _, p := range db.Products {
-		vid, verr := strconv.ParseUint(p.VendorID, 16, 16)
-		did, derr := strconv.ParseUint(p.ID, 16, 16)
-		if verr != nil || derr != nil {
-			return nil, fmt.Errorf("pci.ids %s: device %s:%s: not 16-bit hex IDs", path, p.VendorID, p.ID)
-		}
-		out.devices[uint32(vid)<<16|uint32(did)] = p.Name
-		out.byVen[uint16(vid)] = append(out.byVen[uint16(vid)], uint16(did))
-	}
-	for _, ds := range out.byVen {
-		slices.Sort(ds)
-	}
-	for _, l := range bytes.Split(raw, []byte("\n")) {
-		if len(l) > 4 && isHex(l[:4]) {
-			if v, err := strconv.ParseUint(string(l[:4]), 16, 16); err == nil {
-				out.order = append(out.order, uint16(v))
-			}
-		}
-	}
-	return out, nil
+	db.path = path
+	return db, nil
 }
 
-// OpenDefault opens path, or DefaultPath when path is "". A default database that is
-// not there is no error: the result is nil and names nothing (IDs only, as lspci -n).
-// A path given explicitly must exist.
-func OpenDefault(path string) (*DB, error) {
-	if path != "" {
-		return Open(path)
+// maxLine bounds a line, as bufio.Scanner's buffer did.
+const maxLine = 64 << 10
+
+// parse reads pci.ids lines from r through one 64 KiB buffer, checking each line it
+// interprets as lspci's parser would accept it; with want, the device and subsystem lines
+// of vendors not asked for are passed over unread, and reading stops once the vendors
+// asked for are behind. The first entry of a vendor or device wins, as in lspci.
+func parse(r io.Reader, want *wanted) (*DB, error) {
+	db := &DB{vendors: map[uint16]string{}, devices: map[uint32]string{}, byVen: map[uint16][]uint16{}}
+	pending := 0 // vendors asked for whose block is not behind us yet
+	if want != nil {
+		pending = len(want.vendors)
 	}
-	db, err := Open(DefaultPath)
+	br := bufio.NewReaderSize(r, maxLine)
+	var c checker
+	var vendor uint16
+	keep := false // the current vendor block is one to keep
+	for n := 1; ; n++ {
+		l, err := br.ReadSlice('\n')
+		switch {
+		case err == bufio.ErrBufferFull:
+			return nil, fmt.Errorf("line %d: longer than %d bytes", n, maxLine)
+		case err == io.EOF && len(l) == 0:
+			return db.sorted(), nil
+		case err != nil && err != io.EOF:
+			return nil, fmt.Errorf("line %d: %w", n, err)
+		}
+		if want != nil && !keep && (l[0] == '\t' || l[0] == '#') {
+			continue // a line of a block not asked for
+		}
+		l = bytes.TrimSuffix(bytes.TrimSuffix(l, []byte("\n")), []byte("\r"))
+		kind, lerr := c.line(l)
+		if lerr != nil {
+			return nil, fmt.Errorf("line %d: %w", n, lerr)
+		}
+		switch kind {
+		case lineVendor, lineClass:
+			if keep && want != nil {
+				pending--
+			}
+			if want != nil && (kind == lineClass || pending == 0) {
+				// What was asked for is behind us: classes follow the vendors, and their
+				// names are not asked for.
+				return db.sorted(), nil
+			}
+			if kind == lineClass {
+				keep = false
+				continue
+			}
+			vendor = hex16(l[:4])
+			keep = want == nil || slices.Contains(want.vendors, vendor)
+			if keep {
+				_, seen := db.vendors[vendor]
+				keep = !seen
+			}
+			if keep {
+				db.vendors[vendor] = string(bytes.TrimSpace(l[4:]))
+				db.order = append(db.order, vendor)
+			}
+		case lineDevice:
+			if !keep {
+				continue
+			}
+			id := hex16(l[1:5])
+			key := uint32(vendor)<<16 | uint32(id)
+			if want != nil && !want.devices[key] {
+				continue
+			}
+			if _, seen := db.devices[key]; seen {
+				continue
+			}
+			db.devices[key] = string(bytes.TrimSpace(l[5:]))
+			db.byVen[vendor] = append(db.byVen[vendor], id)
+		}
+		if err == io.EOF {
+			return db.sorted(), nil
+		}
+	}
+}
+
+// hex16 is four hex digits the checker accepted.
+func hex16(b []byte) uint16 {
+	var v uint16
+	for _, c := range b[:4] {
+		switch {
+		case c >= 'a':
+			c -= 'a' - 10
+		case c >= 'A':
+			c -= 'A' - 10
+		default:
+			c -= '0'
+		}
+		v = v<<4 | uint16(c)
+	}
+	return v
+}
+
+func (db *DB) sorted() *DB {
+	for _, ds := range db.byVen {
+		slices.Sort(ds)
+	}
+	return db
+}
+
+// OpenDefaultFor is OpenFor on path, or on DefaultPath when path is "". A default
+// database that is not there is no error: the result is nil and names nothing (IDs only,
+// as lspci -n). A path given explicitly must exist.
+func OpenDefaultFor(path string, ids []ID) (*DB, error) {
+	if path != "" {
+		return OpenFor(path, ids)
+	}
+	db, err := OpenFor(DefaultPath, ids)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -186,55 +277,56 @@ func (db *DB) WriteSubset(w io.Writer, want map[uint16]*Wanted) error {
 	return bw.Flush()
 }
 
-// check accepts what pci.ids holds: comments, blank lines, class blocks ("C 02  ..."),
+// Kinds of pci.ids line.
+const (
+	lineOther  = iota // comment, blank, subsystem, class's subclass and prog-if
+	lineVendor        // "15b3  Name"
+	lineDevice        // "\t1023  Name" below a vendor
+	lineClass         // "C 02  Name"
+)
+
+// checker accepts what pci.ids holds: comments, blank lines, class blocks ("C 02  ..."),
 // vendor lines ("15b3  Name"), device lines ("\t1023  Name") and subsystem or prog-if
-// lines ("\t\t15b3 0001  Name", "\t\t00  Name"), each at least as long as the parser
-// slices it.
-func check(raw []byte) error {
-	sc := bufio.NewScanner(bytes.NewReader(raw))
-	sc.Buffer(nil, 64<<10)
-	inClass, vendor := false, false
-	n := 0
-	for sc.Scan() {
-		n++
-		l := sc.Text()
-		// pcidb slices runes, not bytes.
-		runes := utf8.RuneCountInString(l)
-		bad := func(what string) error { return fmt.Errorf("line %d: %s: %q", n, what, trim(l)) }
-		switch {
-		case l == "" || l[0] == '#':
-		case l[0] == 'C':
-			if runes < 6 || l[1] != ' ' || !isHex([]byte(l[2:4])) {
-				return bad("not a class line")
+// lines ("\t\t15b3 0001  Name", "\t\t00  Name"), each at least as long as its fields.
+type checker struct{ inClass, vendor bool }
+
+func (c *checker) line(l []byte) (kind int, err error) {
+	bad := func(what string) error { return fmt.Errorf("%s: %q", what, trim(string(l))) }
+	switch {
+	case len(l) == 0 || l[0] == '#':
+	case l[0] == 'C':
+		if len(l) < 6 || l[1] != ' ' || !isHex(l[2:4]) {
+			return 0, bad("not a class line")
+		}
+		c.inClass = true
+		return lineClass, nil
+	case l[0] != '\t':
+		if len(l) < 6 || !isHex(l[:4]) || l[4] != ' ' {
+			return 0, bad("not a vendor line")
+		}
+		c.inClass, c.vendor = false, true
+		return lineVendor, nil
+	case len(l) > 1 && l[1] != '\t':
+		if c.inClass {
+			if len(l) < 5 || !isHex(l[1:3]) {
+				return 0, bad("not a subclass line")
 			}
-			inClass = true
-		case l[0] != '\t':
-			if runes < 6 || !isHex([]byte(l[:4])) || l[4] != ' ' {
-				return bad("not a vendor line")
+			return lineOther, nil
+		}
+		if !c.vendor || len(l) < 7 || !isHex(l[1:5]) {
+			return 0, bad("not a device line")
+		}
+		return lineDevice, nil
+	default:
+		if c.inClass {
+			if len(l) < 6 {
+				return 0, bad("not a programming interface line")
 			}
-			inClass, vendor = false, true
-		case len(l) > 1 && l[1] != '\t':
-			if inClass {
-				if runes < 5 || !isHex([]byte(l[1:3])) {
-					return bad("not a subclass line")
-				}
-			} else if !vendor || runes < 7 || !isHex([]byte(l[1:5])) {
-				return bad("not a device line")
-			}
-		default:
-			if inClass {
-				if runes < 6 {
-					return bad("not a programming interface line")
-				}
-			} else if runes < 13 {
-				return bad("not a subsystem line")
-			}
+		} else if len(l) < 13 {
+			return 0, bad("not a subsystem line")
 		}
 	}
-	if err := sc.Err(); err != nil {
-		return fmt.Errorf("line %d: %w", n+1, err)
-	}
-	return nil
+	return lineOther, nil
 }
 
 func isHex(b []byte) bool {

@@ -82,12 +82,22 @@ func TestNamesEqualLspci(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, db := range []*pciids.DB{full, subset} {
+	for _, whole := range []*pciids.DB{full, subset} {
 		for name, spec := range referenceTrees() {
 			n := pcitest.New(t, spec)
 			tree, err := pci.Scan(n.Root)
 			if err != nil {
 				t.Fatal(err)
+			}
+			// What the commands read: the names of this tree's functions only.
+			db, err := pciids.OpenFor(whole.Path(), treeIDs(tree))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, d := range tree.Devices {
+				if got, want := ours(db, d), ours(whole, d); got != want {
+					t.Errorf("%s %s %s: OpenFor names it %q, Open %q", name, d.IDs(), db.Path(), got, want)
+				}
 			}
 			want := lspciNames(t, n, db.Path())
 			if len(want) != len(tree.Devices) || len(want) == 0 {
@@ -110,6 +120,53 @@ func TestNamesEqualLspci(t *testing.T) {
 	}
 	if fi, _ := os.Stat(subsetFile); fi.Size() > 100<<10 {
 		t.Errorf("subset is %d bytes: not a small part of the database", fi.Size())
+	}
+}
+
+func treeIDs(tree *pci.Tree) []pciids.ID {
+	var ids []pciids.ID
+	for _, d := range tree.Devices {
+		ids = append(ids, pciids.ID{Vendor: d.VendorID, Device: d.DeviceID})
+	}
+	return ids
+}
+
+// TestOpenForStops: OpenFor reads no further than the vendors it was asked for; what it
+// does read is checked as Open checks it.
+func TestOpenForStops(t *testing.T) {
+	dir := t.TempDir()
+	f := filepath.Join(dir, "pci.ids")
+	os.WriteFile(f, []byte("# test\n10de  NVIDIA Corporation\n\t3182  B300\n15b3  Mellanox Technologies\n\t1021  CX7\n\t1023  CX8\n\t\t15b3 0001  card\n"+
+		"8086  Intel Corporation\n\t352a  Root Port\nthis line is not pci.ids\n"), 0o644)
+	if _, err := pciids.Open(f); err == nil {
+		t.Fatal("Open accepted the malformed last line")
+	}
+	db, err := pciids.OpenFor(f, []pciids.ID{{0x15b3, 0x1023}, {0x10de, 0x3182}, {0x15b3, 0x9999}})
+	if err != nil {
+		t.Fatalf("OpenFor read past Mellanox's block: %v", err)
+	}
+	for _, c := range []struct {
+		v, d   uint16
+		vn, dn string
+	}{
+		{0x15b3, 0x1023, "Mellanox Technologies", "CX8"},
+		{0x10de, 0x3182, "NVIDIA Corporation", "B300"},
+		{0x15b3, 0x9999, "Mellanox Technologies", ""},
+		{0x15b3, 0x1021, "Mellanox Technologies", ""}, // in the file, not asked for
+		{0x8086, 0x352a, "", ""},                      // after the stop
+	} {
+		if vn, dn := db.Names(c.v, c.d); vn != c.vn || dn != c.dn {
+			t.Errorf("Names(%04x:%04x) = %q %q, want %q %q", c.v, c.d, vn, dn, c.vn, c.dn)
+		}
+	}
+	// A vendor the file lacks is looked for up to the class section, and a malformed line
+	// on the way is an error.
+	if _, err := pciids.OpenFor(f, []pciids.ID{{0x1af4, 0x1000}}); err == nil || !strings.Contains(err.Error(), f) {
+		t.Errorf("OpenFor of an absent vendor: %v, want the malformed line named", err)
+	}
+	os.WriteFile(f, []byte("15b3  Mellanox\n\t1023  CX8\nC 02  Network controller\nnot read\n"), 0o644)
+	if db, err := pciids.OpenFor(f, []pciids.ID{{0x1af4, 0x1000}}); err != nil || db == nil {
+		t.Errorf("OpenFor read past the class section: %v", err)
 	}
 }
 
@@ -193,8 +250,46 @@ func FuzzOpen(f *testing.F) {
 			t.Skip()
 		}
 		db, err := pciids.Open(p)
-		if err == nil {
-			db.Label(0x15b3, 0x1023)
+		if err != nil {
+			return
+		}
+		db.Label(0x15b3, 0x1023)
+		// Whatever the whole file names, a lookup of those IDs alone names the same.
+		ids := []pciids.ID{{0x15b3, 0x1023}, {0x15b3, 0x0001}, {0x1234, 0x5678}}
+		few, err := pciids.OpenFor(p, ids)
+		if err != nil {
+			t.Fatalf("Open accepted the file, OpenFor: %v", err)
+		}
+		for _, id := range ids {
+			v1, d1 := db.Names(id.Vendor, id.Device)
+			v2, d2 := few.Names(id.Vendor, id.Device)
+			if v1 != v2 || d1 != d2 {
+				t.Fatalf("%04x:%04x: Open %q %q, OpenFor %q %q", id.Vendor, id.Device, v1, d1, v2, d2)
+			}
+		}
+	})
+}
+
+// BenchmarkNames: the whole database against the names of the B300 reference's functions.
+func BenchmarkNames(b *testing.B) {
+	n := pcitest.New(b, pcitest.B300())
+	tree, err := pci.Scan(n.Root)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ids := treeIDs(tree)
+	b.Run("Open", func(b *testing.B) {
+		for b.Loop() {
+			if _, err := pciids.Open(pciids.DefaultPath); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("OpenFor", func(b *testing.B) {
+		for b.Loop() {
+			if _, err := pciids.OpenFor(pciids.DefaultPath, ids); err != nil {
+				b.Fatal(err)
+			}
 		}
 	})
 }

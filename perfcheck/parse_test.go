@@ -9,25 +9,11 @@ import (
 	"testing"
 )
 
-// realworldDir finds ../shared/realworld/perf beside the repository root, walking up
-// from the package directory to the go.mod.
+// realworldDir is where the real-world perf captures live: the repository's testdata,
+// so a clone runs these tests with nothing beside it.
 func realworldDir(t testing.TB) string {
 	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			break
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatal("no go.mod above the test directory")
-		}
-		dir = parent
-	}
-	p := filepath.Join(dir, "..", "shared", "realworld", "perf")
+	p := filepath.Join("..", "testdata", "realworld", "perf")
 	if _, err := os.Stat(p); err != nil {
 		t.Fatalf("real-world perf captures: %v", err)
 	}

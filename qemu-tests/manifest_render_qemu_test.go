@@ -23,7 +23,7 @@ import (
 // guestFromManifest is the hypervisor's half of scenario 1: verify the manifest the
 // guest wrote with the TPM's public key (tpmPub, PEM, as passage tpm-pubkey prints it),
 // render the guest from it with
-// `passage render --manifest` (the command, built for this host), boot the
+// `passage render MANIFEST` (the command, built for this host), boot the
 // guest-topology check on that rendering (emulated stand-ins in place of vfio-pci, the
 // same plan), and hold the distances the guest's own kernel shows against the
 // manifest's expected guest matrix, cell for cell.
@@ -39,10 +39,10 @@ func guestFromManifest(t *testing.T, run *Run, tpmPub string) {
 		t.Fatalf("build passage: %v\n%s", err, out)
 	}
 	var stdout, stderr bytes.Buffer
-	render := exec.Command(passage, "render", "--manifest", env, "--tpm-pub", tpmPub, "--format", "qemu")
+	render := exec.Command(passage, "render", "--tpm-pub", tpmPub, "--format", "qemu", env)
 	render.Stdout, render.Stderr = &stdout, &stderr
 	if err := render.Run(); err != nil {
-		t.Fatalf("passage render --manifest: %v\n%s", err, stderr.String())
+		t.Fatalf("passage render MANIFEST: %v\n%s", err, stderr.String())
 	}
 
 	// The same verified payload, read as the command reads it: the plan it rendered.
@@ -66,7 +66,7 @@ func guestFromManifest(t *testing.T, run *Run, tpmPub string) {
 	if got := g.QEMUText(nil); got != stdout.String() {
 		t.Fatalf("passage render printed\n%s\nthe manifest's plan is\n%s", stdout.String(), got)
 	}
-	t.Logf("passage render --manifest --format qemu:\n%s", stdout.String())
+	t.Logf("passage render --format qemu MANIFEST:\n%s", stdout.String())
 	domainsFromManifest(t, passage, env, tpmPub, m)
 
 	got := bootGuestCheck(t, g, "from-manifest")
@@ -156,7 +156,7 @@ func domainsFromManifest(t *testing.T, passage, env, tpmPub string, m *manifest.
 	for _, numa := range []bool{false, true} {
 		for _, typ := range []string{"kvm", "qemu"} {
 			name := "passage-scenario1-" + typ
-			args := []string{"render", "--manifest", env, "--tpm-pub", tpmPub, "--format", "libvirt", "--units", "all",
+			args := []string{"render", env, "--tpm-pub", tpmPub, "--format", "libvirt", "--units", "all",
 				"--domain-type", typ, "--vcpus", "2", "--memory", "1024"}
 			if numa {
 				name += "-numa"

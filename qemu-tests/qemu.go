@@ -85,6 +85,9 @@ const DefaultKernel = "6.12"
 var DefaultCmdline = []string{
 	"console=ttyS0,115200", "intel_iommu=on", "no_timer_check", "panic=-1", "oops=panic",
 	"passage.profile=qemu", "passage.handoff=poweroff", "passage.emit=console",
+	// Scenarios with a failed unit end by the handoff too, as they were written to;
+	// the emergency scenario sets passage.emergency_on= itself.
+	"passage.emergency_on=never",
 }
 
 // Run is one finished boot.

@@ -11,8 +11,12 @@ import (
 
 // StageLine is the console line for a finished stage: what an operator watching the serial
 // console over the BMC reads as the boot goes. Findings and changes follow, indented; the
-// error (or skip reason) ends the block.
-func StageLine(r Result) string {
+// error (or skip reason) ends the block, its first line only.
+func StageLine(r Result) string { return stageLine(r, false) }
+
+// stageLine is StageLine; full prints every line of the error (a panic's stack), as
+// passage.debug asks.
+func stageLine(r Result, full bool) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "passage: %-9s %-8s %8s", r.Name, r.Status, fmtDuration(r.Duration))
 	if n, c := len(r.Findings), len(r.Changes); n+c > 0 {
@@ -25,7 +29,11 @@ func StageLine(r Result) string {
 	for _, c := range r.Changes {
 		fmt.Fprintf(&b, "passage:   + %s\n", oneLine(c))
 	}
-	if r.Err != nil {
+	if r.Err != nil && full {
+		for _, l := range strings.Split(strings.TrimRight(r.Err.Error(), "\n"), "\n") {
+			fmt.Fprintf(&b, "passage:   ! %s\n", l)
+		}
+	} else if r.Err != nil {
 		// Only the first line: a panic's stack goes to the log and the manifest.
 		fmt.Fprintf(&b, "passage:   ! %s\n", oneLine(strings.SplitN(r.Err.Error(), "\n", 2)[0]))
 	}

@@ -318,6 +318,9 @@ type Runner struct {
 	Console io.Writer
 	// Tick is how often a waiting stage is shown; 0 is 5 s.
 	Tick time.Duration
+	// Verbose prints each stage's whole error on the console, not its first line only
+	// (passage.debug).
+	Verbose bool
 	// Log gets each result as a JSON line as the stage ends. Nil: no log.
 	Log io.Writer
 	// Now is the clock; nil is time.Now.
@@ -484,7 +487,7 @@ func firstFrames(stack []byte, lines int) string {
 
 func (rn *Runner) report(r Result) {
 	if rn.Console != nil {
-		io.WriteString(rn.Console, StageLine(r))
+		io.WriteString(rn.Console, stageLine(r, rn.Verbose))
 	}
 	if rn.Log != nil {
 		b, err := json.Marshal(r)

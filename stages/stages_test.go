@@ -378,3 +378,20 @@ func TestUnitsJSONWords(t *testing.T) {
 		t.Errorf("unit lines: %v", got)
 	}
 }
+
+// TestVerboseConsole: passage.debug prints a stage's whole error (a panic's stack), the
+// plain console its first line.
+func TestVerboseConsole(t *testing.T) {
+	for _, verbose := range []bool{false, true} {
+		var con bytes.Buffer
+		rn := &Runner{Stages: []Stage{{Name: "scan", Run: func(context.Context, *State, *Result) error { panic("bad config space") }}},
+			Console: &con, Verbose: verbose}
+		if _, err := rn.Run(context.Background(), &State{}); err != nil {
+			t.Fatal(err)
+		}
+		errLines := strings.Count(con.String(), "passage:   ! ")
+		if verbose && (errLines < 3 || !strings.Contains(con.String(), "goroutine")) || !verbose && errLines != 1 {
+			t.Errorf("verbose %v: %d error lines:\n%s", verbose, errLines, con.String())
+		}
+	}
+}

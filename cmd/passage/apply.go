@@ -52,8 +52,7 @@ func cmdApply(args []string, stdout, stderr io.Writer) int {
 }
 
 func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
-	fs := flag.NewFlagSet("apply", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("apply", stderr)
 	root := fs.String("root", "/", "root of the sysfs (and /proc) tree to read and write")
 	dryRun := fs.Bool("dry-run", false, "write nothing: report the decision and what ACS would change")
 	profile := fs.String("profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
@@ -66,13 +65,9 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	modulesFromRoot := fs.Bool("modules-from-root", false, "with --root DIR other than /, load the vfio stack from DIR/lib/modules/<release> into the running kernel (default: load nothing from another tree)")
 	var names namesFlag
 	names.register(fs)
-	planFile := fs.String("plan", "", "execute the decision saved by plan --out `FILE`, and only if the node still matches it (profile and policy come from the file)")
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage apply: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	planFile := fs.String("plan", "", "execute the decision saved by plan -o `FILE`, and only if the node still matches it (profile and policy come from the file)")
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	usageErr := func(err error) int {
 		fmt.Fprintf(stderr, "passage apply: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
@@ -129,11 +124,11 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 	if err != nil {
 		return usageErr(err)
 	}
-	db, err := names.open()
+	tree, err := pci.Scan(*root)
 	if err != nil {
 		return usageErr(err)
 	}
-	tree, err := pci.Scan(*root)
+	db, err := names.open(tree)
 	if err != nil {
 		return usageErr(err)
 	}

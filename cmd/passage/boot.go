@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -11,7 +12,10 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"strings"
+	"time"
 
+	"github.com/passage-boot/passage/buildinfo"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/emit"
 	"github.com/passage-boot/passage/stages"
@@ -19,16 +23,19 @@ import (
 )
 
 // cmdBoot is the uinit. It returns only with --no-handoff (tests, a synthetic --root),
-// with --dry-run (a decision, run by a person, never the uinit), or on a usage error that
-// names --no-handoff: as the uinit, returning would panic the kernel.
+// with --dry-run (a decision, run by a person, never the uinit), for -h, or on a usage
+// error that names --no-handoff: as the uinit, returning would panic the kernel.
 func cmdBoot(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("boot", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("boot", stderr)
 	root := fs.String("root", "/", "root of the tree to read (/proc, /sys, /lib/modules, /run) and write (/run/passage)")
 	dryRun := fs.Bool("dry-run", false, "scan, decide and report, then return: write nothing to sysfs, load no module, touch no NIC, sign no manifest, hand nothing off")
 	noHandoff := fs.Bool("no-handoff", false, "return after the report instead of handing off (never as the uinit)")
 	if err := fs.Parse(args); err != nil {
-		if slices.Contains(args, "--no-handoff") || slices.Contains(args, "-no-handoff") || err == flag.ErrHelp {
+		if errors.Is(err, flag.ErrHelp) {
+			writeHelp(stdout, fs)
+			return 0
+		}
+		if slices.Contains(args, "--no-handoff") || slices.Contains(args, "-no-handoff") {
 			return 2
 		}
 		// As the uinit a bad flag must not end the boot: go on as a plain boot of "/".
@@ -51,29 +58,78 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 			console = io.MultiWriter(ws...)
 		}
 	}
+	// Every console line into the kernel log too, so the booted system's journal keeps
+	// them; no kernel log (a synthetic root without dev/kmsg) is no error.
+	if k, err := initramfs.OpenKmsg(*root); err == nil {
+		defer k.Close()
+		console = io.MultiWriter(console, initramfs.NewKmsg(k))
+	}
 
-	cfg, summary := runBoot(*root, *dryRun, console)
+	cfg, summary, units := runBoot(*root, *dryRun, console)
+	why := emergencyWhy(cfg, summary, units)
 	if *noHandoff {
+		if why != "" {
+			fmt.Fprintf(console, "passage: emergency %s would be taken (%s); --no-handoff\n", cfg.Emergency, why)
+		}
 		if summary == stages.Failed {
 			return 1
 		}
 		return 0
 	}
 	emit.Mark(console, *root, "handoff")
-	fmt.Fprintf(console, "passage: handoff %s\n", cfg.Handoff)
+	if why == "" {
+		fmt.Fprintf(console, "passage: handoff %s\n", cfg.Handoff)
+	} else {
+		fmt.Fprintf(console, "passage: handoff %s not taken: %s\n", cfg.Handoff, why)
+	}
 	for _, f := range ttys {
 		if err := emit.Drain(f); err != nil {
 			fmt.Fprintf(console, "passage: %s: %v\n", f.Name(), err)
 			emit.Drain(f)
 		}
 	}
+	if why != "" {
+		initramfs.RunEmergency(cfg, initramfs.LinuxSystem(), console, why)
+	}
 	initramfs.Do(cfg, initramfs.LinuxSystem(), console)
-	return 0 // not reached: Do never returns
+	return 0 // not reached: neither returns
+}
+
+// emergencyWhy says why the boot takes its emergency action instead of the handoff
+// (passage.emergency_on=): the units the verdict did not pass, or "" for the handoff. A
+// run that failed without units (an internal error before the decision) counts as failed.
+func emergencyWhy(cfg initramfs.Config, summary stages.Status, units []stages.Unit) string {
+	var failed, degraded []string
+	for _, u := range units {
+		switch u.Status {
+		case stages.Failed:
+			failed = append(failed, u.ID)
+		case stages.Degraded:
+			degraded = append(degraded, u.ID)
+		}
+	}
+	if len(units) == 0 && summary == stages.Failed {
+		if cfg.EmergencyFor(true, false) {
+			return "the boot failed before any unit was decided"
+		}
+		return ""
+	}
+	if !cfg.EmergencyFor(len(failed) > 0, len(degraded) > 0) {
+		return ""
+	}
+	var parts []string
+	if len(failed) > 0 {
+		parts = append(parts, "failed: "+strings.Join(failed, ", "))
+	}
+	if len(degraded) > 0 && cfg.EmergencyOn == initramfs.EmergencyOnDegraded {
+		parts = append(parts, "degraded: "+strings.Join(degraded, ", "))
+	}
+	return "units " + strings.Join(parts, "; ") + " (passage.emergency_on=" + string(cfg.EmergencyOn) + ")"
 }
 
 // runBoot does everything before the handoff. A panic outside the runner (which recovers
 // its stages' own) still ends in a handoff, with the run counted as failed.
-func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status) {
+func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status, units []stages.Unit) {
 	cfg = initramfs.Defaults()
 	summary = stages.Failed
 	defer func() {
@@ -86,6 +142,10 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		}
 	}()
 
+	// The build first: whoever reads a console capture or a log learns which release
+	// decided before anything it decided.
+	build := buildinfo.Read()
+	fmt.Fprintln(console, build)
 	emit.Mark(console, root, "uinit-start")
 	cfg, err := initramfs.ReadConfig(root)
 	if err != nil {
@@ -107,17 +167,23 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	} else {
 		defer f.Close()
 		logw = f
+		if err := writeBuildRecord(logw, build); err != nil {
+			fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
+		}
 	}
 
 	// The TPM's slow start (key creation, counter increment) overlaps the PCIe stages.
 	b.StartTPM()
 	st := &stages.State{}
-	rn := &stages.Runner{Stages: b.Stages(), Timeout: cfg.StageTimeout, Console: console, Log: logw}
+	rn := &stages.Runner{Stages: b.Stages(), Timeout: cfg.StageTimeout, Console: console, Log: logw, Verbose: cfg.Debug}
+	if cfg.Debug {
+		rn.Tick = time.Second
+	}
 	results, err := rn.Run(context.Background(), st)
 	if err != nil {
 		fmt.Fprintf(console, "passage: %v\n", err)
 	}
-	units := st.Units()
+	units = st.Units()
 	stages.WriteUnitTable(console, units)
 	if logw != nil {
 		if err := stages.WriteUnitsJSON(logw, units); err != nil {
@@ -154,5 +220,20 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 	}
-	return cfg, summary
+	return cfg, summary, units
+}
+
+// buildRecord is log.jsonl's first line: {"type":"build", and the build's fields}.
+type buildRecord struct {
+	Type string `json:"type"`
+	buildinfo.Info
+}
+
+func writeBuildRecord(w io.Writer, b buildinfo.Info) error {
+	j, err := json.Marshal(buildRecord{Type: "build", Info: b})
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(j, '\n'))
+	return err
 }

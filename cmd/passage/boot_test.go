@@ -21,7 +21,13 @@ import (
 // boot reads.
 func bootTree(t *testing.T, cmdline string) string {
 	t.Helper()
-	root := pcitest.New(t, pcitest.B300()).Root
+	return bootTreeOf(t, pcitest.B300(), cmdline)
+}
+
+// bootTreeOf is bootTree on another node.
+func bootTreeOf(t *testing.T, spec pcitest.Spec, cmdline string) string {
+	t.Helper()
+	root := pcitest.New(t, spec).Root
 	files := map[string]string{
 		"proc/cmdline":                   cmdline + "\n",
 		"proc/uptime":                    "7.250 12.00\n",

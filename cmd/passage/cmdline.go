@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -12,21 +11,13 @@ import (
 // cmdCmdline prints the kernel arguments a signed boot image carries for a saved plan:
 // `make uki PLAN=F` appends them to the image's command line.
 func cmdCmdline(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("cmdline", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage cmdline --plan FILE\n\nPrints the kernel arguments a boot image carries for the saved plan FILE (passage plan --out):\nits pci=config_acs=, which Linux 6.11+ programs before passage runs, and passage.plan=sha256:<digest of FILE>.")
-		fs.PrintDefaults()
+	fs := newFlags("cmdline", stderr)
+	plan := fs.String("plan", "", "saved plan `FILE` (passage plan -o)")
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
-	plan := fs.String("plan", "", "saved plan `FILE` (passage plan --out)")
-	if err := fs.Parse(args); err != nil {
-		if err == flag.ErrHelp {
-			return 0
-		}
-		return 2
-	}
-	if *plan == "" || fs.NArg() != 0 {
-		fs.Usage()
+	if *plan == "" {
+		fmt.Fprintln(stderr, "passage cmdline: --plan FILE is required")
 		return 2
 	}
 	b, err := readBounded(*plan)

@@ -23,7 +23,7 @@ func TestCmdlineBakesThePlan(t *testing.T) {
 	ref := pcitest.New(t, pcitest.B300()).Root
 	saved := filepath.Join(t.TempDir(), "b300.plan.json")
 	var out, errb bytes.Buffer
-	if code := cmdPlan([]string{"--root", ref, "--out", saved, "--erase", "off"}, &out, &errb); code != 0 {
+	if code := cmdPlan([]string{"--root", ref, "-o", saved, "--erase", "off"}, &out, &errb); code != 0 {
 		t.Fatalf("plan --out: exit %d: %s", code, errb.String())
 	}
 	out.Reset()

@@ -311,7 +311,7 @@ func runBootStages(t *testing.T, root, profile string, nvme erase.Opener) bootRu
 	if b, err := os.ReadFile(filepath.Join(root, "proc/cmdline")); err == nil {
 		cfg.Cmdline = string(b)
 		c := initramfs.ParseCmdline(cfg.Cmdline)
-		cfg.ATS, cfg.Erase = c.ATS, c.Erase
+		cfg.ATS, cfg.Erase, cfg.Key = c.ATS, c.Erase, c.Key
 	}
 	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, OpenNVMe: nvme, Now: func() time.Time { return time.Unix(1e9, 0) }}
 	var run []stages.Stage

@@ -24,10 +24,14 @@ import (
 type keyring struct {
 	byID map[string]manifest.Verifier
 	one  manifest.Verifier
+	// ignored are the directory's files that are not (TPM, with tpm) public keys: the
+	// node's private key beside its public one, a README.
+	ignored []string
 }
 
-// loadKeyring reads path: a key file, or every regular file in a directory. With tpm, each
-// must be a TPM (ECDSA P-256) key.
+// loadKeyring reads path: a key file, or every regular file in a directory that is a
+// public key (the others are ignored, and named in kr.ignored). With tpm, each must be
+// a TPM (ECDSA P-256) key.
 func loadKeyring(path string, tpm bool) (*keyring, error) {
 	load := func(p string) (manifest.Verifier, error) {
 		v, err := manifest.LoadVerifier(p)
@@ -61,7 +65,8 @@ func loadKeyring(path string, tpm bool) (*keyring, error) {
 		}
 		v, err := load(filepath.Join(path, e.Name()))
 		if err != nil {
-			return nil, err
+			kr.ignored = append(kr.ignored, e.Name())
+			continue
 		}
 		id, err := v.KeyID()
 		if err != nil {
@@ -70,9 +75,19 @@ func loadKeyring(path string, tpm bool) (*keyring, error) {
 		kr.byID[id] = v
 	}
 	if len(kr.byID) == 0 {
+		if len(kr.ignored) > 0 {
+			return nil, fmt.Errorf("public keys %s: no public key among %s", path, strings.Join(kr.ignored, ", "))
+		}
 		return nil, fmt.Errorf("public keys %s: no key files", path)
 	}
 	return kr, nil
+}
+
+// sayIgnored names, once, the files of a key directory that are not public keys.
+func (kr *keyring) sayIgnored(w io.Writer, cmd, path string) {
+	if len(kr.ignored) > 0 {
+		fmt.Fprintf(w, "passage %s: %s: ignored, not public keys: %s\n", cmd, path, strings.Join(kr.ignored, ", "))
+	}
 }
 
 // verifier picks the key for an envelope: the one key, or the first of the envelope's
@@ -190,6 +205,7 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 		fmt.Fprintf(stderr, "passage verify: %v\n", err)
 		return 2
 	}
+	kr.sayIgnored(stderr, "verify", keyPath)
 	out := make([]verifyOutcome, len(paths))
 	next := make(chan int)
 	var wg sync.WaitGroup
@@ -231,13 +247,13 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 			if c[manifest.StatusFailed] > 0 {
 				nodesWithFailed++
 			}
-			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s units %d ready %d degraded %d failed%s\n",
+			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s units %d ready %d degraded %d failed%s build %s\n",
 				o.path, orDash(m.Node.Hostname), m.Generation, m.GenerationSource, orDash(m.BootID),
-				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m))
+				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m), buildWords(m))
 		}
 	}
-	fmt.Fprintf(&b, "%d manifests: %d verified, %d refused, %d unreadable; units %d ready, %d degraded, %d failed (on %d nodes)\n",
-		len(out), ok, refused, unreadable, units[manifest.StatusReady], units[manifest.StatusDegraded], units[manifest.StatusFailed], nodesWithFailed)
+	fmt.Fprintf(&b, "%d manifests: %d verified, %d refused, %d unreadable; units %d ready, %d degraded, %d failed%s\n",
+		len(out), ok, refused, unreadable, units[manifest.StatusReady], units[manifest.StatusDegraded], units[manifest.StatusFailed], onNodes(nodesWithFailed))
 	stdout.Write(b.Bytes())
 	switch {
 	case unreadable > 0:
@@ -246,6 +262,25 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 		return 1
 	}
 	return 0
+}
+
+// onNodes says on how many nodes the failed units are, when there are any.
+func onNodes(n int) string {
+	switch n {
+	case 0:
+		return ""
+	case 1:
+		return " (on 1 node)"
+	}
+	return fmt.Sprintf(" (on %d nodes)", n)
+}
+
+// buildWords is the build that signed m on a fleet line: version and revision.
+func buildWords(m *manifest.Manifest) string {
+	if m.Build == nil {
+		return "unknown"
+	}
+	return m.Build.VersionString() + " " + m.Build.Rev()
 }
 
 // failedUnits names the units that are not ready, for the node's line.

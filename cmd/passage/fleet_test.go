@@ -33,13 +33,13 @@ func TestVerifyMany(t *testing.T) {
 		t.Fatalf("rc %d stderr %q, %d lines:\n%s", rc, errs, len(lines), out)
 	}
 	for i, l := range lines[:40] {
-		want := fmt.Sprintf("OK       %s: b300-%04d gen %d (file) boot %s units 8 ready 0 degraded 0 failed",
-			filepath.Join(mdir, fmt.Sprintf("node-%04d.dsse.json", i)), i, i+1, manifesttest.BootID)
+		want := fmt.Sprintf("OK       %s: b300-%04d gen %d (file) boot %s units 8 ready 0 degraded 0 failed build %s %s",
+			filepath.Join(mdir, fmt.Sprintf("node-%04d.dsse.json", i)), i, i+1, manifesttest.BootID, manifesttest.Build.Version, manifesttest.Build.Revision)
 		if l != want {
 			t.Errorf("line %d: %q, want %q", i, l, want)
 		}
 	}
-	if want := "40 manifests: 40 verified, 0 refused, 0 unreadable; units 320 ready, 0 degraded, 0 failed (on 0 nodes)"; lines[40] != want {
+	if want := "40 manifests: 40 verified, 0 refused, 0 unreadable; units 320 ready, 0 degraded, 0 failed"; lines[40] != want {
 		t.Errorf("summary %q, want %q", lines[40], want)
 	}
 
@@ -65,7 +65,7 @@ func TestVerifyMany(t *testing.T) {
 	lines = strings.Split(strings.TrimSpace(out), "\n")
 	if rc != 1 || len(lines) != 4 || !strings.HasPrefix(lines[0], "REFUSED") || !strings.Contains(lines[0], "generation 1") ||
 		!strings.HasPrefix(lines[1], "REFUSED") || !strings.Contains(lines[1], "payload edited") || !strings.HasPrefix(lines[2], "OK") ||
-		lines[3] != "3 manifests: 1 verified, 2 refused, 0 unreadable; units 8 ready, 0 degraded, 0 failed (on 0 nodes)" {
+		lines[3] != "3 manifests: 1 verified, 2 refused, 0 unreadable; units 8 ready, 0 degraded, 0 failed" {
 		t.Errorf("rc %d\n%s", rc, out)
 	}
 

@@ -14,37 +14,22 @@ import (
 )
 
 func cmdInspect(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("inspect", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage inspect [--root DIR | --snapshot FILE | --lspci-dump FILE] [--json]")
-		fmt.Fprintln(stderr, "shows every PCI function as a tree (lspci -tvnn style) with its link, ACS and ATS")
-		fmt.Fprintln(stderr, "exit status: 0 all read cleanly; 1 shown, but with problems (lines marked !, or \"problems\" in --json):")
-		fmt.Fprintln(stderr, "a function's config space truncated, not answering or malformed, a damaged dump; 2 nothing readable")
-		fs.PrintDefaults()
-	}
+	fs := newFlags("inspect", stderr)
 	var src treeSource
 	src.register(fs)
 	var names namesFlag
 	names.register(fs)
 	asJSON := fs.Bool("json", false, `print {"devices":[...],"units":[...]} as JSON instead of the tree`)
 	profile := fs.String("profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file, for roles and units in --json")
-	if err := fs.Parse(args); err != nil {
-		if err == flag.ErrHelp {
-			return 0
-		}
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage inspect: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	tree, err := src.load(fs)
 	if err != nil {
 		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 		return 2
 	}
-	db, err := names.open()
+	db, err := names.open(tree)
 	if err != nil {
 		fmt.Fprintf(stderr, "passage inspect: %v\n", err)
 		return 2

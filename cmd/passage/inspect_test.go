@@ -139,7 +139,7 @@ func TestInspectTree(t *testing.T) {
 		t.Fatalf("rc %d", rc)
 	}
 	// Names are the system database's (pciids' test holds them against lspci's).
-	db, err := pciids.OpenDefault("")
+	db, err := pciids.Open(pciids.DefaultPath)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,9 +2,9 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
+	"os"
 	"time"
 
 	"github.com/passage-boot/passage/entropy"
@@ -14,19 +14,15 @@ import (
 // cmdKeygen writes an ed25519 pair for signing manifests: passage.key (PKCS #8 PEM,
 // 0600; the node's passage.key=) and passage.pub (PKIX PEM; the hypervisor's --pub).
 func cmdKeygen(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("keygen", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	dir := fs.String("o", ".", "directory to write "+manifest.PrivateKeyFile+" and "+manifest.PublicKeyFile+" into")
+	fs := newFlags("keygen", stderr)
+	dir := fs.String("o", ".", "`DIR` to write "+manifest.PrivateKeyFile+" and "+manifest.PublicKeyFile+" into, created (mode 0700) when missing")
 	wait := fs.Duration("wait", time.Minute, "how long to wait for the kernel's random pool (a freshly booted machine may not have it yet)")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage keygen [-o DIR] [-wait DUR]")
-		fs.PrintDefaults()
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	if fs.NArg() != 0 {
-		fmt.Fprintf(stderr, "passage keygen: unexpected argument %q\n", fs.Arg(0))
+	// The private key's directory is no one else's business: 0700, as ssh-keygen makes ~/.ssh.
+	if err := os.MkdirAll(*dir, 0o700); err != nil {
+		fmt.Fprintf(stderr, "passage keygen: %v\n", err)
 		return 2
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), *wait)

@@ -101,7 +101,7 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 	files := map[string]string{}
 	for _, c := range cases {
 		n := nodes[c.node]
-		args := append([]string{"--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt",
+		args := append([]string{n.envelope, "--pub", n.pub, "--format", "libvirt",
 			"--vcpus", "2", "--memory", "1024", "--name", "passage-test-" + c.name}, c.args...)
 		code, out, errs := runCmd(t, cmdRender, args...)
 		if code != 0 {

@@ -8,38 +8,57 @@ import (
 	"io"
 	"os"
 	"sort"
+	"strings"
 
 	"github.com/u-root/u-root/pkg/libinit"
 )
 
 // command is one subcommand: run gets the arguments after the subcommand's name and
 // returns the process exit status (0 ok, 1 a check failed, 2 bad usage or bad input).
+// synopsis follows "passage NAME" in the help (one form a line), summary is its one line
+// in the command list, detail what else its help says (exit statuses, what it refuses).
 type command struct {
-	summary string
-	run     func(args []string, stdout, stderr io.Writer) int
+	synopsis, summary, detail string
+	run                       func(args []string, stdout, stderr io.Writer) int
 }
 
 func commands() map[string]command {
 	return map[string]command{
-		"boot":       {"run the boot stage (the initramfs uinit); never returns", cmdBoot},
-		"inspect":    {"show the PCIe tree with links, ACS and ATS", cmdInspect},
-		"snapshot":   {"capture the sysfs files a scan reads into a tar.gz", cmdSnapshot},
-		"plan":       {"label roles, group GPU units, plan ACS and the guest topology", cmdPlan},
-		"cmdline":    {"print the kernel arguments a signed boot image carries for a saved plan", cmdCmdline},
-		"render":     {"print a guest (QEMU args, libvirt domain, NCCL XML) from a verified manifest, or from a tree to plan", cmdRender},
-		"apply":      {"program ACS and bind passthrough devices to vfio-pci", cmdApply},
-		"unbind":     {"return a unit's devices to their host drivers", cmdUnbind},
-		"recycle":    {"erase and reset units between tenants on a running host, sign a new generation", cmdRecycle},
-		"keygen":     {"write an ed25519 key pair for signing manifests", cmdKeygen},
-		"tpm-pubkey": {"print the public part of the TPM-resident signing key", cmdTPMPubkey},
-		"verify":     {"verify a signed manifest (the hypervisor side)", cmdVerify},
-		"perfcheck":  {"compare host and guest nccl-tests/nvbandwidth results", cmdPerfcheck},
-		"metrics":    {"print a verified manifest as Prometheus metrics", cmdMetrics},
+		"boot": {"[--root DIR] [--dry-run] [--no-handoff]",
+			"run the boot stage (the initramfs uinit); never returns", "Configured by passage.* kernel arguments (initramfs/README.md); flags only for a synthetic\n--root. Without --no-handoff it hands off (switch_root, poweroff, shell or hold) and never returns.", cmdBoot},
+		"inspect": {"[--root DIR | --snapshot FILE | --lspci-dump FILE] [--json] [--profile NAME|FILE] [--pci-ids FILE]",
+			"show the PCIe tree with links, ACS and ATS", "Exit status: 0 all read cleanly; 1 shown, but with problems (lines marked !, or \"problems\" in\n--json): a function's config space truncated, not answering or malformed, a damaged dump;\n2 nothing readable.", cmdInspect},
+		"snapshot": {"-o FILE [--root DIR]",
+			"capture the sysfs files a scan reads into a tar.gz", "Exactly the files a scan reads (config and vpd included, with their links); passage inspect,\nplan and render read it back with --snapshot FILE.", cmdSnapshot},
+		"plan": {"[--root DIR | --snapshot FILE | --lspci-dump FILE] [--profile NAME|FILE] [--ats prefer|require] [--erase off|auto|require] [--units 0,1|all] [--numa] [--json] [-o FILE]",
+			"label roles, group GPU units, plan ACS and the guest topology", "-o saves the decision for apply --plan. Exit status: 0 every unit ready, 1 a unit degraded or\nfailed, 2 bad input.", cmdPlan},
+		"cmdline": {"--plan FILE",
+			"print the kernel arguments a signed boot image carries for a saved plan", "Prints the saved plan's pci=config_acs= (Linux 6.11+ programs it before passage runs; under\nlockdown the only way ACS is set) and passage.plan=sha256:<digest of FILE>, which the\nmanifest records. make uki PLAN=FILE appends them to the signed command line.", cmdCmdline},
+		"render": {"[flags] (--pub KEY | --tpm-pub KEY) MANIFEST\n[flags] --root DIR | --snapshot FILE | --lspci-dump FILE",
+			"print a guest (QEMU args, libvirt domain, NCCL XML) from a verified manifest, or from a tree to plan", "From MANIFEST it reads the verified manifest and nothing else: what a hypervisor builds a VM\nfrom. From a tree it decides as plan does (planning output, said so on stderr). A unit that\nis not ready is refused (exit 1); --allow-degraded admits degraded ones and names them.", cmdRender},
+		"apply": {"[--root DIR] [--dry-run | --plan FILE] [--profile NAME|FILE] [--erase off|auto|require] [--no-bind] [--json]",
+			"program ACS and bind passthrough devices to vfio-pci", "", cmdApply},
+		"unbind": {"--unit N | --bdf DDDD:BB:DD.F[,...] [--root DIR] [--profile NAME|FILE] [--json]",
+			"return a unit's devices to their host drivers", "", cmdUnbind},
+		"recycle": {"--unit N[,M...] [--signing-key FILE] [--tpm on|off|auto] [--erase auto|require] [flags]",
+			"erase and reset units between tenants on a running host, sign a new generation", "Refuses while a unit's /dev/vfio/<group> is open. Otherwise: a signed generation marking the\nunits not ready, release from vfio-pci, NVMe erase, function resets, vfio-pci again, and a\nsigned generation with the verdicts.", cmdRecycle},
+		"keygen": {"[-o DIR] [--wait DUR]",
+			"write an ed25519 key pair for signing manifests", "Creates DIR (mode 0700) when it does not exist.", cmdKeygen},
+		"tpm-pubkey": {"[--tpm-device DEVICE] [-o FILE]",
+			"print the public part of the TPM-resident signing key", "", cmdTPMPubkey},
+		"verify": {"(--pub KEY | --tpm-pub KEY) [--min-generation N] [--boot-id ID] [--units] [--json] MANIFEST\n--pub KEY|KEYDIR [--min-generation N] MANIFEST|DIR...",
+			"verify a signed manifest (the hypervisor side)", "With a directory or several manifests: a fleet, verified in parallel, one line per node and a\nsummary; with a key directory each manifest is checked with its node's key (files there\nthat are not public keys are ignored, and named once). Exit status: 0 all verified, 1 one\nrefused, 2 one unreadable or bad usage.", cmdVerify},
+		"perfcheck": {"--host DIR --guest DIR [--json] [--html FILE] [limits]",
+			"compare host and guest nccl-tests/nvbandwidth results", "Exit status 1 when a limit is crossed.", cmdPerfcheck},
+		"metrics": {"(--pub KEY|KEYDIR | --tpm-pub KEY) [--root DIR] [--min-generation N] [--boot-id ID] MANIFEST",
+			"print a verified manifest as Prometheus metrics", "Metrics report the manifest, they judge nothing.", cmdMetrics},
+		"version": {"[--json]",
+			"print the build: module version, VCS revision, Go version", "The same build the manifest, log.jsonl, the console and passage_build_info name.", cmdVersion},
 	}
 }
 
 func usage(w io.Writer) {
-	fmt.Fprintln(w, "usage: passage <command> [flags]\n\ncommands:")
+	fmt.Fprintln(w, "usage: passage <command> [flags]\n       passage help <command>\n       passage --version\n\ncommands:")
 	cmds := commands()
 	names := make([]string, 0, len(cmds))
 	for n := range cmds {
@@ -69,8 +88,20 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		usage(stdout)
-		return 0
+		if args[0] != "help" || len(args) == 1 {
+			usage(stdout)
+			return 0
+		}
+		// passage help CMD is passage CMD -h.
+		if _, ok := commands()[args[1]]; !ok || len(args) > 2 {
+			fmt.Fprintf(stderr, "passage help: want one command, got %q\n", strings.Join(args[1:], " "))
+			usage(stderr)
+			return 2
+		}
+		args = []string{args[1], "-h"}
+	}
+	if args[0] == "--version" || args[0] == "-version" {
+		return cmdVersion(nil, stdout, stderr)
 	}
 	c, ok := commands()[args[0]]
 	if !ok {

@@ -1,10 +1,10 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 
+	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/metrics"
 	"github.com/passage-boot/passage/pci"
 )
@@ -14,28 +14,24 @@ import (
 // wrote and signed (passage_acs_port_drifted): run on the node by a timer into
 // node_exporter's textfile directory, that is what the ACS drift alert reads.
 func cmdMetrics(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("metrics", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	file := fs.String("manifest", "", "the signed manifest envelope `FILE` (manifest.dsse.json)")
+	fs := newFlags("metrics", stderr)
+	var file string
+	deprecatedFlag(fs, "manifest", "the MANIFEST argument", func(v string) error { file = v; return nil })
 	var vf verifyFlags
 	vf.register(fs)
 	root := fs.String("root", "", "also compare the ports' ACS Control under `DIR` (/ on the node) with the manifest")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage metrics --manifest FILE --pub KEY|KEYDIR|--tpm-pub FILE [--root DIR] [--min-generation N] [--boot-id ID]")
-		fmt.Fprintln(stderr, "prints the verified manifest in Prometheus text format; metrics report the manifest, they judge nothing")
-		fs.PrintDefaults()
+	pos, code, ok := parseFlags(fs, args, stdout)
+	if !ok {
+		return code
 	}
-	if err := fs.Parse(args); err != nil {
-		if err == flag.ErrHelp {
-			return 0
-		}
+	if file != "" {
+		pos = append([]string{file}, pos...)
+	}
+	if len(pos) != 1 {
+		fmt.Fprintln(stderr, "passage metrics: give one MANIFEST (the signed envelope, manifest.dsse.json); see passage help metrics")
 		return 2
 	}
-	if fs.NArg() > 0 || *file == "" {
-		fs.Usage()
-		return 2
-	}
-	v, code := vf.verify("metrics", *file, stderr)
+	v, code := vf.verify("metrics", pos[0], stderr)
 	if code != 0 {
 		return code
 	}
@@ -47,12 +43,31 @@ func cmdMetrics(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		src.LiveACS = liveACS(tree)
+		if !anyPort(v.Manifest, src.LiveACS) {
+			// Every port would read as drifted: this is another node than the manifest's.
+			fmt.Fprintf(stderr, "passage metrics: --root %s holds none of the ports the manifest of %s recorded: not that node\n", *root, orDash(v.Manifest.Node.Hostname))
+			return 2
+		}
 	}
 	if err := metrics.Write(stdout, src); err != nil {
 		fmt.Fprintf(stderr, "passage metrics: %v\n", err)
 		return 2
 	}
 	return 0
+}
+
+// anyPort says whether live holds a port of m's ACS records (or m records none).
+func anyPort(m *manifest.Manifest, live map[string]string) bool {
+	recorded := false
+	for _, u := range m.Units {
+		for _, c := range u.ACSChanges {
+			if _, ok := live[c.Port]; ok {
+				return true
+			}
+			recorded = true
+		}
+	}
+	return !recorded
 }
 
 // liveACS is every port's ACS Control register in lspci's words, as the manifest

@@ -47,7 +47,7 @@ func TestMetricsCommand(t *testing.T) {
 		rc := cmdMetrics(args, &out, &errb)
 		return rc, out.String(), errb.String()
 	}
-	rc, out, errs := run("--manifest", envFile, "--pub", pubFile, "--root", n.Root)
+	rc, out, errs := run(envFile, "--pub", pubFile, "--root", n.Root)
 	if rc != 0 || errs != "" {
 		t.Fatalf("rc %d %s", rc, errs)
 	}
@@ -61,7 +61,12 @@ func TestMetricsCommand(t *testing.T) {
 			t.Errorf("metrics lack %s", want)
 		}
 	}
-	if rc, out, _ := run("--manifest", envFile, "--pub", pubFile); rc != 0 || strings.Contains(out, "drifted") {
+	// On another node none of the manifest's ports is there: refused, not all drifted.
+	elsewhere := pcitest.New(t, pcitest.SRIOVNode(1, 1, 1))
+	if rc, out, errs := run(envFile, "--pub", pubFile, "--root", elsewhere.Root); rc != 2 || out != "" || !strings.Contains(errs, "not that node") {
+		t.Errorf("--root of another node: rc %d, %d bytes out, stderr %q", rc, len(out), errs)
+	}
+	if rc, out, _ := run(envFile, "--pub", pubFile); rc != 0 || strings.Contains(out, "drifted") {
 		t.Errorf("without --root: rc %d, drift %v", rc, strings.Contains(out, "drifted"))
 	}
 
@@ -69,16 +74,16 @@ func TestMetricsCommand(t *testing.T) {
 	other := filepath.Join(dir, "other.pub")
 	opub, _ := manifest.MarshalPublicKey(ed25519.NewKeyFromSeed(bytes.Repeat([]byte{1}, ed25519.SeedSize)).Public())
 	os.WriteFile(other, opub, 0o644)
-	if rc, out, errs := run("--manifest", envFile, "--pub", other); rc != 1 || out != "" || !strings.Contains(errs, "REFUSED") {
+	if rc, out, errs := run(envFile, "--pub", other); rc != 1 || out != "" || !strings.Contains(errs, "REFUSED") {
 		t.Errorf("another key: rc %d stdout %d bytes stderr %q", rc, len(out), errs)
 	}
-	if rc, out, _ := run("--manifest", envFile, "--pub", pubFile, "--min-generation", "5"); rc != 1 || out != "" {
+	if rc, out, _ := run(envFile, "--pub", pubFile, "--min-generation", "5"); rc != 1 || out != "" {
 		t.Errorf("replay: rc %d stdout %d bytes", rc, len(out))
 	}
 	for _, args := range [][]string{
-		{"--manifest", filepath.Join(dir, "none"), "--pub", pubFile},
-		{"--manifest", envFile},
-		{"--manifest", envFile, "--pub", pubFile, "--root", filepath.Join(dir, "none")},
+		{filepath.Join(dir, "none"), "--pub", pubFile},
+		{envFile},
+		{envFile, "--pub", pubFile, "--root", filepath.Join(dir, "none")},
 	} {
 		if rc, out, _ := run(args...); rc != 2 || out != "" {
 			t.Errorf("%v: rc %d stdout %d bytes", args, rc, len(out))

@@ -17,7 +17,14 @@ func (n *namesFlag) register(fs *flag.FlagSet) {
 	fs.StringVar(&n.file, "pci-ids", "", "read vendor and device names from the pci.ids `FILE` (default "+pciids.DefaultPath+" when it exists)")
 }
 
-func (n *namesFlag) open() (*pciids.DB, error) { return pciids.OpenDefault(n.file) }
+// open reads the names of tree's functions, and no others (pciids.OpenFor).
+func (n *namesFlag) open(tree *pci.Tree) (*pciids.DB, error) {
+	ids := make([]pciids.ID, 0, len(tree.Devices))
+	for _, d := range tree.Devices {
+		ids = append(ids, pciids.ID{Vendor: d.VendorID, Device: d.DeviceID})
+	}
+	return pciids.OpenDefaultFor(n.file, ids)
+}
 
 // deviceNames is a function's names in a JSON document; absent where the database has
 // none (or there is no database).

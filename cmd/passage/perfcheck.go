@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -10,13 +9,7 @@ import (
 )
 
 func cmdPerfcheck(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("perfcheck", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage perfcheck --host DIR --guest DIR [--json] [--html FILE] [limits]")
-		fmt.Fprintln(stderr, "compares nccl-tests and nvbandwidth output of a host and a guest; exit 1 when a limit is crossed")
-		fs.PrintDefaults()
-	}
+	fs := newFlags("perfcheck", stderr)
 	def := perfcheck.DefaultThresholds
 	var cfg perfcheck.Config
 	fs.StringVar(&cfg.HostDir, "host", "", "directory of the host's nccl-tests/nvbandwidth output files")
@@ -29,15 +22,8 @@ func cmdPerfcheck(args []string, stdout, stderr io.Writer) int {
 	fs.Float64Var(&th.Large8MiBPct, "large", def.Large8MiBPct, "max loss in `percent` at any message >= 8 MiB")
 	fs.Float64Var(&th.NVBandwidthPct, "nvbandwidth", def.NVBandwidthPct, "max loss in `percent` for nvbandwidth host->device and device->host")
 	fs.Float64Var(&th.SmallPct, "small", def.SmallPct, "loss in `percent` that names a message < 8 MiB an outlier (never fails)")
-	if err := fs.Parse(args); err != nil {
-		if err == flag.ErrHelp {
-			return 0
-		}
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage perfcheck: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	if cfg.HostDir == "" || cfg.GuestDir == "" {
 		fmt.Fprintln(stderr, "passage perfcheck: --host and --guest are required")

@@ -31,7 +31,7 @@ type planFlags struct {
 func (f *planFlags) register(fs *flag.FlagSet) {
 	f.src.register(fs)
 	fs.StringVar(&f.profile, "profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
-	fs.StringVar(&f.units, "units", "all", "units the guest plan lays out: all, or gpu0,gpu1 (or 0,1); the verdicts, the bind set and --out cover every unit")
+	fs.StringVar(&f.units, "units", "all", "units the guest plan lays out: all, or gpu0,gpu1 (or 0,1); the verdicts, the bind set and a saved decision cover every unit")
 	fs.BoolVar(&f.numa, "numa", false, "one pxb-pcie expander per unit on its NUMA node (guest NODE/SYS distances)")
 	fs.StringVar(&f.ats, "ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
 	fs.StringVar(&f.erase, "erase", "", "erase policy: off, auto or require (default: passage.erase= from the command line, else the profile's)")
@@ -146,30 +146,26 @@ func exitFor(stderr io.Writer, err error) int {
 }
 
 func cmdPlan(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("plan", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("plan", stderr)
 	var f planFlags
 	f.register(fs)
 	fs.StringVar(&f.command, "for", string(decision.CommandBoot), "the command whose outcome the plan predicts: boot, apply or recycle (apply erases nothing, so under an active erase policy its units end failed or degraded); apply --plan takes only a plan --for apply")
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
 	var names namesFlag
 	names.register(fs)
-	outFile := fs.String("out", "", "also save the decision to `FILE`, for apply --plan (applies only while the node still matches it)")
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage plan: unexpected argument %q\n", fs.Arg(0))
-		return 2
-	}
-	db, nerr := names.open()
-	if nerr != nil {
-		fmt.Fprintf(stderr, "passage plan: %v\n", nerr)
-		return 2
+	outFile := fs.String("o", "", "also save the decision to `FILE`, for apply --plan (applies only while the node still matches it)")
+	deprecatedAlias(fs, "out", "o")
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	d, err := f.decide(fs)
 	if d == nil {
 		return exitFor(stderr, err)
+	}
+	db, nerr := names.open(d.Tree)
+	if nerr != nil {
+		fmt.Fprintf(stderr, "passage plan: %v\n", nerr)
+		return 2
 	}
 	if *outFile != "" {
 		if serr := saveDecision(d, *outFile); serr != nil {

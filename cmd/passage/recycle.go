@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -21,27 +19,20 @@ import (
 
 // cmdRecycle hands units to the next tenant on a running host (package recycle).
 func cmdRecycle(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("recycle", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("recycle", stderr)
 	root := fs.String("root", "/", "root of the node (/proc, /sys, /dev, /run)")
 	units := fs.String("unit", "", "units to recycle: N or gpuN, comma-separated")
 	profile := fs.String("profile", "", "role profile (default: passage.profile= of /proc/cmdline, else b300)")
-	key := fs.String("key", "/etc/passage/key", "ed25519 key that signs the new generations (and verifies the previous one)")
+	key := fs.String("signing-key", "/etc/passage/key", "the ed25519 private key `FILE` that signs the new generations (and verifies the previous one), read under --root: /etc/passage/key is <root>/etc/passage/key")
+	deprecatedAlias(fs, "key", "signing-key")
 	dir := fs.String("dir", initramfs.RunDir, "directory of the manifest to replace")
 	genFile := fs.String("generation-file", "", "file generation counter, when the node has no TPM")
 	tpm := fs.String("tpm", "auto", "on, off or auto: sign with and count generations in the TPM")
 	policy := fs.String("erase", "require", "auto or require: what a unit not erased, verified and reset ends as")
 	overwrite := fs.Bool("overwrite", false, "allow Sanitize overwrite after every other method (hours on a large drive)")
 	timeout := fs.Duration("timeout", 30*time.Minute, "bound on the whole recycle")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage recycle --unit N[,M...] [flags]\n\nRefuses while a unit's /dev/vfio/<group> is open. Otherwise: a signed generation marking the\nunits not ready, release from vfio-pci, NVMe erase, function resets, vfio-pci again, and a\nsigned generation with the verdicts.")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	var ids []topology.UnitID
 	for _, s := range strings.Split(*units, ",") {

@@ -12,7 +12,7 @@ import (
 	"github.com/passage-boot/passage/topology"
 )
 
-// cmdRender writes a guest for the chosen units. With --manifest it reads the verified
+// cmdRender writes a guest for the chosen units. From a MANIFEST it reads the verified
 // manifest and nothing else (no sysfs, no snapshot): what a hypervisor builds a VM from.
 // Without, it decides on a tree as plan does: planning output for a node not yet booted,
 // said so on stderr. Both give the renderer the same input (hypervisor.Input), so the
@@ -20,13 +20,13 @@ import (
 // 1, reason on stderr, nothing on stdout); --allow-degraded admits degraded ones and
 // names them.
 func cmdRender(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("render", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("render", stderr)
 	var f planFlags
 	f.register(fs)
 	var vf verifyFlags
 	vf.register(fs)
-	manifestFile := fs.String("manifest", "", "render from this signed manifest `FILE` (verified with --pub or --tpm-pub), reading nothing else")
+	var manifestFile string
+	deprecatedFlag(fs, "manifest", "the MANIFEST argument", func(v string) error { manifestFile = v; return nil })
 	format := fs.String("format", "qemu", "qemu (arguments), libvirt (a complete <domain>), libvirt-devices (the <devices> fragment) or nccl-xml (NCCL_TOPO_FILE)")
 	allowDegraded := fs.Bool("allow-degraded", false, "admit degraded units (named on stderr and in the domain's <description>)")
 	var dom topology.DomainOptions
@@ -34,11 +34,19 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&dom.Name, "name", "", "libvirt domain name (default passage-<units>)")
 	fs.IntVar(&dom.VCPUs, "vcpus", 8, "libvirt domain vCPUs (split across NUMA cells with --numa)")
 	fs.IntVar(&dom.MemoryMiB, "memory", 32768, "libvirt domain memory in MiB (split across NUMA cells with --numa)")
-	if err := fs.Parse(args); err != nil {
-		return 2
+	pos, code, ok := parseFlags(fs, args, stdout)
+	if !ok {
+		return code
 	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage render: unexpected argument %q\n", fs.Arg(0))
+	if manifestFile != "" {
+		pos = append([]string{manifestFile}, pos...)
+	}
+	switch len(pos) {
+	case 0:
+	case 1:
+		manifestFile = pos[0]
+	default:
+		fmt.Fprintf(stderr, "passage render: one MANIFEST, not %q\n", pos)
 		return 2
 	}
 	units, err := parseUnits(f.units)
@@ -49,14 +57,14 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
 
 	in := hypervisor.Input{Units: units, NUMA: f.numa, AllowDegraded: *allowDegraded}
-	if *manifestFile != "" {
+	if manifestFile != "" {
 		for _, name := range []string{"root", "snapshot", "lspci-dump", "profile", "ats", "cmdline"} {
 			if set[name] {
-				fmt.Fprintf(stderr, "passage render: --%s reads a tree; --manifest renders from the manifest alone\n", name)
+				fmt.Fprintf(stderr, "passage render: --%s reads a tree; a MANIFEST renders from the manifest alone\n", name)
 				return 2
 			}
 		}
-		ver, code := vf.verify("render", *manifestFile, stderr)
+		ver, code := vf.verify("render", manifestFile, stderr)
 		if ver == nil {
 			return code
 		}
@@ -65,13 +73,13 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 			in.Sources, err = hypervisor.Sources(ver.Manifest)
 		}
 		if err != nil {
-			fmt.Fprintf(stderr, "passage render: %s: REFUSED: %v\n", *manifestFile, err)
+			fmt.Fprintf(stderr, "passage render: %s: REFUSED: %v\n", manifestFile, err)
 			return 1
 		}
 	} else {
 		for _, name := range []string{"pub", "key", "tpm-pub", "min-generation", "boot-id"} {
 			if set[name] {
-				fmt.Fprintf(stderr, "passage render: --%s checks a manifest; give --manifest\n", name)
+				fmt.Fprintf(stderr, "passage render: --%s checks a manifest; give the MANIFEST\n", name)
 				return 2
 			}
 		}
@@ -86,7 +94,7 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return exitFor(stderr, err)
 		}
-		fmt.Fprintln(stderr, "passage render: planning output, decided on a tree: no manifest was verified; a hypervisor renders with --manifest")
+		fmt.Fprintln(stderr, "passage render: planning output, decided on a tree: no manifest was verified; a hypervisor renders from a MANIFEST")
 		in.Sources = topology.SourcesOf(d.Units())
 		if f.src.snapshot == "" && f.src.dump == "" {
 			// The node's CPUs per NUMA node, as the boot records them in the manifest.
@@ -106,8 +114,8 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 		var refused *hypervisor.Refused
 		if errors.As(err, &refused) {
 			from := "tree"
-			if *manifestFile != "" {
-				from = *manifestFile
+			if manifestFile != "" {
+				from = manifestFile
 			}
 			fmt.Fprintf(stderr, "passage render: %s: REFUSED: %v\n", from, refused.Err)
 			return 1

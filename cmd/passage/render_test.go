@@ -133,7 +133,7 @@ func TestRenderFromManifest(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, r := range all {
-		code, fromManifest, errs := runCmd(t, cmdRender, append([]string{"--manifest", n.envelope, "--pub", n.pub}, r.args...)...)
+		code, fromManifest, errs := runCmd(t, cmdRender, append([]string{n.envelope, "--pub", n.pub}, r.args...)...)
 		if code != 0 || errs != "" {
 			t.Fatalf("render --manifest %v: exit %d, stderr %q", r.args, code, errs)
 		}
@@ -145,7 +145,7 @@ func TestRenderFromManifest(t *testing.T) {
 		}
 	}
 	// What the renderings hold, checked against the manifest rather than the renderer.
-	_, dom, _ := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,1", "--numa", "--vcpus", "4", "--memory", "8192")
+	_, dom, _ := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,1", "--numa", "--vcpus", "4", "--memory", "8192")
 	for _, u := range n.m.Units[:2] {
 		for _, f := range u.Functions {
 			var a struct{ d, b, s, f string }
@@ -164,7 +164,7 @@ func TestRenderFromManifest(t *testing.T) {
 		}
 	}
 	// Across sockets: one cell per host node, its vCPUs pinned to that node's CPUs.
-	code, dom2, errs := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,4", "--numa", "--vcpus", "4", "--memory", "8192")
+	code, dom2, errs := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,4", "--numa", "--vcpus", "4", "--memory", "8192")
 	for _, want := range []string{`<cell id="0" cpus="0-1" memory="4096" unit="MiB">`, `<cell id="1" cpus="2-3" memory="4096" unit="MiB">`,
 		`<vcpupin vcpu="1" cpuset="0-63,128-191">`, `<vcpupin vcpu="2" cpuset="64-127,192-255">`, `<memnode cellid="1" mode="strict" nodeset="1">`} {
 		if code != 0 || !strings.Contains(dom2, want) {
@@ -217,13 +217,13 @@ func TestRenderRefusals(t *testing.T) {
 		args []string
 		want string
 	}{
-		{"bad signature", []string{"--manifest", badSigFile, "--pub", n.pub}, "bad signature"},
-		{"wrong key", []string{"--manifest", n.envelope, "--pub", other.pub}, "another key"},
-		{"old generation", []string{"--manifest", n.envelope, "--pub", n.pub, "--min-generation", "2"}, "generation 1"},
-		{"other boot", []string{"--manifest", n.envelope, "--pub", n.pub, "--boot-id", "11111111-2222-3333-4444-555555555555"}, "boot"},
-		{"failed unit", []string{"--manifest", failed.envelope, "--pub", failed.pub, "--units", "0,1"}, "gpu1 is failed"},
-		{"failed unit, degraded allowed", []string{"--manifest", failed.envelope, "--pub", failed.pub, "--units", "1", "--allow-degraded"}, "gpu1 is failed"},
-		{"degraded without the flag", []string{"--manifest", degraded.envelope, "--pub", degraded.pub, "--units", "0"}, "gpu0 is degraded"},
+		{"bad signature", []string{badSigFile, "--pub", n.pub}, "bad signature"},
+		{"wrong key", []string{n.envelope, "--pub", other.pub}, "another key"},
+		{"old generation", []string{n.envelope, "--pub", n.pub, "--min-generation", "2"}, "generation 1"},
+		{"other boot", []string{n.envelope, "--pub", n.pub, "--boot-id", "11111111-2222-3333-4444-555555555555"}, "boot"},
+		{"failed unit", []string{failed.envelope, "--pub", failed.pub, "--units", "0,1"}, "gpu1 is failed"},
+		{"failed unit, degraded allowed", []string{failed.envelope, "--pub", failed.pub, "--units", "1", "--allow-degraded"}, "gpu1 is failed"},
+		{"degraded without the flag", []string{degraded.envelope, "--pub", degraded.pub, "--units", "0"}, "gpu0 is degraded"},
 		{"failed unit from the tree", []string{"--root", failed.root, "--units", "1"}, "gpu1 is failed"},
 	} {
 		for _, format := range []string{"qemu", "libvirt"} {
@@ -238,31 +238,31 @@ func TestRenderRefusals(t *testing.T) {
 	if n.m.Generation != 1 || n.m.GenerationSource != manifest.GenerationFile {
 		t.Fatalf("generation %d from %s, want 1 from the file counter", n.m.Generation, n.m.GenerationSource)
 	}
-	if code, _, errs := runCmd(t, cmdRender, "--manifest", n.envelope, "--pub", n.pub, "--min-generation", "1", "--boot-id", testBootID, "--units", "0"); code != 0 {
+	if code, _, errs := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--min-generation", "1", "--boot-id", testBootID, "--units", "0"); code != 0 {
 		t.Errorf("the right boot: exit %d %s", code, errs)
 	}
 	// Degraded with the flag: rendered, and named.
-	code, out, errs := runCmd(t, cmdRender, "--manifest", degraded.envelope, "--pub", degraded.pub, "--units", "0,1", "--allow-degraded", "--format", "libvirt")
+	code, out, errs := runCmd(t, cmdRender, degraded.envelope, "--pub", degraded.pub, "--units", "0,1", "--allow-degraded", "--format", "libvirt")
 	if code != 0 || !strings.Contains(errs, "gpu0 is degraded") || !strings.Contains(out, "<description>gpu0 is degraded") || strings.Contains(errs, "gpu1") {
 		t.Errorf("degraded with --allow-degraded: exit %d, stderr %q\n%s", code, errs, out)
 	}
-	code, out, errs = runCmd(t, cmdRender, "--manifest", degraded.envelope, "--pub", degraded.pub, "--units", "0", "--allow-degraded", "--format", "qemu")
+	code, out, errs = runCmd(t, cmdRender, degraded.envelope, "--pub", degraded.pub, "--units", "0", "--allow-degraded", "--format", "qemu")
 	if code != 0 || !strings.HasPrefix(out, "# passage: gpu0 is degraded: ") || strings.Count(out, "\n# ") != 0 {
 		t.Errorf("degraded with --allow-degraded, qemu: exit %d, stderr %q\n%s", code, errs, out)
 	}
 	// --units all renders what the verdicts admit: every unit but the failed one, which
 	// it names.
-	code, out, errs = runCmd(t, cmdRender, "--manifest", failed.envelope, "--pub", failed.pub, "--format", "libvirt-devices")
+	code, out, errs = runCmd(t, cmdRender, failed.envelope, "--pub", failed.pub, "--format", "libvirt-devices")
 	if code != 0 || strings.Count(out, "<hostdev ") != 7*4 || !strings.Contains(errs, "leaves out gpu1 (failed)") {
 		t.Errorf("--units all with a failed unit: exit %d, %d hostdevs, want 28; stderr %q", code, strings.Count(out, "<hostdev "), errs)
 	}
 
 	// Usage: tree flags with --manifest, manifest flags without it.
 	for _, args := range [][]string{
-		{"--manifest", n.envelope, "--pub", n.pub, "--root", n.root},
+		{n.envelope, "--pub", n.pub, "--root", n.root},
 		{"--root", n.root, "--pub", n.pub},
-		{"--manifest", n.envelope},
-		{"--manifest", n.envelope, "--pub", n.pub, "--format", "svg"},
+		{n.envelope},
+		{n.envelope, "--pub", n.pub, "--format", "svg"},
 	} {
 		if code, out, _ := runCmd(t, cmdRender, args...); code != 2 || out != "" {
 			t.Errorf("render %v: exit %d, stdout %q; want 2 and nothing", args, code, out)
@@ -360,7 +360,7 @@ func BenchmarkRender(b *testing.B) {
 		name string
 		args []string
 	}{
-		{"manifest", append([]string{"--manifest", n.envelope, "--pub", n.pub}, common...)},
+		{"manifest", append([]string{n.envelope, "--pub", n.pub}, common...)},
 		{"tree", append([]string{"--root", n.root}, common...)},
 	} {
 		b.Run(c.name, func(b *testing.B) {

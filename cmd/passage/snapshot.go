@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -11,25 +10,11 @@ import (
 )
 
 func cmdSnapshot(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("snapshot", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage snapshot -o FILE [--root DIR]")
-		fmt.Fprintln(stderr, "captures exactly the sysfs files a scan reads (config and vpd included, with their links) into a tar.gz;")
-		fmt.Fprintln(stderr, "passage inspect --snapshot FILE reads it back")
-		fs.PrintDefaults()
-	}
+	fs := newFlags("snapshot", stderr)
 	out := fs.String("o", "", "write the snapshot to `FILE` (.tar.gz)")
 	root := fs.String("root", "/", "scan the sysfs tree under `DIR`")
-	if err := fs.Parse(args); err != nil {
-		if err == flag.ErrHelp {
-			return 0
-		}
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage snapshot: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	if *out == "" {
 		fmt.Fprintln(stderr, "passage snapshot: -o FILE is required")

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"path/filepath"
@@ -14,20 +13,13 @@ import (
 // KEY", the file `passage verify --tpm-pub` reads. The key is derived from the owner
 // seed and a fixed template, so this prints the same key on every boot of the node.
 func cmdTPMPubkey(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("tpm-pubkey", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	dev := fs.String("tpm", tpmkey.DefaultDevice, "TPM character device")
-	out := fs.String("o", "", "write the PEM to this file instead of stdout")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage tpm-pubkey [--tpm DEVICE] [-o FILE]")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	if fs.NArg() != 0 {
-		fmt.Fprintf(stderr, "passage tpm-pubkey: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	fs := newFlags("tpm-pubkey", stderr)
+	dev := fs.String("tpm-device", tpmkey.DefaultDevice, "the TPM character `DEVICE`")
+	// --tpm is a choice (on, off, auto) in recycle; here it was the device.
+	deprecatedAlias(fs, "tpm", "tpm-device")
+	out := fs.String("o", "", "write the PEM to `FILE` instead of stdout")
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	k, err := tpmkey.Open(*dev)
 	if err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -32,19 +31,14 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 	if env.sysfs == nil {
 		env.sysfs = func(root string) vfiobind.Sysfs { return vfiobind.Root(root) }
 	}
-	fs := flag.NewFlagSet("unbind", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("unbind", stderr)
 	root := fs.String("root", "/", "root of the sysfs tree to read and write")
 	unit := fs.String("unit", "", "unit to return to its host drivers: N or gpuN (units as passage plan labels them)")
 	profile := fs.String("profile", "b300", "role profile that labels the units: a built-in name or a file")
 	bdfs := fs.String("bdf", "", "comma-separated functions to return instead of a unit (DDDD:BB:DD.F)")
 	asJSON := fs.Bool("json", false, "print the per-function report as JSON")
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "passage unbind: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if code, ok := parseNoArgs(fs, args, stdout); !ok {
+		return code
 	}
 	if (*unit == "") == (*bdfs == "") {
 		fmt.Fprintln(stderr, "passage unbind: give exactly one of --unit or --bdf")

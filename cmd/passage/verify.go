@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -15,31 +14,17 @@ import (
 // and the hypervisor's expectations, then print a summary (or the payload, --json).
 // Exit 1 names the reason a manifest is refused; exit 2 is a usage or file problem.
 func cmdVerify(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("verify", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("verify", stderr)
 	var vf verifyFlags
 	vf.register(fs)
 	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary (with --units: the units document)")
 	unitsView := fs.Bool("units", false, "print the units view: per unit status, reasons, NUMA node, host functions, guest placement (manifest/SCHEMA.md)")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage verify --pub KEY.pub|--tpm-pub FILE [--min-generation N] [--boot-id ID] [--units] [--json] MANIFEST")
-		fmt.Fprintln(stderr, "       passage verify --pub KEY.pub|KEYDIR [--min-generation N] MANIFEST|DIR... (a fleet: in parallel, one line per node)")
-		fs.PrintDefaults()
-	}
-	// Flags may follow the manifest path as well as precede it.
-	var paths []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return 2
-		}
-		if fs.NArg() == 0 {
-			break
-		}
-		paths = append(paths, fs.Arg(0))
-		args = fs.Args()[1:]
+	paths, code, ok := parseFlags(fs, args, stdout)
+	if !ok {
+		return code
 	}
 	if len(paths) == 0 {
-		fs.Usage()
+		fmt.Fprintln(stderr, "passage verify: give a MANIFEST (or a fleet's files and directories); see passage help verify")
 		return 2
 	}
 	if manyPaths(paths) {
@@ -90,10 +75,19 @@ func printUnits(stdout, stderr io.Writer, path string, v *manifest.Verified, asJ
 	return 0
 }
 
+// signedBy names the passage build that signed m; a schema 2 manifest does not say.
+func signedBy(m *manifest.Manifest) string {
+	if m.Build == nil {
+		return fmt.Sprintf("not recorded (schema %d)", m.SchemaVersion)
+	}
+	return m.Build.String()
+}
+
 func printSummary(w io.Writer, path string, v *manifest.Verified) {
 	m := v.Manifest
 	fmt.Fprintf(w, "%s: OK, signed by %s\n", path, v.KeyID)
 	fmt.Fprintf(w, "  payload     %s (schema %d)\n", v.Digest, m.SchemaVersion)
+	fmt.Fprintf(w, "  build       %s\n", signedBy(m))
 	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", orDash(m.Node.Hostname), orDash(m.Node.DMISerial), orDash(m.Node.DMIUUID))
 	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", m.BootID, m.Time.Format("2006-01-02T15:04:05Z07:00"), orDash(m.KernelRelease))
 	fmt.Fprintf(w, "  generation  %d (%s)\n", m.Generation, m.GenerationSource)

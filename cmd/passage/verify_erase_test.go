@@ -23,7 +23,7 @@ func TestVerifyPrintsErase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, BootID: "b", GenerationSource: manifest.GenerationNone, Time: time.Unix(1e9, 0),
+	m := &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, Build: manifest.ThisBuild(), BootID: "b", GenerationSource: manifest.GenerationNone, Time: time.Unix(1e9, 0),
 		Units: []manifest.Unit{{ID: "gpu0", Status: manifest.StatusFailed, Reasons: []string{"erase (require): data remains"},
 			Erase: &manifest.UnitErase{Policy: "require", ResetClears: manifest.ResetClears,
 				NVMe: []manifest.NVMeErase{{BDF: "0000:0a:00.0", Controller: "nvme0", Model: "QEMU NVMe Ctrl", Serial: "unit0nvme",

@@ -16,10 +16,10 @@ type verifyFlags struct {
 }
 
 func (f *verifyFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&f.pub, "pub", "", "public key file of the node's ed25519 key (passage keygen)")
-	// -key is what image/demo.sh was written against; same as --pub.
-	fs.StringVar(&f.pub, "key", "", "same as --pub")
-	fs.StringVar(&f.tpmPub, "tpm-pub", "", "public key file of the node's TPM key (passage tpm-pubkey)")
+	fs.StringVar(&f.pub, "pub", "", "public key `FILE` of the node's ed25519 key (passage keygen), or a directory of a fleet's")
+	// --key means a private key elsewhere (recycle's, once); here it was --pub.
+	deprecatedAlias(fs, "key", "pub")
+	fs.StringVar(&f.tpmPub, "tpm-pub", "", "public key `FILE` of the node's TPM key (passage tpm-pubkey)")
 	fs.StringVar(&f.minGen, "min-generation", "0", "refuse manifests with a lower generation (replay)")
 	fs.StringVar(&f.bootID, "boot-id", "", "refuse manifests of another boot")
 }
@@ -54,6 +54,7 @@ func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Veri
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
 		return nil, 2
 	}
+	kr.sayIgnored(stderr, cmd, keyFile)
 	o := verifyFile(path, kr, opts)
 	switch {
 	case o.failed != nil:

@@ -7,17 +7,22 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/passage-boot/passage/buildinfo"
 	"github.com/passage-boot/passage/manifest"
 )
 
 // BootID is the boot id of the manifests built here.
 const BootID = "6f1c2a4e-8d3b-4c7a-9e15-2b7d0f4a9c31"
 
+// Build is the build the manifests built here name.
+var Build = buildinfo.Info{Version: "v1.4.0", Revision: "3f2a9c1d5e7b8a604f1c2d3e4b5a69788c9d0e1f", GoVersion: "go1.26.0"}
+
 // B300 is a manifest the size of a whole B300 node: 8 units, each a GPU, the two
 // ConnectX-8 PFs and an NVMe, with the bridges' ACS changes and ATS findings.
 func B300(gen uint64) *manifest.Manifest {
 	m := &manifest.Manifest{
 		SchemaVersion: manifest.SchemaVersion,
+		Build:         &Build,
 		Node: manifest.Node{Hostname: "b300-r07-n3", DMISerial: "S3R1AL-0042", DMIUUID: "4c4c4544-0042-3810-8057-b3c04f4b4d32",
 			BoardName: "X14DBG-AP", Vendor: "Supermicro", Product: "SYS-A22GA-NBRT"},
 		BootID:           BootID,

@@ -185,7 +185,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		// Without a boot id the hypervisor cannot match the manifest to this boot, but an
 		// operator still needs it.
 		errs = append(errs, err.Error())
-		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
+		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, Build: manifest.ThisBuild(), GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
 	if cpus, err := record.NUMACPUs(b.Root); err != nil {

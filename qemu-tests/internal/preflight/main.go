@@ -61,7 +61,7 @@ func main() {
 	p := profile()
 	run("preflight-plan", "plan", "--root", "/", "--profile", p, "--json")
 	// The saved plan, as an operator takes it from a reference node for `make uki PLAN=`.
-	run("preflight-saveplan", "plan", "--root", "/", "--profile", p, "--out", filepath.Join(runDir, "preflight-plan.saved.json"))
+	run("preflight-saveplan", "plan", "--root", "/", "--profile", p, "-o", filepath.Join(runDir, "preflight-plan.saved.json"))
 	run("preflight-dryrun", "apply", "--root", "/", "--profile", p, "--dry-run", "--json")
 	// The names the image's pci.ids subset gives (qemu-tests/fleet_qemu_test.go).
 	run("preflight-inspect", "inspect", "--root", "/", "--profile", p, "--json")
