@@ -21,7 +21,13 @@ import (
 
 func b300Decision(t *testing.T, live Live) *Decision {
 	t.Helper()
-	tree, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+	return b300DecisionAt(t, pcitest.New(t, pcitest.B300()).Root, live)
+}
+
+// b300DecisionAt decides on the B300 tree under root.
+func b300DecisionAt(t *testing.T, root string, live Live) *Decision {
+	t.Helper()
+	tree, err := pci.Scan(root)
 	if err != nil {
 		t.Fatal(err)
 	}

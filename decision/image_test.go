@@ -11,7 +11,6 @@ import (
 
 	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/apply/applytest"
-	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/topology"
@@ -63,18 +62,7 @@ func kernelBoot(t *testing.T, drop func(topology.ACSPort) bool, unset func(topol
 // concluded verdicts (binding clean).
 func decideAndRun(t *testing.T, root string, live Live) (*Decision, apply.Report, []Verdict) {
 	t.Helper()
-	tree, err := pci.Scan(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := topology.Builtin("b300")
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := Decide(Input{Tree: tree, Profile: p, Live: live, Erase: erase.PolicyOff})
-	if err != nil {
-		t.Fatal(err)
-	}
+	d := b300DecisionAt(t, root, live)
 	rep, err := d.ExecuteACS(context.Background(), refuseWrites{pci.SysfsConfig{Root: root}, t}, false)
 	if err != nil {
 		t.Fatal(err)
@@ -213,15 +201,7 @@ func TestImagePlanOtherTopology(t *testing.T) {
 func TestImagePlanWithoutLockdown(t *testing.T) {
 	root, _, live := kernelBoot(t, nil, func(p topology.ACSPort) bool { return p.Position == "nic-port" && p.Unit == 0 })
 	live.Lockdown = "none"
-	tree, err := pci.Scan(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, _ := topology.Builtin("b300")
-	d, err := Decide(Input{Tree: tree, Profile: p, Live: live, Erase: erase.PolicyOff})
-	if err != nil {
-		t.Fatal(err)
-	}
+	d := b300DecisionAt(t, root, live)
 	rep, err := d.ExecuteACS(context.Background(), pci.SysfsConfig{Root: root}, false)
 	if err != nil {
 		t.Fatal(err)
