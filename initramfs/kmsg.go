@@ -13,11 +13,12 @@ import (
 // do. Each record reads "passage: ..." at a syslog level of the user facility: err for a
 // line that says failed or emergency, warning for degraded, debug otherwise, so that at
 // the kernel's default console log level (7) only errors and warnings are printed on the
-// console a second time, after passage's own line. Timeline
+// console a second time. Timeline
 // markers and the file blocks of initramfs/emit are left out: they are the QEMU tests'
 // channel, not messages, and would flood the log.
 type Kmsg struct {
 	w       io.Writer
+	settle  func()
 	partial []byte
 	inBlock bool
 }
@@ -32,8 +33,11 @@ func OpenKmsg(root string) (*os.File, error) {
 	return os.OpenFile(filepath.Join(root, "dev", "kmsg"), os.O_WRONLY, 0)
 }
 
-// NewKmsg mirrors lines written to it into w, the opened /dev/kmsg.
-func NewKmsg(w io.Writer) *Kmsg { return &Kmsg{w: w} }
+// NewKmsg mirrors lines written to it into w, the opened /dev/kmsg. settle, when not nil,
+// runs before a record the kernel will echo on the console (err, warning): it waits for
+// the console's own output to drain, since the kernel prints synchronously while the
+// terminal drains passage's lines behind it, and the echo would land inside them.
+func NewKmsg(w io.Writer, settle func()) *Kmsg { return &Kmsg{w: w, settle: settle} }
 
 // Write takes console output and writes every complete line to the kernel log. It never
 // fails: a kernel log that refuses a record must not cost the console its output (a
@@ -79,5 +83,35 @@ func (k *Kmsg) line(l []byte) {
 	case bytes.Contains(msg, []byte("degraded")):
 		level = 4 // LOG_WARNING
 	}
+	if level < 7 && k.settle != nil {
+		k.settle()
+	}
 	fmt.Fprintf(k.w, "<%d>passage: %s\n", user|level, msg)
+}
+
+// KmsgUnlimited lifts the kernel's rate limit on /dev/kmsg writers for the boot
+// (/proc/sys/kernel/printk_devkmsg under root: ratelimit -> on): by default a writer gets
+// a burst of 10 records every 5 s and the rest are dropped, while a boot prints a hundred
+// lines in seconds. restore puts "ratelimit" back before the handoff, so the booted
+// system keeps the kernel's default. "off" (printk.devkmsg=off: no writes from user space
+// at all) is the operator's choice and is left alone, as is "on".
+func KmsgUnlimited(root string) (restore func() error, err error) {
+	p := filepath.Join(root, "proc", "sys", "kernel", "printk_devkmsg")
+	nothing := func() error { return nil }
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return nothing, fmt.Errorf("kmsg: %w", err)
+	}
+	if string(bytes.TrimSpace(b)) != "ratelimit" {
+		return nothing, nil
+	}
+	if err := os.WriteFile(p, []byte("on\n"), 0o644); err != nil {
+		return nothing, fmt.Errorf("kmsg: %w", err)
+	}
+	return func() error {
+		if err := os.WriteFile(p, []byte("ratelimit\n"), 0o644); err != nil {
+			return fmt.Errorf("kmsg: restore printk_devkmsg: %w", err)
+		}
+		return nil
+	}, nil
 }

@@ -2,13 +2,16 @@ package initramfs
 
 import (
 	"bytes"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
 
 func TestKmsg(t *testing.T) {
 	var log bytes.Buffer
-	k := NewKmsg(&log)
+	settled := 0
+	k := NewKmsg(&log, func() { settled++ })
 	console := "passage (devel) (revision unknown, go1.26.0)\n" +
 		"PASSAGE-T uinit-start 3.190\n" +
 		"passage: scan      ok         0.051s  (1 findings, 0 changes)\n" +
@@ -33,10 +36,42 @@ func TestKmsg(t *testing.T) {
 	if log.String() != want {
 		t.Errorf("kmsg records:\n%s\nwant:\n%s", log.String(), want)
 	}
+	if settled != 2 {
+		t.Errorf("the console settled %d times, want before each of the 2 records the kernel echoes", settled)
+	}
 	// A line longer than a record is cut, not lost or split into many.
 	log.Reset()
 	k.Write([]byte("passage: " + strings.Repeat("x", 5000) + "\n"))
 	if n := strings.Count(log.String(), "\n"); n != 1 || len(log.String()) > 1024 {
 		t.Errorf("long line: %d records, %d bytes", n, len(log.String()))
+	}
+}
+
+func TestKmsgUnlimited(t *testing.T) {
+	for _, tt := range []struct{ before, during string }{
+		{"ratelimit\n", "on\n"},
+		{"off\n", "off\n"}, // the operator's printk.devkmsg=off stands
+		{"on\n", "on\n"},
+	} {
+		root := t.TempDir()
+		p := filepath.Join(root, "proc", "sys", "kernel", "printk_devkmsg")
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		os.WriteFile(p, []byte(tt.before), 0o644)
+		restore, err := KmsgUnlimited(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b, _ := os.ReadFile(p); string(b) != tt.during {
+			t.Errorf("%q: during the boot %q, want %q", tt.before, b, tt.during)
+		}
+		if err := restore(); err != nil {
+			t.Fatal(err)
+		}
+		if b, _ := os.ReadFile(p); string(b) != tt.before {
+			t.Errorf("%q: after the restore %q", tt.before, b)
+		}
+	}
+	if _, err := KmsgUnlimited(t.TempDir()); err == nil {
+		t.Error("no printk_devkmsg: no error")
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -658,5 +659,44 @@ func TestScenario5Isolation(t *testing.T) {
 	// The other unit is unaffected.
 	if u := unitWith(m, "0000:09:00.0"); u == nil || u.Status != manifest.StatusReady {
 		t.Errorf("unit with GPU 0000:09:00.0: %+v, want ready", u)
+	}
+}
+
+// TestEmergencyPoweroff: a verdict with a failed unit (a NIC stand-in without ATS under
+// passage.ats=require) takes passage.emergency=poweroff instead of the handoff, after the
+// manifest is signed and written. The handoff asked for is hold: without the emergency
+// the guest would never power off, and the boot would run into its timeout.
+func TestEmergencyPoweroff(t *testing.T) {
+	run, m := bootPassage(t, Options{Topology: Topology{ATSOff: true},
+		Append: []string{"passage.ats=require", "passage.handoff=hold", "passage.emergency=poweroff", "passage.emergency_on=failed"}})
+	bad := unitWith(m, "0000:0f:00.1")
+	if bad == nil || bad.Status != manifest.StatusFailed {
+		t.Fatalf("unit of the NIC without ATS: %+v, want failed", bad)
+	}
+	if run.ExitErr != nil {
+		t.Errorf("QEMU did not end by the guest's power-off: %v", run.ExitErr)
+	}
+	con, err := os.ReadFile(run.Console)
+	if err != nil {
+		t.Fatal(err)
+	}
+	why := "units failed: " + bad.ID + " (passage.emergency_on=failed)"
+	for _, want := range []string{
+		"passage: handoff hold not taken: " + why,
+		"passage: emergency (" + why + "): poweroff (passage.emergency=poweroff)",
+	} {
+		if !strings.Contains(string(con), want) {
+			t.Errorf("console lacks %q; its end:\n%s", want, consoleTail(run.Console, 30))
+		}
+	}
+	if run.Markers["handoff"] < run.Markers["manifest-written"] {
+		t.Errorf("emergency before the manifest: markers %v", run.Markers)
+	}
+	// The kernel log holds passage's lines: at the default console log level the kernel
+	// echoes its err-level records ("[ 26.9] passage: boot failed") after passage's own.
+	for _, l := range []string{"boot failed", "handoff hold not taken: " + why} {
+		if !regexp.MustCompile(`(?m)^\[ *[0-9]+\.[0-9]+\] passage: ` + regexp.QuoteMeta(l) + `$`).Match(con) {
+			t.Errorf("the kernel log did not get %q; the console's end:\n%s", l, consoleTail(run.Console, 30))
+		}
 	}
 }

@@ -60,13 +60,26 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 	}
 	// Every console line into the kernel log too, so the booted system's journal keeps
 	// them; no kernel log (a synthetic root without dev/kmsg) is no error.
+	restoreKmsg := func() error { return nil }
 	if k, err := initramfs.OpenKmsg(*root); err == nil {
 		defer k.Close()
-		console = io.MultiWriter(console, initramfs.NewKmsg(k))
+		settle := func() {
+			for _, f := range ttys {
+				emit.Drain(f)
+			}
+		}
+		console = io.MultiWriter(console, initramfs.NewKmsg(k, settle))
+		if restoreKmsg, err = initramfs.KmsgUnlimited(*root); err != nil {
+			fmt.Fprintf(console, "passage: %v (the kernel log may drop lines)\n", err)
+		}
 	}
 
 	cfg, summary, units := runBoot(*root, *dryRun, console)
 	why := emergencyWhy(cfg, summary, units)
+	// The booted system keeps the kernel's own limit on its /dev/kmsg writers.
+	if err := restoreKmsg(); err != nil {
+		fmt.Fprintf(console, "passage: %v\n", err)
+	}
 	if *noHandoff {
 		if why != "" {
 			fmt.Fprintf(console, "passage: emergency %s would be taken (%s); --no-handoff\n", cfg.Emergency, why)

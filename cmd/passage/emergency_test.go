@@ -50,8 +50,15 @@ func TestBootKmsgAndEmergency(t *testing.T) {
 	if err := os.WriteFile(kmsg, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	devkmsg := filepath.Join(root, "proc", "sys", "kernel", "printk_devkmsg")
+	if err := os.WriteFile(devkmsg, []byte("ratelimit\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	var con, errb bytes.Buffer
 	cmdBoot([]string{"--root", root, "--dry-run", "--no-handoff"}, &con, &errb)
+	if b, _ := os.ReadFile(devkmsg); string(b) != "ratelimit\n" {
+		t.Errorf("printk_devkmsg after the boot: %q, want the kernel's ratelimit back", b)
+	}
 	log, err := os.ReadFile(kmsg)
 	if err != nil {
 		t.Fatal(err)
