@@ -37,7 +37,8 @@ type UnitView struct {
 	// Functions are the unit's host functions in the manifest's order (GPU first).
 	Functions []FunctionView `json:"functions"`
 	// Guest is where the manifest's guest plan (every unit that may be passed through,
-	// flat) puts the unit's functions; null for a unit the plan leaves out.
+	// flat) puts the unit's functions; null for a unit the plan leaves out and for a
+	// failed unit.
 	Guest *GuestView `json:"guest"`
 }
 
@@ -84,7 +85,11 @@ func Units(v *manifest.Verified) (*UnitsDoc, error) {
 	}
 	for _, u := range m.Units {
 		uv := UnitView{ID: u.ID, Status: u.Status, Reasons: append([]string{}, u.Reasons...), NUMANode: u.NUMANode,
-			Functions: []FunctionView{}, Guest: guest[u.ID]}
+			Functions: []FunctionView{}}
+		if u.Status != manifest.StatusFailed {
+			// A plan that lists a failed unit does not make it placeable.
+			uv.Guest = guest[u.ID]
+		}
 		for _, f := range u.Functions {
 			uv.Functions = append(uv.Functions, FunctionView{BDF: f.BDF, Role: f.Role, IOMMUGroup: f.IOMMUGroup, Driver: f.DriverAfter})
 		}

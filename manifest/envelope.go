@@ -102,6 +102,7 @@ var (
 	ErrUnknownSchema   = errors.New("unknown schema version")
 	ErrStaleGeneration = errors.New("generation older than required (replay?)")
 	ErrBootIDMismatch  = errors.New("boot id mismatch")
+	ErrContradiction   = errors.New("payload contradicts itself")
 )
 
 // VerifyError says why a manifest was rejected.
@@ -142,7 +143,8 @@ type Verified struct {
 
 // Verify checks envelope against v and opts and returns the manifest it carries. The
 // order of checks decides which reason is reported: envelope shape, key, signature (or
-// edited payload), schema version, then generation and boot id. The shape includes the
+// edited payload), schema version, the payload's own consistency (Check), then
+// generation and boot id. The shape includes the
 // size (at most MaxEnvelopeSize) and that no object gives a key twice, in the envelope
 // or in the signed payload: JSON parsers disagree on which of two the document means.
 func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) {
@@ -222,6 +224,9 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 	m, err := unmarshal(payload)
 	if err != nil {
 		return nil, verr(ErrMalformed, "payload: %v", err)
+	}
+	if err := Check(m); err != nil {
+		return nil, verr(ErrContradiction, "%s", strings.ReplaceAll(err.Error(), "\n", "; "))
 	}
 	if m.Generation < opts.MinGeneration {
 		return nil, verr(ErrStaleGeneration, "generation %d (%s), required at least %d", m.Generation, m.GenerationSource, opts.MinGeneration)
