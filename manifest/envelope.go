@@ -9,8 +9,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"os"
 	"strings"
 
 	"github.com/secure-systems-lab/go-securesystemslib/dsse"
@@ -282,28 +280,15 @@ const MaxEnvelopeSize = 16 << 20
 const sizeLimit = "16 MiB" // MaxEnvelopeSize, for messages
 
 // ReadEnvelope reads an envelope file for Verify, refusing one larger than
-// MaxEnvelopeSize without reading it: the size is checked on the open file and the read
-// goes through a limit, so a file that grows meanwhile (or a pipe) is caught too. A file
-// over the limit is a *VerifyError of kind ErrMalformed naming the file; a file that
-// cannot be read is the os error.
+// MaxEnvelopeSize without reading it whole, and anything but a regular file (a FIFO, a
+// device) without blocking on it (readRegular). A file over the limit is a *VerifyError
+// of kind ErrMalformed naming the file; a file that cannot be read, or is not a regular
+// file, is an error naming it.
 func ReadEnvelope(path string) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
+	b, err := readRegular(path, MaxEnvelopeSize)
+	var big *errTooLarge
+	if errors.As(err, &big) {
+		return nil, verr(ErrMalformed, "%s: envelope is %s bytes, over the %s limit", path, big.size, sizeLimit)
 	}
-	defer f.Close()
-	tooLarge := func(size string) error {
-		return verr(ErrMalformed, "%s: envelope is %s bytes, over the %s limit", path, size, sizeLimit)
-	}
-	if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() && fi.Size() > MaxEnvelopeSize {
-		return nil, tooLarge(fmt.Sprint(fi.Size()))
-	}
-	b, err := io.ReadAll(io.LimitReader(f, MaxEnvelopeSize+1))
-	if err != nil {
-		return nil, err
-	}
-	if len(b) > MaxEnvelopeSize {
-		return nil, tooLarge("more than " + fmt.Sprint(MaxEnvelopeSize))
-	}
-	return b, nil
+	return b, err
 }

@@ -212,8 +212,9 @@ func ParsePublicKey(b []byte) (*PublicKeyVerifier, error) {
 }
 
 // LoadVerifier reads a public key file (ed25519 from keygen, or P-256 from tpm-pubkey).
+// It reads only a regular file of at most MaxKeyFileSize bytes.
 func LoadVerifier(path string) (*PublicKeyVerifier, error) {
-	b, err := os.ReadFile(path)
+	b, err := readRegular(path, MaxKeyFileSize)
 	if err != nil {
 		return nil, fmt.Errorf("public key %s: %w", path, err)
 	}

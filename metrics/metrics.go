@@ -33,6 +33,9 @@ type Source struct {
 	// Signed says the manifest is a signed one (the boot's signed payload, or one that
 	// passage verify accepted).
 	Signed bool
+	// Signer names the key that signed it (passage verify's words: key ID, key file,
+	// enrolled node; the boot: its signing keys' IDs).
+	Signer string
 	// LiveACS is, when set, each port's ACS Control register as the node holds it now,
 	// in lspci's words (pci.ACSBits.Lspci), by port address: a port whose register no
 	// longer reads what the manifest recorded after the write has drifted. Nil: the
@@ -79,11 +82,11 @@ func Write(w io.Writer, src Source) error {
 		return f
 	}
 
-	info := fam("passage_manifest_info", "The manifest's node, boot, kernel and profile; always 1.")
+	info := fam("passage_manifest_info", "The manifest's node, boot, kernel, profile and signer; always 1.")
 	info.add(1, "hostname", m.Node.Hostname, "dmi_serial", m.Node.DMISerial, "dmi_uuid", m.Node.DMIUUID,
 		"boot_id", m.BootID, "kernel_release", m.KernelRelease, "profile", m.Profile.Name,
 		"profile_digest", m.Profile.Digest, "generation_source", string(m.GenerationSource),
-		"schema_version", strconv.Itoa(m.SchemaVersion))
+		"schema_version", strconv.Itoa(m.SchemaVersion), "signer", src.Signer)
 	signed := 0.0
 	if src.Signed {
 		signed = 1

@@ -35,11 +35,11 @@ func cmdMetrics(args []string, stdout, stderr io.Writer) int {
 		fs.Usage()
 		return 2
 	}
-	v, code := vf.verify("metrics", *file, stderr)
+	v, signer, code := vf.verify("metrics", *file, stderr)
 	if code != 0 {
 		return code
 	}
-	src := metrics.Source{Manifest: v.Manifest, Signed: true}
+	src := metrics.Source{Manifest: v.Manifest, Signed: true, Signer: signer}
 	if *root != "" {
 		tree, err := pci.Scan(*root)
 		if err != nil {

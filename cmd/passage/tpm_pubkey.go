@@ -18,8 +18,10 @@ func cmdTPMPubkey(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	dev := fs.String("tpm", tpmkey.DefaultDevice, "TPM character device")
 	out := fs.String("o", "", "write the PEM to this file instead of stdout")
+	var en enrolFlags
+	en.register(fs)
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage tpm-pubkey [--tpm DEVICE] [-o FILE]")
+		fmt.Fprintln(stderr, "usage: passage tpm-pubkey [--tpm DEVICE] [-o FILE [--enrol [--root DIR] [--enrol-hostname]]]")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -27,6 +29,10 @@ func cmdTPMPubkey(args []string, stdout, stderr io.Writer) int {
 	}
 	if fs.NArg() != 0 {
 		fmt.Fprintf(stderr, "passage tpm-pubkey: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	if en.enrol && *out == "" {
+		fmt.Fprintln(stderr, "passage tpm-pubkey: --enrol writes beside the key file: give -o FILE")
 		return 2
 	}
 	k, err := tpmkey.Open(*dev)
@@ -50,5 +56,5 @@ func cmdTPMPubkey(args []string, stdout, stderr io.Writer) int {
 	}
 	id, _ := k.KeyID()
 	fmt.Fprintf(stdout, "public key %s\nkey id     %s\n", *out, id)
-	return 0
+	return en.write("tpm-pubkey", *out, id, stdout, stderr)
 }

@@ -53,7 +53,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		}
 		return verifyMany(paths, keyFile, vf.tpmPub != "", opts, stdout, stderr)
 	}
-	got, code := vf.verify("verify", paths[0], stderr)
+	got, signer, code := vf.verify("verify", paths[0], stderr)
 	if got == nil {
 		return code
 	}
@@ -65,7 +65,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stdout)
 		return 0
 	}
-	printSummary(stdout, paths[0], got)
+	printSummary(stdout, paths[0], got, signer)
 	return 0
 }
 
@@ -90,9 +90,9 @@ func printUnits(stdout, stderr io.Writer, path string, v *manifest.Verified, asJ
 	return 0
 }
 
-func printSummary(w io.Writer, path string, v *manifest.Verified) {
+func printSummary(w io.Writer, path string, v *manifest.Verified, signer string) {
 	m := v.Manifest
-	fmt.Fprintf(w, "%s: OK, signed by %s\n", path, v.KeyID)
+	fmt.Fprintf(w, "%s: OK, signed by %s\n", path, signer)
 	fmt.Fprintf(w, "  payload     %s (schema %d)\n", v.Digest, m.SchemaVersion)
 	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", orDash(m.Node.Hostname), orDash(m.Node.DMISerial), orDash(m.Node.DMIUUID))
 	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", m.BootID, m.Time.Format("2006-01-02T15:04:05Z07:00"), orDash(m.KernelRelease))

@@ -265,7 +265,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	signers, serr := b.signers(tpm)
 	if len(signers) == 0 {
 		b.Mark("manifest-written")
-		b.writeMetrics(ctx, r, dir, m, false)
+		b.writeMetrics(ctx, r, dir, m, "")
 		return fmt.Errorf("manifest: unsigned (%s written): %w", PayloadName, serr)
 	}
 	if serr != nil {
@@ -274,7 +274,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	signed, err := manifest.WriteSigned(ctx, m, dir, EnvelopeName, tpm.measurer, signers...)
 	if signed == nil {
 		b.Mark("manifest-written")
-		b.writeMetrics(ctx, r, dir, m, false)
+		b.writeMetrics(ctx, r, dir, m, "")
 		return err
 	}
 	b.commit(ctx, func() { b.Signed = signed })
@@ -287,7 +287,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	b.Mark("manifest-written")
 	r.Changef("%s %s generation %d (%s), %d signatures", EnvelopeName, signed.Digest, m.Generation, m.GenerationSource, len(signed.KeyIDs))
-	b.writeMetrics(ctx, r, dir, m, true)
+	b.writeMetrics(ctx, r, dir, m, strings.Join(signed.KeyIDs, " "))
 
 	if outDir != "" {
 		if err := copyFiles(dir, outDir); err != nil {
