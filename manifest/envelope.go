@@ -172,6 +172,10 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 	if len(env.Signatures) == 0 {
 		return nil, verr(ErrBadSignature, "envelope has no signatures")
 	}
+	if len(env.Signatures) > MaxSignatures {
+		// Each candidate costs a signature check: a padded envelope must not cost minutes.
+		return nil, verr(ErrMalformed, "envelope has %d signatures, over the limit of %d", len(env.Signatures), MaxSignatures)
+	}
 	keyID, err := v.KeyID()
 	if err != nil {
 		return nil, fmt.Errorf("manifest: verifier key id: %w", err)
@@ -278,6 +282,11 @@ func validDigest(s string) bool {
 const MaxEnvelopeSize = 16 << 20
 
 const sizeLimit = "16 MiB" // MaxEnvelopeSize, for messages
+
+// MaxSignatures is the most signatures Verify looks at in one envelope. The boot signs
+// with at most two keys (the TPM key and a key file); a few more leave room for
+// re-signing, none for an envelope padded to make the verifier spin.
+const MaxSignatures = 8
 
 // ReadEnvelope reads an envelope file for Verify, refusing one larger than
 // MaxEnvelopeSize without reading it whole, and anything but a regular file (a FIFO, a

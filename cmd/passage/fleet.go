@@ -274,7 +274,7 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 				nodesWithFailed++
 			}
 			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s signed by %s units %d ready %d degraded %d failed%s\n",
-				o.path, orDash(m.Node.Hostname), m.Generation, m.GenerationSource, orDash(m.BootID), filepath.Base(o.key.file),
+				o.path, pr(orDash(m.Node.Hostname)), m.Generation, pr(string(m.GenerationSource)), pr(orDash(m.BootID)), pr(filepath.Base(o.key.file)),
 				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m))
 		}
 	}
@@ -295,7 +295,7 @@ func failedUnits(m *manifest.Manifest) string {
 	var s []string
 	for _, u := range m.Units {
 		if u.Status != manifest.StatusReady {
-			s = append(s, u.ID+"="+u.Status)
+			s = append(s, pr(u.ID)+"="+pr(u.Status))
 		}
 	}
 	if len(s) == 0 {
@@ -304,4 +304,10 @@ func failedUnits(m *manifest.Manifest) string {
 	return ": " + strings.Join(s, " ")
 }
 
-func oneLine(err error) string { return strings.ReplaceAll(err.Error(), "\n", "; ") }
+// oneLine is an error for one line of output: its lines joined, and nothing in it a
+// terminal would act on (manifest.Printable).
+func oneLine(err error) string { return pr(strings.ReplaceAll(err.Error(), "\n", "; ")) }
+
+// pr is manifest.Printable: every string a payload or a file name brings is printed
+// through it.
+func pr(s string) string { return manifest.Printable(s) }

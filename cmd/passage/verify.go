@@ -92,12 +92,12 @@ func printUnits(stdout, stderr io.Writer, path string, v *manifest.Verified, asJ
 
 func printSummary(w io.Writer, path string, v *manifest.Verified, signer string) {
 	m := v.Manifest
-	fmt.Fprintf(w, "%s: OK, signed by %s\n", path, signer)
+	fmt.Fprintf(w, "%s: OK, signed by %s\n", pr(path), pr(signer))
 	fmt.Fprintf(w, "  payload     %s (schema %d)\n", v.Digest, m.SchemaVersion)
-	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", orDash(m.Node.Hostname), orDash(m.Node.DMISerial), orDash(m.Node.DMIUUID))
-	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", m.BootID, m.Time.Format("2006-01-02T15:04:05Z07:00"), orDash(m.KernelRelease))
-	fmt.Fprintf(w, "  generation  %d (%s)\n", m.Generation, m.GenerationSource)
-	fmt.Fprintf(w, "  profile     %s %s\n", orDash(m.Profile.Name), m.Profile.Digest)
+	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", pr(orDash(m.Node.Hostname)), pr(orDash(m.Node.DMISerial)), pr(orDash(m.Node.DMIUUID)))
+	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", pr(m.BootID), m.Time.Format("2006-01-02T15:04:05Z07:00"), pr(orDash(m.KernelRelease)))
+	fmt.Fprintf(w, "  generation  %d (%s)\n", m.Generation, pr(string(m.GenerationSource)))
+	fmt.Fprintf(w, "  profile     %s %s\n", pr(orDash(m.Profile.Name)), pr(m.Profile.Digest))
 	count := map[string]int{}
 	for _, u := range m.Units {
 		count[u.Status]++
@@ -107,21 +107,21 @@ func printSummary(w io.Writer, path string, v *manifest.Verified, signer string)
 	for _, u := range m.Units {
 		bdfs := make([]string, 0, len(u.Functions))
 		for _, f := range u.Functions {
-			bdfs = append(bdfs, f.BDF+"="+f.Role)
+			bdfs = append(bdfs, pr(f.BDF+"="+f.Role))
 		}
-		fmt.Fprintf(w, "    %-8s %-8s numa %d  %s\n", u.ID, u.Status, u.NUMANode, strings.Join(bdfs, " "))
+		fmt.Fprintf(w, "    %-8s %-8s numa %d  %s\n", pr(u.ID), pr(u.Status), u.NUMANode, strings.Join(bdfs, " "))
 		for _, r := range u.Reasons {
-			fmt.Fprintf(w, "             %s\n", r)
+			fmt.Fprintf(w, "             %s\n", pr(r))
 		}
 		printErase(w, u.Erase)
 	}
 	for _, s := range m.Stages {
 		if s.Status != "ok" {
-			fmt.Fprintf(w, "  stage %s: %s\n", s.Name, s.Status)
+			fmt.Fprintf(w, "  stage %s: %s\n", pr(s.Name), pr(s.Status))
 		}
 	}
 	for _, e := range m.Errors {
-		fmt.Fprintf(w, "  error: %s\n", e)
+		fmt.Fprintf(w, "  error: %s\n", pr(e))
 	}
 }
 
