@@ -163,6 +163,9 @@ func Write(w io.Writer, src Source) error {
 		}
 		fmt.Fprintf(bw, "# HELP %s %s\n# TYPE %s gauge\n", f.name, escapeHelp(f.help), f.name)
 		lines := make([]string, 0, len(f.samples))
+		// A series given twice (a unit, function or stage the manifest lists twice)
+		// makes the whole exposition invalid to a Pushgateway: the first one stands.
+		seen := make(map[string]bool, len(f.samples))
 		for _, s := range f.samples {
 			var b strings.Builder
 			b.WriteString(f.name)
@@ -176,6 +179,10 @@ func Write(w io.Writer, src Source) error {
 				}
 				b.WriteByte('}')
 			}
+			if seen[b.String()] {
+				continue
+			}
+			seen[b.String()] = true
 			b.WriteByte(' ')
 			b.WriteString(formatValue(s.value))
 			lines = append(lines, b.String())
@@ -197,9 +204,10 @@ func b2f(b bool) float64 {
 }
 
 // escapeLabel escapes a label value as the text format requires: backslash, double quote
-// and line feed.
+// and line feed; bytes that are not UTF-8 (which the format does not admit) become
+// U+FFFD.
 func escapeLabel(s string) string {
-	return strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`).Replace(s)
+	return strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`).Replace(strings.ToValidUTF8(s, "\uFFFD"))
 }
 
 // escapeHelp escapes a HELP text: backslash and line feed.
