@@ -169,7 +169,15 @@ func (g *Guest) numaCells(d *lvDomain, opt DomainOptions) error {
 	if d.CPU == nil {
 		d.CPU = &lvCPU{}
 	}
-	nt := &lvNUMATune{Memory: lvNUMAMemory{Mode: "strict", NodeSet: nodeSet(host)}}
+	// A unit whose host node the platform does not say (numa_node -1) still gets its
+	// guest cell, but nothing binds the cell's memory: "-1" is no libvirt nodeset.
+	var known []int
+	for _, h := range host {
+		if h >= 0 {
+			known = append(known, h)
+		}
+	}
+	nt := &lvNUMATune{Memory: lvNUMAMemory{Mode: "strict", NodeSet: nodeSet(known)}}
 	var pins []lvVCPUPin
 	first, mem := 0, opt.MemoryMiB
 	for c := 0; c < n; c++ {
@@ -184,6 +192,10 @@ func (g *Guest) numaCells(d *lvDomain, opt DomainOptions) error {
 		mem -= m
 		d.CPU.Cells = append(d.CPU.Cells, lvCell{ID: c, CPUs: cpuRange(first, first+cpus-1), Memory: m, Unit: "MiB"})
 		cell := c
+		if host[c] < 0 {
+			first += cpus
+			continue
+		}
 		nt.MemNodes = append(nt.MemNodes, lvNUMAMemory{CellID: &cell, Mode: "strict", NodeSet: fmt.Sprint(host[c])})
 		if set := opt.HostCPUs[host[c]]; set != "" {
 			for v := first; v < first+cpus; v++ {
@@ -192,7 +204,9 @@ func (g *Guest) numaCells(d *lvDomain, opt DomainOptions) error {
 		}
 		first += cpus
 	}
-	d.NUMATune = nt
+	if len(known) > 0 {
+		d.NUMATune = nt
+	}
 	if len(pins) > 0 {
 		d.CPUTune = &lvCPUTune{Pins: pins}
 	}
