@@ -1,6 +1,7 @@
 // Package recycle hands a unit from one tenant to the next on a running host, between
 // two VMs, without a reboot: it refuses while anything holds the unit's
-// /dev/vfio/<group> open, records the unit as not ready in a new signed manifest
+// /dev/vfio/<group> or a function's /dev/vfio/devices/vfioN open, and without a
+// generation counter; it records the unit as not ready in a new signed manifest
 // generation, releases it from vfio-pci, erases its NVMe and resets its functions
 // (package erase), binds it back, and records the verdict (package decision) in a
 // further generation. A crash midway leaves the unit off vfio-pci with the last
@@ -70,8 +71,8 @@ type Result struct {
 	Completed bool
 }
 
-// ErrHeld is returned when a unit's group is open: nothing was written.
-var ErrHeld = errors.New("a unit's vfio group is held open")
+// ErrHeld is returned when a unit's group or device cdev is open: nothing was written.
+var ErrHeld = errors.New("a unit's vfio group or device is held open")
 
 func (o *Options) logf(format string, a ...any) {
 	if o.Log != nil {
@@ -79,8 +80,17 @@ func (o *Options) logf(format string, a ...any) {
 	}
 }
 
+// ErrNoCounter is returned when no generation counter is given: nothing was written. A
+// generation of 0 (source none) is below any --min-generation a hypervisor holds, so it
+// would never see the not-ready generation, and would keep trusting the last ready one
+// while the unit is erased.
+var ErrNoCounter = errors.New("no generation counter (a TPM NV counter, or a generation file the operator names)")
+
 // Run recycles the units. The error is for what stopped it; Result says how far it got.
 func Run(ctx context.Context, o Options) (*Result, error) {
+	if len(o.Counters) == 0 {
+		return &Result{}, ErrNoCounter
+	}
 	if o.Policy == "" {
 		o.Policy = erase.PolicyRequire
 	}
@@ -107,6 +117,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	res.Decision = d
 	var units []*topology.Unit
 	var groups []int
+	var fns []*pci.Device
 	for _, id := range o.Units {
 		u := d.Labels.Unit(id)
 		if u == nil {
@@ -116,10 +127,11 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 		for _, f := range u.Functions() {
 			if f != nil {
 				groups = append(groups, f.IOMMUGroup)
+				fns = append(fns, f)
 			}
 		}
 	}
-	hs, herr := Holders(o.Root, groups)
+	hs, herr := Holders(o.Root, groups, fns)
 	if len(hs) > 0 {
 		res.Refusal = hs
 		return res, fmt.Errorf("%w: %s", ErrHeld, hs[0])
@@ -154,7 +166,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	}
 	// Again, now that the signed generation says not ready: a VM started in between
 	// holds the group, and unbinding vfio-pci under it would block until it let go.
-	if hs, err := Holders(o.Root, groups); len(hs) > 0 || err != nil {
+	if hs, err := Holders(o.Root, groups, fns); len(hs) > 0 || err != nil {
 		res.Refusal = hs
 		if err == nil {
 			err = fmt.Errorf("%w: %s", ErrHeld, hs[0])
@@ -306,10 +318,11 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifes
 		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode})
 	}
 	gen, src, gerr := manifest.NextGeneration(o.Counters...)
-	m.Generation, m.GenerationSource = gen, src
-	if gerr != nil {
-		m.Errors = append(m.Errors, gerr.Error())
+	if gerr != nil || src == manifest.GenerationNone {
+		// Not signed at all rather than signed as generation 0 (ErrNoCounter).
+		return m, nil, fmt.Errorf("%w: %v", ErrNoCounter, gerr)
 	}
+	m.Generation, m.GenerationSource = gen, src
 	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
 		return nil, nil, err
 	}

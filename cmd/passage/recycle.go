@@ -28,13 +28,13 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 	profile := fs.String("profile", "", "role profile (default: passage.profile= of /proc/cmdline, else b300)")
 	key := fs.String("key", "/etc/passage/key", "ed25519 key that signs the new generations (and verifies the previous one)")
 	dir := fs.String("dir", initramfs.RunDir, "directory of the manifest to replace")
-	genFile := fs.String("generation-file", "", "file generation counter, when the node has no TPM")
+	genFile := fs.String("generation-file", "", "file generation counter, when the node has no TPM (without a TPM counter or this, recycle refuses)")
 	tpm := fs.String("tpm", "auto", "on, off or auto: sign with and count generations in the TPM")
 	policy := fs.String("erase", "require", "auto or require: what a unit not erased, verified and reset ends as")
 	overwrite := fs.Bool("overwrite", false, "allow Sanitize overwrite after every other method (hours on a large drive)")
 	timeout := fs.Duration("timeout", 30*time.Minute, "bound on the whole recycle")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: passage recycle --unit N[,M...] [flags]\n\nRefuses while a unit's /dev/vfio/<group> is open. Otherwise: a signed generation marking the\nunits not ready, release from vfio-pci, NVMe erase, function resets, vfio-pci again, and a\nsigned generation with the verdicts.")
+		fmt.Fprintln(stderr, "usage: passage recycle --unit N[,M...] [flags]\n\nRefuses while a unit's /dev/vfio/<group> or /dev/vfio/devices/vfioN is open, and\nwithout a generation counter (the TPM's, or --generation-file). Otherwise: a signed generation marking the\nunits not ready, release from vfio-pci, NVMe erase, function resets, vfio-pci again, and a\nsigned generation with the verdicts.")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
