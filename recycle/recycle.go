@@ -232,6 +232,79 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	return res, nil
 }
 
+// Withdraw is unbind's half of a recycle: before functions are handed back to host
+// drivers, it refuses while anything holds the groups or device cdevs of the units that
+// hold any of addrs (ErrHeld), then writes a signed generation in which those units are
+// failed with reason, every other unit carried from the previous manifest: the last
+// signed word on the node never says ready for a unit off vfio-pci. It returns that
+// generation's manifest; nothing is released here.
+func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string) (*manifest.Manifest, error) {
+	if len(o.Counters) == 0 {
+		return nil, ErrNoCounter
+	}
+	if o.Root == "" {
+		o.Root = "/"
+	}
+	tree, err := pci.Scan(o.Root)
+	if err != nil {
+		return nil, err
+	}
+	prof, err := topology.LoadProfile(o.Profile)
+	if err != nil {
+		return nil, err
+	}
+	live, _ := decision.ReadLive(o.Root)
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live})
+	if err != nil {
+		return nil, err
+	}
+	want := map[pci.Address]bool{}
+	for _, a := range addrs {
+		want[a] = true
+	}
+	var ids []topology.UnitID
+	var groups []int
+	var fns []*pci.Device
+	for _, u := range d.Units() {
+		var mine bool
+		for _, f := range u.Functions() {
+			mine = mine || (f != nil && want[f.Addr])
+		}
+		if !mine {
+			continue
+		}
+		ids = append(ids, u.ID)
+		for _, f := range u.Functions() {
+			if f != nil {
+				groups = append(groups, f.IOMMUGroup)
+				fns = append(fns, f)
+			}
+		}
+	}
+	for _, a := range addrs {
+		if f := tree.Lookup(a); f != nil {
+			groups = append(groups, f.IOMMUGroup)
+			fns = append(fns, f)
+		}
+	}
+	hs, herr := Holders(o.Root, groups, fns)
+	if len(hs) > 0 {
+		return nil, fmt.Errorf("%w: %s", ErrHeld, hs[0])
+	}
+	if herr != nil {
+		return nil, fmt.Errorf("cannot tell whether the unit's vfio group or device is in use: %w", herr)
+	}
+	if len(ids) == 0 {
+		return nil, nil // no unit's function: nothing a manifest vouches for
+	}
+	pending := map[topology.UnitID]decision.Verdict{}
+	for _, v := range d.Unvouched(ids, reason) {
+		pending[v.Unit] = v
+	}
+	m, _, err := o.write(ctx, d, o.previous(), pending, nil, nil, nil)
+	return m, err
+}
+
 func (o *Options) step(name string) error {
 	if o.Crash != nil {
 		return o.Crash(name)
