@@ -220,7 +220,14 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	if tpm.closer != nil {
 		defer tpm.closer.Close()
 	}
-	outDir, unmount, err := b.mountOut()
+	outDir, unmount, err := "", func() error { return nil }, error(nil)
+	if b.DryRun {
+		if b.Config.Out.Device != "" {
+			r.Findingf("dry run: passage.out %s left alone (not mounted, no generation counted on it)", b.Config.Out)
+		}
+	} else {
+		outDir, unmount, err = b.mountOut()
+	}
 	if err != nil {
 		errs = append(errs, err.Error())
 		r.Degrade("%v", err)
@@ -416,6 +423,12 @@ func (b *Boot) openTPM(r *stages.Result) bootTPM {
 	t := bootTPM{signer: s, measurer: m}
 	t.counter, _ = s.(manifest.Counter)
 	t.closer, _ = s.(io.Closer)
+	if b.DryRun {
+		// A dry run leaves the TPM's state as it found it: no generation counted, no
+		// PCR extended. The key still signs (that changes nothing in the TPM).
+		t.counter, t.measurer = nil, nil
+		r.Findingf("dry run: the TPM key signs; no NV counter increment, no PCR extend")
+	}
 	return t
 }
 

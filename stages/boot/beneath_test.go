@@ -1,0 +1,59 @@
+package boot
+
+import (
+	"testing"
+
+	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/stages"
+)
+
+// countingTPM is a TPM key that counts what a dry run must not do: NV counter
+// increments and PCR extends. It signs with an ed25519 key.
+type countingTPM struct {
+	*manifest.Ed25519Signer
+	next, extends int
+}
+
+func (c *countingTPM) Next() (uint64, error)           { c.next++; return 7, nil }
+func (*countingTPM) Source() manifest.GenerationSource { return manifest.GenerationTPMNV }
+func (*countingTPM) PCR() int                          { return 13 }
+func (*countingTPM) Banks() []string                   { return []string{"sha256"} }
+func (c *countingTPM) Extend(map[string][]byte) error  { c.extends++; return nil }
+
+// A dry run signs its manifest but leaves the TPM and passage.out as it found them: no
+// counter increment, no PCR extend, nothing mounted; the manifest says generation 0.
+func TestDryRunTouchesNoCounterPCROrOut(t *testing.T) {
+	for _, early := range []bool{false, true} {
+		root, _ := signingNode(t)
+		s, err := manifest.LoadSigner(root + "/etc/passage/passage.key")
+		if err != nil {
+			t.Fatal(err)
+		}
+		tpm := &countingTPM{Ed25519Signer: s}
+		mounts := 0
+		b := &Boot{Root: root, DryRun: true,
+			OpenTPM: func(string) (manifest.Signer, manifest.Measurer, error) { return tpm, tpm, nil },
+			Mount:   func(dev, dir string) (func() error, error) { mounts++; return func() error { return nil }, nil },
+			Config:  initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key passage.out=/dev/hostdisk:/p")}
+		if early {
+			b.StartTPM()
+		}
+		rs, _ := run(t, b, "scan", "decide", "manifest")
+		if mr := rs[2]; mr.Status == stages.Failed {
+			t.Fatalf("manifest %s %v %v", mr.Status, mr.Err, mr.Findings)
+		}
+		if tpm.next != 0 || tpm.extends != 0 || mounts != 0 {
+			t.Errorf("StartTPM %v: dry run: %d counter increments, %d PCR extends, %d mounts", early, tpm.next, tpm.extends, mounts)
+		}
+		if b.Manifest == nil {
+			t.Fatalf("StartTPM %v: no manifest", early)
+		}
+		if b.Manifest.Generation != 0 || b.Manifest.GenerationSource != manifest.GenerationNone {
+			t.Errorf("StartTPM %v: dry run manifest generation %d (%s), want 0 (none)", early, b.Manifest.Generation, b.Manifest.GenerationSource)
+		}
+		if b.Signed == nil || len(b.Signed.KeyIDs) != 2 {
+			t.Errorf("StartTPM %v: dry run signed %+v, want by the TPM key and the key file", early, b.Signed)
+		}
+	}
+}
