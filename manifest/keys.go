@@ -179,6 +179,11 @@ func LoadSigner(path string) (*Ed25519Signer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("private key %s: %w", path, err)
 	}
+	return ParseSigner(path, b)
+}
+
+// ParseSigner decodes the private key file bytes b (read from path, named in errors).
+func ParseSigner(path string, b []byte) (*Ed25519Signer, error) {
 	blk, _ := pem.Decode(b)
 	if blk == nil || blk.Type != "PRIVATE KEY" {
 		return nil, fmt.Errorf("private key %s: no PEM \"PRIVATE KEY\" block", path)

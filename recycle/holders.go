@@ -74,6 +74,10 @@ func Holders(root string, groups []int, fns []*pci.Device) ([]Holder, error) {
 		return nil, errors.Join(errs...)
 	}
 	procs, err := os.ReadDir(filepath.Join(root, "proc"))
+	if errors.Is(err, os.ErrNotExist) {
+		// A tree without /proc runs no process (a node always has one).
+		return nil, errors.Join(errs...)
+	}
 	if err != nil {
 		return nil, err
 	}

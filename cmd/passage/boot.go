@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"syscall"
 
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/emit"
@@ -91,17 +92,23 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	}
 
 	b := &boot.Boot{Root: root, Config: cfg, DryRun: dryRun, Console: console}
-	runDir := b.RunDir()
 	var logw io.Writer
-	if err := os.MkdirAll(runDir, 0o755); err != nil {
-		fmt.Fprintf(console, "passage: %s: %v\n", runDir, err)
+	if _, err := boot.Beneath(root, initramfs.RunDir); err != nil {
+		fmt.Fprintf(console, "passage: %v\n", err)
 	}
-	logPath := filepath.Join(root, cfg.Log)
-	if f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err != nil {
-		fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
-	} else {
-		defer f.Close()
-		logw = f
+	// passage.log= is the tree's word: its directory beneath the root, the file itself
+	// not a link.
+	logDir, err := boot.Beneath(root, filepath.Dir(filepath.Clean("/"+cfg.Log)))
+	if err == nil {
+		var f *os.File
+		f, err = os.OpenFile(filepath.Join(logDir, filepath.Base(cfg.Log)), os.O_CREATE|os.O_WRONLY|os.O_APPEND|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0o644)
+		if err == nil {
+			defer f.Close()
+			logw = f
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(console, "passage: log %s: %v\n", cfg.Log, err)
 	}
 
 	// The TPM's slow start (key creation, counter increment) overlaps the PCIe stages.
@@ -116,7 +123,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	stages.WriteUnitTable(console, units)
 	if logw != nil {
 		if err := stages.WriteUnitsJSON(logw, units); err != nil {
-			fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
+			fmt.Fprintf(console, "passage: log %s: %v\n", cfg.Log, err)
 		}
 	}
 	summary = stages.Summary(results, units)
@@ -137,7 +144,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
-		if err := emit.Dir(console, runDir); err != nil {
+		if err := emit.Dir(console, b.RunDir()); err != nil {
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 		emit.Done(console, string(summary))

@@ -4,12 +4,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"path/filepath"
 
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/recycle"
+	"github.com/passage-boot/passage/stages/boot"
 )
 
 // recordFlags say how recycle and unbind sign the manifest generations they write: the
@@ -29,8 +29,18 @@ func (f *recordFlags) register(fs *flag.FlagSet) {
 // releases the TPM; code is the exit status when they cannot be had (after saying why).
 func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writer) (done func(), code int) {
 	done = func() {}
-	o.Dir = filepath.Join(root, f.dir)
-	s, err := manifest.LoadSigner(filepath.Join(root, f.key))
+	// Both beneath the root: a link in the tree leads nowhere outside it.
+	dir, err := boot.Beneath(root, f.dir)
+	if err != nil {
+		fmt.Fprintf(stderr, "passage %s: --dir: %v\n", cmd, err)
+		return done, 2
+	}
+	o.Dir = dir
+	data, err := boot.ReadBeneath(root, f.key, manifest.MaxKeyFileSize)
+	var s *manifest.Ed25519Signer
+	if err == nil {
+		s, err = manifest.ParseSigner(f.key, data)
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
 		return done, 2

@@ -1,6 +1,10 @@
 package boot
 
 import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/passage-boot/passage/initramfs"
@@ -55,5 +59,52 @@ func TestDryRunTouchesNoCounterPCROrOut(t *testing.T) {
 		if b.Signed == nil || len(b.Signed.KeyIDs) != 2 {
 			t.Errorf("StartTPM %v: dry run signed %+v, want by the TPM key and the key file", early, b.Signed)
 		}
+	}
+}
+
+// passage.out's mount point and device come from the tree: a mount point that is a
+// link out of the root is refused (nothing is mounted over a directory outside it), and
+// a device link that leads out of the root too.
+func TestOutMountStaysBeneathRoot(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		setup func(root, outside string)
+		want  string
+	}{
+		{"mount point is a link out", func(root, outside string) {
+			os.MkdirAll(filepath.Join(root, "run"), 0o755)
+			os.Symlink(outside, filepath.Join(root, "run/passage-out"))
+		}, "mount point"},
+		{"device is a link out", func(root, outside string) {
+			os.MkdirAll(filepath.Join(root, "dev"), 0o755)
+			os.Symlink("../../../../../../../../../../.."+outside+"/disk", filepath.Join(root, "dev/hostdisk"))
+		}, "leads out of"},
+		{"device is a regular file", func(root, outside string) {
+			os.MkdirAll(filepath.Join(root, "dev"), 0o755)
+			os.WriteFile(filepath.Join(root, "dev/hostdisk"), nil, 0o644)
+		}, "not a block device"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root, _ := signingNode(t)
+			outside := t.TempDir()
+			tc.setup(root, outside)
+			var mounted []string
+			b := &Boot{Root: root,
+				Mount: func(dev, dir string) (func() error, error) {
+					mounted = append(mounted, dev+" on "+dir)
+					return func() error { return nil }, nil
+				},
+				Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=off passage.key=/etc/passage/passage.key passage.out=/dev/hostdisk:/p")}
+			rs, _ := run(t, b, "scan", "decide", "manifest")
+			if len(mounted) != 0 {
+				t.Errorf("mounted %q", mounted)
+			}
+			if mr := rs[2]; !strings.Contains(fmt.Sprint(mr.Err, mr.Findings), tc.want) {
+				t.Errorf("manifest %s %v %q, want it to say %q", mr.Status, mr.Err, mr.Findings, tc.want)
+			}
+			if ents, _ := os.ReadDir(outside); len(ents) != 0 {
+				t.Errorf("written outside the root: %v", ents)
+			}
+		})
 	}
 }
