@@ -37,7 +37,7 @@ func (f *fakeSystem) sys() System {
 		Getpid:   func() int { return f.pid },
 		Sync:     func() { f.log("sync") },
 		PowerOff: func() error { f.log("poweroff"); return f.powerErr },
-		FindRoot: func(spec string, wait time.Duration) (string, error) {
+		FindRoot: func(spec string, wait time.Duration, _ []string) (string, error) {
 			f.log("find " + spec + " " + wait.String())
 			if f.findErr != nil {
 				return "", f.findErr

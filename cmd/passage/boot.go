@@ -48,7 +48,7 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 
-	cfg, summary := runBoot(*root, *dryRun, console)
+	cfg, summary, notRoot := runBoot(*root, *dryRun, console)
 	if *noHandoff {
 		if summary == stages.Failed {
 			return 1
@@ -63,13 +63,15 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 			emit.Drain(f)
 		}
 	}
-	initramfs.Do(cfg, initramfs.LinuxSystem(), console)
+	sys := initramfs.LinuxSystem()
+	sys.NotRoot = notRoot
+	initramfs.Do(cfg, sys, console)
 	return 0 // not reached: Do never returns
 }
 
 // runBoot does everything before the handoff. A panic outside the runner (which recovers
 // its stages' own) still ends in a handoff, with the run counted as failed.
-func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status) {
+func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status, notRoot []string) {
 	cfg = initramfs.Defaults()
 	summary = stages.Failed
 	defer func() {
@@ -152,5 +154,5 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 	}
-	return cfg, summary
+	return cfg, summary, b.PassthroughAddrs()
 }
