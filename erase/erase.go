@@ -148,9 +148,7 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 	if err != nil {
 		return fail(err)
 	}
-	for _, n := range inactive {
-		r.NS = append(r.NS, n)
-	}
+	r.NS = append(r.NS, inactive...)
 
 	var methods []Method
 	if id.SANICAP&SANICAPCES != 0 {

@@ -43,7 +43,9 @@ func TestPublishFollowsNoRedirect(t *testing.T) {
 			p := PublishPolicy{Tries: 3, PerTry: time.Second, Pool: &entropytest.NotReady{}, Sleep: func(context.Context, time.Duration) error { return nil }}
 			for verb, send := range map[string]func() ([]Attempt, error){
 				"publish": func() ([]Attempt, error) { return Publish(context.Background(), nil, src.URL, []byte("envelope"), p) },
-				"put":     func() ([]Attempt, error) { return Put(context.Background(), nil, src.URL, "text/plain", []byte("metrics"), p) },
+				"put": func() ([]Attempt, error) {
+					return Put(context.Background(), nil, src.URL, "text/plain", []byte("metrics"), p)
+				},
 			} {
 				att, err := send()
 				if err == nil || len(att) != 1 || att[0].Status != code ||
