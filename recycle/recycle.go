@@ -98,19 +98,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 		o.Root = "/"
 	}
 	res := &Result{}
-	tree, err := pci.Scan(o.Root)
-	if err != nil {
-		return res, err
-	}
-	prof, err := topology.LoadProfile(o.Profile)
-	if err != nil {
-		return res, err
-	}
-	live, lerr := decision.ReadLive(o.Root)
-	if lerr != nil {
-		o.logf("kernel state: %v", lerr)
-	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live})
+	tree, live, d, err := o.decide()
 	if err != nil {
 		return res, err
 	}
@@ -245,16 +233,7 @@ func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string
 	if o.Root == "" {
 		o.Root = "/"
 	}
-	tree, err := pci.Scan(o.Root)
-	if err != nil {
-		return nil, err
-	}
-	prof, err := topology.LoadProfile(o.Profile)
-	if err != nil {
-		return nil, err
-	}
-	live, _ := decision.ReadLive(o.Root)
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live})
+	tree, _, d, err := o.decide()
 	if err != nil {
 		return nil, err
 	}
@@ -303,6 +282,24 @@ func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string
 	}
 	m, _, err := o.write(ctx, d, o.previous(), pending, nil, nil, nil)
 	return m, err
+}
+
+// decide scans the node and decides on it as the boot did (decision.Decide).
+func (o *Options) decide() (*pci.Tree, decision.Live, *decision.Decision, error) {
+	tree, err := pci.Scan(o.Root)
+	if err != nil {
+		return nil, decision.Live{}, nil, err
+	}
+	prof, err := topology.LoadProfile(o.Profile)
+	if err != nil {
+		return nil, decision.Live{}, nil, err
+	}
+	live, lerr := decision.ReadLive(o.Root)
+	if lerr != nil {
+		o.logf("kernel state: %v", lerr)
+	}
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live})
+	return tree, live, d, err
 }
 
 func (o *Options) step(name string) error {

@@ -19,10 +19,7 @@ import (
 // path returned resolves to what was made. On a node root is "/".
 func Beneath(root, rel string) (string, error) {
 	clean := filepath.Clean("/" + rel)
-	if root == "" {
-		root = "/"
-	}
-	r, err := os.OpenRoot(root)
+	root, r, err := openRoot(root)
 	if err != nil {
 		return "", err
 	}
@@ -80,10 +77,7 @@ func ReadBeneath(root, rel string, max int64) ([]byte, error) {
 // openBeneath opens the regular file rel beneath root for reading without blocking on a
 // FIFO: a link may lead elsewhere in the tree, never out of it (os.Root).
 func openBeneath(root, rel string) (*os.File, error) {
-	if root == "" {
-		root = "/"
-	}
-	r, err := os.OpenRoot(root)
+	root, r, err := openRoot(root)
 	if err != nil {
 		return nil, err
 	}
@@ -106,10 +100,7 @@ func openBeneath(root, rel string) (*os.File, error) {
 // deviceBeneath is the device node rel beneath root as a path mount(2) may be given: the
 // links to it resolved, each within root, and the node itself a block device.
 func deviceBeneath(root, rel string) (string, error) {
-	if root == "" {
-		root = "/"
-	}
-	r, err := os.OpenRoot(root)
+	root, r, err := openRoot(root)
 	if err != nil {
 		return "", err
 	}
@@ -166,4 +157,13 @@ func kind(m fs.FileMode) string {
 		return "a socket"
 	}
 	return "a regular file"
+}
+
+// openRoot opens root ("" is "/") as an os.Root.
+func openRoot(root string) (string, *os.Root, error) {
+	if root == "" {
+		root = "/"
+	}
+	r, err := os.OpenRoot(root)
+	return root, r, err
 }
