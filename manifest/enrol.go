@@ -80,27 +80,37 @@ func LoadEnrolment(path string, v Verifier) (*Enrolment, error) {
 	if err != nil {
 		return nil, fmt.Errorf("enrolment %s: %w", path, err)
 	}
-	if err := checkUniqueKeys(b); err != nil {
+	id, err := v.KeyID()
+	if err != nil {
+		return nil, err
+	}
+	e, err := ParseEnrolment(b, id)
+	if err != nil {
 		return nil, fmt.Errorf("enrolment %s: %w", path, err)
+	}
+	return e, nil
+}
+
+// ParseEnrolment decodes an enrolment strictly (no unknown field, no key given twice,
+// nothing after it) and checks it names a node and the key keyID.
+func ParseEnrolment(b []byte, keyID string) (*Enrolment, error) {
+	if err := checkUniqueKeys(b); err != nil {
+		return nil, err
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
 	var e Enrolment
 	if err := dec.Decode(&e); err != nil {
-		return nil, fmt.Errorf("enrolment %s: %w", path, err)
-	}
-	if dec.More() {
-		return nil, fmt.Errorf("enrolment %s: trailing data", path)
-	}
-	if err := e.valid(); err != nil {
-		return nil, fmt.Errorf("enrolment %s: %w", path, err)
-	}
-	id, err := v.KeyID()
-	if err != nil {
 		return nil, err
 	}
-	if e.KeyID != id {
-		return nil, fmt.Errorf("enrolment %s: for key %s, the key beside it is %s", path, e.KeyID, id)
+	if dec.More() {
+		return nil, errors.New("trailing data")
+	}
+	if err := e.valid(); err != nil {
+		return nil, err
+	}
+	if e.KeyID != keyID {
+		return nil, fmt.Errorf("for key %s, the key beside it is %s", e.KeyID, keyID)
 	}
 	return &e, nil
 }
