@@ -14,6 +14,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -141,6 +142,13 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 	for i, n := range nss {
 		r.NS = append(r.NS, Namespace{NSID: ids[i], Blocks: n.NSZE, BlockSize: n.BlockSize(), DLFEAT: n.DLFEAT})
 	}
+	// Namespaces allocated but not attached hold a tenant's data as well, and no active
+	// list names them.
+	inactive, err := inactiveNamespaces(ctx, c, id, ids)
+	if err != nil {
+		return fail(err)
+	}
+	r.NS = append(r.NS, inactive...)
 
 	var methods []Method
 	if id.SANICAP&SANICAPCES != 0 {
@@ -162,6 +170,11 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 		return fail(fmt.Errorf("no erase method: SANICAP 0x%08x, Format NVM %s", id.SANICAP, supported(id.OACS&OACSFormat != 0)))
 	}
 	for _, m := range methods {
+		if (m == FormatCrypto || m == FormatUserData) && len(inactive) > 0 {
+			// Format NVM reaches attached namespaces only; a Sanitize covers them all.
+			r.Attempts = append(r.Attempts, Attempt{Method: m, Status: "not tried: " + notAttached(inactive) + ", which Format NVM does not reach"})
+			continue
+		}
 		err := run(ctx, c, m, id, nss, ids, opts, &r)
 		a := Attempt{Method: m, Status: "success"}
 		if err != nil {
@@ -179,6 +192,9 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 		return fail(fmt.Errorf("%s: %w", m, err))
 	}
 	if r.Method == "" {
+		if len(inactive) > 0 {
+			return fail(fmt.Errorf("%s: only a Sanitize reaches them, and none was done", notAttached(inactive)))
+		}
 		return fail(errors.New("every erase method was refused"))
 	}
 	n, err := verify(ctx, c, nss, ids, opts, r.NS)
@@ -186,7 +202,54 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 	if err != nil {
 		return fail(fmt.Errorf("verify after %s: %w", r.Method, err))
 	}
+	if n == 0 {
+		// Nothing read back is nothing known: a controller with no active namespace (its
+		// data in one not attached), or one of 0 blocks, is not erased on its word.
+		r.Method = ""
+		return fail(errors.New("no block read back (no active namespace with blocks): not known erased"))
+	}
 	return r
+}
+
+// inactiveNamespaces are the namespaces allocated on a controller with Namespace
+// Management and not in its active list (ids): Identify CNS 10h, then 11h for each.
+// Without Namespace Management every namespace is attached and there are none.
+func inactiveNamespaces(ctx context.Context, c Controller, id IDController, active []uint32) ([]Namespace, error) {
+	if id.OACS&OACSNSManagement == 0 {
+		return nil, nil
+	}
+	buf := make([]byte, IdentifySize)
+	if err := c.Admin(ctx, Command{Opcode: OpIdentify, CDW10: CNSAllocatedNSList}, buf); err != nil {
+		return nil, fmt.Errorf("identify allocated namespaces: %w", err)
+	}
+	isActive := map[uint32]bool{}
+	for _, a := range active {
+		isActive[a] = true
+	}
+	var out []Namespace
+	for _, nsid := range ParseNSList(buf) {
+		if isActive[nsid] {
+			continue
+		}
+		b := make([]byte, IdentifySize)
+		if err := c.Admin(ctx, Command{Opcode: OpIdentify, NSID: nsid, CDW10: CNSAllocatedNamespace}, b); err != nil {
+			return nil, fmt.Errorf("identify allocated namespace %d: %w", nsid, err)
+		}
+		n, err := ParseIDNamespace(b)
+		if err != nil {
+			return nil, fmt.Errorf("allocated namespace %d: %w", nsid, err)
+		}
+		out = append(out, Namespace{NSID: nsid, Blocks: n.NSZE, BlockSize: n.BlockSize(), DLFEAT: n.DLFEAT})
+	}
+	return out, nil
+}
+
+func notAttached(nss []Namespace) string {
+	var ids []string
+	for _, n := range nss {
+		ids = append(ids, fmt.Sprint(n.NSID))
+	}
+	return "allocated namespace " + strings.Join(ids, ", ") + " not attached"
 }
 
 func supported(b bool) string {

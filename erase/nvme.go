@@ -16,9 +16,11 @@ const (
 
 // Identify CNS values (Base Specification 2.0, Figure 273).
 const (
-	CNSNamespace    = 0x00
-	CNSController   = 0x01
-	CNSActiveNSList = 0x02
+	CNSNamespace          = 0x00
+	CNSController         = 0x01
+	CNSActiveNSList       = 0x02
+	CNSAllocatedNSList    = 0x10 // every allocated namespace, attached or not
+	CNSAllocatedNamespace = 0x11 // Identify Namespace of an allocated namespace
 )
 
 // LogSanitizeStatus is the Sanitize Status log page identifier (Figure 291).
@@ -43,6 +45,10 @@ const (
 
 // OACSFormat is Optional Admin Command Support bit 1: Format NVM is supported.
 const OACSFormat = 1 << 1
+
+// OACSNSManagement is OACS bit 3: Namespace Management is supported, so namespaces can
+// be allocated and not attached (inactive), where no active namespace list shows them.
+const OACSNSManagement = 1 << 3
 
 // Sanitize Actions (Sanitize command CDW10 bits 2:0, Figure 372).
 const (
@@ -173,7 +179,8 @@ func (n IDNamespace) FormatCDW10(ses uint8) uint32 {
 	return lbaf | mset<<4 | pi<<5 | pil<<8 | uint32(ses&0x7)<<9 | lbafu<<12
 }
 
-// ParseNSList decodes an active namespace ID list (CNS 02h): up to 1024 IDs, ended by 0.
+// ParseNSList decodes a namespace ID list (CNS 02h active, 10h allocated): up to 1024
+// IDs, ended by 0.
 func ParseNSList(b []byte) []uint32 {
 	var out []uint32
 	for i := 0; i+4 <= len(b) && i < IdentifySize; i += 4 {

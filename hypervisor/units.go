@@ -37,7 +37,8 @@ type UnitView struct {
 	// Functions are the unit's host functions in the manifest's order (GPU first).
 	Functions []FunctionView `json:"functions"`
 	// Guest is where the manifest's guest plan (every unit that may be passed through,
-	// flat) puts the unit's functions; null for a unit the plan leaves out.
+	// flat) puts the unit's functions; null for a unit the plan leaves out and for a
+	// failed unit.
 	Guest *GuestView `json:"guest"`
 }
 
@@ -84,7 +85,11 @@ func Units(v *manifest.Verified) (*UnitsDoc, error) {
 	}
 	for _, u := range m.Units {
 		uv := UnitView{ID: u.ID, Status: u.Status, Reasons: append([]string{}, u.Reasons...), NUMANode: u.NUMANode,
-			Functions: []FunctionView{}, Guest: guest[u.ID]}
+			Functions: []FunctionView{}}
+		if u.Status != manifest.StatusFailed {
+			// A plan that lists a failed unit does not make it placeable.
+			uv.Guest = guest[u.ID]
+		}
 		for _, f := range u.Functions {
 			uv.Functions = append(uv.Functions, FunctionView{BDF: f.BDF, Role: f.Role, IOMMUGroup: f.IOMMUGroup, Driver: f.DriverAfter})
 		}
@@ -95,26 +100,27 @@ func Units(v *manifest.Verified) (*UnitsDoc, error) {
 
 // WriteText writes the view as a table, one line per unit and its reasons below.
 func (d *UnitsDoc) WriteText(w io.Writer) error {
+	pr := manifest.Printable
 	var b strings.Builder
-	fmt.Fprintf(&b, "node %s boot %s generation %d payload %s\n", d.Node, d.BootID, d.Generation, d.PayloadDigest)
+	fmt.Fprintf(&b, "node %s boot %s generation %d payload %s\n", pr(d.Node), pr(d.BootID), d.Generation, d.PayloadDigest)
 	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "unit\tstatus\tnuma\thost functions\tguest")
 	for _, u := range d.Units {
 		var host, guest []string
 		for _, f := range u.Functions {
-			host = append(host, f.BDF+"="+f.Role)
+			host = append(host, pr(f.BDF+"="+f.Role))
 		}
 		if u.Guest != nil {
 			for _, f := range u.Guest.Functions {
-				guest = append(guest, f.Host+"->"+f.Guest)
+				guest = append(guest, pr(f.Host+"->"+f.Guest))
 			}
 		}
 		if len(guest) == 0 {
 			guest = []string{"-"}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", u.ID, u.Status, u.NUMANode, strings.Join(host, " "), strings.Join(guest, " "))
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", pr(u.ID), pr(u.Status), u.NUMANode, strings.Join(host, " "), strings.Join(guest, " "))
 		for _, r := range u.Reasons {
-			fmt.Fprintf(tw, "\t\t\t%s\t\n", r)
+			fmt.Fprintf(tw, "\t\t\t%s\t\n", pr(r))
 		}
 	}
 	tw.Flush()

@@ -25,7 +25,11 @@ type System struct {
 	Reboot   func() error
 	// FindRoot resolves passage.root= (UUID=, LABEL=, PARTUUID= or a /dev path) to a
 	// device node, waiting up to wait for it to appear (initramfs/rootdev).
-	FindRoot   func(spec string, wait time.Duration) (dev string, err error)
+	// notRoot are PCI functions whose block devices are never the root (passthrough
+	// functions: a tenant's disk).
+	FindRoot func(spec string, wait time.Duration, notRoot []string) (dev string, err error)
+	// NotRoot are the passthrough functions of this boot, for FindRoot.
+	NotRoot    []string
 	MountRoot  func(dev, dir, fstype string) error
 	SwitchRoot func(newRoot, init string) error // returns only on failure
 	RunShell   func(path string) error          // runs the shell to completion
@@ -54,14 +58,14 @@ func LinuxSystem() System {
 			}
 			return err
 		},
-		FindRoot: func(spec string, wait time.Duration) (string, error) {
+		FindRoot: func(spec string, wait time.Duration, notRoot []string) (string, error) {
 			s, err := rootdev.Parse(spec)
 			if err != nil {
 				return "", fmt.Errorf("passage.root=%s: %w", spec, err)
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), wait)
 			defer cancel()
-			return rootdev.Wait(ctx, "/", s)
+			return rootdev.Wait(ctx, "/", s, notRoot)
 		},
 		SwitchRoot: mount.SwitchRoot,
 		RunShell: func(path string) error {
@@ -200,7 +204,7 @@ func switchRoot(c Config, sys System, console io.Writer) error {
 	}
 	// By identity, never by the name the kernel gave the disk this boot: NVMe names
 	// follow probe order, and passthrough NVMe are rebound during the boot.
-	dev, err := sys.FindRoot(c.Root, c.RootWait)
+	dev, err := sys.FindRoot(c.Root, c.RootWait, sys.NotRoot)
 	if err != nil {
 		return fmt.Errorf("switch_root: %w", err)
 	}

@@ -38,7 +38,7 @@ func (f *fakeSystem) sys() System {
 		Sync:     func() { f.log("sync") },
 		PowerOff: func() error { f.log("poweroff"); return f.powerErr },
 		Reboot:   func() error { f.log("reboot"); return f.powerErr },
-		FindRoot: func(spec string, wait time.Duration) (string, error) {
+		FindRoot: func(spec string, wait time.Duration, _ []string) (string, error) {
 			f.log("find " + spec + " " + wait.String())
 			if f.findErr != nil {
 				return "", f.findErr

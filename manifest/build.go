@@ -35,27 +35,47 @@ func Build(root string, now time.Time) (*Manifest, error) {
 	if m.BootID == "" {
 		return nil, fmt.Errorf("manifest: boot id: %s is empty", filepath.Join(root, "proc/sys/kernel/random/boot_id"))
 	}
-	optional := []struct {
-		dst  *string
-		path string
-	}{
-		{&m.Node.Hostname, "proc/sys/kernel/hostname"},
-		{&m.Node.DMISerial, "sys/class/dmi/id/product_serial"},
-		{&m.Node.DMIUUID, "sys/class/dmi/id/product_uuid"},
-		{&m.Node.BoardName, "sys/class/dmi/id/board_name"},
-		{&m.Node.Vendor, "sys/class/dmi/id/sys_vendor"},
-		{&m.Node.Product, "sys/class/dmi/id/product_name"},
+	if m.Node, err = ReadNode(root); err != nil {
+		return nil, err
+	}
+	if err := readOptional(root, []optionalFile{
 		{&m.KernelRelease, "proc/sys/kernel/osrelease"},
 		{&m.KernelCmdline, "proc/cmdline"},
+	}); err != nil {
+		return nil, err
 	}
-	for _, o := range optional {
+	return m, nil
+}
+
+// ReadNode reads the node's identity under root: hostname and DMI fields, each empty
+// when its file is absent or unreadable (DMI on a VM, a root-only product_serial).
+func ReadNode(root string) (Node, error) {
+	var n Node
+	err := readOptional(root, []optionalFile{
+		{&n.Hostname, "proc/sys/kernel/hostname"},
+		{&n.DMISerial, "sys/class/dmi/id/product_serial"},
+		{&n.DMIUUID, "sys/class/dmi/id/product_uuid"},
+		{&n.BoardName, "sys/class/dmi/id/board_name"},
+		{&n.Vendor, "sys/class/dmi/id/sys_vendor"},
+		{&n.Product, "sys/class/dmi/id/product_name"},
+	})
+	return n, err
+}
+
+type optionalFile struct {
+	dst  *string
+	path string
+}
+
+func readOptional(root string, files []optionalFile) error {
+	for _, o := range files {
 		v, err := readTrimmed(root, o.path)
 		if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, fs.ErrPermission) {
-			return nil, fmt.Errorf("manifest: %w", err)
+			return fmt.Errorf("manifest: %w", err)
 		}
 		*o.dst = v
 	}
-	return m, nil
+	return nil
 }
 
 // ThisBuild is the running binary's build, as a manifest records it.

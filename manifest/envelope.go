@@ -9,8 +9,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"os"
 	"strings"
 
 	"github.com/secure-systems-lab/go-securesystemslib/dsse"
@@ -102,6 +100,7 @@ var (
 	ErrUnknownSchema   = errors.New("unknown schema version")
 	ErrStaleGeneration = errors.New("generation older than required (replay?)")
 	ErrBootIDMismatch  = errors.New("boot id mismatch")
+	ErrContradiction   = errors.New("payload contradicts itself")
 )
 
 // VerifyError says why a manifest was rejected.
@@ -142,7 +141,8 @@ type Verified struct {
 
 // Verify checks envelope against v and opts and returns the manifest it carries. The
 // order of checks decides which reason is reported: envelope shape, key, signature (or
-// edited payload), schema version, then generation and boot id. The shape includes the
+// edited payload), schema version, the payload's own consistency (Check), then
+// generation and boot id. The shape includes the
 // size (at most MaxEnvelopeSize) and that no object gives a key twice, in the envelope
 // or in the signed payload: JSON parsers disagree on which of two the document means.
 func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) {
@@ -171,6 +171,10 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 	}
 	if len(env.Signatures) == 0 {
 		return nil, verr(ErrBadSignature, "envelope has no signatures")
+	}
+	if len(env.Signatures) > MaxSignatures {
+		// Each candidate costs a signature check: a padded envelope must not cost minutes.
+		return nil, verr(ErrMalformed, "envelope has %d signatures, over the limit of %d", len(env.Signatures), MaxSignatures)
 	}
 	keyID, err := v.KeyID()
 	if err != nil {
@@ -222,6 +226,9 @@ func Verify(envelope []byte, v Verifier, opts VerifyOptions) (*Verified, error) 
 	m, err := unmarshal(payload)
 	if err != nil {
 		return nil, verr(ErrMalformed, "payload: %v", err)
+	}
+	if err := Check(m); err != nil {
+		return nil, verr(ErrContradiction, "%s", strings.ReplaceAll(err.Error(), "\n", "; "))
 	}
 	if m.Generation < opts.MinGeneration {
 		return nil, verr(ErrStaleGeneration, "generation %d (%s), required at least %d", m.Generation, m.GenerationSource, opts.MinGeneration)
@@ -281,29 +288,21 @@ const MaxEnvelopeSize = 16 << 20
 
 const sizeLimit = "16 MiB" // MaxEnvelopeSize, for messages
 
+// MaxSignatures is the most signatures Verify looks at in one envelope. The boot signs
+// with at most two keys (the TPM key and a key file); a few more leave room for
+// re-signing, none for an envelope padded to make the verifier spin.
+const MaxSignatures = 8
+
 // ReadEnvelope reads an envelope file for Verify, refusing one larger than
-// MaxEnvelopeSize without reading it: the size is checked on the open file and the read
-// goes through a limit, so a file that grows meanwhile (or a pipe) is caught too. A file
-// over the limit is a *VerifyError of kind ErrMalformed naming the file; a file that
-// cannot be read is the os error.
+// MaxEnvelopeSize without reading it whole, and anything but a regular file (a FIFO, a
+// device) without blocking on it (readRegular). A file over the limit is a *VerifyError
+// of kind ErrMalformed naming the file; a file that cannot be read, or is not a regular
+// file, is an error naming it.
 func ReadEnvelope(path string) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
+	b, err := readRegular(path, MaxEnvelopeSize)
+	var big *errTooLarge
+	if errors.As(err, &big) {
+		return nil, verr(ErrMalformed, "%s: envelope is %s bytes, over the %s limit", path, big.size, sizeLimit)
 	}
-	defer f.Close()
-	tooLarge := func(size string) error {
-		return verr(ErrMalformed, "%s: envelope is %s bytes, over the %s limit", path, size, sizeLimit)
-	}
-	if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() && fi.Size() > MaxEnvelopeSize {
-		return nil, tooLarge(fmt.Sprint(fi.Size()))
-	}
-	b, err := io.ReadAll(io.LimitReader(f, MaxEnvelopeSize+1))
-	if err != nil {
-		return nil, err
-	}
-	if len(b) > MaxEnvelopeSize {
-		return nil, tooLarge("more than " + fmt.Sprint(MaxEnvelopeSize))
-	}
-	return b, nil
+	return b, err
 }

@@ -179,6 +179,11 @@ func LoadSigner(path string) (*Ed25519Signer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("private key %s: %w", path, err)
 	}
+	return ParseSigner(path, b)
+}
+
+// ParseSigner decodes the private key file bytes b (read from path, named in errors).
+func ParseSigner(path string, b []byte) (*Ed25519Signer, error) {
 	blk, _ := pem.Decode(b)
 	if blk == nil || blk.Type != "PRIVATE KEY" {
 		return nil, fmt.Errorf("private key %s: no PEM \"PRIVATE KEY\" block", path)
@@ -202,7 +207,7 @@ func LoadSigner(path string) (*Ed25519Signer, error) {
 func ParsePublicKey(b []byte) (*PublicKeyVerifier, error) {
 	blk, _ := pem.Decode(b)
 	if blk == nil || blk.Type != "PUBLIC KEY" {
-		return nil, errors.New("no PEM \"PUBLIC KEY\" block")
+		return nil, ErrNoPublicKey
 	}
 	k, err := x509.ParsePKIXPublicKey(blk.Bytes)
 	if err != nil {
@@ -211,9 +216,14 @@ func ParsePublicKey(b []byte) (*PublicKeyVerifier, error) {
 	return NewVerifier(k)
 }
 
+// ErrNoPublicKey is a file read whole that holds no PEM public key at all (a private
+// key, a README): a key directory ignores it, where a damaged key is an error.
+var ErrNoPublicKey = errors.New("no PEM \"PUBLIC KEY\" block")
+
 // LoadVerifier reads a public key file (ed25519 from keygen, or P-256 from tpm-pubkey).
+// It reads only a regular file of at most MaxKeyFileSize bytes.
 func LoadVerifier(path string) (*PublicKeyVerifier, error) {
-	b, err := os.ReadFile(path)
+	b, err := readRegular(path, MaxKeyFileSize)
 	if err != nil {
 		return nil, fmt.Errorf("public key %s: %w", path, err)
 	}

@@ -34,6 +34,9 @@ type Source struct {
 	// Signed says the manifest is a signed one (the boot's signed payload, or one that
 	// passage verify accepted).
 	Signed bool
+	// Signer names the key that signed it (passage verify's words: key ID, key file,
+	// enrolled node; the boot: its signing keys' IDs).
+	Signer string
 	// LiveACS is, when set, each port's ACS Control register as the node holds it now,
 	// in lspci's words (pci.ACSBits.Lspci), by port address: a port whose register no
 	// longer reads what the manifest recorded after the write has drifted. Nil: the
@@ -86,11 +89,11 @@ func Write(w io.Writer, src Source) error {
 	}
 	fam("passage_build_info", "The passage build that decided and signed the manifest (unknown: a schema 2 manifest, which does not say); always 1.").
 		add(1, "version", build.VersionString(), "revision", build.Rev(), "goversion", build.GoString())
-	info := fam("passage_manifest_info", "The manifest's node, boot, kernel and profile; always 1.")
+	info := fam("passage_manifest_info", "The manifest's node, boot, kernel, profile and signer; always 1.")
 	info.add(1, "hostname", m.Node.Hostname, "dmi_serial", m.Node.DMISerial, "dmi_uuid", m.Node.DMIUUID,
 		"boot_id", m.BootID, "kernel_release", m.KernelRelease, "profile", m.Profile.Name,
 		"profile_digest", m.Profile.Digest, "generation_source", string(m.GenerationSource),
-		"schema_version", strconv.Itoa(m.SchemaVersion))
+		"schema_version", strconv.Itoa(m.SchemaVersion), "signer", src.Signer)
 	signed := 0.0
 	if src.Signed {
 		signed = 1
@@ -167,6 +170,9 @@ func Write(w io.Writer, src Source) error {
 		}
 		fmt.Fprintf(bw, "# HELP %s %s\n# TYPE %s gauge\n", f.name, escapeHelp(f.help), f.name)
 		lines := make([]string, 0, len(f.samples))
+		// A series given twice (a unit, function or stage the manifest lists twice)
+		// makes the whole exposition invalid to a Pushgateway: the first one stands.
+		seen := make(map[string]bool, len(f.samples))
 		for _, s := range f.samples {
 			var b strings.Builder
 			b.WriteString(f.name)
@@ -180,6 +186,10 @@ func Write(w io.Writer, src Source) error {
 				}
 				b.WriteByte('}')
 			}
+			if seen[b.String()] {
+				continue
+			}
+			seen[b.String()] = true
 			b.WriteByte(' ')
 			b.WriteString(formatValue(s.value))
 			lines = append(lines, b.String())
@@ -201,9 +211,10 @@ func b2f(b bool) float64 {
 }
 
 // escapeLabel escapes a label value as the text format requires: backslash, double quote
-// and line feed.
+// and line feed; bytes that are not UTF-8 (which the format does not admit) become
+// U+FFFD.
 func escapeLabel(s string) string {
-	return strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`).Replace(s)
+	return strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`).Replace(strings.ToValidUTF8(s, "\uFFFD"))
 }
 
 // escapeHelp escapes a HELP text: backslash and line feed.

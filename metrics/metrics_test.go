@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"gopkg.in/yaml.v3"
 
@@ -51,6 +52,41 @@ func degraded() *manifest.Manifest {
 	return m
 }
 
+// hostile is a manifest whose strings are not UTF-8 and which lists a unit, a function
+// and a stage twice: what an unsigned payload, or one written by a broken signer, can be.
+func hostile() *manifest.Manifest {
+	m := manifesttest.B300(2)
+	m.Node.Hostname, m.Node.DMISerial = "node\xff\xfe", "S\xc3("
+	m.Units[1].Functions[0].DriverAfter = "vfio\x80"
+	m.Units = append(m.Units, m.Units[0])
+	m.Units[2].Functions[1] = m.Units[2].Functions[0]
+	m.Stages = append(m.Stages, m.Stages[0])
+	return m
+}
+
+// The text format admits each series once and UTF-8 only: a hostile manifest's
+// exposition still parses, each series once, its bad bytes replaced.
+func TestExpositionHostileManifest(t *testing.T) {
+	text := render(t, metrics.Source{Manifest: hostile(), Signed: true})
+	if !utf8.ValidString(text) {
+		t.Errorf("exposition is not UTF-8")
+	}
+	seen := map[string]bool{}
+	for _, l := range strings.Split(strings.TrimSpace(text), "\n") {
+		if strings.HasPrefix(l, "#") {
+			continue
+		}
+		series := l[:strings.LastIndexByte(l, ' ')]
+		if seen[series] {
+			t.Errorf("series twice: %s", series)
+		}
+		seen[series] = true
+	}
+	if !strings.Contains(text, "hostname=\"node\ufffd\"") {
+		t.Errorf("hostname not replaced:\n%s", text)
+	}
+}
+
 func render(t *testing.T, src metrics.Source) string {
 	t.Helper()
 	var b bytes.Buffer
@@ -79,6 +115,7 @@ func TestPromtoolCheckMetrics(t *testing.T) {
 		"degraded":         {Manifest: degraded(), Signed: true},
 		"degraded, drift":  {Manifest: degraded(), Signed: true, LiveACS: live(degraded(), degraded().Units[0].ACSChanges[0].Port)},
 		"unsigned, no run": {Manifest: &manifest.Manifest{SchemaVersion: manifest.SchemaVersion}},
+		"invalid UTF-8":    {Manifest: hostile(), Signed: true, Signer: "SHA256:x (\xffkey.pub)"},
 	} {
 		text := render(t, src)
 		cmd := exec.Command(bin, "check", "metrics")

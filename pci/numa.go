@@ -71,7 +71,8 @@ func CheckCPUList(s string) error {
 		if isRange {
 			b, err2 = strconv.Atoi(hi)
 		}
-		if err1 != nil || err2 != nil || a < 0 || b < a || a <= last || b > 1<<20 || strconv.Itoa(a) != lo {
+		// Both ends as the kernel writes them: digits only, no sign, no leading zero.
+		if err1 != nil || err2 != nil || a < 0 || b < a || a <= last || b > 1<<20 || strconv.Itoa(a) != lo || (isRange && strconv.Itoa(b) != hi) {
 			return fmt.Errorf("cpulist %q: not ascending CPU ranges like 0-63,128-191", s)
 		}
 		last = b

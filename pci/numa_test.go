@@ -3,6 +3,7 @@ package pci
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -12,6 +13,7 @@ func TestCheckCPUList(t *testing.T) {
 		"0": true, "0-63": true, "0-63,128-191": true, "0,2,4-7": true,
 		"": false, "-1": false, "3-1": false, "0-63,32-40": false, "0,0": false, "a": false, "0-": false, "01": false,
 		"0-63,,64": false, "0-99999999": false, "0 - 3": false,
+		"0-+63,64-0127": false, "0-+63": false, "64-0127": false, "+1": false, "0-00": false,
 	} {
 		if err := CheckCPUList(s); (err == nil) != ok {
 			t.Errorf("CheckCPUList(%q) = %v, want ok %v", s, err, ok)
@@ -31,6 +33,21 @@ func FuzzCheckCPUList(f *testing.F) {
 		// libvirt cpuset.
 		if strings.Trim(s, "0123456789,-") != "" {
 			t.Errorf("accepted %q", s)
+		}
+		// and each number as the kernel writes it: the list reads back the same.
+		var parts []string
+		for _, p := range strings.Split(s, ",") {
+			lo, hi, isRange := strings.Cut(p, "-")
+			a, _ := strconv.Atoi(lo)
+			q := strconv.Itoa(a)
+			if isRange {
+				b, _ := strconv.Atoi(hi)
+				q += "-" + strconv.Itoa(b)
+			}
+			parts = append(parts, q)
+		}
+		if c := strings.Join(parts, ","); c != s {
+			t.Errorf("accepted %q, which reads as %q", s, c)
 		}
 	})
 }

@@ -1,6 +1,7 @@
 // Package recycle hands a unit from one tenant to the next on a running host, between
 // two VMs, without a reboot: it refuses while anything holds the unit's
-// /dev/vfio/<group> open, records the unit as not ready in a new signed manifest
+// /dev/vfio/<group> or a function's /dev/vfio/devices/vfioN open, and without a
+// generation counter; it records the unit as not ready in a new signed manifest
 // generation, releases it from vfio-pci, erases its NVMe and resets its functions
 // (package erase), binds it back, and records the verdict (package decision) in a
 // further generation. A crash midway leaves the unit off vfio-pci with the last
@@ -70,8 +71,8 @@ type Result struct {
 	Completed bool
 }
 
-// ErrHeld is returned when a unit's group is open: nothing was written.
-var ErrHeld = errors.New("a unit's vfio group is held open")
+// ErrHeld is returned when a unit's group or device cdev is open: nothing was written.
+var ErrHeld = errors.New("a unit's vfio group or device is held open")
 
 func (o *Options) logf(format string, a ...any) {
 	if o.Log != nil {
@@ -79,8 +80,17 @@ func (o *Options) logf(format string, a ...any) {
 	}
 }
 
+// ErrNoCounter is returned when no generation counter is given: nothing was written. A
+// generation of 0 (source none) is below any --min-generation a hypervisor holds, so it
+// would never see the not-ready generation, and would keep trusting the last ready one
+// while the unit is erased.
+var ErrNoCounter = errors.New("no generation counter (a TPM NV counter, or a generation file the operator names)")
+
 // Run recycles the units. The error is for what stopped it; Result says how far it got.
 func Run(ctx context.Context, o Options) (*Result, error) {
+	if len(o.Counters) == 0 {
+		return &Result{}, ErrNoCounter
+	}
 	if o.Policy == "" {
 		o.Policy = erase.PolicyRequire
 	}
@@ -88,25 +98,14 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 		o.Root = "/"
 	}
 	res := &Result{}
-	tree, err := pci.Scan(o.Root)
-	if err != nil {
-		return res, err
-	}
-	prof, err := topology.LoadProfile(o.Profile)
-	if err != nil {
-		return res, err
-	}
-	live, lerr := decision.ReadLive(o.Root)
-	if lerr != nil {
-		o.logf("kernel state: %v", lerr)
-	}
-	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live, For: decision.CommandRecycle})
+	tree, live, d, err := o.decide()
 	if err != nil {
 		return res, err
 	}
 	res.Decision = d
 	var units []*topology.Unit
 	var groups []int
+	var fns []*pci.Device
 	for _, id := range o.Units {
 		u := d.Labels.Unit(id)
 		if u == nil {
@@ -116,10 +115,11 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 		for _, f := range u.Functions() {
 			if f != nil {
 				groups = append(groups, f.IOMMUGroup)
+				fns = append(fns, f)
 			}
 		}
 	}
-	hs, herr := Holders(o.Root, groups)
+	hs, herr := Holders(o.Root, groups, fns)
 	if len(hs) > 0 {
 		res.Refusal = hs
 		return res, fmt.Errorf("%w: %s", ErrHeld, hs[0])
@@ -154,7 +154,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	}
 	// Again, now that the signed generation says not ready: a VM started in between
 	// holds the group, and unbinding vfio-pci under it would block until it let go.
-	if hs, err := Holders(o.Root, groups); len(hs) > 0 || err != nil {
+	if hs, err := Holders(o.Root, groups, fns); len(hs) > 0 || err != nil {
 		res.Refusal = hs
 		if err == nil {
 			err = fmt.Errorf("%w: %s", ErrHeld, hs[0])
@@ -218,6 +218,88 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	res.Final, res.Signed, res.Manifest, res.Completed = m.Generation, signed, m, true
 	o.logf("generation %d: %s", m.Generation, verdictLine(res.Verdicts))
 	return res, nil
+}
+
+// Withdraw is unbind's half of a recycle: before functions are handed back to host
+// drivers, it refuses while anything holds the groups or device cdevs of the units that
+// hold any of addrs (ErrHeld), then writes a signed generation in which those units are
+// failed with reason, every other unit carried from the previous manifest: the last
+// signed word on the node never says ready for a unit off vfio-pci. It returns that
+// generation's manifest; nothing is released here.
+func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string) (*manifest.Manifest, error) {
+	if len(o.Counters) == 0 {
+		return nil, ErrNoCounter
+	}
+	if o.Root == "" {
+		o.Root = "/"
+	}
+	tree, _, d, err := o.decide()
+	if err != nil {
+		return nil, err
+	}
+	want := map[pci.Address]bool{}
+	for _, a := range addrs {
+		want[a] = true
+	}
+	var ids []topology.UnitID
+	var groups []int
+	var fns []*pci.Device
+	for _, u := range d.Units() {
+		var mine bool
+		for _, f := range u.Functions() {
+			mine = mine || (f != nil && want[f.Addr])
+		}
+		if !mine {
+			continue
+		}
+		ids = append(ids, u.ID)
+		for _, f := range u.Functions() {
+			if f != nil {
+				groups = append(groups, f.IOMMUGroup)
+				fns = append(fns, f)
+			}
+		}
+	}
+	for _, a := range addrs {
+		if f := tree.Lookup(a); f != nil {
+			groups = append(groups, f.IOMMUGroup)
+			fns = append(fns, f)
+		}
+	}
+	hs, herr := Holders(o.Root, groups, fns)
+	if len(hs) > 0 {
+		return nil, fmt.Errorf("%w: %s", ErrHeld, hs[0])
+	}
+	if herr != nil {
+		return nil, fmt.Errorf("cannot tell whether the unit's vfio group or device is in use: %w", herr)
+	}
+	if len(ids) == 0 {
+		return nil, nil // no unit's function: nothing a manifest vouches for
+	}
+	pending := map[topology.UnitID]decision.Verdict{}
+	for _, v := range d.Unvouched(ids, reason) {
+		pending[v.Unit] = v
+	}
+	m, _, err := o.write(ctx, d, o.previous(), pending, nil, nil, nil)
+	return m, err
+}
+
+// decide scans the node and decides on it as the boot did (decision.Decide).
+func (o *Options) decide() (*pci.Tree, decision.Live, *decision.Decision, error) {
+	tree, err := pci.Scan(o.Root)
+	if err != nil {
+		return nil, decision.Live{}, nil, err
+	}
+	prof, err := topology.LoadProfile(o.Profile)
+	if err != nil {
+		return nil, decision.Live{}, nil, err
+	}
+	live, lerr := decision.ReadLive(o.Root)
+	if lerr != nil {
+		o.logf("kernel state: %v", lerr)
+	}
+	d, err := decision.Decide(decision.Input{Tree: tree, Profile: prof, Erase: o.Policy, Live: live, For: decision.CommandRecycle})
+	return tree, live, d, err
 }
 
 func (o *Options) step(name string) error {
@@ -306,10 +388,11 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifes
 		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode})
 	}
 	gen, src, gerr := manifest.NextGeneration(o.Counters...)
-	m.Generation, m.GenerationSource = gen, src
-	if gerr != nil {
-		m.Errors = append(m.Errors, gerr.Error())
+	if gerr != nil || src == manifest.GenerationNone {
+		// Not signed at all rather than signed as generation 0 (ErrNoCounter).
+		return m, nil, fmt.Errorf("%w: %v", ErrNoCounter, gerr)
 	}
+	m.Generation, m.GenerationSource = gen, src
 	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
 		return nil, nil, err
 	}

@@ -13,6 +13,7 @@ import (
 	"runtime/debug"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/passage-boot/passage/buildinfo"
@@ -74,7 +75,7 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 
-	cfg, summary, units := runBoot(*root, *dryRun, console)
+	cfg, summary, units, notRoot := runBoot(*root, *dryRun, console)
 	why := emergencyWhy(cfg, summary, units)
 	// The booted system keeps the kernel's own limit on its /dev/kmsg writers.
 	if err := restoreKmsg(); err != nil {
@@ -101,10 +102,12 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 			emit.Drain(f)
 		}
 	}
+	sys := initramfs.LinuxSystem()
+	sys.NotRoot = notRoot
 	if why != "" {
-		initramfs.RunEmergency(cfg, initramfs.LinuxSystem(), console, why)
+		initramfs.RunEmergency(cfg, sys, console, why)
 	}
-	initramfs.Do(cfg, initramfs.LinuxSystem(), console)
+	initramfs.Do(cfg, sys, console)
 	return 0 // not reached: neither returns
 }
 
@@ -142,7 +145,7 @@ func emergencyWhy(cfg initramfs.Config, summary stages.Status, units []stages.Un
 
 // runBoot does everything before the handoff. A panic outside the runner (which recovers
 // its stages' own) still ends in a handoff, with the run counted as failed.
-func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status, units []stages.Unit) {
+func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status, units []stages.Unit, notRoot []string) {
 	cfg = initramfs.Defaults()
 	summary = stages.Failed
 	defer func() {
@@ -169,19 +172,27 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	}
 
 	b := &boot.Boot{Root: root, Config: cfg, DryRun: dryRun, Console: console}
-	runDir := b.RunDir()
 	var logw io.Writer
-	if err := os.MkdirAll(runDir, 0o755); err != nil {
-		fmt.Fprintf(console, "passage: %s: %v\n", runDir, err)
+	if _, err := boot.Beneath(root, initramfs.RunDir); err != nil {
+		fmt.Fprintf(console, "passage: %v\n", err)
 	}
-	logPath := filepath.Join(root, cfg.Log)
-	if f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err != nil {
-		fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
-	} else {
-		defer f.Close()
-		logw = f
+	// passage.log= is the tree's word: its directory beneath the root, the file itself
+	// not a link.
+	logDir, err := boot.Beneath(root, filepath.Dir(filepath.Clean("/"+cfg.Log)))
+	if err == nil {
+		var f *os.File
+		f, err = os.OpenFile(filepath.Join(logDir, filepath.Base(cfg.Log)), os.O_CREATE|os.O_WRONLY|os.O_APPEND|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0o644)
+		if err == nil {
+			defer f.Close()
+			logw = f
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(console, "passage: log %s: %v\n", cfg.Log, err)
+	}
+	if logw != nil {
 		if err := writeBuildRecord(logw, build); err != nil {
-			fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
+			fmt.Fprintf(console, "passage: log %s: %v\n", cfg.Log, err)
 		}
 	}
 
@@ -200,7 +211,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 	stages.WriteUnitTable(console, units)
 	if logw != nil {
 		if err := stages.WriteUnitsJSON(logw, units); err != nil {
-			fmt.Fprintf(console, "passage: log %s: %v\n", logPath, err)
+			fmt.Fprintf(console, "passage: log %s: %v\n", cfg.Log, err)
 		}
 	}
 	summary = stages.Summary(results, units)
@@ -225,7 +236,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
-		if err := emit.Dir(console, runDir); err != nil {
+		if err := emit.Dir(console, b.RunDir()); err != nil {
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 		emit.Done(console, string(summary))
@@ -233,7 +244,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 	}
-	return cfg, summary, units
+	return cfg, summary, units, b.PassthroughAddrs()
 }
 
 // buildRecord is log.jsonl's first line: {"type":"build", and the build's fields}.

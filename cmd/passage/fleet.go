@@ -20,59 +20,107 @@ import (
 
 // keyring is the verifying keys of a fleet: one public key file (every manifest must be
 // signed by it), or a directory of them (each manifest by the key whose ID its envelope
-// names: each node signs with its own key).
+// names: each node signs with its own key). In a directory every key is enrolled for a
+// node (manifest.Enrolment, KEY.enrol.json beside KEY.pub) and a manifest is accepted
+// only with its own node's key; beside a key file named alone, an enrolment is checked
+// when there is one.
 type keyring struct {
-	byID map[string]manifest.Verifier
-	one  manifest.Verifier
+	byID map[string]*ringKey
+	one  *ringKey
 	// ignored are the directory's files that are not (TPM, with tpm) public keys: the
-	// node's private key beside its public one, a README.
+	// node's private key beside its public one, a README. A public key there is not
+	// ignored: without its enrolment the directory is refused.
 	ignored []string
 }
 
+// ringKey is one key of the ring: its file and the node it is enrolled for.
+type ringKey struct {
+	v     manifest.Verifier
+	id    string
+	file  string
+	enrol *manifest.Enrolment // nil: not enrolled
+}
+
+// signer names the key for every output: its ID, its file and its node.
+func (k *ringKey) signer() string {
+	s := k.id + " (" + filepath.Base(k.file)
+	if k.enrol != nil {
+		s += ", enrolled for " + k.enrol.String()
+	}
+	return s + ")"
+}
+
+// notKeyError is the error of a file that holds no (TPM, with tpm) public key, which a
+// key directory ignores. A file it cannot read within the bounds, a damaged key and a
+// key without its enrolment are errors: the directory is refused.
+type notKeyError struct{ err error }
+
+func (e notKeyError) Error() string { return e.err.Error() }
+func (e notKeyError) Unwrap() error { return e.err }
+
 // loadKeyring reads path: a key file, or every regular file in a directory that is a
-// public key (the others are ignored, and named in kr.ignored). With tpm, each must be
-// a TPM (ECDSA P-256) key.
+// public key (the *.enrol.json files are the keys' enrolments; the others are ignored,
+// and named in kr.ignored). With tpm, each key must be a TPM (ECDSA P-256) key.
 func loadKeyring(path string, tpm bool) (*keyring, error) {
-	load := func(p string) (manifest.Verifier, error) {
+	load := func(p string, dir bool) (*ringKey, error) {
 		v, err := manifest.LoadVerifier(p)
+		if errors.Is(err, manifest.ErrNoPublicKey) {
+			return nil, notKeyError{err}
+		}
 		if err != nil {
 			return nil, err
 		}
 		if _, isEC := v.Public().(*ecdsa.PublicKey); tpm && !isEC {
-			return nil, fmt.Errorf("--tpm-pub %s: not a TPM (ECDSA P-256) key", p)
+			return nil, notKeyError{fmt.Errorf("--tpm-pub %s: not a TPM (ECDSA P-256) key", p)}
 		}
-		return v, nil
+		k := &ringKey{v: v, file: p}
+		if k.id, err = v.KeyID(); err != nil {
+			return nil, fmt.Errorf("public key %s: %w", p, err)
+		}
+		ep := manifest.EnrolmentPath(p)
+		if _, err := os.Lstat(ep); err != nil {
+			if dir || !errors.Is(err, fs.ErrNotExist) {
+				return nil, fmt.Errorf("public key %s: not enrolled for a node: %w", p, err)
+			}
+			return k, nil
+		}
+		if k.enrol, err = manifest.LoadEnrolment(ep, v); err != nil {
+			return nil, err
+		}
+		return k, nil
 	}
 	fi, err := os.Stat(path)
 	if err != nil {
 		return nil, fmt.Errorf("public key %s: %w", path, err)
 	}
 	if !fi.IsDir() {
-		v, err := load(path)
+		k, err := load(path, false)
 		if err != nil {
 			return nil, err
 		}
-		return &keyring{one: v}, nil
+		return &keyring{one: k}, nil
 	}
 	ents, err := os.ReadDir(path)
 	if err != nil {
 		return nil, fmt.Errorf("public keys %s: %w", path, err)
 	}
-	kr := &keyring{byID: map[string]manifest.Verifier{}}
+	kr := &keyring{byID: map[string]*ringKey{}}
 	for _, e := range ents {
-		if !e.Type().IsRegular() {
+		if !e.Type().IsRegular() || strings.HasSuffix(e.Name(), manifest.EnrolmentSuffix) {
 			continue
 		}
-		v, err := load(filepath.Join(path, e.Name()))
-		if err != nil {
+		k, err := load(filepath.Join(path, e.Name()), true)
+		if errors.As(err, new(notKeyError)) {
 			kr.ignored = append(kr.ignored, e.Name())
 			continue
 		}
-		id, err := v.KeyID()
 		if err != nil {
-			return nil, fmt.Errorf("public key %s: %w", filepath.Join(path, e.Name()), err)
+			return nil, err
 		}
-		kr.byID[id] = v
+		if other, dup := kr.byID[k.id]; dup {
+			return nil, fmt.Errorf("public keys %s: key %s is both %s and %s", path, k.id, filepath.Base(other.file), e.Name())
+		}
+		kr.byID[k.id] = k
 	}
 	if len(kr.byID) == 0 {
 		if len(kr.ignored) > 0 {
@@ -90,10 +138,10 @@ func (kr *keyring) sayIgnored(w io.Writer, cmd, path string) {
 	}
 }
 
-// verifier picks the key for an envelope: the one key, or the first of the envelope's
+// key picks the key for an envelope: the one key, or the first of the envelope's
 // signatures' key IDs the ring holds. None: the envelope is refused as signed by a key
 // the fleet does not know.
-func (kr *keyring) verifier(env []byte) (manifest.Verifier, error) {
+func (kr *keyring) key(env []byte) (*ringKey, error) {
 	if kr.one != nil {
 		return kr.one, nil
 	}
@@ -103,8 +151,8 @@ func (kr *keyring) verifier(env []byte) (manifest.Verifier, error) {
 	}
 	var ids []string
 	for _, s := range e.Signatures {
-		if v, ok := kr.byID[s.KeyID]; ok {
-			return v, nil
+		if k, ok := kr.byID[s.KeyID]; ok {
+			return k, nil
 		}
 		ids = append(ids, s.KeyID)
 	}
@@ -115,11 +163,13 @@ func (kr *keyring) verifier(env []byte) (manifest.Verifier, error) {
 type verifyOutcome struct {
 	path     string
 	verified *manifest.Verified
-	refused  error // the manifest is not acceptable (exit 1)
-	failed   error // the file could not be read (exit 2)
+	key      *ringKey // the key that verified it
+	refused  error    // the manifest is not acceptable (exit 1)
+	failed   error    // the file could not be read (exit 2)
 }
 
-// verifyFile reads and verifies one envelope.
+// verifyFile reads and verifies one envelope: the signature with its key, then that the
+// manifest's node is the one the key is enrolled for.
 func verifyFile(path string, kr *keyring, opts manifest.VerifyOptions) verifyOutcome {
 	o := verifyOutcome{path: path}
 	var ve *manifest.VerifyError
@@ -132,17 +182,23 @@ func verifyFile(path string, kr *keyring, opts manifest.VerifyOptions) verifyOut
 		}
 		return o
 	}
-	v, err := kr.verifier(env)
+	k, err := kr.key(env)
 	if err == nil {
-		o.verified, err = manifest.Verify(env, v, opts)
+		o.verified, err = manifest.Verify(env, k.v, opts)
+	}
+	if err == nil && k.enrol != nil {
+		err = k.enrol.Check(o.verified.Manifest)
 	}
 	if err != nil {
+		o.verified = nil
 		if errors.As(err, &ve) {
 			o.refused = err
 		} else {
 			o.failed = err
 		}
+		return o
 	}
+	o.key = k
 	return o
 }
 
@@ -247,9 +303,9 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 			if c[manifest.StatusFailed] > 0 {
 				nodesWithFailed++
 			}
-			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s units %d ready %d degraded %d failed%s build %s\n",
-				o.path, orDash(m.Node.Hostname), m.Generation, m.GenerationSource, orDash(m.BootID),
-				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m), buildWords(m))
+			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s signed by %s units %d ready %d degraded %d failed%s build %s\n",
+				o.path, pr(orDash(m.Node.Hostname)), m.Generation, pr(string(m.GenerationSource)), pr(orDash(m.BootID)), pr(filepath.Base(o.key.file)),
+				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m), pr(buildWords(m)))
 		}
 	}
 	fmt.Fprintf(&b, "%d manifests: %d verified, %d refused, %d unreadable; units %d ready, %d degraded, %d failed%s\n",
@@ -288,7 +344,7 @@ func failedUnits(m *manifest.Manifest) string {
 	var s []string
 	for _, u := range m.Units {
 		if u.Status != manifest.StatusReady {
-			s = append(s, u.ID+"="+u.Status)
+			s = append(s, pr(u.ID)+"="+pr(u.Status))
 		}
 	}
 	if len(s) == 0 {
@@ -297,4 +353,10 @@ func failedUnits(m *manifest.Manifest) string {
 	return ": " + strings.Join(s, " ")
 }
 
-func oneLine(err error) string { return strings.ReplaceAll(err.Error(), "\n", "; ") }
+// oneLine is an error for one line of output: its lines joined, and nothing in it a
+// terminal would act on (manifest.Printable).
+func oneLine(err error) string { return pr(strings.ReplaceAll(err.Error(), "\n", "; ")) }
+
+// pr is manifest.Printable: every string a payload or a file name brings is printed
+// through it.
+func pr(s string) string { return manifest.Printable(s) }

@@ -33,8 +33,8 @@ func TestVerifyMany(t *testing.T) {
 		t.Fatalf("rc %d stderr %q, %d lines:\n%s", rc, errs, len(lines), out)
 	}
 	for i, l := range lines[:40] {
-		want := fmt.Sprintf("OK       %s: b300-%04d gen %d (file) boot %s units 8 ready 0 degraded 0 failed build %s %s",
-			filepath.Join(mdir, fmt.Sprintf("node-%04d.dsse.json", i)), i, i+1, manifesttest.BootID, manifesttest.Build.Version, manifesttest.Build.Revision)
+		want := fmt.Sprintf("OK       %s: b300-%04d gen %d (file) boot %s signed by node-key-%04d.pub units 8 ready 0 degraded 0 failed build %s %s",
+			filepath.Join(mdir, fmt.Sprintf("node-%04d.dsse.json", i)), i, i+1, manifesttest.BootID, i%3, manifesttest.Build.Version, manifesttest.Build.Revision)
 		if l != want {
 			t.Errorf("line %d: %q, want %q", i, l, want)
 		}

@@ -173,8 +173,9 @@ func TestKeygenCreatesDir(t *testing.T) {
 	}
 }
 
-// TestKeyDirIgnoresOtherFiles: a node's key directory as keygen leaves it (private key
-// beside the public one) and a README verify; what is not a public key is named once.
+// TestKeyDirIgnoresOtherFiles: a node's key directory as keygen --enrol leaves it
+// (private key and enrolment beside the public one) and a README verify; what is not a
+// public key is named once, an enrolment is not named at all.
 func TestKeyDirIgnoresOtherFiles(t *testing.T) {
 	dir := t.TempDir()
 	mdir, kdir, err := manifesttest.Fleet(dir, 3, 3)
@@ -182,7 +183,25 @@ func TestKeyDirIgnoresOtherFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	os.WriteFile(filepath.Join(kdir, "README"), []byte("the fleet's keys\n"), 0o644)
-	if _, _, err := manifest.GenerateKey(kdir); err != nil {
+	_, pub, err := manifest.GenerateKey(kdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A public key is never ignored: without its enrolment the directory is refused.
+	code, _, errs := runCmd(t, run, "verify", "--pub", kdir, mdir)
+	if code != 2 || !strings.Contains(errs, manifest.PublicKeyFile+": not enrolled for a node") {
+		t.Errorf("unenrolled key: exit %d, stderr %q", code, errs)
+	}
+	v, err := manifest.LoadVerifier(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := v.KeyID()
+	e, err := manifest.NewEnrolment(id, manifest.Node{DMIUUID: manifesttest.NodeUUID(99)}, false)
+	if err == nil {
+		_, err = manifest.WriteEnrolment(pub, e)
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 	code, out, errs := runCmd(t, run, "verify", "--pub", kdir, mdir)

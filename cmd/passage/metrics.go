@@ -31,11 +31,11 @@ func cmdMetrics(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "passage metrics: give one MANIFEST (the signed envelope, manifest.dsse.json); see passage help metrics")
 		return 2
 	}
-	v, code := vf.verify("metrics", pos[0], stderr)
+	v, signer, code := vf.verify("metrics", pos[0], stderr)
 	if code != 0 {
 		return code
 	}
-	src := metrics.Source{Manifest: v.Manifest, Signed: true}
+	src := metrics.Source{Manifest: v.Manifest, Signed: true, Signer: signer}
 	if *root != "" {
 		tree, err := pci.Scan(*root)
 		if err != nil {
@@ -45,7 +45,7 @@ func cmdMetrics(args []string, stdout, stderr io.Writer) int {
 		src.LiveACS = liveACS(tree)
 		if !anyPort(v.Manifest, src.LiveACS) {
 			// Every port would read as drifted: this is another node than the manifest's.
-			fmt.Fprintf(stderr, "passage metrics: --root %s holds none of the ports the manifest of %s recorded: not that node\n", *root, orDash(v.Manifest.Node.Hostname))
+			fmt.Fprintf(stderr, "passage metrics: --root %s holds none of the ports the manifest of %s recorded: not that node\n", *root, pr(orDash(v.Manifest.Node.Hostname)))
 			return 2
 		}
 	}

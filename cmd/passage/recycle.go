@@ -11,8 +11,6 @@ import (
 
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/initramfs"
-	"github.com/passage-boot/passage/manifest"
-	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/recycle"
 	"github.com/passage-boot/passage/topology"
 )
@@ -23,11 +21,8 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 	root := fs.String("root", "/", "root of the node (/proc, /sys, /dev, /run)")
 	units := fs.String("unit", "", "units to recycle: N or gpuN, comma-separated")
 	profile := fs.String("profile", "", "role profile (default: passage.profile= of /proc/cmdline, else b300)")
-	key := fs.String("signing-key", "/etc/passage/key", "the ed25519 private key `FILE` that signs the new generations (and verifies the previous one), read under --root: /etc/passage/key is <root>/etc/passage/key")
-	deprecatedAlias(fs, "key", "signing-key")
-	dir := fs.String("dir", initramfs.RunDir, "directory of the manifest to replace")
-	genFile := fs.String("generation-file", "", "file generation counter, when the node has no TPM")
-	tpm := fs.String("tpm", "auto", "on, off or auto: sign with and count generations in the TPM")
+	var rf recordFlags
+	rf.register(fs)
 	policy := fs.String("erase", "require", "auto or require: what a unit not erased, verified and reset ends as")
 	overwrite := fs.Bool("overwrite", false, "allow Sanitize overwrite after every other method (hours on a large drive)")
 	timeout := fs.Duration("timeout", 30*time.Minute, "bound on the whole recycle")
@@ -57,36 +52,12 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 			*profile = initramfs.ParseCmdline(string(b)).Profile
 		}
 	}
-	o := recycle.Options{Root: *root, Profile: *profile, Units: ids, Policy: p, Dir: filepath.Join(*root, *dir), Log: stdout}
+	o := recycle.Options{Root: *root, Profile: *profile, Units: ids, Policy: p, Log: stdout}
 	o.Erase.Erase.Overwrite = *overwrite
-	s, err := manifest.LoadSigner(filepath.Join(*root, *key))
-	if err != nil {
-		fmt.Fprintf(stderr, "passage recycle: %v\n", err)
-		return 2
-	}
-	o.Signers = append(o.Signers, s)
-	if v, err := manifest.NewVerifier(s.Public()); err == nil {
-		o.Verifier = v
-	}
-	if *tpm != "off" {
-		ts, meas, err := tpmkey.ForBoot(*root)
-		switch {
-		case err == nil:
-			if c, ok := ts.(io.Closer); ok {
-				defer c.Close()
-			}
-			o.Signers = append([]manifest.Signer{ts}, o.Signers...)
-			o.Measurer = meas
-			if c, ok := ts.(manifest.Counter); ok {
-				o.Counters = append(o.Counters, c)
-			}
-		case *tpm == "on":
-			fmt.Fprintf(stderr, "passage recycle: --tpm on: %v\n", err)
-			return 1
-		}
-	}
-	if *genFile != "" {
-		o.Counters = append(o.Counters, manifest.FileCounter{Path: *genFile})
+	done, code := rf.apply("recycle", *root, &o, stderr)
+	defer done()
+	if code != 0 {
+		return code
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
 	defer cancel()

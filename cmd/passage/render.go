@@ -64,10 +64,11 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 				return 2
 			}
 		}
-		ver, code := vf.verify("render", manifestFile, stderr)
+		ver, signer, code := vf.verify("render", manifestFile, stderr)
 		if ver == nil {
 			return code
 		}
+		fmt.Fprintf(stderr, "passage render: %s: signed by %s\n", pr(manifestFile), pr(signer))
 		in.HostCPUs, err = hypervisor.HostCPUs(ver.Manifest)
 		if err == nil {
 			in.Sources, err = hypervisor.Sources(ver.Manifest)

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -134,7 +135,8 @@ func TestRenderFromManifest(t *testing.T) {
 	}
 	for _, r := range all {
 		code, fromManifest, errs := runCmd(t, cmdRender, append([]string{n.envelope, "--pub", n.pub}, r.args...)...)
-		if code != 0 || errs != "" {
+		// The one line on stderr names the key that signed what is rendered.
+		if code != 0 || !regexp.MustCompile(`^passage render: \S+: signed by SHA256:\S+ \(passage\.pub\)\n$`).MatchString(errs) {
 			t.Fatalf("render --manifest %v: exit %d, stderr %q", r.args, code, errs)
 		}
 		if fromManifest != r.tree {

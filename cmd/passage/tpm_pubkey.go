@@ -18,8 +18,14 @@ func cmdTPMPubkey(args []string, stdout, stderr io.Writer) int {
 	// --tpm is a choice (on, off, auto) in recycle; here it was the device.
 	deprecatedAlias(fs, "tpm", "tpm-device")
 	out := fs.String("o", "", "write the PEM to `FILE` instead of stdout")
+	var en enrolFlags
+	en.register(fs)
 	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
+	}
+	if en.enrol && *out == "" {
+		fmt.Fprintln(stderr, "passage tpm-pubkey: --enrol writes beside the key file: give -o FILE")
+		return 2
 	}
 	k, err := tpmkey.Open(*dev)
 	if err != nil {
@@ -42,5 +48,5 @@ func cmdTPMPubkey(args []string, stdout, stderr io.Writer) int {
 	}
 	id, _ := k.KeyID()
 	fmt.Fprintf(stdout, "public key %s\nkey id     %s\n", *out, id)
-	return 0
+	return en.write("tpm-pubkey", *out, id, stdout, stderr)
 }

@@ -6,9 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/recycle"
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
 )
@@ -37,6 +40,8 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 	profile := fs.String("profile", "b300", "role profile that labels the units: a built-in name or a file")
 	bdfs := fs.String("bdf", "", "comma-separated functions to return instead of a unit (DDDD:BB:DD.F)")
 	asJSON := fs.Bool("json", false, "print the per-function report as JSON")
+	var rf recordFlags
+	rf.register(fs)
 	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
 	}
@@ -62,6 +67,9 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 	if err := vfiobind.CheckWholeGroups(tree, fns); err != nil {
 		fmt.Fprintf(stderr, "passage unbind: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
 		return 2
+	}
+	if code := withdraw(*root, *profile, fns, rf, stdout, stderr); code != 0 {
+		return code
 	}
 	reps, err := vfiobind.Release(context.Background(), env.sysfs(*root), fns, vfiobind.Options{})
 	// Release reads every function's driver link after its writes and fails one still on
@@ -174,4 +182,44 @@ func unbindBDFs(tree *pci.Tree, list string) ([]*pci.Device, error) {
 		return nil, fmt.Errorf("--bdf %q: no function", list)
 	}
 	return fns, nil
+}
+
+// withdraw refuses while anything holds the functions' groups or device cdevs, and when
+// the node has a signed manifest (the boot's, in --dir) first writes a generation
+// in which every unit holding one of the functions is failed (recycle.Withdraw): the
+// last signed manifest must not say ready for a unit about to leave vfio-pci. Without a
+// manifest there is nothing to contradict, and the holders are still checked.
+func withdraw(root, profile string, fns []*pci.Device, rf recordFlags, stdout, stderr io.Writer) int {
+	addrs := make([]pci.Address, 0, len(fns))
+	groups := make([]int, 0, len(fns))
+	for _, f := range fns {
+		addrs = append(addrs, f.Addr)
+		groups = append(groups, f.IOMMUGroup)
+	}
+	if _, err := os.Lstat(filepath.Join(root, rf.dir, recycle.EnvelopeName)); err != nil {
+		hs, err := recycle.Holders(root, groups, fns)
+		if len(hs) > 0 {
+			err = fmt.Errorf("%w: %s", recycle.ErrHeld, hs[0])
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "passage unbind: %s\n", oneLine(err))
+			return 1
+		}
+		return 0
+	}
+	o := recycle.Options{Root: root, Profile: profile}
+	done, code := rf.apply("unbind", root, &o, stderr)
+	defer done()
+	if code != 0 {
+		return code
+	}
+	m, err := recycle.Withdraw(context.Background(), o, addrs, "unbind: returned to host drivers; not ready until a later boot or recycle says so")
+	if err != nil {
+		fmt.Fprintf(stderr, "passage unbind: nothing released: %s\n", oneLine(err))
+		return 1
+	}
+	if m != nil {
+		fmt.Fprintf(stdout, "manifest generation %d (%s)%s\n", m.Generation, m.GenerationSource, failedUnits(m))
+	}
+	return 0
 }

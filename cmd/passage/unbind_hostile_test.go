@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -87,6 +89,7 @@ func TestUnbindStillOnVFIOFails(t *testing.T) {
 // on a tree whose links never move, which unbind now rightly refuses to call a release.)
 func TestUnbindUnitSimulated(t *testing.T) {
 	n := pcitest.New(t, pcitest.B300())
+	os.MkdirAll(filepath.Join(n.Root, "proc"), 0o755)
 	k, err := vfiotest.New(n.Root)
 	if err != nil {
 		t.Fatal(err)

@@ -38,7 +38,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		}
 		return verifyMany(paths, keyFile, vf.tpmPub != "", opts, stdout, stderr)
 	}
-	got, code := vf.verify("verify", paths[0], stderr)
+	got, signer, code := vf.verify("verify", paths[0], stderr)
 	if got == nil {
 		return code
 	}
@@ -50,7 +50,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stdout)
 		return 0
 	}
-	printSummary(stdout, paths[0], got)
+	printSummary(stdout, paths[0], got, signer)
 	return 0
 }
 
@@ -75,23 +75,24 @@ func printUnits(stdout, stderr io.Writer, path string, v *manifest.Verified, asJ
 	return 0
 }
 
-// signedBy names the passage build that signed m; a schema 2 manifest does not say.
-func signedBy(m *manifest.Manifest) string {
+// builtBy names the passage build that signed m (the signer's key is another line's);
+// a schema 2 manifest does not say.
+func builtBy(m *manifest.Manifest) string {
 	if m.Build == nil {
 		return fmt.Sprintf("not recorded (schema %d)", m.SchemaVersion)
 	}
 	return m.Build.String()
 }
 
-func printSummary(w io.Writer, path string, v *manifest.Verified) {
+func printSummary(w io.Writer, path string, v *manifest.Verified, signer string) {
 	m := v.Manifest
-	fmt.Fprintf(w, "%s: OK, signed by %s\n", path, v.KeyID)
+	fmt.Fprintf(w, "%s: OK, signed by %s\n", pr(path), pr(signer))
 	fmt.Fprintf(w, "  payload     %s (schema %d)\n", v.Digest, m.SchemaVersion)
-	fmt.Fprintf(w, "  build       %s\n", signedBy(m))
-	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", orDash(m.Node.Hostname), orDash(m.Node.DMISerial), orDash(m.Node.DMIUUID))
-	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", m.BootID, m.Time.Format("2006-01-02T15:04:05Z07:00"), orDash(m.KernelRelease))
-	fmt.Fprintf(w, "  generation  %d (%s)\n", m.Generation, m.GenerationSource)
-	fmt.Fprintf(w, "  profile     %s %s\n", orDash(m.Profile.Name), m.Profile.Digest)
+	fmt.Fprintf(w, "  build       %s\n", pr(builtBy(m)))
+	fmt.Fprintf(w, "  node        %s serial %s uuid %s\n", pr(orDash(m.Node.Hostname)), pr(orDash(m.Node.DMISerial)), pr(orDash(m.Node.DMIUUID)))
+	fmt.Fprintf(w, "  boot        %s at %s, kernel %s\n", pr(m.BootID), m.Time.Format("2006-01-02T15:04:05Z07:00"), pr(orDash(m.KernelRelease)))
+	fmt.Fprintf(w, "  generation  %d (%s)\n", m.Generation, pr(string(m.GenerationSource)))
+	fmt.Fprintf(w, "  profile     %s %s\n", pr(orDash(m.Profile.Name)), pr(m.Profile.Digest))
 	count := map[string]int{}
 	for _, u := range m.Units {
 		count[u.Status]++
@@ -101,21 +102,21 @@ func printSummary(w io.Writer, path string, v *manifest.Verified) {
 	for _, u := range m.Units {
 		bdfs := make([]string, 0, len(u.Functions))
 		for _, f := range u.Functions {
-			bdfs = append(bdfs, f.BDF+"="+f.Role)
+			bdfs = append(bdfs, pr(f.BDF+"="+f.Role))
 		}
-		fmt.Fprintf(w, "    %-8s %-8s numa %d  %s\n", u.ID, u.Status, u.NUMANode, strings.Join(bdfs, " "))
+		fmt.Fprintf(w, "    %-8s %-8s numa %d  %s\n", pr(u.ID), pr(u.Status), u.NUMANode, strings.Join(bdfs, " "))
 		for _, r := range u.Reasons {
-			fmt.Fprintf(w, "             %s\n", r)
+			fmt.Fprintf(w, "             %s\n", pr(r))
 		}
 		printErase(w, u.Erase)
 	}
 	for _, s := range m.Stages {
 		if s.Status != "ok" {
-			fmt.Fprintf(w, "  stage %s: %s\n", s.Name, s.Status)
+			fmt.Fprintf(w, "  stage %s: %s\n", pr(s.Name), pr(s.Status))
 		}
 	}
 	for _, e := range m.Errors {
-		fmt.Fprintf(w, "  error: %s\n", e)
+		fmt.Fprintf(w, "  error: %s\n", pr(e))
 	}
 }
 

@@ -42,27 +42,28 @@ func (f *verifyFlags) options(cmd string, stderr io.Writer) (keyFile string, opt
 // verify reads and verifies the envelope at path with the keyring the flags name (a key
 // file, or a directory of a fleet's keys), through verifyFile as verify's many-file form
 // does: one verification for verify, render and metrics. It returns the accepted
-// manifest, or the exit status after printing why on stderr: 1 when the manifest is
+// manifest and its signer (the key's ID, file and enrolled node), or the exit status
+// after printing why on stderr: 1 when the manifest is
 // refused (the reason follows REFUSED), 2 for a usage error or a file that cannot be read.
-func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Verified, int) {
+func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Verified, string, int) {
 	keyFile, opts, code := f.options(cmd, stderr)
 	if code != 0 {
-		return nil, code
+		return nil, "", code
 	}
 	kr, err := loadKeyring(keyFile, f.tpmPub != "")
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
-		return nil, 2
+		return nil, "", 2
 	}
 	kr.sayIgnored(stderr, cmd, keyFile)
 	o := verifyFile(path, kr, opts)
 	switch {
 	case o.failed != nil:
 		fmt.Fprintf(stderr, "passage %s: %s: %s\n", cmd, path, oneLine(o.failed))
-		return nil, 2
+		return nil, "", 2
 	case o.refused != nil:
 		fmt.Fprintf(stderr, "passage %s: %s: REFUSED: %s\n", cmd, path, oneLine(o.refused))
-		return nil, 1
+		return nil, "", 1
 	}
-	return o.verified, 0
+	return o.verified, o.key.signer(), 0
 }

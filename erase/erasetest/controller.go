@@ -22,6 +22,10 @@ type Namespace struct {
 	Blocks uint64
 	LBADS  uint8 // 9 (512 B) when 0
 	DLFEAT uint8
+	// Inactive is allocated but not attached to the controller: only the allocated
+	// namespace list (CNS 10h) shows it, a Format NVM does not reach it, a Sanitize
+	// does (it covers the whole NVM subsystem), and it cannot be read.
+	Inactive bool
 }
 
 // Faults are the failures the controller simulates.
@@ -52,6 +56,7 @@ type Controller struct {
 	SANICAP                 uint32
 	FNA                     uint8
 	Format                  bool // OACS: Format NVM supported
+	NSManagement            bool // OACS: Namespace Management supported (CNS 10h/11h answered)
 	Namespaces              []Namespace
 	Faults                  Faults
 	// Sleep waits for latency; nil is time.Sleep bounded by ctx.
@@ -182,18 +187,36 @@ func (c *Controller) Admin(ctx context.Context, cmd erase.Command, buf []byte) e
 			if c.Format {
 				oacs |= erase.OACSFormat
 			}
+			if c.NSManagement {
+				oacs |= erase.OACSNSManagement
+			}
 			binary.LittleEndian.PutUint16(buf[256:], oacs)
 			binary.LittleEndian.PutUint32(buf[328:], c.SANICAP)
 			binary.LittleEndian.PutUint32(buf[516:], uint32(len(c.Namespaces)))
 			buf[524] = c.FNA
-		case erase.CNSActiveNSList:
-			for i, n := range c.Namespaces {
-				binary.LittleEndian.PutUint32(buf[4*i:], n.NSID)
+		case erase.CNSActiveNSList, erase.CNSAllocatedNSList:
+			if cmd.CDW10&0xff == erase.CNSAllocatedNSList && !c.NSManagement {
+				return fail(status(0x02))
 			}
-		case erase.CNSNamespace:
+			i := 0
+			for _, n := range c.Namespaces {
+				if n.Inactive && cmd.CDW10&0xff == erase.CNSActiveNSList {
+					continue
+				}
+				binary.LittleEndian.PutUint32(buf[4*i:], n.NSID)
+				i++
+			}
+		case erase.CNSNamespace, erase.CNSAllocatedNamespace:
+			if cmd.CDW10&0xff == erase.CNSAllocatedNamespace && !c.NSManagement {
+				return fail(status(0x02))
+			}
 			n := c.ns(cmd.NSID)
 			if n == nil {
 				return fail(status(0x0b))
+			}
+			if n.Inactive && cmd.CDW10&0xff == erase.CNSNamespace {
+				// An inactive NSID reads as zeroes through CNS 00h (Figure 273).
+				return nil
 			}
 			binary.LittleEndian.PutUint64(buf[0:], n.Blocks)
 			binary.LittleEndian.PutUint64(buf[8:], n.Blocks)
@@ -255,8 +278,13 @@ func (c *Controller) Admin(ctx context.Context, cmd erase.Command, buf []byte) e
 			return nil
 		}
 		if cmd.NSID == erase.NSIDAll {
-			c.data = map[uint32]map[uint64][]byte{}
-		} else if c.ns(cmd.NSID) == nil {
+			// Every attached namespace; an inactive one keeps its data.
+			for _, n := range c.Namespaces {
+				if !n.Inactive {
+					delete(c.data, n.NSID)
+				}
+			}
+		} else if n := c.ns(cmd.NSID); n == nil || n.Inactive {
 			return fail(status(0x0b))
 		} else {
 			delete(c.data, cmd.NSID)
@@ -283,7 +311,7 @@ func (c *Controller) Read(ctx context.Context, nsid uint32, lba uint64, blockSiz
 		return fmt.Errorf("read: %w", syscall.ENODEV)
 	}
 	n := c.ns(nsid)
-	if n == nil || lba >= n.Blocks || blockSize != 1<<lbads(n) {
+	if n == nil || n.Inactive || lba >= n.Blocks || blockSize != 1<<lbads(n) {
 		return fmt.Errorf("read ns %d lba %d: %w", nsid, lba, syscall.EINVAL)
 	}
 	if b, ok := c.data[nsid][lba]; ok {

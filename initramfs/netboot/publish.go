@@ -105,6 +105,13 @@ func send(ctx context.Context, hc *http.Client, verb, method, url, ctype string,
 	if hc == nil {
 		hc = http.DefaultClient
 	}
+	// No redirect is followed: after a 301, 302 or 303 a client repeats a POST or PUT as
+	// a GET without the body, whose 2xx would be taken for delivery, and a redirect to
+	// https would skip the random-pool wait above. Success is a 2xx to the request that
+	// carried the body; a 3xx is a refusal naming where the server pointed.
+	c := *hc
+	c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	hc = &c
 	if p.Tries <= 0 {
 		p.Tries = 1
 	}
@@ -166,6 +173,9 @@ func request(ctx context.Context, hc *http.Client, method, url, ctype string, bo
 	}
 	defer resp.Body.Close()
 	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	if resp.StatusCode/100 == 3 {
+		return resp.StatusCode, fmt.Errorf("%s: redirect to %q not followed (the body goes only to the URL given)", resp.Status, resp.Header.Get("Location"))
+	}
 	if resp.StatusCode/100 != 2 {
 		return resp.StatusCode, errors.New(resp.Status + ": " + string(bytes.TrimSpace(msg)))
 	}

@@ -14,6 +14,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -62,6 +63,9 @@ type Device struct {
 	UUID     string // filesystem UUID, lower case
 	Label    string // filesystem label
 	PartUUID string // GPT unique partition GUID, or MBR "SSSSSSSS-NN"; "" for a whole disk
+	// PCI are the PCI functions the device sits below (its sysfs path's 0000:bb:dd.f
+	// components, the root port first): what says it is a passthrough function's.
+	PCI []string
 }
 
 // Path is the device node under root.
@@ -116,6 +120,13 @@ func Scan(root string) ([]Device, error) {
 			f.Close()
 		}
 		d.PartUUID = partUUID(root, dir, d.Name)
+		if real, err := filepath.EvalSymlinks(filepath.Join(dir, d.Name)); err == nil {
+			for _, c := range strings.Split(filepath.ToSlash(real), "/") {
+				if pciAddr.MatchString(c) {
+					d.PCI = append(d.PCI, c)
+				}
+			}
+		}
 		out = append(out, d)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
@@ -224,15 +235,42 @@ func gptPartUUID(r io.ReaderAt, sector int64, n int) string {
 	return fmt.Sprintf("%08x-%02x", sig, n)
 }
 
+var pciAddr = regexp.MustCompile(`^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$`)
+
+// under says the device sits below one of the PCI functions in not.
+func (d Device) under(not map[string]bool) string {
+	for _, a := range d.PCI {
+		if not[a] {
+			return a
+		}
+	}
+	return ""
+}
+
 // Find returns the one device matching s. No match and several matches are errors that
 // list what was seen: two disks with one filesystem UUID (a cloned image) must not be
-// guessed between.
-func Find(devs []Device, s Spec) (Device, error) {
+// guessed between. A device below one of the PCI functions in notRoot (passthrough
+// functions: a tenant's disk, whatever identity the tenant wrote on it) is never a
+// candidate; the error names it when it would have matched.
+func Find(devs []Device, s Spec, notRoot []string) (Device, error) {
+	not := map[string]bool{}
+	for _, a := range notRoot {
+		not[strings.ToLower(a)] = true
+	}
 	var hits []Device
+	var passthrough []string
 	for _, d := range devs {
-		if d.matches(s) {
-			hits = append(hits, d)
+		if !d.matches(s) {
+			continue
 		}
+		if a := d.under(not); a != "" {
+			passthrough = append(passthrough, d.describe()+" below passthrough function "+a)
+			continue
+		}
+		hits = append(hits, d)
+	}
+	if len(hits) == 0 && len(passthrough) > 0 {
+		return Device{}, fmt.Errorf("root %s: %w (not a candidate: %s); block devices: %s", s, ErrNotFound, strings.Join(passthrough, ", "), list(devs))
 	}
 	switch len(hits) {
 	case 1:
@@ -260,18 +298,18 @@ func list(devs []Device) string {
 // Poll is how often Wait scans again.
 const Poll = 100 * time.Millisecond
 
-// Wait scans until exactly one device under root matches s, and returns its node (under
-// root), or fails when ctx ends, naming what it waited for and what it saw. A disk's
+// Wait scans until exactly one device under root matches s, none below a function of
+// notRoot (Find), and returns its node (under root), or fails when ctx ends, naming what it waited for and what it saw. A disk's
 // driver may still be probing when the handoff starts (the host drivers load late, after
 // vfio binding), so a missing device is waited for; an ambiguous one is not.
-func Wait(ctx context.Context, root string, s Spec) (string, error) {
+func Wait(ctx context.Context, root string, s Spec, notRoot []string) (string, error) {
 	start := time.Now()
 	t := time.NewTicker(Poll)
 	defer t.Stop()
 	for {
 		devs, err := Scan(root)
 		if err == nil {
-			d, ferr := Find(devs, s)
+			d, ferr := Find(devs, s, notRoot)
 			if ferr == nil {
 				return d.Path(root), nil
 			}

@@ -110,19 +110,19 @@ func TestFind(t *testing.T) {
 		if err != nil {
 			t.Fatalf("Parse(%q): %v", spec, err)
 		}
-		d, err := Find(devs, s)
+		d, err := Find(devs, s, nil)
 		if err != nil || d.Name != want {
 			t.Errorf("Find(%s) = %s, %v; want %s", spec, d.Name, err, want)
 		}
 	}
 	// Two filesystems with one UUID (nvme0n1 and vda1): refused, both named.
 	s, _ := Parse("UUID=01020304-0506-0708-090a-0b0c0d0e0f10")
-	if _, err := Find(devs, s); err == nil || !strings.Contains(err.Error(), "2 devices match") ||
+	if _, err := Find(devs, s, nil); err == nil || !strings.Contains(err.Error(), "2 devices match") ||
 		!strings.Contains(err.Error(), "nvme0n1") || !strings.Contains(err.Error(), "vda1") {
 		t.Errorf("duplicate UUID: %v", err)
 	}
 	s, _ = Parse("LABEL=nope")
-	if _, err := Find(devs, s); err == nil || !strings.Contains(err.Error(), "nvme1n1p2 (ext4 UUID=9e2c1b3f-445d-4e6f-8091-a2b3c4d5e6f7 LABEL=root PARTUUID=12345678-9abc-def0-1122-334455667788)") {
+	if _, err := Find(devs, s, nil); err == nil || !strings.Contains(err.Error(), "nvme1n1p2 (ext4 UUID=9e2c1b3f-445d-4e6f-8091-a2b3c4d5e6f7 LABEL=root PARTUUID=12345678-9abc-def0-1122-334455667788)") {
 		t.Errorf("missing label: %v, want the devices seen listed", err)
 	}
 }
@@ -146,7 +146,7 @@ func TestWait(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
-	_, err := Wait(ctx, root, s)
+	_, err := Wait(ctx, root, s, nil)
 	if err == nil || !strings.Contains(err.Error(), "waiting for the root block device LABEL=root") || !strings.Contains(err.Error(), "nvme0n1 (ext4") {
 		t.Fatalf("absent root: %v", err)
 	}
@@ -162,7 +162,7 @@ func TestWait(t *testing.T) {
 	}()
 	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel2()
-	p, err := Wait(ctx2, root, s)
+	p, err := Wait(ctx2, root, s, nil)
 	if err != nil || p != filepath.Join(root, "dev", "nvme1n1p2") {
 		t.Errorf("late root: %q, %v", p, err)
 	}

@@ -459,7 +459,7 @@ func orNone(s string) string {
 // host loads the drivers of host-kept devices (management NIC, NVSwitch management) only
 // now, after every passthrough function sits on vfio-pci, so none can claim one. Then it
 // sets the network stage's links up (linkUpEarly).
-func (b *Boot) host(_ context.Context, _ *stages.State, r *stages.Result) error {
+func (b *Boot) host(ctx context.Context, _ *stages.State, r *stages.Result) error {
 	early := b.Config.Net != initramfs.NetOff && !b.DryRun
 	if len(b.Config.HostModules) == 0 {
 		if !early {
@@ -467,8 +467,19 @@ func (b *Boot) host(_ context.Context, _ *stages.State, r *stages.Result) error 
 		}
 		// A built-in NIC driver still gains from the head start.
 		r.Findingf("passage.host_modules is empty: no host driver to load")
-	} else if err := b.loadHostModules(r); err != nil {
-		return err
+	} else {
+		if !b.DryRun {
+			// A host driver list may hold nvme (the host's own disk): no unit's NVMe may
+			// be claimed by it when it loads (guardNVMe).
+			var sys vfiobind.Sysfs = vfiobind.Root(b.Root)
+			if b.Sysfs != nil {
+				sys = b.Sysfs
+			}
+			b.guardNVMe(ctx, sys, r)
+		}
+		if err := b.loadHostModules(r); err != nil {
+			return err
+		}
 	}
 	if early {
 		b.linkUpEarly(r)

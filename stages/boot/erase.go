@@ -35,6 +35,13 @@ func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) err
 	}
 	units := d.ErasePlan(acsRun)
 	r.Findingf("policy %s: %d units", d.Erase, len(units))
+	var sys vfiobind.Sysfs = vfiobind.Root(b.Root)
+	if b.Sysfs != nil {
+		sys = b.Sysfs
+	}
+	b.guardNVMe(ctx, sys, r)
+	// Whatever the erase did, no unit's NVMe is left on nvme at the end of the stage.
+	defer b.guardNVMe(context.WithoutCancel(ctx), sys, r)
 	if b.OpenNVMe == nil {
 		if err := b.openModules(); err != nil {
 			r.Degrade("nvme driver: %v", err)
@@ -46,10 +53,6 @@ func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) err
 	open := b.OpenNVMe
 	if open == nil {
 		open = erase.DeviceOpener(b.Root, nvmeReady)
-	}
-	var sys vfiobind.Sysfs = vfiobind.Root(b.Root)
-	if b.Sysfs != nil {
-		sys = b.Sysfs
 	}
 	rep := erase.Run(ctx, sys, units, open, erase.RunOptions{Erase: erase.Options{Overwrite: b.Config.EraseOverwrite}})
 	for _, u := range rep.Units {
@@ -72,4 +75,47 @@ func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) err
 		return fmt.Errorf("erase: %w", ctx.Err())
 	}
 	return nil
+}
+
+// PassthroughAddrs are the addresses of every function of every unit, whatever its
+// verdict: the handoff never takes a block device below one of them for the root (a
+// tenant's disk carries whatever identity the tenant wrote on it). Nil before a decision.
+func (b *Boot) PassthroughAddrs() []string {
+	d, _, _ := b.results()
+	if d == nil {
+		return nil
+	}
+	var out []string
+	for _, u := range d.Units() {
+		for _, f := range u.Functions() {
+			if f != nil {
+				out = append(out, f.Addr.String())
+			}
+		}
+	}
+	return out
+}
+
+// guardNVMe gives every unit's NVMe, in the erase plan or not, an override only vfio-pci
+// matches, before the nvme driver is loaded: the driver probes every controller without
+// one when it loads, and a unit's NVMe on it is a tenant's disk the host can mount. The
+// erase moves its own controllers to nvme and back by name.
+func (b *Boot) guardNVMe(ctx context.Context, sys vfiobind.Sysfs, r *stages.Result) {
+	d, _, _ := b.results()
+	if d == nil {
+		return
+	}
+	for _, u := range d.Units() {
+		for _, n := range u.NVMe {
+			drv, err := vfiobind.Driver(sys, n.Addr)
+			if err == nil && drv == vfiobind.VFIODriver {
+				continue // already the guest's
+			}
+			if fr, err := vfiobind.Park(ctx, sys, n.Addr, vfiobind.VFIODriver, vfiobind.Options{}); err != nil {
+				r.Degrade("unit %s: %s: not kept off nvme: %v", UnitID(u.ID), n.Addr, err)
+			} else if fr.DriverBefore != "" {
+				r.Changef("%s: %s -> (none), override %s", n.Addr, fr.DriverBefore, vfiobind.VFIODriver)
+			}
+		}
+	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/stages"
+	"github.com/passage-boot/passage/vfiobind"
 )
 
 // TestBootEraseRecord runs a whole boot under b300's default passage.erase=require with
@@ -90,6 +91,65 @@ func TestBootEraseRecord(t *testing.T) {
 			if f.DriverAfter != "vfio-pci" {
 				t.Errorf("%s %s on %q", u.ID, f.BDF, f.DriverAfter)
 			}
+		}
+	}
+}
+
+// No unit's NVMe is on nvme once the erase stage is over, erased or not, in the erase
+// plan or not: unit 5 is failed by the decision (its CX-8 without ATS under
+// passage.ats=require), so nothing erases it, and its NVMe, which the nvme driver held
+// from the start, is taken off it all the same; unit 2's erase fails and its NVMe is
+// off nvme too. The handoff is told every unit's functions, so no tenant disk is a
+// root candidate.
+func TestNoUnitNVMeLeftOnNVMe(t *testing.T) {
+	spec := pcitest.B300()
+	var walk func(fns []pcitest.Fn)
+	walk = func(fns []pcitest.Fn) {
+		for i := range fns {
+			if fns[i].Name == "nic5.0" || fns[i].Name == "nic5.1" {
+				fns[i].ATS = nil
+			}
+			walk(fns[i].Below)
+		}
+	}
+	for h := range spec.Hosts {
+		walk(spec.Hosts[h].Fns)
+	}
+	bn := newBootNodeOf(t, spec)
+	root := bn.node.Root
+	tree, err := pci.Scan(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctrls := map[pci.Address]*erasetest.Controller{}
+	for _, d := range tree.Devices {
+		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())
+		os.WriteFile(filepath.Join(dir, "reset_method"), []byte("flr\n"), 0o644)
+		os.WriteFile(filepath.Join(dir, "reset"), nil, 0o200)
+		if d.Class == pcitest.ClassNVMe {
+			ctrls[d.Addr] = erasetest.New("S"+d.Addr.String(), erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 16})
+		}
+	}
+	ctrls[bn.node.Addr("nvme2")].Faults.SanitizeFails = true
+	nvme5 := bn.node.Addr("nvme5")
+	if drv, _ := vfiobind.Driver(bn.kern, nvme5); drv != erase.NVMeDriver {
+		t.Fatalf("unit 5's NVMe starts on %q, want nvme (the test's premise)", drv)
+	}
+	b := &Boot{Root: root, Config: initramfs.ParseCmdline(bootCmdline + " passage.net=off passage.ats=require"), Sysfs: bn.kern,
+		OpenNVMe: func(_ context.Context, a pci.Address) (erase.Controller, string, error) { return ctrls[a], "nvme", nil }}
+	if _, err := (&stages.Runner{Stages: b.Stages()}).Run(context.Background(), &stages.State{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"nvme0", "nvme2", "nvme5", "nvme7"} {
+		a := bn.node.Addr(name)
+		if drv, err := vfiobind.Driver(bn.kern, a); err != nil || drv == erase.NVMeDriver {
+			t.Errorf("%s (%s) on %q after the boot (%v)", name, a, drv, err)
+		}
+	}
+	passthrough := strings.Join(b.PassthroughAddrs(), " ")
+	for _, name := range []string{"nvme2", "nvme5", "gpu5", "nic5.1"} {
+		if !strings.Contains(passthrough, bn.node.Addr(name).String()) {
+			t.Errorf("%s not among the functions the handoff keeps from root: %s", name, passthrough)
 		}
 	}
 }

@@ -42,7 +42,14 @@ func (b *Boot) mountOut() (dir string, unmount func() error, err error) {
 	if out.Device == "" {
 		return "", func() error { return nil }, nil
 	}
-	mnt := b.path(OutMount)
+	mnt, err := Beneath(b.Root, OutMount)
+	if err != nil {
+		return "", nil, fmt.Errorf("passage.out %s: mount point: %w", out, err)
+	}
+	dev, err := deviceBeneath(b.Root, out.Device)
+	if err != nil {
+		return "", nil, fmt.Errorf("passage.out %s: %w", out, err)
+	}
 	m := b.Mount
 	if m == nil {
 		m = func(dev, dir string) (func() error, error) {
@@ -53,12 +60,12 @@ func (b *Boot) mountOut() (dir string, unmount func() error, err error) {
 			return func() error { return mp.Unmount(0) }, nil
 		}
 	}
-	un, err := m(b.path(out.Device), mnt)
+	un, err := m(dev, mnt)
 	if err != nil {
 		return "", nil, fmt.Errorf("passage.out %s: mount: %w", out, err)
 	}
-	dir = filepath.Join(mnt, out.Path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	// The device's own file system cannot lead out of itself either.
+	if dir, err = Beneath(mnt, out.Path); err != nil {
 		un()
 		return "", nil, fmt.Errorf("passage.out %s: %w", out, err)
 	}
@@ -233,6 +240,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	if tpm.closer != nil {
 		defer tpm.closer.Close()
 	}
+	// A dry run returned above: passage.out is mounted and counted on only by a boot.
 	outDir, unmount, err := b.mountOut()
 	if err != nil {
 		errs = append(errs, err.Error())
@@ -263,9 +271,9 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		return fmt.Errorf("manifest: %w before anything was written", ctx.Err())
 	}
 
-	dir := b.RunDir()
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return fmt.Errorf("manifest %s: %w", dir, err)
+	dir, err := Beneath(b.Root, initramfs.RunDir)
+	if err != nil {
+		return fmt.Errorf("manifest: %w", err)
 	}
 	payload, err := manifest.Marshal(m)
 	if err != nil {
@@ -278,7 +286,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	signers, serr := b.signers(tpm)
 	if len(signers) == 0 {
 		b.Mark("manifest-written")
-		b.writeMetrics(ctx, r, dir, m, false)
+		b.writeMetrics(ctx, r, dir, m, "")
 		return fmt.Errorf("manifest: unsigned (%s written): %w", PayloadName, serr)
 	}
 	if serr != nil {
@@ -287,7 +295,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	signed, err := manifest.WriteSigned(ctx, m, dir, EnvelopeName, tpm.measurer, signers...)
 	if signed == nil {
 		b.Mark("manifest-written")
-		b.writeMetrics(ctx, r, dir, m, false)
+		b.writeMetrics(ctx, r, dir, m, "")
 		return err
 	}
 	b.commit(ctx, func() { b.Signed = signed })
@@ -300,7 +308,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	b.Mark("manifest-written")
 	r.Changef("%s %s generation %d (%s), %d signatures", EnvelopeName, signed.Digest, m.Generation, m.GenerationSource, len(signed.KeyIDs))
-	b.writeMetrics(ctx, r, dir, m, true)
+	b.writeMetrics(ctx, r, dir, m, strings.Join(signed.KeyIDs, " "))
 
 	if outDir != "" {
 		if err := copyFiles(dir, outDir); err != nil {
@@ -429,6 +437,12 @@ func (b *Boot) openTPM(r *stages.Result) bootTPM {
 	t := bootTPM{signer: s, measurer: m}
 	t.counter, _ = s.(manifest.Counter)
 	t.closer, _ = s.(io.Closer)
+	if b.DryRun {
+		// A dry run leaves the TPM's state as it found it: no generation counted, no
+		// PCR extended (and the manifest stage signs nothing).
+		t.counter, t.measurer = nil, nil
+		r.Findingf("dry run: no NV counter increment, no PCR extend")
+	}
 	return t
 }
 
@@ -444,7 +458,7 @@ func (b *Boot) signers(tpm bootTPM) ([]manifest.Signer, error) {
 	} else if tpm.err != nil {
 		errs = append(errs, tpm.err)
 	}
-	s, err := manifest.LoadSigner(b.path(b.Config.Key))
+	s, err := b.loadSigner()
 	if err != nil {
 		errs = append(errs, fmt.Errorf("key %s: %w", b.Config.Key, err))
 	} else {
@@ -478,4 +492,13 @@ func copyFiles(src, dst string) error {
 		return errors.New(strings.Join(errs, "; "))
 	}
 	return nil
+}
+
+// loadSigner reads passage.key= beneath the root (ReadBeneath).
+func (b *Boot) loadSigner() (*manifest.Ed25519Signer, error) {
+	data, err := ReadBeneath(b.Root, b.Config.Key, manifest.MaxKeyFileSize)
+	if err != nil {
+		return nil, err
+	}
+	return manifest.ParseSigner(b.Config.Key, data)
 }

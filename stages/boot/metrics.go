@@ -15,9 +15,10 @@ import (
 // beside it (metrics.TextfileName, for node_exporter's textfile collector), for the push
 // stage to send on. The manifest stage calls it once the manifest is on disk, so nothing
 // here can delay or lose the manifest; a failure is a finding, not the manifest's.
-func (b *Boot) writeMetrics(ctx context.Context, r *stages.Result, dir string, m *manifest.Manifest, signed bool) {
+// signer is the signing keys' IDs ("" : unsigned).
+func (b *Boot) writeMetrics(ctx context.Context, r *stages.Result, dir string, m *manifest.Manifest, signer string) {
 	var text bytes.Buffer
-	if err := metrics.Write(&text, metrics.Source{Manifest: m, Signed: signed}); err != nil {
+	if err := metrics.Write(&text, metrics.Source{Manifest: m, Signed: signer != "", Signer: signer}); err != nil {
 		r.Findingf("metrics: %v", err)
 		return
 	}

@@ -75,7 +75,13 @@ type bootNode struct {
 
 func newBootNode(t *testing.T) *bootNode {
 	t.Helper()
-	n := pcitest.New(t, pcitest.B300())
+	return newBootNodeOf(t, pcitest.B300())
+}
+
+// newBootNodeOf is newBootNode on another spec.
+func newBootNodeOf(t *testing.T, spec pcitest.Spec) *bootNode {
+	t.Helper()
+	n := pcitest.New(t, spec)
 	root := n.Root
 	files := map[string]string{
 		"proc/sys/kernel/osrelease":      "6.12.0-passage\n",
