@@ -77,7 +77,7 @@ func ReadBeneath(root, rel string, max int64) ([]byte, error) {
 // openBeneath opens the regular file rel beneath root for reading without blocking on a
 // FIFO: a link may lead elsewhere in the tree, never out of it (os.Root).
 func openBeneath(root, rel string) (*os.File, error) {
-	root, r, err := openRoot(root)
+	_, r, err := openRoot(root)
 	if err != nil {
 		return nil, err
 	}
