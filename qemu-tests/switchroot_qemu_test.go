@@ -20,9 +20,9 @@ const (
 // Scenario 7: the switch_root handoff. passage runs as the initramfs's init (rdinit=),
 // so it is PID 1 and can hand PID 1 to the real root's init: a disk whose /sbin/init
 // prints what it sees and powers off. The node has four NVMe: the two units'
-// (passthrough, bound to vfio-pci), a scratch disk (00:11.0, which probes first) and
-// the root disk (00:12.0), so the root is not nvme0n1 and passage.root names it by
-// identity: by filesystem UUID, and by label.
+// (passthrough, bound to vfio-pci), a scratch disk and the root disk (00:11.0 and
+// 00:12.0, in either order), and passage.root names the root by identity: by filesystem
+// UUID, and by label.
 func TestScenario7SwitchRoot(t *testing.T) {
 	dir := t.TempDir()
 	root := filepath.Join(dir, "root")
@@ -48,9 +48,21 @@ func TestScenario7SwitchRoot(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	for _, spec := range []string{"UUID=" + rootFSUUID, "LABEL=" + rootLabel} {
-		t.Run(strings.SplitN(spec, "=", 2)[0], func(t *testing.T) {
-			run, m := bootPassage(t, Options{NVMe: []string{scratch, disk}, Append: []string{
+	// Which controller the kernel probes first, and so names nvme0, is not fixed (6.1
+	// took 00:11.0 first; 6.12 takes either, boot to boot): the root disk has another
+	// identity than the scratch disk beside it, sits behind each controller in turn, and
+	// the boot must find it whatever its name. rootdev's own tests hold, deterministically,
+	// that the identity and not the name decides; here the names are only logged.
+	for _, c := range []struct {
+		name, spec string
+		nvme       []string
+	}{
+		{"UUID", "UUID=" + rootFSUUID, []string{scratch, disk}},
+		{"LABEL", "LABEL=" + rootLabel, []string{disk, scratch}},
+	} {
+		spec := c.spec
+		t.Run(c.name, func(t *testing.T) {
+			run, m := bootPassage(t, Options{NVMe: c.nvme, Append: []string{
 				"rdinit=/bbin/passage",
 				"passage.handoff=switch_root", "passage.root=" + spec, "passage.rootfstype=ext4",
 				"passage.host_modules=e1000e,nvme,crc32c_generic,ext4",
@@ -69,14 +81,10 @@ func TestScenario7SwitchRoot(t *testing.T) {
 				t.Fatal(err)
 			}
 			c := string(con)
-			if i := strings.Index(c, "passage: root "); i >= 0 {
+			if i := strings.Index(c, "passage: root "+spec+" is /dev/"); i >= 0 {
 				t.Logf("%s", strings.SplitN(c[i:], "\n", 2)[0])
-			}
-			if !strings.Contains(c, "passage: root "+spec+" is /dev/nvme") {
-				t.Errorf("no line resolving %s to an NVMe namespace; console end:\n%s", spec, consoleTail(run.Console, 40))
-			}
-			if strings.Contains(c, "passage: root "+spec+" is /dev/nvme0n1") {
-				t.Errorf("the root resolved to nvme0n1, the scratch disk's controller probes first: the scenario is not testing identity")
+			} else {
+				t.Errorf("no line resolving %s to a device; console end:\n%s", spec, consoleTail(run.Console, 40))
 			}
 			if !strings.Contains(c, "PASSAGE-ROOT-INIT pid=1 root=disk") {
 				t.Errorf("the real root's init did not run as PID 1 on the disk; console end:\n%s", consoleTail(run.Console, 40))
