@@ -231,161 +231,166 @@ const (
 // Scenario 1: a clean boot of the default topology, signed by the TPM and the key file,
 // measured into PCR 13.
 func TestScenario1CleanBoot(t *testing.T) {
-	run, m := bootPassage(t, Options{KeepTPM: true, Append: []string{"passage.tpm=on"}})
-	if run.Done != "ok" {
-		t.Errorf("PASSAGE-DONE %s, want ok", run.Done)
-	}
-	if len(m.Units) != 2 {
-		t.Fatalf("%d units, want 2", len(m.Units))
-	}
-	rb := readbackOf(t, run)
-	vfioDev := map[string]string{}
-	drivers := map[string]string{}
-	for _, f := range rb.Functions {
-		vfioDev[f.BDF], drivers[f.BDF] = f.VFIODev, f.Driver
-	}
-	for i := range m.Units {
-		u := &m.Units[i]
-		if u.Status != manifest.StatusReady {
-			t.Errorf("unit %s: %s %v, want ready", u.ID, u.Status, u.Reasons)
-		}
-		checkBound(t, u)
-		// The guest's own sysfs, read after the stages: vfio-pci and the group's node.
-		for _, f := range u.Functions {
-			want := fmt.Sprintf("/dev/vfio/%d", f.IOMMUGroup)
-			if drivers[f.BDF] != "vfio-pci" || vfioDev[f.BDF] != want {
-				t.Errorf("%s: guest reads driver %q, %q; want vfio-pci and %s", f.BDF, drivers[f.BDF], vfioDev[f.BDF], want)
+	// On the default kernel and on 6.1, which the fleet still runs.
+	for _, k := range []string{"6.12", "6.1"} {
+		t.Run(k, func(t *testing.T) {
+			run, m := bootPassage(t, Options{Build: kernelBuild(t, k), KeepTPM: true, Append: []string{"passage.tpm=on"}})
+			if run.Done != "ok" {
+				t.Errorf("PASSAGE-DONE %s, want ok", run.Done)
 			}
-		}
-		if u.ACSChanges == nil || len(u.ATSFindings) != 2 {
-			t.Errorf("unit %s: ACS changes %v, ATS findings %v", u.ID, u.ACSChanges, u.ATSFindings)
-		}
-	}
-	for port, nic := range nicPorts {
-		c := acsChange(m, port)
-		if c == nil {
-			t.Errorf("no ACS change for %s (port above %s)", port, nic)
-			continue
-		}
-		if !strings.Contains(c.After, "DirectTrans+") || c.Result != "applied" {
-			t.Errorf("ACS %s: after %q result %q, want DirectTrans+ applied and read back", port, c.After, c.Result)
-		}
-		// An independent read of the port's config space in the guest, after binding.
-		if ctl := rb.acsCtl(t, port); ctl != acsIsolation|acsDT {
-			t.Errorf("guest reads ACSCtl %#04x on %s, want %#04x (SV RR CR UF DT)", ctl, port, acsIsolation|acsDT)
-		}
-	}
-	// Every other port on the units' paths keeps isolation and has no DT.
-	for i := range m.Units {
-		for _, c := range m.Units[i].ACSChanges {
-			if _, nicPort := nicPorts[c.Port]; nicPort {
-				continue
+			if len(m.Units) != 2 {
+				t.Fatalf("%d units, want 2", len(m.Units))
 			}
-			if ctl := rb.acsCtl(t, c.Port); ctl != acsIsolation {
-				t.Errorf("guest reads ACSCtl %#04x on %s (%s), want %#04x", ctl, c.Port, c.Result, acsIsolation)
+			rb := readbackOf(t, run)
+			vfioDev := map[string]string{}
+			drivers := map[string]string{}
+			for _, f := range rb.Functions {
+				vfioDev[f.BDF], drivers[f.BDF] = f.VFIODev, f.Driver
 			}
-		}
-	}
-	// The management NIC: on its host driver, with QEMU's DHCP lease.
-	if d := drivers[mgmtNIC]; d != "e1000e" {
-		t.Errorf("management NIC %s: driver %q, want e1000e", mgmtNIC, d)
-	}
-	if !slices.ContainsFunc(rb.Leases, func(l string) bool { return strings.Contains(l, "10.0.2.15/24") }) {
-		t.Errorf("leases %q, want 10.0.2.15/24 from QEMU's user network", rb.Leases)
-	}
-	// The manifest is written before the network comes up: it carries the stages up to
-	// host and nothing of network or publish, whose results are in log.jsonl.
-	var inManifest []string
-	for _, s := range m.Stages {
-		inManifest = append(inManifest, s.Name)
-	}
-	if want := []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host"}; !slices.Equal(inManifest, want) {
-		t.Errorf("manifest stages %v, want %v (network and publish come after the manifest)", inManifest, want)
-	}
-	logged := map[string]stages.ResultRecord{}
-	var order []string
-	for _, s := range logStages(t, run) {
-		logged[s.Name] = s
-		order = append(order, s.Name)
-	}
-	if want := slices.Concat(inManifest, []string{"manifest", "network", "publish", "push"}); !slices.Equal(order, want) {
-		t.Errorf("log.jsonl stages %v, want %v", order, want)
-	}
-	net := logged["network"]
-	if net.Status != stages.OK || !slices.ContainsFunc(net.Changes, func(c string) bool { return strings.Contains(c, "10.0.2.15/24") }) {
-		t.Errorf("log.jsonl network stage %+v, want ok with QEMU's DHCP lease", net)
-	}
-	// The host stage started setting the leased interface up in the background, through
-	// the kernel's netlink, and the network stage reports that it came up.
-	if len(net.Changes) > 0 {
-		iface, _, _ := strings.Cut(net.Changes[0], " ")
-		if h := logged["host"]; !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link-up of "+iface+" started") }) {
-			t.Errorf("log.jsonl host stage changes %q, want %s's early link-up started", h.Changes, iface)
-		}
-		if !slices.ContainsFunc(net.Findings, func(f string) bool { return strings.HasPrefix(f, "early link-up "+iface+": up in") }) {
-			t.Errorf("log.jsonl network findings %q, want %s's early link-up done", net.Findings, iface)
-		}
-	}
-	if m.KernelRelease == "" || !strings.Contains(m.KernelCmdline, "passage.profile=qemu") {
-		t.Errorf("kernel %q cmdline %q", m.KernelRelease, m.KernelCmdline)
-	}
-	if g := m.GuestPlan; g == nil || len(g.MatrixLabels) != 6 || g.ExpectedGuest[0][2] != "PIX" {
-		t.Errorf("guest plan %+v, want 2 GPUs + 4 NICs with GPU0-NIC0 PIX", g)
-	}
-	if m.GenerationSource != manifest.GenerationTPMNV || m.Generation == 0 {
-		t.Errorf("generation %d from %s, want the TPM NV counter", m.Generation, m.GenerationSource)
-	}
+			for i := range m.Units {
+				u := &m.Units[i]
+				if u.Status != manifest.StatusReady {
+					t.Errorf("unit %s: %s %v, want ready", u.ID, u.Status, u.Reasons)
+				}
+				checkBound(t, u)
+				// The guest's own sysfs, read after the stages: vfio-pci and the group's node.
+				for _, f := range u.Functions {
+					want := fmt.Sprintf("/dev/vfio/%d", f.IOMMUGroup)
+					if drivers[f.BDF] != "vfio-pci" || vfioDev[f.BDF] != want {
+						t.Errorf("%s: guest reads driver %q, %q; want vfio-pci and %s", f.BDF, drivers[f.BDF], vfioDev[f.BDF], want)
+					}
+				}
+				if u.ACSChanges == nil || len(u.ATSFindings) != 2 {
+					t.Errorf("unit %s: ACS changes %v, ATS findings %v", u.ID, u.ACSChanges, u.ATSFindings)
+				}
+			}
+			for port, nic := range nicPorts {
+				c := acsChange(m, port)
+				if c == nil {
+					t.Errorf("no ACS change for %s (port above %s)", port, nic)
+					continue
+				}
+				if !strings.Contains(c.After, "DirectTrans+") || c.Result != "applied" {
+					t.Errorf("ACS %s: after %q result %q, want DirectTrans+ applied and read back", port, c.After, c.Result)
+				}
+				// An independent read of the port's config space in the guest, after binding.
+				if ctl := rb.acsCtl(t, port); ctl != acsIsolation|acsDT {
+					t.Errorf("guest reads ACSCtl %#04x on %s, want %#04x (SV RR CR UF DT)", ctl, port, acsIsolation|acsDT)
+				}
+			}
+			// Every other port on the units' paths keeps isolation and has no DT.
+			for i := range m.Units {
+				for _, c := range m.Units[i].ACSChanges {
+					if _, nicPort := nicPorts[c.Port]; nicPort {
+						continue
+					}
+					if ctl := rb.acsCtl(t, c.Port); ctl != acsIsolation {
+						t.Errorf("guest reads ACSCtl %#04x on %s (%s), want %#04x", ctl, c.Port, c.Result, acsIsolation)
+					}
+				}
+			}
+			// The management NIC: on its host driver, with QEMU's DHCP lease.
+			if d := drivers[mgmtNIC]; d != "e1000e" {
+				t.Errorf("management NIC %s: driver %q, want e1000e", mgmtNIC, d)
+			}
+			if !slices.ContainsFunc(rb.Leases, func(l string) bool { return strings.Contains(l, "10.0.2.15/24") }) {
+				t.Errorf("leases %q, want 10.0.2.15/24 from QEMU's user network", rb.Leases)
+			}
+			// The manifest is written before the network comes up: it carries the stages up to
+			// host and nothing of network or publish, whose results are in log.jsonl.
+			var inManifest []string
+			for _, s := range m.Stages {
+				inManifest = append(inManifest, s.Name)
+			}
+			if want := []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host"}; !slices.Equal(inManifest, want) {
+				t.Errorf("manifest stages %v, want %v (network and publish come after the manifest)", inManifest, want)
+			}
+			logged := map[string]stages.ResultRecord{}
+			var order []string
+			for _, s := range logStages(t, run) {
+				logged[s.Name] = s
+				order = append(order, s.Name)
+			}
+			if want := slices.Concat(inManifest, []string{"manifest", "network", "publish", "push"}); !slices.Equal(order, want) {
+				t.Errorf("log.jsonl stages %v, want %v", order, want)
+			}
+			net := logged["network"]
+			if net.Status != stages.OK || !slices.ContainsFunc(net.Changes, func(c string) bool { return strings.Contains(c, "10.0.2.15/24") }) {
+				t.Errorf("log.jsonl network stage %+v, want ok with QEMU's DHCP lease", net)
+			}
+			// The host stage started setting the leased interface up in the background, through
+			// the kernel's netlink, and the network stage reports that it came up.
+			if len(net.Changes) > 0 {
+				iface, _, _ := strings.Cut(net.Changes[0], " ")
+				if h := logged["host"]; !slices.ContainsFunc(h.Changes, func(c string) bool { return strings.HasPrefix(c, "link-up of "+iface+" started") }) {
+					t.Errorf("log.jsonl host stage changes %q, want %s's early link-up started", h.Changes, iface)
+				}
+				if !slices.ContainsFunc(net.Findings, func(f string) bool { return strings.HasPrefix(f, "early link-up "+iface+": up in") }) {
+					t.Errorf("log.jsonl network findings %q, want %s's early link-up done", net.Findings, iface)
+				}
+			}
+			if m.KernelRelease == "" || !strings.Contains(m.KernelCmdline, "passage.profile=qemu") {
+				t.Errorf("kernel %q cmdline %q", m.KernelRelease, m.KernelCmdline)
+			}
+			if g := m.GuestPlan; g == nil || len(g.MatrixLabels) != 6 || g.ExpectedGuest[0][2] != "PIX" {
+				t.Errorf("guest plan %+v, want 2 GPUs + 4 NICs with GPU0-NIC0 PIX", g)
+			}
+			if m.GenerationSource != manifest.GenerationTPMNV || m.Generation == 0 {
+				t.Errorf("generation %d from %s, want the TPM NV counter", m.Generation, m.GenerationSource)
+			}
 
-	// The TPM itself, reopened after QEMU is gone: its key verifies the same envelope and
-	// PCR 13 is the replay of the event log whose last event is this manifest.
-	k, stop, err := OpenTPM(run.TPMState)
-	if err != nil {
-		t.Fatal(err)
+			// The TPM itself, reopened after QEMU is gone: its key verifies the same envelope and
+			// PCR 13 is the replay of the event log whose last event is this manifest.
+			k, stop, err := OpenTPM(run.TPMState)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer stop()
+			defer k.Close()
+			tv, err := manifest.NewVerifier(k.Public())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ver, err := manifest.Verify(run.Files["manifest.dsse.json"], tv, manifest.VerifyOptions{})
+			if err != nil {
+				t.Fatalf("manifest does not verify with the TPM's key: %v", err)
+			}
+			// The hypervisor's side: render the guest from this manifest alone and boot it.
+			pemPub, err := manifest.MarshalPublicKey(k.Public())
+			if err != nil {
+				t.Fatal(err)
+			}
+			tpmPub := filepath.Join(t.TempDir(), "tpm.pub")
+			if err := os.WriteFile(tpmPub, pemPub, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			logName := "manifest.dsse.json" + manifest.EventLogSuffix
+			var evlog manifest.EventLog
+			if err := json.Unmarshal(run.Files[logName], &evlog); err != nil {
+				t.Fatalf("%s: %v", logName, err)
+			}
+			if n := len(evlog.Events); n == 0 || evlog.Events[n-1].PayloadDigest != ver.Digest || evlog.BootID != m.BootID {
+				t.Fatalf("event log %+v does not end with manifest %s of boot %s", evlog, ver.Digest, m.BootID)
+			}
+			replay, err := evlog.Replay()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(replay) == 0 {
+				t.Fatal("event log replays no bank")
+			}
+			for bank, want := range replay {
+				got, err := k.ReadPCR(bank)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if hex.EncodeToString(got) != want {
+					t.Errorf("PCR %d %s = %x, event log replay %s", evlog.PCR, bank, got, want)
+				}
+			}
+			guestFromManifest(t, run, tpmPub)
+		})
 	}
-	defer stop()
-	defer k.Close()
-	tv, err := manifest.NewVerifier(k.Public())
-	if err != nil {
-		t.Fatal(err)
-	}
-	ver, err := manifest.Verify(run.Files["manifest.dsse.json"], tv, manifest.VerifyOptions{})
-	if err != nil {
-		t.Fatalf("manifest does not verify with the TPM's key: %v", err)
-	}
-	// The hypervisor's side: render the guest from this manifest alone and boot it.
-	pemPub, err := manifest.MarshalPublicKey(k.Public())
-	if err != nil {
-		t.Fatal(err)
-	}
-	tpmPub := filepath.Join(t.TempDir(), "tpm.pub")
-	if err := os.WriteFile(tpmPub, pemPub, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	logName := "manifest.dsse.json" + manifest.EventLogSuffix
-	var evlog manifest.EventLog
-	if err := json.Unmarshal(run.Files[logName], &evlog); err != nil {
-		t.Fatalf("%s: %v", logName, err)
-	}
-	if n := len(evlog.Events); n == 0 || evlog.Events[n-1].PayloadDigest != ver.Digest || evlog.BootID != m.BootID {
-		t.Fatalf("event log %+v does not end with manifest %s of boot %s", evlog, ver.Digest, m.BootID)
-	}
-	replay, err := evlog.Replay()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(replay) == 0 {
-		t.Fatal("event log replays no bank")
-	}
-	for bank, want := range replay {
-		got, err := k.ReadPCR(bank)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if hex.EncodeToString(got) != want {
-			t.Errorf("PCR %d %s = %x, event log replay %s", evlog.PCR, bank, got, want)
-		}
-	}
-	guestFromManifest(t, run, tpmPub)
 }
 
 // Scenario 2: two boots on the same disk and TPM state.
