@@ -196,8 +196,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		}
 	}
 
-	// The TPM's slow start (key creation, counter increment) overlaps the PCIe stages.
-	b.StartTPM()
+	// The TPM starts with the scan stage (Boot.scan), after the vfio stack is loaded.
 	st := &stages.State{}
 	rn := &stages.Runner{Stages: b.Stages(), Timeout: cfg.StageTimeout, Console: console, Log: logw, Verbose: cfg.Debug}
 	if cfg.Debug {

@@ -260,6 +260,10 @@ func (b *Boot) modules(_ context.Context, _ *stages.State, r *stages.Result) err
 }
 
 func (b *Boot) scan(ctx context.Context, _ *stages.State, r *stages.Result) error {
+	// The TPM's slow start (key creation, counter increment: the guest's TPM driver
+	// polls, which costs CPU) overlaps the PCIe stages, and starts after the modules
+	// stage: loading the vfio stack comes first on the boot's critical path.
+	b.StartTPM()
 	t, err := pci.Scan(b.Root)
 	if err != nil {
 		return err

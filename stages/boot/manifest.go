@@ -357,6 +357,8 @@ func (countedGeneration) Source() manifest.GenerationSource { return manifest.Ge
 // counter are the TPM's. The manifest stage joins it (joinTPM); without StartTPM it does
 // the same work itself. passage boot calls it before running the stages.
 func (b *Boot) StartTPM() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	if b.Config.TPM == initramfs.TPMOff || b.tpmReady != nil {
 		return
 	}
@@ -380,11 +382,13 @@ func (b *Boot) prepareTPM() tpmPrep {
 // TPM that has not answered by then is left behind (closed whenever it answers) and the
 // manifest is signed without it. Without StartTPM it prepares the TPM now.
 func (b *Boot) joinTPM(ctx context.Context) tpmPrep {
+	b.mu.Lock()
 	ch := b.tpmReady
+	b.tpmReady = nil
+	b.mu.Unlock()
 	if ch == nil {
 		return b.prepareTPM()
 	}
-	b.tpmReady = nil
 	wait := ctx
 	if dl, ok := ctx.Deadline(); ok {
 		var cancel context.CancelFunc
