@@ -84,17 +84,17 @@ func (s *Saved) Write(w io.Writer) error {
 	return enc.Encode(s)
 }
 
-// maxSaved bounds a saved plan read from a file: a node's plan is tens of kilobytes.
-const maxSaved = 16 << 20
+// MaxSaved bounds a saved plan read from a file: a node's plan is tens of kilobytes.
+const MaxSaved = 16 << 20
 
 // ReadSaved reads a saved plan.
 func ReadSaved(r io.Reader) (*Saved, error) {
-	b, err := io.ReadAll(io.LimitReader(r, maxSaved+1))
+	b, err := io.ReadAll(io.LimitReader(r, MaxSaved+1))
 	if err != nil {
 		return nil, fmt.Errorf("saved plan: %w", err)
 	}
-	if len(b) > maxSaved {
-		return nil, fmt.Errorf("saved plan: larger than %d bytes", maxSaved)
+	if len(b) > MaxSaved {
+		return nil, fmt.Errorf("saved plan: larger than %d bytes", MaxSaved)
 	}
 	var s Saved
 	if err := json.Unmarshal(b, &s); err != nil {

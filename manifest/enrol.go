@@ -76,7 +76,7 @@ func WriteEnrolment(pub string, e *Enrolment) (string, error) {
 // LoadEnrolment reads an enrolment file (a regular file of at most MaxKeyFileSize bytes,
 // decoded strictly) and checks it names a node and the key v.
 func LoadEnrolment(path string, v Verifier) (*Enrolment, error) {
-	b, err := readRegular(path, MaxKeyFileSize)
+	b, err := ReadRegular(path, MaxKeyFileSize)
 	if err != nil {
 		return nil, fmt.Errorf("enrolment %s: %w", path, err)
 	}

@@ -299,7 +299,7 @@ const MaxSignatures = 8
 // of kind ErrMalformed naming the file; a file that cannot be read, or is not a regular
 // file, is an error naming it.
 func ReadEnvelope(path string) ([]byte, error) {
-	b, err := readRegular(path, MaxEnvelopeSize)
+	b, err := ReadRegular(path, MaxEnvelopeSize)
 	var big *errTooLarge
 	if errors.As(err, &big) {
 		return nil, verr(ErrMalformed, "%s: envelope is %s bytes, over the %s limit", path, big.size, sizeLimit)

@@ -223,7 +223,7 @@ var ErrNoPublicKey = errors.New("no PEM \"PUBLIC KEY\" block")
 // LoadVerifier reads a public key file (ed25519 from keygen, or P-256 from tpm-pubkey).
 // It reads only a regular file of at most MaxKeyFileSize bytes.
 func LoadVerifier(path string) (*PublicKeyVerifier, error) {
-	b, err := readRegular(path, MaxKeyFileSize)
+	b, err := ReadRegular(path, MaxKeyFileSize)
 	if err != nil {
 		return nil, fmt.Errorf("public key %s: %w", path, err)
 	}

@@ -11,7 +11,7 @@ import (
 // bytes, an enrolment a few hundred more.
 const MaxKeyFileSize = 64 << 10
 
-// errTooLarge is wrapped by readRegular's size refusal.
+// errTooLarge is wrapped by ReadRegular's size refusal.
 type errTooLarge struct {
 	path string
 	size string
@@ -22,11 +22,11 @@ func (e *errTooLarge) Error() string {
 	return fmt.Sprintf("%s: %s bytes, over the %d-byte limit", e.path, e.size, e.max)
 }
 
-// readRegular reads a regular file of at most max bytes. The open does not block (a FIFO
+// ReadRegular reads a regular file of at most max bytes. The open does not block (a FIFO
 // named in its place would wait for a writer), anything but a regular file is refused
 // before a byte is read, the size is checked on the open file and the read goes through
 // a limit, so a file that grows meanwhile is caught too.
-func readRegular(path string, max int64) ([]byte, error) {
+func ReadRegular(path string, max int64) ([]byte, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err

@@ -1,13 +1,13 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 
 	"github.com/passage-boot/passage/apply"
@@ -15,6 +15,7 @@ import (
 	"github.com/passage-boot/passage/firmware"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/initramfs/kmod"
+	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
@@ -90,12 +91,11 @@ func runApply(args []string, stdout, stderr io.Writer, env applyEnv) int {
 		if set["profile"] || set["ats"] || set["erase"] {
 			return usageErr(fmt.Errorf("--plan takes the profile and the ATS and erase policies from the plan: drop --profile, --ats and --erase"))
 		}
-		f, err := os.Open(*planFile)
+		b, err := manifest.ReadRegular(*planFile, decision.MaxSaved)
 		if err != nil {
 			return usageErr(err)
 		}
-		saved, err = decision.ReadSaved(f)
-		f.Close()
+		saved, err = decision.ReadSaved(bytes.NewReader(b))
 		if err != nil {
 			return usageErr(fmt.Errorf("%s: %w", *planFile, err))
 		}
