@@ -31,20 +31,7 @@ func (s ACSSetting) Plans(p topology.ACSPort) bool {
 // naming devices by ID or by path, and malformed entries, are left out: they can never
 // match a planned port by address.
 func ParseConfigACS(cmdline string) map[pci.Address]ACSSetting {
-	var value string
-	found := false
-	for _, arg := range strings.Fields(cmdline) {
-		arg = strings.Trim(arg, `"`)
-		v, ok := strings.CutPrefix(arg, "pci=")
-		if !ok {
-			continue
-		}
-		for _, opt := range strings.Split(v, ",") {
-			if acs, ok := strings.CutPrefix(opt, "config_acs="); ok {
-				value, found = acs, true
-			}
-		}
-	}
+	value, found := configACSValue(cmdline)
 	if !found {
 		return nil
 	}
@@ -80,6 +67,32 @@ func ParseConfigACS(cmdline string) map[pci.Address]ACSSetting {
 		}
 	}
 	return out
+}
+
+// configACSValue is the value of the last config_acs= among the line's pci= options.
+func configACSValue(cmdline string) (value string, found bool) {
+	for _, arg := range strings.Fields(cmdline) {
+		arg = strings.Trim(arg, `"`)
+		v, ok := strings.CutPrefix(arg, "pci=")
+		if !ok {
+			continue
+		}
+		for _, opt := range strings.Split(v, ",") {
+			if acs, ok := strings.CutPrefix(opt, "config_acs="); ok {
+				value, found = acs, true
+			}
+		}
+	}
+	return value, found
+}
+
+// ConfigACSArg is the line's pci=config_acs= argument as the kernel takes it (the last
+// one), "" when it has none.
+func ConfigACSArg(cmdline string) string {
+	if v, ok := configACSValue(cmdline); ok {
+		return "pci=config_acs=" + v
+	}
+	return ""
 }
 
 // kernelHasConfigACS says whether a kernel release ("6.1.0-57-amd64") is 6.11 or newer,

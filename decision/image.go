@@ -67,13 +67,11 @@ func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
 	if entries == nil {
 		ip.Differences = append(ip.Differences, "the command line carries "+PlanArg+"= but no pci=config_acs=")
 	}
-	var planned []topology.ACSPort
 	seen := map[pci.Address]bool{}
 	for _, p := range ports {
 		if p.Offset == 0 || p.Mask == 0 {
 			continue
 		}
-		planned = append(planned, p)
 		seen[p.Addr] = true
 		e, ok := entries[p.Addr]
 		switch {
@@ -85,7 +83,7 @@ func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
 				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags), e.Entry))
 		}
 	}
-	ip.ConfigACS = topology.KernelArg(planned)
+	ip.ConfigACS = apply.ConfigACSArg(live.Cmdline)
 	var extra []string
 	for a, e := range entries {
 		if !seen[a] {
@@ -94,10 +92,6 @@ func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
 	}
 	slices.Sort(extra)
 	ip.Differences = append(ip.Differences, extra...)
-	// The argument as the command line spells it, not as this node would.
-	if arg := configACSArg(live.Cmdline); arg != "" {
-		ip.ConfigACS = arg
-	}
 	ip.Matched = len(ip.Differences) == 0
 	switch l := ip.log; {
 	case !l.Read:
@@ -109,23 +103,6 @@ func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
 		ip.Kernel = fmt.Sprintf("configured %d ports", len(l.Configured))
 	}
 	return ip
-}
-
-// configACSArg is the last pci=config_acs= option on the line, as written.
-func configACSArg(cmdline string) string {
-	v := ""
-	for _, a := range strings.Fields(cmdline) {
-		opts, ok := strings.CutPrefix(strings.Trim(a, `"`), "pci=")
-		if !ok {
-			continue
-		}
-		for _, o := range strings.Split(opts, ",") {
-			if strings.HasPrefix(o, "config_acs=") {
-				v = "pci=" + o
-			}
-		}
-	}
-	return v
 }
 
 // lockedPort judges a port of a live unit that a locked-down kernel leaves as it is
