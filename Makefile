@@ -11,9 +11,11 @@ all: build
 deps:
 	@bash image/deps.sh
 
+# The build passage names (passage version, the manifest) is stamped from git by
+# image/buildstamp.sh, as the image's is: the same revision whatever -buildvcs says.
 build:
 	@mkdir -p $(BUILD)
-	$(GO) build -o $(BUILD)/passage ./cmd/passage
+	$(GO) build -ldflags="$$(bash image/buildstamp.sh)" -o $(BUILD)/passage ./cmd/passage
 
 # KERNEL chooses the image's kernel: 6.12 (Debian 13's, the default: it programs the
 # plan's pci=config_acs= itself, which a locked-down Secure Boot node needs), 6.1

@@ -23,13 +23,35 @@ type Info struct {
 	GoVersion string `json:"go_version"` // the toolchain, "go1.26.0"
 }
 
+// The build stamped by the linker (-X, image/buildstamp.sh) where the toolchain records
+// none: in the image, u-root's busybox copies passage into a module of its own and keeps
+// nothing of passage's in its build information; a go build under -buildvcs=false
+// records no vcs.* settings. The stamp is taken from git as go build takes them.
+var (
+	stampVersion  string
+	stampRevision string
+	stampModified string
+)
+
 // Read is this binary's build.
 func Read() Info {
 	bi, ok := debug.ReadBuildInfo()
 	if !ok {
-		return Info{}
+		return stamped(Info{}, stampVersion, stampRevision, stampModified)
 	}
-	return FromBuildInfo(bi)
+	return stamped(FromBuildInfo(bi), stampVersion, stampRevision, stampModified)
+}
+
+// stamped fills in what the build information lacks from the linker's stamp; the
+// toolchain's own record, where there is one, is the one that counts.
+func stamped(i Info, version, revision, modified string) Info {
+	if i.Version == "" {
+		i.Version = version
+	}
+	if i.Revision == "" && revision != "" {
+		i.Revision, i.Modified = revision, modified == "true"
+	}
+	return i
 }
 
 // FromBuildInfo picks passage's module out of a binary's build information. The VCS

@@ -60,3 +60,25 @@ func TestReadNamesThisModule(t *testing.T) {
 		t.Errorf("Read() = %+v: want the module version and the Go version", i)
 	}
 }
+
+// TestStamped: the image's linker stamp fills in a dependency build's missing revision,
+// and never overrides the toolchain's own record.
+func TestStamped(t *testing.T) {
+	bb := Info{GoVersion: "go1.26.0"} // u-root's busybox: nothing of passage's recorded
+	for _, c := range []struct {
+		name               string
+		in                 Info
+		ver, rev, modified string
+		want               Info
+	}{
+		{"image build", bb, "(devel)", "0123abcd", "true", Info{Version: "(devel)", Revision: "0123abcd", Modified: true, GoVersion: "go1.26.0"}},
+		{"clean tree", bb, "(devel)", "0123abcd", "false", Info{Version: "(devel)", Revision: "0123abcd", GoVersion: "go1.26.0"}},
+		{"-buildvcs=false", Info{Version: "(devel)"}, "(devel)", "0123abcd", "false", Info{Version: "(devel)", Revision: "0123abcd"}},
+		{"no stamp", bb, "", "", "", bb},
+		{"toolchain's record wins", Info{Version: "v1.2.0", Revision: "feed"}, "(devel)", "0123abcd", "true", Info{Version: "v1.2.0", Revision: "feed"}},
+	} {
+		if got := stamped(c.in, c.ver, c.rev, c.modified); got != c.want {
+			t.Errorf("%s: stamped = %+v, want %+v", c.name, got, c.want)
+		}
+	}
+}

@@ -46,6 +46,10 @@ type Options struct {
 	Sleep func(ctx context.Context, d time.Duration) error
 	// Now is the clock; nil is time.Now.
 	Now func() time.Time
+	// Progress, when set, is told each step as it starts ("identify", a method, each
+	// Sanitize Status poll with the controller's SPROG, "verify"): an erase can run for
+	// hours, and a console that says nothing meanwhile looks like a hung node.
+	Progress func(step string)
 }
 
 func (o Options) withDefaults() Options {
@@ -57,6 +61,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Samples <= 0 {
 		o.Samples = 64
+	}
+	if o.Progress == nil {
+		o.Progress = func(string) {}
 	}
 	if o.Now == nil {
 		o.Now = time.Now
@@ -126,6 +133,7 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 		return r
 	}
 	buf := make([]byte, IdentifySize)
+	opts.Progress("identify")
 	if err := c.Admin(ctx, Command{Opcode: OpIdentify, CDW10: CNSController}, buf); err != nil {
 		return fail(fmt.Errorf("identify controller: %w", err))
 	}
@@ -175,6 +183,7 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 			r.Attempts = append(r.Attempts, Attempt{Method: m, Status: "not tried: " + notAttached(inactive) + ", which Format NVM does not reach"})
 			continue
 		}
+		opts.Progress(string(m))
 		err := run(ctx, c, m, id, nss, ids, opts, &r)
 		a := Attempt{Method: m, Status: "success"}
 		if err != nil {
@@ -197,6 +206,7 @@ func Erase(ctx context.Context, c Controller, opts Options) (r Result) {
 		}
 		return fail(errors.New("every erase method was refused"))
 	}
+	opts.Progress("verify")
 	n, err := verify(ctx, c, nss, ids, opts, r.NS)
 	r.VerifiedLBAs = n
 	if err != nil {
@@ -296,7 +306,7 @@ func run(ctx context.Context, c Controller, m Method, id IDController, nss []IDN
 		if err := c.Admin(ctx, Command{Opcode: OpSanitize, CDW10: cdw10, CDW11: cdw11}, nil); err != nil {
 			return err
 		}
-		st, err := waitSanitize(ctx, c, opts)
+		st, err := waitSanitize(ctx, c, m, opts)
 		if st != nil {
 			r.SanitizeLog = st.State().String()
 		}
@@ -326,7 +336,7 @@ func run(ctx context.Context, c Controller, m Method, id IDController, nss []IDN
 
 // waitSanitize polls the Sanitize Status log until the sanitize is no longer in
 // progress, the deadline passes, or ctx ends.
-func waitSanitize(ctx context.Context, c Controller, opts Options) (*SanitizeStatus, error) {
+func waitSanitize(ctx context.Context, c Controller, m Method, opts Options) (*SanitizeStatus, error) {
 	deadline := opts.Now().Add(opts.SanitizeTimeout)
 	buf := make([]byte, 512)
 	var last *SanitizeStatus
@@ -341,6 +351,9 @@ func waitSanitize(ctx context.Context, c Controller, opts Options) (*SanitizeSta
 			return last, err
 		}
 		last = &st
+		if st.State() == SanitizeInProgress {
+			opts.Progress(fmt.Sprintf("%s %d%% (SPROG %d/65536)", m, int(st.SPROG)*100/65536, st.SPROG))
+		}
 		switch st.State() {
 		case SanitizeCompleted, SanitizeCompletedNDA:
 			return last, nil

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -103,6 +104,52 @@ type RunOptions struct {
 	// Park is the override a function is left with once erased and reset ("vfio-pci":
 	// only the binding step can claim it). "" is vfio-pci.
 	Park string
+	// Progress, when set, holds what each NVMe of the run is doing now.
+	Progress *Progress
+}
+
+// Progress is what each NVMe of a Run is doing at the moment, for a stage that shows its
+// wait on the console: "0000:15:00.0 sanitize-block-erase 37% (SPROG 24248/65536)". The
+// zero value is ready; a nil *Progress records nothing.
+type Progress struct {
+	mu  sync.Mutex
+	now map[pci.Address]string
+}
+
+func (p *Progress) set(a pci.Address, step string) {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.now == nil {
+		p.now = map[pci.Address]string{}
+	}
+	if step == "" {
+		delete(p.now, a)
+		return
+	}
+	p.now[a] = step
+}
+
+// String lists the NVMe still being erased with their step, in address order; "" when
+// none is.
+func (p *Progress) String() string {
+	if p == nil {
+		return ""
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	addrs := make([]pci.Address, 0, len(p.now))
+	for a := range p.now {
+		addrs = append(addrs, a)
+	}
+	slices.SortFunc(addrs, func(x, y pci.Address) int { return strings.Compare(x.String(), y.String()) })
+	parts := make([]string, len(addrs))
+	for i, a := range addrs {
+		parts[i] = a.String() + " " + p.now[a]
+	}
+	return strings.Join(parts, ", ")
 }
 
 // Run erases every NVMe of the units and resets every function, all units in parallel:
@@ -153,13 +200,18 @@ func runUnit(ctx context.Context, sys vfiobind.Sysfs, u *topology.Unit, open Ope
 
 func eraseOne(ctx context.Context, sys vfiobind.Sysfs, a pci.Address, open Opener, opts RunOptions) (r NVMeReport) {
 	r.Addr = a
+	step := func(s string) { opts.Progress.set(a, s) }
+	defer step("")
+	step("bind to " + NVMeDriver)
 	mv, err := vfiobind.BindDriver(ctx, sys, a, NVMeDriver, opts.Bind)
 	r.Moves = append(r.Moves, mv)
 	if err == nil {
 		var c Controller
 		c, r.Controller, err = open(ctx, a)
 		if err == nil {
-			r.Result = Erase(ctx, c, opts.Erase)
+			eo := opts.Erase
+			eo.Progress = step
+			r.Result = Erase(ctx, c, eo)
 			if cerr := c.Close(); cerr != nil && r.Err == "" {
 				r.Err = "close: " + cerr.Error()
 			}
@@ -170,6 +222,7 @@ func eraseOne(ctx context.Context, sys vfiobind.Sysfs, a pci.Address, open Opene
 	}
 	// Off nvme whatever happened: a controller that was not erased must not stay where
 	// the host can mount it, and one that was is only for vfio-pci to take.
+	step("park for " + opts.Park)
 	pk, perr := vfiobind.Park(ctx, sys, a, opts.Park, opts.Bind)
 	// The move is only reported, the error too: it counts in Problems through Moves.
 	_ = perr

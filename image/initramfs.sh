@@ -48,7 +48,11 @@ sources() {
 	go list -deps -f '{{if .Module}}{{if eq .Module.Path "github.com/passage-boot/passage"}}{{range .GoFiles}}{{$.Dir}}/{{.}}{{"\n"}}{{end}}{{range .EmbedFiles}}{{$.Dir}}/{{.}}{{"\n"}}{{end}}{{end}}{{end}}' "$@" |
 		LC_ALL=C sort | xargs -r sha256sum
 }
+# The build passage reports (buildinfo), stamped from git: it is an input, so a new
+# commit rebuilds the u-root part, as it changes a go-built binary.
+ldflags="-s -w -buildid= $(bash image/buildstamp.sh)"
 core_stamp=$({
+	echo "$ldflags"
 	sources ./cmd/passage
 	sha256sum go.mod go.sum
 	go version
@@ -76,7 +80,8 @@ if [[ ! -s $core || ! -f $core.stamp || $(cat "$core.stamp") != "$core_stamp" ]]
 	# -uinitcmd="passage boot" links /bin/uinit to passage and writes "boot" to
 	# /etc/uinit.flags; u-root's init puts uroot.uinitargs= from the kernel command line
 	# *before* those flags, so passage's configuration comes only from passage.* arguments.
-	go tool u-root -o "$core.tmp" -uinitcmd="passage boot" -defaultsh=gosh "${pkgs[@]}" 2>&1 | quiet
+	# A second -ldflags replaces u-root's own, so $ldflags repeats its "-s -w -buildid=".
+	go tool u-root -o "$core.tmp" -uinitcmd="passage boot" -defaultsh=gosh -go-extra-args="-ldflags=$ldflags" "${pkgs[@]}" 2>&1 | quiet
 	mv "$core.tmp" "$core"
 	echo "$core_stamp" >"$core.stamp"
 	printf 'initramfs: u-root part %s built in %.1f s\n' "$core" "$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')"

@@ -175,7 +175,7 @@ func domainsFromManifest(t *testing.T, passage, env, tpmPub string, m *manifest.
 				t.Errorf("%s: virt-xml-validate: %v\n%s\n%s", name, err, v, out)
 				continue
 			}
-			libvirttest.Virsh(t, uri, "define", f)
+			libvirttest.Define(t, uri, f)
 			dumped := libvirttest.Virsh(t, uri, "dumpxml", name)
 			libvirttest.Virsh(t, uri, "undefine", name)
 			if got, want := strings.Count(dumped, "<hostdev "), strings.Count(string(out), "<hostdev "); got != want || want == 0 {

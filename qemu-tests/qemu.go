@@ -72,6 +72,10 @@ type Options struct {
 	// (decision.ImageArgs: its pci=config_acs= and passage.plan=) go on the command line,
 	// as `make uki PLAN=` bakes them into the signed image.
 	Plan []byte
+	// Console is called with each console line and a writer to the guest's serial
+	// input (the keyboard of an operator at the console). Returning true ends the boot:
+	// QEMU is killed, which Run does not count as an error.
+	Console func(line string, keyboard io.Writer) (end bool)
 }
 
 // DefaultKernel is the kernel line the suite boots unless PASSAGE_KERNEL names another
@@ -275,7 +279,14 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	fmt.Fprintf(logf, "# qemu-system-x86_64 %s\n", shellQuote(args))
 
 	cmd := exec.CommandContext(ctx, "qemu-system-x86_64", args...)
-	cmd.Stdin = nil
+	// -serial stdio: what is written to QEMU's stdin arrives on the guest's ttyS0.
+	var keyboard io.WriteCloser
+	if o.Console != nil {
+		if keyboard, err = cmd.StdinPipe(); err != nil {
+			return nil, err
+		}
+		defer keyboard.Close()
+	}
 	cmd.Stderr = logf // QEMU's own warnings go into the same log
 	cmd.WaitDelay = 5 * time.Second
 	out, err := cmd.StdoutPipe()
@@ -290,7 +301,7 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	}
 	// With KeepTPM the guest holds after its report: QEMU is killed once the handoff
 	// marker is out (or shortly after PASSAGE-DONE, should it never come).
-	var killed bool
+	var killed, ended bool
 	var killTimer *time.Timer
 	kill := func() {
 		if !killed {
@@ -320,6 +331,10 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 				fmt.Fprintln(o.Log, line)
 			}
 			p.Line(line)
+			if o.Console != nil && !ended && o.Console(line, keyboard) {
+				ended = true
+				kill()
+			}
 			if o.NetBoot != nil && o.NetBoot.StopAt != "" && strings.Contains(line, o.NetBoot.StopAt) {
 				kill()
 			}
@@ -337,6 +352,9 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	run.ExitErr = cmd.Wait()
 	if killTimer != nil {
 		killTimer.Stop()
+	}
+	if ended {
+		run.ExitErr = nil // the Console function ended the boot
 	}
 	if o.KeepTPM && p.Report().Done != "" {
 		// Killed on purpose after the report.

@@ -8,9 +8,12 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -241,6 +244,7 @@ func TestScenario1CleanBoot(t *testing.T) {
 			if len(m.Units) != 2 {
 				t.Fatalf("%d units, want 2", len(m.Units))
 			}
+			checkImageBuild(t, m)
 			rb := readbackOf(t, run)
 			vfioDev := map[string]string{}
 			drivers := map[string]string{}
@@ -703,5 +707,121 @@ func TestEmergencyPoweroff(t *testing.T) {
 		if !regexp.MustCompile(`(?m)^\[ *[0-9]+\.[0-9]+\] passage: ` + regexp.QuoteMeta(l) + `$`).Match(con) {
 			t.Errorf("the kernel log did not get %q; the console's end:\n%s", l, consoleTail(run.Console, 30))
 		}
+	}
+}
+
+// TestEmergencyShell: with passage.emergency=shell a verdict with a failed unit leaves
+// the operator at u-root's shell on the serial console, after the manifest is written.
+// The test types at that console as an operator would: `echo ok` must come back as
+// the line "ok", and the kernel's log, read with the image's dmesg, must hold every
+// stage's summary line as passage mirrored it there ("passage: scan ok ...").
+func TestEmergencyShell(t *testing.T) {
+	const (
+		begin = "dmesg-begin"
+		end   = "dmesg-end"
+	)
+	var (
+		mu          sync.Mutex
+		atShell     bool
+		gotOK       bool
+		inDmesg     bool
+		dmesg       []string
+		stop        = make(chan struct{})
+		stopOnce    sync.Once
+		typedDmesg  bool
+		shellPrompt = "passage: emergency (units failed: "
+	)
+	defer stopOnce.Do(func() { close(stop) })
+	// Until "ok" is read back, `echo ok` is typed every two seconds (at most 30 times):
+	// the shell may not be reading the terminal yet when the first one arrives.
+	typeUntil := func(kb io.Writer, line string, done func() bool) {
+		go func() {
+			for i := 0; i < 30; i++ {
+				mu.Lock()
+				d := done()
+				mu.Unlock()
+				if d {
+					return
+				}
+				io.WriteString(kb, line+"\n")
+				select {
+				case <-stop:
+					return
+				case <-time.After(2 * time.Second):
+				}
+			}
+		}()
+	}
+	console := func(line string, kb io.Writer) bool {
+		l := strings.TrimSpace(ansi.ReplaceAllString(line, ""))
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case !atShell && strings.Contains(l, shellPrompt) && strings.HasSuffix(l, ": shell (passage.emergency=shell)"):
+			atShell = true
+			typeUntil(kb, "echo ok", func() bool { return gotOK })
+		case atShell && !gotOK && l == "ok":
+			gotOK = true
+		case gotOK && !typedDmesg:
+			typedDmesg = true
+			io.WriteString(kb, "echo "+begin+"; dmesg; echo "+end+"\n")
+		case l == begin:
+			inDmesg = true
+		case inDmesg && l == end:
+			return true
+		case inDmesg:
+			dmesg = append(dmesg, l)
+		}
+		return false
+	}
+	run, m := bootPassage(t, Options{Topology: Topology{ATSOff: true}, Console: console,
+		Append: []string{"passage.ats=require", "passage.handoff=hold", "passage.emergency=shell", "passage.emergency_on=failed"}})
+	stopOnce.Do(func() { close(stop) })
+	if u := unitWith(m, "0000:0f:00.1"); u == nil || u.Status != manifest.StatusFailed {
+		t.Fatalf("unit of the NIC without ATS: %+v, want failed", u)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !atShell {
+		t.Fatalf("the console never announced the emergency shell; its end:\n%s", consoleTail(run.Console, 30))
+	}
+	if !gotOK {
+		t.Fatalf("typed `echo ok` at the shell, never read \"ok\" back; the console's end:\n%s", consoleTail(run.Console, 30))
+	}
+	if len(dmesg) == 0 {
+		t.Fatalf("dmesg printed nothing between %s and %s; the console's end:\n%s", begin, end, consoleTail(run.Console, 40))
+	}
+	log := strings.Join(dmesg, "\n")
+	for _, s := range m.Stages {
+		re := regexp.MustCompile(`passage: ` + regexp.QuoteMeta(s.Name) + ` +` + regexp.QuoteMeta(string(s.Status)) + ` `)
+		if !re.MatchString(log) {
+			t.Errorf("the guest's dmesg lacks stage %s's line (%s); dmesg said:\n%s", s.Name, re, log)
+		}
+	}
+}
+
+// ansi matches the terminal control sequences a line editor draws with.
+var ansi = regexp.MustCompile(`\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][AB0-2]|\r`)
+
+// checkImageBuild: the manifest names the build the image was made from, the commit
+// this tree is at (image/initramfs.sh stamps it: u-root's busybox records none for
+// passage), or no revision where the tree is not a git checkout.
+func checkImageBuild(t *testing.T, m *manifest.Manifest) {
+	t.Helper()
+	if m.Build == nil {
+		t.Fatal("the manifest names no build")
+	}
+	want, modified := "", false
+	if out, err := exec.Command("git", "rev-parse", "HEAD").Output(); err == nil {
+		want = strings.TrimSpace(string(out))
+		st, err := exec.Command("git", "status", "--porcelain").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		modified = len(st) > 0
+	}
+	if m.Build.Revision != want || m.Build.Modified != modified || m.Build.Version != "(devel)" || m.Build.GoVersion != runtime.Version() {
+		t.Errorf("manifest build %+v, want version (devel), revision %q (git rev-parse HEAD), modified %v (git status), %s",
+			*m.Build, want, modified, runtime.Version())
 	}
 }

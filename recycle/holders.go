@@ -54,7 +54,7 @@ func Holders(root string, groups []int, fns []*pci.Device) ([]Holder, error) {
 		dir := filepath.Join(root, pci.DevicesDir, f.Addr.String(), "vfio-dev")
 		ents, err := os.ReadDir(dir)
 		if errors.Is(err, os.ErrNotExist) {
-			continue // no cdev: a kernel without VFIO_DEVICE_CDEV, or not on vfio-pci
+			continue // not on vfio-pci (a kernel without VFIO_DEVICE_CDEV still lists vfioN here, with no dev: its node never exists, so no fd names it)
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s: vfio device cdev: %w", f.Addr, err))

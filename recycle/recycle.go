@@ -55,6 +55,47 @@ type Options struct {
 	Crash func(step string) error
 	Log   io.Writer
 	Erase erase.RunOptions
+	// Tick is how often a running erase is shown on Log (a sanitize can take hours);
+	// 0 is 10 s.
+	Tick time.Duration
+}
+
+// erase runs the erase, saying on Log every Tick which NVMe is at which step (with the
+// controller's SPROG while it sanitizes).
+func (o *Options) erase(ctx context.Context, sys vfiobind.Sysfs, units []*topology.Unit, open erase.Opener) *erase.Report {
+	ro := o.Erase
+	if o.Log == nil {
+		return erase.Run(ctx, sys, units, open, ro)
+	}
+	if ro.Progress == nil {
+		ro.Progress = &erase.Progress{}
+	}
+	every := o.Tick
+	if every <= 0 {
+		every = 10 * time.Second
+	}
+	start := time.Now()
+	stop := make(chan struct{})
+	shown := make(chan struct{})
+	go func() {
+		defer close(shown)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				if p := ro.Progress.String(); p != "" {
+					o.logf("erasing (%s): %s", time.Since(start).Round(time.Second), p)
+				}
+			}
+		}
+	}()
+	rep := erase.Run(ctx, sys, units, open, ro)
+	close(stop)
+	<-shown
+	return rep
 }
 
 // Result is what a recycle did.
@@ -186,7 +227,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			o.logf("%v", err)
 		}
 	}
-	res.Erase = erase.Run(ctx, sys, units, open, o.Erase)
+	res.Erase = o.erase(ctx, sys, units, open)
 	if err := o.step("bind"); err != nil {
 		return res, err
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -274,4 +275,29 @@ func (n *node) ctrlAddr(t *testing.T, id int) pci.Address {
 		t.Fatal(err)
 	}
 	return lab.Unit(topology.UnitID(id)).NVMe[0].Addr
+}
+
+// TestRecycleShowsEraseProgress: a recycle's erase says on its log, every tick, which NVMe
+// is at which step, with the controller's SPROG while it sanitizes.
+func TestRecycleShowsEraseProgress(t *testing.T) {
+	n := newNode(t)
+	a := n.ctrlAddr(t, 3)
+	n.ctrls[a].Faults.SanitizeTime = 300 * time.Millisecond
+	var log bytes.Buffer
+	o := n.opts(3)
+	o.Log, o.Tick = &log, 20*time.Millisecond
+	o.Erase.Erase.PollInterval = 10 * time.Millisecond
+	if res, err := recycle.Run(context.Background(), o); err != nil || !res.Completed {
+		t.Fatalf("recycle: %v", err)
+	}
+	re := regexp.MustCompile(`(?m)^erasing \([0-9]+s\): ` + regexp.QuoteMeta(a.String()) + ` sanitize-block-erase ([0-9]+)% \(SPROG [0-9]+/65536\)$`)
+	ms := re.FindAllStringSubmatch(log.String(), -1)
+	if len(ms) < 2 {
+		t.Fatalf("%d progress lines for %s; the log:\n%s", len(ms), a, log.String())
+	}
+	first, _ := strconv.Atoi(ms[0][1])
+	last, _ := strconv.Atoi(ms[len(ms)-1][1])
+	if last <= first {
+		t.Errorf("progress from %d%% to %d%%, want it growing; the log:\n%s", first, last, log.String())
+	}
 }

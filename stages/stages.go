@@ -71,10 +71,10 @@ type Result struct {
 }
 
 // waitNote is the one thing a running stage is waiting on; the stage's goroutine writes
-// it, the runner reads it when the deadline passes.
+// it, the runner reads it on each tick and when the deadline passes.
 type waitNote struct {
 	mu       sync.Mutex
-	what     string
+	what     func() string
 	deadline time.Time // the stage's; a wait that ends after it was cut by it and stays named
 }
 
@@ -84,7 +84,10 @@ func (w *waitNote) get() string {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.what
+	if w.what == nil {
+		return ""
+	}
+	return w.what()
 }
 
 // Wait records that the stage is now waiting on what (a carrier, a DHCP reply, the
@@ -92,6 +95,13 @@ func (w *waitNote) get() string {
 // of time meanwhile, its error names what it was waiting on, even when done is called
 // on the way out. Waits nest: done restores the outer one.
 func (r *Result) Wait(what string) (done func()) {
+	return r.WaitOn(func() string { return what })
+}
+
+// WaitOn is Wait for a wait whose state changes as it goes (an erase's progress): what
+// is asked again on each console tick and when the deadline passes, so it must be safe
+// to call from another goroutine. It says "" when there is nothing to show.
+func (r *Result) WaitOn(what func() string) (done func()) {
 	if r.waiting == nil {
 		r.waiting = &waitNote{}
 	}

@@ -66,6 +66,7 @@ type Controller struct {
 	data        map[uint32]map[uint64][]byte
 	commands    []erase.Command
 	sanitizeEnd time.Time
+	sanitizeBeg time.Time
 	sanitizing  bool
 	sstat       erase.SanitizeState
 	closed      bool
@@ -246,7 +247,13 @@ func (c *Controller) Admin(ctx context.Context, cmd erase.Command, buf []byte) e
 			st = c.sstat
 			if c.sanitizing {
 				st = erase.SanitizeInProgress
-				binary.LittleEndian.PutUint16(buf[0:], 0x4000)
+				// SPROG: the fraction of SanitizeTime gone, in 65536ths (a quarter when
+				// the sanitize never ends).
+				sprog := uint16(0x4000)
+				if total := c.sanitizeEnd.Sub(c.sanitizeBeg); total > 0 && !c.Faults.SanitizeStuck {
+					sprog = uint16(min(65535, int64(time.Since(c.sanitizeBeg))*65536/int64(total)))
+				}
+				binary.LittleEndian.PutUint16(buf[0:], sprog)
 			}
 		}
 		binary.LittleEndian.PutUint16(buf[2:], uint16(st))
@@ -264,7 +271,8 @@ func (c *Controller) Admin(ctx context.Context, cmd erase.Command, buf []byte) e
 			return fail(status(0x1d))
 		}
 		c.sanitizing = true
-		c.sanitizeEnd = time.Now().Add(c.Faults.SanitizeTime)
+		c.sanitizeBeg = time.Now()
+		c.sanitizeEnd = c.sanitizeBeg.Add(c.Faults.SanitizeTime)
 		return nil
 	case erase.OpFormatNVM:
 		if !c.Format {

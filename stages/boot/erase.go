@@ -54,7 +54,17 @@ func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) err
 	if open == nil {
 		open = erase.DeviceOpener(b.Root, nvmeReady)
 	}
-	rep := erase.Run(ctx, sys, units, open, erase.RunOptions{Erase: erase.Options{Overwrite: b.Config.EraseOverwrite}})
+	// A sanitize can run for hours: each console tick says which NVMe is at which step,
+	// with the controller's own progress (SPROG) while it sanitizes.
+	progress := &erase.Progress{}
+	waited := r.WaitOn(func() string {
+		if p := progress.String(); p != "" {
+			return "the erase: " + p
+		}
+		return ""
+	})
+	rep := erase.Run(ctx, sys, units, open, erase.RunOptions{Erase: erase.Options{Overwrite: b.Config.EraseOverwrite}, Progress: progress})
+	waited()
 	for _, u := range rep.Units {
 		for _, n := range u.NVMe {
 			if n.Erased() {

@@ -5,8 +5,12 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/erase/erasetest"
@@ -152,4 +156,77 @@ func TestNoUnitNVMeLeftOnNVMe(t *testing.T) {
 			t.Errorf("%s not among the functions the handoff keeps from root: %s", name, passthrough)
 		}
 	}
+}
+
+// TestEraseShowsProgress: while a sanitize runs, each console tick of the erase stage
+// names the NVMe, its method and the controller's own progress (Sanitize Status SPROG),
+// which grows as the sanitize goes.
+func TestEraseShowsProgress(t *testing.T) {
+	bn := newBootNode(t)
+	root := bn.node.Root
+	tree, err := pci.Scan(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctrls := map[pci.Address]*erasetest.Controller{}
+	for _, d := range tree.Devices {
+		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())
+		if err := os.WriteFile(filepath.Join(dir, "reset_method"), []byte("flr\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "reset"), nil, 0o200); err != nil {
+			t.Fatal(err)
+		}
+		if d.Class == pcitest.ClassNVMe {
+			ctrls[d.Addr] = erasetest.New("S"+d.Addr.String(), erase.SANICAPCES, 0, false, erasetest.Namespace{NSID: 1, Blocks: 1 << 12})
+		}
+	}
+	slow := bn.node.Addr("nvme3")
+	ctrls[slow].Faults.SanitizeTime = 2500 * time.Millisecond // polled each second: 0%, ~40%, ~80%
+
+	con := &syncBuffer{}
+	b := &Boot{Root: root, Config: initramfs.ParseCmdline(bootCmdline + " passage.net=off"), Sysfs: bn.kern,
+		OpenNVMe: func(_ context.Context, a pci.Address) (erase.Controller, string, error) { return ctrls[a], "nvme", nil }}
+	if _, err := (&stages.Runner{Stages: b.Stages(), Console: con, Tick: 50 * time.Millisecond}).Run(context.Background(), &stages.State{}); err != nil {
+		t.Fatal(err)
+	}
+	line := regexp.MustCompile(`passage: erase: still waiting for the erase: ` + regexp.QuoteMeta(slow.String()) +
+		` sanitize-crypto-erase ([0-9]+)% \(SPROG ([0-9]+)/65536\)`)
+	var pct []int
+	for _, m := range line.FindAllStringSubmatch(con.String(), -1) {
+		p, _ := strconv.Atoi(m[1])
+		if len(pct) == 0 || pct[len(pct)-1] != p {
+			pct = append(pct, p)
+		}
+	}
+	if len(pct) < 2 || pct[len(pct)-1] <= pct[0] {
+		t.Errorf("progress shown %v%%, want it growing over the sanitize; the console:\n%s", pct, con.String())
+	}
+	m, err := bn.envelopeOnDisk()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range m.Units {
+		if u.ID == "gpu3" && u.Status != manifest.StatusReady {
+			t.Errorf("gpu3 (NVMe %s): %s %v, want ready once its sanitize completed", slow, u.Status, u.Reasons)
+		}
+	}
+}
+
+// syncBuffer is a console written by the runner's ticks and the stages at once.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
