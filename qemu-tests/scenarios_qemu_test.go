@@ -733,17 +733,20 @@ func TestEmergencyShell(t *testing.T) {
 	)
 	defer stopOnce.Do(func() { close(stop) })
 	// Until "ok" is read back, `echo ok` is typed every two seconds (at most 30 times):
-	// the shell may not be reading the terminal yet when the first one arrives.
+	// the shell may not be reading the terminal yet when the first one arrives. Enter is
+	// CR, as a terminal sends it: u-root's shell edits the line in raw mode.
 	typeUntil := func(kb io.Writer, line string, done func() bool) {
 		go func() {
 			for i := 0; i < 30; i++ {
 				mu.Lock()
 				d := done()
+				if !d {
+					io.WriteString(kb, line+"\r")
+				}
 				mu.Unlock()
 				if d {
 					return
 				}
-				io.WriteString(kb, line+"\n")
 				select {
 				case <-stop:
 					return
@@ -764,7 +767,7 @@ func TestEmergencyShell(t *testing.T) {
 			gotOK = true
 		case gotOK && !typedDmesg:
 			typedDmesg = true
-			io.WriteString(kb, "echo "+begin+"; dmesg; echo "+end+"\n")
+			io.WriteString(kb, "echo "+begin+"; dmesg; echo "+end+"\r")
 		case l == begin:
 			inDmesg = true
 		case inDmesg && l == end:
@@ -774,7 +777,7 @@ func TestEmergencyShell(t *testing.T) {
 		}
 		return false
 	}
-	run, m := bootPassage(t, Options{Topology: Topology{ATSOff: true}, Console: console,
+	run, m := bootPassage(t, Options{Topology: Topology{ATSOff: true}, Console: console, Timeout: 3 * time.Minute,
 		Append: []string{"passage.ats=require", "passage.handoff=hold", "passage.emergency=shell", "passage.emergency_on=failed"}})
 	stopOnce.Do(func() { close(stop) })
 	if u := unitWith(m, "0000:0f:00.1"); u == nil || u.Status != manifest.StatusFailed {
