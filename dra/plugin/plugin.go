@@ -97,14 +97,7 @@ func New(cfg Config) (*Driver, error) {
 		cfg.Source.NodeUUID = n.DMIUUID
 	}
 	if cfg.Options.PCIeRoot == nil {
-		sys := filepath.Join(cfg.Root, "sys")
-		cfg.Options.PCIeRoot = func(bdf string) (string, error) {
-			a, err := deviceattribute.GetPCIeRootAttributeByPCIBusID(bdf, deviceattribute.WithFSFromRoot(sys))
-			if err != nil {
-				return "", err
-			}
-			return *a.Value.StringValue, nil
-		}
+		cfg.Options.PCIeRoot = PCIeRoot(filepath.Join(cfg.Root, "sys"))
 	}
 	c, err := cdi.NewCache(cdi.WithSpecDirs(cfg.CDIDir), cdi.WithAutoRefresh(false))
 	if err != nil {
@@ -115,6 +108,18 @@ func New(cfg Config) (*Driver, error) {
 		return nil, err
 	}
 	return d, nil
+}
+
+// PCIeRoot reads a function's PCIe root complex from the sysfs at sys (the node's /sys)
+// as deviceattribute does: the first element of its device path (pci0000:15).
+func PCIeRoot(sys string) func(bdf string) (string, error) {
+	return func(bdf string) (string, error) {
+		a, err := deviceattribute.GetPCIeRootAttributeByPCIBusID(bdf, deviceattribute.WithFSFromRoot(sys))
+		if err != nil {
+			return "", err
+		}
+		return *a.Value.StringValue, nil
+	}
 }
 
 // load verifies the manifest again and renders it without the withheld units; a unit
