@@ -1,16 +1,24 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/base64"
 	"encoding/json"
 	"encoding/xml"
+	"errors"
+	"flag"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
+	kjson "k8s.io/apimachinery/pkg/runtime/serializer/json"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
 	"sigs.k8s.io/yaml"
 
 	"github.com/passage-boot/passage/dra/internal/signedtest"
@@ -134,5 +142,49 @@ func TestNCCLCommand(t *testing.T) {
 	// One switch holding the GPU and its two NIC PFs (NCCL has no use for the NVMe).
 	if len(sys.CPUs) != 1 || len(sys.CPUs[0].PCIs) != 1 || len(sys.CPUs[0].PCIs[0].PCIs) != 3 {
 		t.Fatalf("topology %+v\n%s", sys, out)
+	}
+}
+
+// TestDeployDecodesStrictly: every object of deploy/daemonset.yaml decodes strictly
+// (unknown and duplicate fields refused) into client-go's types, and the DaemonSet runs
+// the plugin command with flags it has.
+func TestDeployDecodesStrictly(t *testing.T) {
+	b, err := os.ReadFile("../../deploy/daemonset.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme.Scheme, scheme.Scheme, kjson.SerializerOptions{Yaml: true, Strict: true})
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(b)))
+	kinds := []string{}
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		obj, gvk, err := dec.Decode(doc, nil, nil)
+		if err != nil {
+			t.Fatalf("%v\n%s", err, doc)
+		}
+		kinds = append(kinds, gvk.Kind)
+		if ds, ok := obj.(*appsv1.DaemonSet); ok {
+			args := ds.Spec.Template.Spec.Containers[0].Args
+			fs := flag.NewFlagSet("plugin", flag.ContinueOnError)
+			// The flags cmdPlugin registers, parsed from the DaemonSet's args.
+			var src sourceFlags
+			src.register(fs)
+			fs.String("node-name", "", "")
+			for _, f := range []string{"manifest", "root", "cdi-dir", "kubeconfig", "registry-dir", "plugin-dir"} {
+				fs.String(f, "", "")
+			}
+			if args[0] != "plugin" || fs.Parse(args[1:]) != nil {
+				t.Fatalf("DaemonSet args %v", args)
+			}
+		}
+	}
+	if strings.Join(kinds, " ") != "Namespace ServiceAccount ClusterRole ClusterRoleBinding DaemonSet" {
+		t.Fatalf("kinds %v", kinds)
 	}
 }
