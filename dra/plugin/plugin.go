@@ -67,7 +67,15 @@ type Config struct {
 	// CDIDir is where CDI specs go (/var/run/cdi): the claim's and the helper's
 	// metadata ones.
 	CDIDir string
+	// StateDir keeps the withheld units (withheld.json) across restarts of the plugin:
+	// a unit released before a restart stays withheld until a newer generation. "": in
+	// memory only.
+	StateDir string
 }
+
+// withheldFile is the withheld units in StateDir: unit -> the generation it was released
+// under.
+const withheldFile = "withheld.json"
 
 // Driver is the plugin's state: the verified manifest's objects and the withheld units.
 type Driver struct {
@@ -104,6 +112,9 @@ func New(cfg Config) (*Driver, error) {
 		return nil, fmt.Errorf("cdi %s: %w", cfg.CDIDir, err)
 	}
 	d := &Driver{cfg: cfg, held: map[string]uint64{}, cdi: c, errs: make(chan error, 16)}
+	if err := d.readHeld(); err != nil {
+		return nil, err
+	}
 	if err := d.load(); err != nil {
 		return nil, err
 	}
@@ -132,12 +143,19 @@ func (d *Driver) load() error {
 	}
 	opts := d.cfg.Options
 	opts.Withhold = map[string]bool{}
+	released := false
 	for u, gen := range d.held {
 		if v.Manifest.Generation > gen {
 			delete(d.held, u)
+			released = true
 			continue
 		}
 		opts.Withhold[u] = true
+	}
+	if released {
+		if err := d.writeHeld(); err != nil {
+			return err
+		}
 	}
 	objs, err := resources.Render(v, opts)
 	if err != nil {
@@ -360,13 +378,49 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 	}
 	var err error
 	if changed {
-		err = d.load()
+		if err = d.writeHeld(); err == nil {
+			err = d.load()
+		}
 	}
 	d.mu.Unlock()
 	if err == nil && changed {
 		err = d.publish(ctx)
 	}
 	return out, err
+}
+
+func (d *Driver) readHeld() error {
+	if d.cfg.StateDir == "" {
+		return nil
+	}
+	p := filepath.Join(d.cfg.StateDir, withheldFile)
+	b, err := manifest.ReadRegular(p, 1<<20)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err == nil {
+		err = json.Unmarshal(b, &d.held)
+	}
+	if err != nil {
+		return fmt.Errorf("withheld units %s: %w", p, err)
+	}
+	return nil
+}
+
+// writeHeld records the withheld units before they are published without them: a
+// restart must not offer a released unit again.
+func (d *Driver) writeHeld() error {
+	if d.cfg.StateDir == "" {
+		return nil
+	}
+	b, err := json.Marshal(d.held)
+	if err == nil {
+		err = manifest.WriteAtomic(d.cfg.StateDir, withheldFile, b)
+	}
+	if err != nil {
+		return fmt.Errorf("withheld units: %w", err)
+	}
+	return nil
 }
 
 // specUnits reads the units a claim's CDI spec names; none when there is no spec.

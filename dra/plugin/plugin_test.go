@@ -201,7 +201,8 @@ func prepare(t *testing.T, k *kubelet, c *resourceapi.ResourceClaim) *drapb.Node
 func TestPluginThroughKubeletGRPC(t *testing.T) {
 	r := newRig(t)
 	cdiDir, reg, data := filepath.Join(r.dir, "cdi"), filepath.Join(r.dir, "registry"), filepath.Join(r.dir, "plugin")
-	d, err := plugin.New(plugin.Config{Manifest: r.path, Source: resources.Source{Keys: filepath.Dir(r.key.Pub)}, Root: r.root, CDIDir: cdiDir})
+	cfg := plugin.Config{Manifest: r.path, Source: resources.Source{Keys: filepath.Dir(r.key.Pub)}, Root: r.root, CDIDir: cdiDir, StateDir: data}
+	d, err := plugin.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -328,6 +329,16 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 	if uresp, err := k.dra.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{
 		{Namespace: vm0.Namespace, Name: vm0.Name, Uid: string(vm0.UID)}}}); err != nil || uresp.Claims[string(vm0.UID)].Error != "" {
 		t.Fatalf("second unprepare: %v %+v", err, uresp)
+	}
+	// A plugin restarted now still withholds it (the state directory remembers).
+	restarted, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dev := range restarted.Objects().Devices {
+		if strings.HasPrefix(dev.Name, "gpu0-") {
+			t.Fatalf("a restarted plugin offers %s of the released unit", dev.Name)
+		}
 	}
 	// The same generation again keeps it withheld; generation 8 (after recycle) offers it.
 	if err := d.Reload(ctx); err != nil {

@@ -233,7 +233,7 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, src *source
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 2
 	}
-	cfg.Source, cfg.Options = s, opts
+	cfg.Source, cfg.Options, cfg.StateDir = s, opts, *dataDir
 	var rc *rest.Config
 	if *kubeconfig != "" {
 		rc, err = clientcmd.BuildConfigFromFlags("", *kubeconfig)
