@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path"
 	"path/filepath"
 	"slices"
@@ -49,6 +48,7 @@ const CDIKind = resources.DriverName + "/unit"
 const (
 	annotationUnits      = resources.DriverName + "/units"
 	annotationGeneration = resources.DriverName + "/generation"
+	annotationDevices    = resources.DriverName + "/devices"
 )
 
 // MetadataVersions are the KEP-5304 metadata versions written for every request, newest
@@ -262,6 +262,12 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 	for _, dev := range d.objs.Devices {
 		byName[dev.Name] = dev
 	}
+	// The last line of defence against one function in two claims (kubeletplugin's
+	// DRAPlugin contract): the devices other claims' CDI specs hold.
+	inUse, err := d.inUse(c.UID)
+	if err != nil {
+		return nil, err
+	}
 	spec := &cdispec.Spec{
 		Version: cdispec.CurrentVersion,
 		Kind:    CDIKind,
@@ -271,6 +277,7 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 	var out []kubeletplugin.Device
 	var errs []error
 	units := map[string]bool{}
+	var names []string
 	for _, r := range c.Status.Allocation.Devices.Results {
 		if r.Driver != resources.DriverName {
 			continue
@@ -281,12 +288,17 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 				r.Request, r.Pool, r.Device, d.v.Manifest.Generation, d.objs.Node))
 			continue
 		}
+		if other, ok := inUse[r.Device]; ok {
+			errs = append(errs, fmt.Errorf("request %s: device %s is prepared for claim %s", r.Request, r.Device, other))
+			continue
+		}
 		bdf, group := *dev.Attributes[resources.AttrPCIBusID].StringValue, int(*dev.Attributes[resources.AttrIOMMUGroup].IntValue)
 		if err := d.checkFunction(bdf, group); err != nil {
 			errs = append(errs, fmt.Errorf("request %s: device %s: %w", r.Request, r.Device, err))
 			continue
 		}
 		units[*dev.Attributes[resources.AttrUnit].StringValue] = true
+		names = append(names, r.Device)
 		name := cdiName(c.UID, r.Request)
 		spec.Devices = append(spec.Devices, cdispec.Device{Name: name, ContainerEdits: cdispec.ContainerEdits{
 			DeviceNodes: []*cdispec.DeviceNode{{Path: "/" + vfiobind.VFIODevNode(group)}},
@@ -314,6 +326,7 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 	spec.Annotations = map[string]string{
 		annotationUnits:      strings.Join(ids, ","),
 		annotationGeneration: strconv.FormatUint(d.v.Manifest.Generation, 10),
+		annotationDevices:    strings.Join(names, ","),
 	}
 	if err := d.cdi.WriteSpec(spec, specName(c.UID)); err != nil {
 		return nil, fmt.Errorf("cdi spec: %w", err)
@@ -423,19 +436,52 @@ func (d *Driver) writeHeld() error {
 	return nil
 }
 
+// inUse are the devices the CDI specs of claims other than uid hold, by device name.
+func (d *Driver) inUse(uid types.UID) (map[string]string, error) {
+	specs, err := filepath.Glob(filepath.Join(d.cfg.CDIDir, specPrefix+"*.json"))
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for _, p := range specs {
+		other := types.UID(strings.TrimSuffix(strings.TrimPrefix(filepath.Base(p), specPrefix), ".json"))
+		if other == uid {
+			continue
+		}
+		s, err := readSpec(p)
+		if err != nil {
+			return nil, err
+		}
+		for _, dev := range strings.Split(s.Annotations[annotationDevices], ",") {
+			if dev != "" {
+				out[dev] = string(other)
+			}
+		}
+	}
+	return out, nil
+}
+
+func readSpec(p string) (*cdispec.Spec, error) {
+	b, err := manifest.ReadRegular(p, 1<<20)
+	if err != nil {
+		return nil, err
+	}
+	var s cdispec.Spec
+	if err := json.Unmarshal(b, &s); err != nil {
+		return nil, fmt.Errorf("%s: %w", p, err)
+	}
+	return &s, nil
+}
+
 // specUnits reads the units a claim's CDI spec names; none when there is no spec.
 func (d *Driver) specUnits(uid types.UID) ([]string, uint64, error) {
 	p := filepath.Join(d.cfg.CDIDir, specName(uid))
-	b, err := os.ReadFile(p)
+	s, err := readSpec(p)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, 0, nil
 	}
 	if err != nil {
 		return nil, 0, err
-	}
-	var s cdispec.Spec
-	if err := json.Unmarshal(b, &s); err != nil {
-		return nil, 0, fmt.Errorf("%s: %w", p, err)
 	}
 	gen, err := strconv.ParseUint(s.Annotations[annotationGeneration], 10, 64)
 	if err != nil {
@@ -465,9 +511,9 @@ func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletpl
 
 // specName is the claim's CDI spec file (without .json); cdiName its request's device:
 // the claim UID keeps a runtime's cached spec from matching a later claim.
-func specName(uid types.UID) string {
-	return strings.ReplaceAll(resources.DriverName, ".", "_") + "_unit_" + string(uid) + ".json"
-}
+func specName(uid types.UID) string { return specPrefix + string(uid) + ".json" }
+
+var specPrefix = strings.ReplaceAll(resources.DriverName, ".", "_") + "_unit_"
 
 func cdiName(uid types.UID, request string) string {
 	return string(uid) + "-" + request

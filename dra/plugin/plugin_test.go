@@ -291,6 +291,13 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 		checkMetadata(t, data, vm0, dev.RequestNames[0], f.BDF)
 	}
 
+	// A second claim given gpu0 (an allocation gone wrong) is refused while vm0 holds it.
+	dup := claim(t, client, d, "dup", "gpu0")
+	got = prepare(t, k, dup)
+	if !strings.Contains(got.Error, "is prepared for claim uid-vm0") || len(got.Devices) != 0 {
+		t.Fatalf("prepare of a claim on vm0's devices: %+v", got)
+	}
+
 	// Refusal: gpu4's second NIC went back to mlx5_core after the allocation.
 	vm1 := claim(t, client, d, "vm1", "gpu4")
 	nic := r.tree.Addr("nic4.1")
