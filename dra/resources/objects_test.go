@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -28,11 +29,16 @@ import (
 // strict is the API server's strict decoder (the serializer kubectl --validate=strict
 // and the server's field validation use): unknown and duplicate fields are errors.
 func strict(t *testing.T) runtime.Decoder {
+	scheme := strictScheme(t)
+	return kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme, scheme, kjson.SerializerOptions{Yaml: true, Strict: true})
+}
+
+func strictScheme(t *testing.T) *runtime.Scheme {
 	scheme := runtime.NewScheme()
 	if err := resourceapi.AddToScheme(scheme); err != nil {
 		t.Fatal(err)
 	}
-	return kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme, scheme, kjson.SerializerOptions{Yaml: true, Strict: true})
+	return scheme
 }
 
 func documents(t *testing.T, b []byte) [][]byte {
@@ -118,6 +124,18 @@ func TestObjectsDecodeStrictlyAndValidate(t *testing.T) {
 			if r := compiler.CompileCELExpression(s.CEL.Expression, cel.Options{}); r.Error != nil {
 				t.Errorf("selector %q: %v", s.CEL.Expression, r.Error)
 			}
+		}
+	}
+	// The same objects as JSON decode strictly too.
+	jdec := kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, strictScheme(t), strictScheme(t), kjson.SerializerOptions{Strict: true})
+	for i, obj := range want {
+		b, err := json.Marshal(obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _, err := jdec.Decode(b, nil, nil)
+		if err != nil || !equality.Semantic.DeepEqual(got, obj) {
+			t.Fatalf("object %d as JSON: %v", i, err)
 		}
 	}
 	// The decoder and the validation refuse what they should: an unknown field, and an
