@@ -130,8 +130,8 @@ func dial(t *testing.T, sock string) *grpc.ClientConn {
 	return c
 }
 
-// slices lists the driver's devices the API holds, waiting up to 10 s for want (a
-// device count) as the slice controller publishes in the background.
+// publishedDevices lists the driver's devices the API holds, waiting up to 10 s for
+// want as the slice controller publishes in the background.
 func publishedDevices(t *testing.T, client *fake.Clientset, want func([]string) bool) []string {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
@@ -158,8 +158,10 @@ func publishedDevices(t *testing.T, client *fake.Clientset, want func([]string) 
 
 func countIs(n int) func([]string) bool { return func(s []string) bool { return len(s) == n } }
 
-// claim allocates a whole unit to a claim in namespace tenant as the scheduler would
-// (the real allocator, over the slices the plugin published), and stores it in the API.
+// claim stores in the API a claim of the unit shape in namespace tenant with the
+// allocation the scheduler writes when it gives the claim unit: every request a function
+// of it (that the real allocator gives whole units is resources' test; here the unit is
+// chosen, to make an allocation go wrong on purpose).
 func claim(t *testing.T, client *fake.Clientset, d *plugin.Driver, name string, unit string) *resourceapi.ResourceClaim {
 	t.Helper()
 	objs := d.Objects()
