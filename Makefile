@@ -50,7 +50,9 @@ uki: initramfs build
 
 # unit checks formatting, runs vet, staticcheck and the race-enabled unit tests (synthetic
 # trees, lspci oracle, TPM simulator). staticcheck runs from its own module at a pinned
-# version, so it adds nothing to passage's dependencies.
+# version, so it adds nothing to passage's dependencies. dra/, the DRA driver, is a module
+# of its own (the Kubernetes libraries stay out of the initramfs binary): it gets the same
+# checks.
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 unit: deps
 	@unformatted=$$("$$($(GO) env GOROOT)/bin/gofmt" -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')); \
@@ -58,6 +60,9 @@ unit: deps
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
 	$(GO) test -race -count=1 ./...
+	cd dra && $(GO) vet ./...
+	cd dra && $(GO) run $(STATICCHECK) ./...
+	cd dra && $(GO) test -race -count=1 ./...
 
 # qemu-test boots the real initramfs on Debian's kernels under QEMU (see qemu-tests/).
 qemu-test: deps

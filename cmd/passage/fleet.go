@@ -2,8 +2,6 @@ package main
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -18,187 +16,37 @@ import (
 	"github.com/passage-boot/passage/manifest"
 )
 
-// keyring is the verifying keys of a fleet: one public key file (every manifest must be
-// signed by it), or a directory of them (each manifest by the key whose ID its envelope
-// names: each node signs with its own key). In a directory every key is enrolled for a
-// node (manifest.Enrolment, KEY.enrol.json beside KEY.pub) and a manifest is accepted
-// only with its own node's key; beside a key file named alone, an enrolment is checked
-// when there is one.
-type keyring struct {
-	byID map[string]*ringKey
-	one  *ringKey
-	// ignored are the directory's files that are not (TPM, with tpm) public keys: the
-	// node's private key beside its public one, a README. A public key there is not
-	// ignored: without its enrolment the directory is refused.
-	ignored []string
-}
-
-// ringKey is one key of the ring: its file and the node it is enrolled for.
-type ringKey struct {
-	v     manifest.Verifier
-	id    string
-	file  string
-	enrol *manifest.Enrolment // nil: not enrolled
-}
-
-// signer names the key for every output: its ID, its file and its node.
-func (k *ringKey) signer() string {
-	s := k.id + " (" + filepath.Base(k.file)
-	if k.enrol != nil {
-		s += ", enrolled for " + k.enrol.String()
-	}
-	return s + ")"
-}
-
-// notKeyError is the error of a file that holds no (TPM, with tpm) public key, which a
-// key directory ignores. A file it cannot read within the bounds, a damaged key and a
-// key without its enrolment are errors: the directory is refused.
-type notKeyError struct{ err error }
-
-func (e notKeyError) Error() string { return e.err.Error() }
-func (e notKeyError) Unwrap() error { return e.err }
-
-// loadKeyring reads path: a key file, or every regular file in a directory that is a
-// public key (the *.enrol.json files are the keys' enrolments; the others are ignored,
-// and named in kr.ignored). With tpm, each key must be a TPM (ECDSA P-256) key.
-func loadKeyring(path string, tpm bool) (*keyring, error) {
-	load := func(p string, dir bool) (*ringKey, error) {
-		v, err := manifest.LoadVerifier(p)
-		if errors.Is(err, manifest.ErrNoPublicKey) {
-			return nil, notKeyError{err}
-		}
-		if err != nil {
-			return nil, err
-		}
-		if _, isEC := v.Public().(*ecdsa.PublicKey); tpm && !isEC {
-			return nil, notKeyError{fmt.Errorf("--tpm-pub %s: not a TPM (ECDSA P-256) key", p)}
-		}
-		k := &ringKey{v: v, file: p}
-		if k.id, err = v.KeyID(); err != nil {
-			return nil, fmt.Errorf("public key %s: %w", p, err)
-		}
-		ep := manifest.EnrolmentPath(p)
-		if _, err := os.Lstat(ep); err != nil {
-			if dir || !errors.Is(err, fs.ErrNotExist) {
-				return nil, fmt.Errorf("public key %s: not enrolled for a node: %w", p, err)
-			}
-			return k, nil
-		}
-		if k.enrol, err = manifest.LoadEnrolment(ep, v); err != nil {
-			return nil, err
-		}
-		return k, nil
-	}
-	fi, err := os.Stat(path)
-	if err != nil {
-		return nil, fmt.Errorf("public key %s: %w", path, err)
-	}
-	if !fi.IsDir() {
-		k, err := load(path, false)
-		if err != nil {
-			return nil, err
-		}
-		return &keyring{one: k}, nil
-	}
-	ents, err := os.ReadDir(path)
-	if err != nil {
-		return nil, fmt.Errorf("public keys %s: %w", path, err)
-	}
-	kr := &keyring{byID: map[string]*ringKey{}}
-	for _, e := range ents {
-		if !e.Type().IsRegular() || strings.HasSuffix(e.Name(), manifest.EnrolmentSuffix) {
-			continue
-		}
-		k, err := load(filepath.Join(path, e.Name()), true)
-		if errors.As(err, new(notKeyError)) {
-			kr.ignored = append(kr.ignored, e.Name())
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		if other, dup := kr.byID[k.id]; dup {
-			return nil, fmt.Errorf("public keys %s: key %s is both %s and %s", path, k.id, filepath.Base(other.file), e.Name())
-		}
-		kr.byID[k.id] = k
-	}
-	if len(kr.byID) == 0 {
-		if len(kr.ignored) > 0 {
-			return nil, fmt.Errorf("public keys %s: no public key among %s", path, strings.Join(kr.ignored, ", "))
-		}
-		return nil, fmt.Errorf("public keys %s: no key files", path)
-	}
-	return kr, nil
-}
-
 // sayIgnored names, once, the files of a key directory that are not public keys.
-func (kr *keyring) sayIgnored(w io.Writer, cmd, path string) {
-	if len(kr.ignored) > 0 {
-		fmt.Fprintf(w, "passage %s: %s: ignored, not public keys: %s\n", cmd, path, strings.Join(kr.ignored, ", "))
+func sayIgnored(kr *manifest.Keyring, w io.Writer, cmd, path string) {
+	if len(kr.Ignored) > 0 {
+		fmt.Fprintf(w, "passage %s: %s: ignored, not public keys: %s\n", cmd, path, strings.Join(kr.Ignored, ", "))
 	}
-}
-
-// key picks the key for an envelope: the one key, or the first of the envelope's
-// signatures' key IDs the ring holds. None: the envelope is refused as signed by a key
-// the fleet does not know.
-func (kr *keyring) key(env []byte) (*ringKey, error) {
-	if kr.one != nil {
-		return kr.one, nil
-	}
-	var e manifest.Envelope
-	if err := json.Unmarshal(env, &e); err != nil {
-		return nil, &manifest.VerifyError{Kind: manifest.ErrMalformed, Detail: err.Error()}
-	}
-	var ids []string
-	for _, s := range e.Signatures {
-		if k, ok := kr.byID[s.KeyID]; ok {
-			return k, nil
-		}
-		ids = append(ids, s.KeyID)
-	}
-	return nil, &manifest.VerifyError{Kind: manifest.ErrWrongKey, Detail: fmt.Sprintf("signed by %s, none of them in the key directory", strings.Join(ids, ", "))}
 }
 
 // verifyOutcome is one file's result.
 type verifyOutcome struct {
 	path     string
 	verified *manifest.Verified
-	key      *ringKey // the key that verified it
-	refused  error    // the manifest is not acceptable (exit 1)
-	failed   error    // the file could not be read (exit 2)
+	key      *manifest.RingKey // the key that verified it
+	refused  error             // the manifest is not acceptable (exit 1)
+	failed   error             // the file could not be read (exit 2)
 }
 
-// verifyFile reads and verifies one envelope: the signature with its key, then that the
-// manifest's node is the one the key is enrolled for.
-func verifyFile(path string, kr *keyring, opts manifest.VerifyOptions) verifyOutcome {
+// verifyFile verifies one envelope through the keyring (manifest.Keyring.VerifyFile: the
+// signature with its key, then the node binding) and sorts the error: refused or
+// unreadable.
+func verifyFile(path string, kr *manifest.Keyring, opts manifest.VerifyOptions) verifyOutcome {
 	o := verifyOutcome{path: path}
+	v, k, err := kr.VerifyFile(path, opts)
 	var ve *manifest.VerifyError
-	env, err := manifest.ReadEnvelope(path)
-	if err != nil {
-		if errors.As(err, &ve) {
-			o.refused = err
-		} else {
-			o.failed = err
-		}
-		return o
+	switch {
+	case err == nil:
+		o.verified, o.key = v, k
+	case errors.As(err, &ve):
+		o.refused = err
+	default:
+		o.failed = err
 	}
-	k, err := kr.key(env)
-	if err == nil {
-		o.verified, err = manifest.Verify(env, k.v, opts)
-	}
-	if err == nil && k.enrol != nil {
-		err = k.enrol.Check(o.verified.Manifest)
-	}
-	if err != nil {
-		o.verified = nil
-		if errors.As(err, &ve) {
-			o.refused = err
-		} else {
-			o.failed = err
-		}
-		return o
-	}
-	o.key = k
 	return o
 }
 
@@ -256,12 +104,12 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 		fmt.Fprintf(stderr, "passage verify: %v\n", err)
 		return 2
 	}
-	kr, err := loadKeyring(keyPath, tpm)
+	kr, err := manifest.LoadKeyring(keyPath, tpm)
 	if err != nil {
 		fmt.Fprintf(stderr, "passage verify: %v\n", err)
 		return 2
 	}
-	kr.sayIgnored(stderr, "verify", keyPath)
+	sayIgnored(kr, stderr, "verify", keyPath)
 	out := make([]verifyOutcome, len(paths))
 	next := make(chan int)
 	var wg sync.WaitGroup
@@ -304,7 +152,7 @@ func verifyMany(args []string, keyPath string, tpm bool, opts manifest.VerifyOpt
 				nodesWithFailed++
 			}
 			fmt.Fprintf(&b, "OK       %s: %s gen %d (%s) boot %s signed by %s units %d ready %d degraded %d failed%s build %s\n",
-				o.path, pr(orDash(m.Node.Hostname)), m.Generation, pr(string(m.GenerationSource)), pr(orDash(m.BootID)), pr(filepath.Base(o.key.file)),
+				o.path, pr(orDash(m.Node.Hostname)), m.Generation, pr(string(m.GenerationSource)), pr(orDash(m.BootID)), pr(filepath.Base(o.key.File)),
 				c[manifest.StatusReady], c[manifest.StatusDegraded], c[manifest.StatusFailed], failedUnits(m), pr(buildWords(m)))
 		}
 	}

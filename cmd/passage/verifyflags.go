@@ -40,7 +40,7 @@ func (f *verifyFlags) options(cmd string, stderr io.Writer) (keyFile string, opt
 }
 
 // verify reads and verifies the envelope at path with the keyring the flags name (a key
-// file, or a directory of a fleet's keys), through verifyFile as verify's many-file form
+// file, or a directory of a fleet's keys), through manifest.Keyring.VerifyFile as verify's many-file form
 // does: one verification for verify, render and metrics. It returns the accepted
 // manifest and its signer (the key's ID, file and enrolled node), or the exit status
 // after printing why on stderr: 1 when the manifest is
@@ -50,12 +50,12 @@ func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Veri
 	if code != 0 {
 		return nil, "", code
 	}
-	kr, err := loadKeyring(keyFile, f.tpmPub != "")
+	kr, err := manifest.LoadKeyring(keyFile, f.tpmPub != "")
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
 		return nil, "", 2
 	}
-	kr.sayIgnored(stderr, cmd, keyFile)
+	sayIgnored(kr, stderr, cmd, keyFile)
 	o := verifyFile(path, kr, opts)
 	switch {
 	case o.failed != nil:
@@ -65,5 +65,5 @@ func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Veri
 		fmt.Fprintf(stderr, "passage %s: %s: REFUSED: %s\n", cmd, path, oneLine(o.refused))
 		return nil, "", 1
 	}
-	return o.verified, o.key.signer(), 0
+	return o.verified, o.key.Signer(), 0
 }

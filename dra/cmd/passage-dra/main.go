@@ -1,0 +1,288 @@
+// Command passage-dra is passage's Kubernetes DRA driver: it publishes the ready units of
+// a node's verified manifest as one schedulable resource each (a ResourceClaim with one
+// request per function, all on one unit), and prepares claimed units for KubeVirt.
+//
+//	passage-dra slices   [flags] MANIFEST   the DeviceClass, claim templates and slices (YAML)
+//	passage-dra kubevirt [flags] MANIFEST   the VMI resourceClaims/hostDevices stanza for a unit
+//	passage-dra nccl-xml [flags] MANIFEST   the NCCL topology file for a unit's guest
+//	passage-dra plugin   [flags]            run the kubelet plugin (the DaemonSet's command)
+//
+// Every command reads the manifest through passage's one verification path (the key,
+// its enrolment for the node, the semantic check); a refused manifest exits 1 with the
+// reason, and nothing is printed or published.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"sigs.k8s.io/yaml"
+
+	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/hypervisor"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/topology"
+)
+
+func main() { os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr)) }
+
+const usage = `usage: passage-dra COMMAND [flags]
+  slices   MANIFEST  print the DeviceClass, ResourceClaimTemplates and ResourceSlices (YAML)
+  kubevirt MANIFEST  print the VMI resourceClaims/hostDevices stanza for --unit's shape
+  nccl-xml MANIFEST  print the NCCL topology file for --unit's guest
+  plugin             run the kubelet plugin
+`
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	cmd, args := args[0], args[1:]
+	fs := flag.NewFlagSet("passage-dra "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var src sourceFlags
+	src.register(fs)
+	var opts resources.Options
+	fs.StringVar(&opts.NodeName, "node-name", "", "Kubernetes node name (default: the manifest's hostname)")
+	fs.BoolVar(&opts.Degraded, "degraded", false, "offer degraded units too (their devices say status degraded)")
+	switch cmd {
+	case "slices":
+		return cmdSlices(fs, args, &src, opts, stdout, stderr)
+	case "kubevirt", "nccl-xml":
+		return cmdUnit(cmd, fs, args, &src, opts, stdout, stderr)
+	case "plugin":
+		return cmdPlugin(ctx, fs, args, &src, opts, stderr)
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return 0
+	}
+	fmt.Fprintf(stderr, "passage-dra: unknown command %q\n%s", cmd, usage)
+	return 2
+}
+
+// sourceFlags are passage verify's flags for the keys and expectations.
+type sourceFlags struct {
+	pub, tpmPub, minGen, bootID, nodeUUID string
+}
+
+func (f *sourceFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.pub, "pub", "", "public key `FILE` of the node's ed25519 key, or a directory of a fleet's enrolled keys")
+	fs.StringVar(&f.tpmPub, "tpm-pub", "", "public key `FILE` (or directory) of TPM keys")
+	fs.StringVar(&f.minGen, "min-generation", "0", "refuse manifests with a lower generation (replay)")
+	fs.StringVar(&f.bootID, "boot-id", "", "refuse manifests of another boot")
+	fs.StringVar(&f.nodeUUID, "node-uuid", "", "refuse a manifest of a node with another DMI product UUID")
+}
+
+func (f *sourceFlags) source() (resources.Source, error) {
+	if (f.pub == "") == (f.tpmPub == "") {
+		return resources.Source{}, errors.New("give exactly one of --pub and --tpm-pub")
+	}
+	min, err := strconv.ParseUint(f.minGen, 10, 64)
+	if err != nil {
+		return resources.Source{}, fmt.Errorf("--min-generation %q: not a generation number", f.minGen)
+	}
+	return resources.Source{Keys: f.pub + f.tpmPub, TPM: f.tpmPub != "", MinGeneration: min, BootID: f.bootID, NodeUUID: f.nodeUUID}, nil
+}
+
+// verified parses the flags and verifies the one MANIFEST; code is the exit status when
+// it is refused (1) or the command is misused (2).
+func verified(fs *flag.FlagSet, args []string, src *sourceFlags, stderr io.Writer) (*manifest.Verified, int) {
+	if err := fs.Parse(args); err != nil {
+		return nil, 2
+	}
+	if fs.NArg() != 1 {
+		fmt.Fprintf(stderr, "%s: give one MANIFEST\n", fs.Name())
+		return nil, 2
+	}
+	s, err := src.source()
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return nil, 2
+	}
+	v, err := resources.Verify(fs.Arg(0), s)
+	if err != nil {
+		var ve *manifest.VerifyError
+		if errors.As(err, &ve) || errors.Is(err, manifest.ErrWrongNode) {
+			fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
+			return nil, 1
+		}
+		fmt.Fprintf(stderr, "%s: %s\n", fs.Name(), manifest.Printable(err.Error()))
+		return nil, 2
+	}
+	return v, 0
+}
+
+func cmdSlices(fs *flag.FlagSet, args []string, src *sourceFlags, opts resources.Options, stdout, stderr io.Writer) int {
+	sysRoot := fs.String("sysfs-root", "", "read each function's pcieRoot from this sysfs (the node's /sys); without, the attribute is left out")
+	v, code := verified(fs, args, src, stderr)
+	if v == nil {
+		return code
+	}
+	if *sysRoot != "" {
+		opts.PCIeRoot = plugin.PCIeRoot(*sysRoot)
+	}
+	objs, err := resources.Render(v, opts)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: REFUSED: %v\n", fs.Name(), err)
+		return 1
+	}
+	if err := resources.WriteYAML(stdout, objs.List()); err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 1
+	}
+	return 0
+}
+
+func cmdUnit(cmd string, fs *flag.FlagSet, args []string, src *sourceFlags, opts resources.Options, stdout, stderr io.Writer) int {
+	unit := fs.String("unit", "", "the unit (gpu3)")
+	claim := fs.String("claim", "unit", "kubevirt: the claim's name in the VMI")
+	numa := fs.Bool("numa", false, "nccl-xml: the guest has the host's NUMA nodes (passage render --numa)")
+	v, code := verified(fs, args, src, stderr)
+	if v == nil {
+		return code
+	}
+	var u *manifest.Unit
+	for i := range v.Manifest.Units {
+		if v.Manifest.Units[i].ID == *unit {
+			u = &v.Manifest.Units[i]
+		}
+	}
+	if u == nil {
+		fmt.Fprintf(stderr, "%s: --unit %q: not a unit of the manifest\n", fs.Name(), manifest.Printable(*unit))
+		return 2
+	}
+	if u.Status != manifest.StatusReady && !(opts.Degraded && u.Status == manifest.StatusDegraded) {
+		fmt.Fprintf(stderr, "%s: REFUSED: unit %s is %s\n", fs.Name(), manifest.Printable(u.ID), manifest.Printable(u.Status))
+		return 1
+	}
+	var out []byte
+	var err error
+	switch cmd {
+	case "kubevirt":
+		shape := make(resources.Shape, len(u.Functions))
+		for i, f := range u.Functions {
+			shape[i] = f.Role
+		}
+		out, err = yaml.Marshal(map[string]any{"spec": resources.KubeVirt(shape, *claim)})
+	case "nccl-xml":
+		out, err = ncclXML(v.Manifest, u.ID, *numa, opts.Degraded)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 1
+	}
+	stdout.Write(out)
+	return 0
+}
+
+// ncclXML is passage render --format nccl-xml of the one unit, from the verified
+// manifest alone.
+func ncclXML(m *manifest.Manifest, unit string, numa, degraded bool) ([]byte, error) {
+	var id topology.UnitID
+	if err := id.UnmarshalText([]byte(unit)); err != nil {
+		return nil, err
+	}
+	sources, err := hypervisor.Sources(m)
+	if err != nil {
+		return nil, err
+	}
+	cpus, err := hypervisor.HostCPUs(m)
+	if err != nil {
+		return nil, err
+	}
+	r, err := hypervisor.Render(hypervisor.Input{Sources: sources, Units: []topology.UnitID{id}, NUMA: numa, AllowDegraded: degraded, HostCPUs: cpus},
+		"nccl-xml", topology.DomainOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return r.Out, nil
+}
+
+func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, src *sourceFlags, opts resources.Options, stderr io.Writer) int {
+	var cfg plugin.Config
+	fs.StringVar(&cfg.Manifest, "manifest", "", "the node's manifest envelope (manifest.dsse.json), verified again at every prepare and reload")
+	fs.StringVar(&cfg.Root, "root", "/", "where the node's sys/ and dev/vfio are (read only)")
+	fs.StringVar(&cfg.CDIDir, "cdi-dir", "/var/run/cdi", "where the CDI specs go")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file (default: the pod's in-cluster config)")
+	registry := fs.String("registry-dir", kubeletplugin.KubeletRegistryDir, "the kubelet's plugin registration directory")
+	dataDir := fs.String("plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")
+	reload := fs.Duration("reload", 30*time.Second, "verify the manifest again this often (a recycled unit returns with a newer generation)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	s, err := src.source()
+	if err == nil && (cfg.Manifest == "" || fs.NArg() != 0) {
+		err = errors.New("give --manifest and no arguments")
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 2
+	}
+	cfg.Source, cfg.Options, cfg.StateDir = s, opts, *dataDir
+	var rc *rest.Config
+	if *kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", *kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 2
+	}
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 2
+	}
+	d, err := plugin.New(cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: REFUSED: %v\n", fs.Name(), err)
+		return 1
+	}
+	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if err := os.MkdirAll(*dataDir, 0o750); err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 1
+	}
+	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(*registry),
+		kubeletplugin.PluginDataDirectoryPath(*dataDir)); err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 1
+	}
+	defer d.Stop()
+	tick := time.NewTicker(*reload)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return 0
+		case <-tick.C:
+			// A manifest that no longer verifies keeps the last published slices; prepare
+			// verifies again and refuses on its own.
+			if err := d.Reload(ctx); err != nil {
+				fmt.Fprintf(stderr, "%s: reload: %v\n", fs.Name(), err)
+			}
+		case err := <-d.Errors():
+			if !errors.Is(err, kubeletplugin.ErrRecoverable) {
+				fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+				return 1
+			}
+		}
+	}
+}

@@ -1,0 +1,190 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/xml"
+	"errors"
+	"flag"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	kjson "k8s.io/apimachinery/pkg/runtime/serializer/json"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+	"sigs.k8s.io/yaml"
+
+	"github.com/passage-boot/passage/dra/internal/signedtest"
+	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/manifesttest"
+)
+
+func runCmd(args ...string) (int, string, string) {
+	var out, errs bytes.Buffer
+	code := run(context.Background(), args, &out, &errs)
+	return code, out.String(), errs.String()
+}
+
+// signed writes manifesttest's B300 (gpu3 failed) signed by a key enrolled for its node,
+// and another node's manifest signed by that node's key in the same key directory.
+func signed(t *testing.T) (keys, good, other string) {
+	dir := t.TempDir()
+	m := manifesttest.B300(4)
+	m.Units[3].Status, m.Units[3].Reasons = manifest.StatusFailed, []string{"acs: mismatch"}
+	for i := range m.Units[3].Functions {
+		m.Units[3].Functions[i].DriverAfter = "nvidia"
+	}
+	keys = filepath.Join(dir, "keys")
+	k := signedtest.NewKey(t, keys, "a", 1, m.Node.DMIUUID)
+	good = k.Sign(t, m, filepath.Join(dir, "a.dsse.json"))
+	b := manifesttest.B300(4)
+	b.Node.DMIUUID = manifesttest.NodeUUID(3)
+	kb := signedtest.NewKey(t, keys, "b", 2, b.Node.DMIUUID)
+	other = kb.Sign(t, b, filepath.Join(dir, "b.dsse.json"))
+	return keys, good, other
+}
+
+func TestSlicesCommand(t *testing.T) {
+	keys, good, other := signed(t)
+	code, out, errs := runCmd("slices", "--pub", keys, "--node-uuid", manifesttest.B300(0).Node.DMIUUID, good)
+	if code != 0 {
+		t.Fatalf("slices: exit %d: %s", code, errs)
+	}
+	for _, want := range []string{"kind: DeviceClass", "kind: ResourceClaimTemplate", "kind: ResourceSlice", "name: unit-gpu.gpu-nic.gpu-nic.gpu-nvme"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("slices output lacks %q", want)
+		}
+	}
+	if strings.Contains(out, "gpu3-") {
+		t.Error("the failed unit gpu3 is in the slices")
+	}
+	// Another node's manifest, verified by its own enrolled key in the directory, is
+	// refused for this node; nothing is printed.
+	code, out, errs = runCmd("slices", "--pub", keys, "--node-uuid", manifesttest.B300(0).Node.DMIUUID, other)
+	if code != 1 || out != "" || !strings.Contains(errs, "REFUSED") || !strings.Contains(errs, manifest.ErrWrongNode.Error()) {
+		t.Fatalf("another node's manifest: exit %d, stdout %q, stderr %q", code, out, errs)
+	}
+	// A tampered envelope (the failed unit's status edited to ready, the signature
+	// kept): refused, nothing printed.
+	var env manifest.Envelope
+	b, _ := os.ReadFile(good)
+	if err := json.Unmarshal(b, &env); err != nil {
+		t.Fatal(err)
+	}
+	payload, _ := base64.StdEncoding.DecodeString(env.Payload)
+	edited := strings.Replace(string(payload), `"status":"failed"`, `"status":"ready"`, 1)
+	env.Payload, env.PayloadDigest = base64.StdEncoding.EncodeToString([]byte(edited)), ""
+	b, _ = json.Marshal(env)
+	bad := filepath.Join(t.TempDir(), "bad.dsse.json")
+	os.WriteFile(bad, b, 0o644)
+	if code, out, errs := runCmd("slices", "--pub", keys, bad); code != 1 || out != "" || !strings.Contains(errs, manifest.ErrBadSignature.Error()) {
+		t.Fatalf("tampered manifest: exit %d, stdout %d bytes, stderr %q", code, len(out), errs)
+	}
+}
+
+func TestKubeVirtCommand(t *testing.T) {
+	keys, good, _ := signed(t)
+	code, out, errs := runCmd("kubevirt", "--pub", keys, "--unit", "gpu0", "--claim", "gpus", good)
+	if code != 0 {
+		t.Fatalf("kubevirt: exit %d: %s", code, errs)
+	}
+	var doc struct {
+		Spec resources.VMIClaims `json:"spec"`
+	}
+	if err := yaml.UnmarshalStrict([]byte(out), &doc); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	s := doc.Spec
+	if len(s.ResourceClaims) != 1 || s.ResourceClaims[0].Name != "gpus" || s.ResourceClaims[0].ResourceClaimTemplateName != "unit-gpu.gpu-nic.gpu-nic.gpu-nvme" {
+		t.Fatalf("resourceClaims %+v", s.ResourceClaims)
+	}
+	var reqs []string
+	for _, h := range s.Domain.Devices.HostDevices {
+		if h.ClaimName != "gpus" {
+			t.Errorf("host device %+v", h)
+		}
+		reqs = append(reqs, h.RequestName)
+	}
+	if strings.Join(reqs, " ") != "gpu gpu-nic-0 gpu-nic-1 gpu-nvme" {
+		t.Fatalf("hostDevices requests %v", reqs)
+	}
+	if code, out, errs := runCmd("kubevirt", "--pub", keys, "--unit", "gpu3", good); code != 1 || out != "" || !strings.Contains(errs, "unit gpu3 is failed") {
+		t.Fatalf("failed unit: exit %d, stdout %q, stderr %q", code, out, errs)
+	}
+}
+
+func TestNCCLCommand(t *testing.T) {
+	keys, good, _ := signed(t)
+	code, out, errs := runCmd("nccl-xml", "--pub", keys, "--unit", "gpu0", good)
+	if code != 0 {
+		t.Fatalf("nccl-xml: exit %d: %s", code, errs)
+	}
+	var sys struct {
+		CPUs []struct {
+			PCIs []struct {
+				PCIs []struct {
+					Class string `xml:"class,attr"`
+				} `xml:"pci"`
+			} `xml:"pci"`
+		} `xml:"cpu"`
+	}
+	if err := xml.Unmarshal([]byte(out), &sys); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	// One switch holding the GPU and its two NIC PFs (NCCL has no use for the NVMe).
+	if len(sys.CPUs) != 1 || len(sys.CPUs[0].PCIs) != 1 || len(sys.CPUs[0].PCIs[0].PCIs) != 3 {
+		t.Fatalf("topology %+v\n%s", sys, out)
+	}
+}
+
+// TestDeployDecodesStrictly: every object of deploy/daemonset.yaml decodes strictly
+// (unknown and duplicate fields refused) into client-go's types, and the DaemonSet runs
+// the plugin command with flags it has.
+func TestDeployDecodesStrictly(t *testing.T) {
+	b, err := os.ReadFile("../../deploy/daemonset.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme.Scheme, scheme.Scheme, kjson.SerializerOptions{Yaml: true, Strict: true})
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(b)))
+	kinds := []string{}
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		obj, gvk, err := dec.Decode(doc, nil, nil)
+		if err != nil {
+			t.Fatalf("%v\n%s", err, doc)
+		}
+		kinds = append(kinds, gvk.Kind)
+		if ds, ok := obj.(*appsv1.DaemonSet); ok {
+			args := ds.Spec.Template.Spec.Containers[0].Args
+			fs := flag.NewFlagSet("plugin", flag.ContinueOnError)
+			// The flags cmdPlugin registers, parsed from the DaemonSet's args.
+			var src sourceFlags
+			src.register(fs)
+			fs.String("node-name", "", "")
+			for _, f := range []string{"manifest", "root", "cdi-dir", "kubeconfig", "registry-dir", "plugin-dir"} {
+				fs.String(f, "", "")
+			}
+			if args[0] != "plugin" || fs.Parse(args[1:]) != nil {
+				t.Fatalf("DaemonSet args %v", args)
+			}
+		}
+	}
+	if strings.Join(kinds, " ") != "Namespace ServiceAccount ClusterRole ClusterRoleBinding DaemonSet" {
+		t.Fatalf("kinds %v", kinds)
+	}
+}

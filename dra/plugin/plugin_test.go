@@ -1,0 +1,426 @@
+package plugin_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	"tags.cncf.io/container-device-interface/pkg/cdi"
+
+	"github.com/passage-boot/passage/dra/internal/signedtest"
+	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/manifesttest"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/vfiobind/vfiotest"
+)
+
+const uuid = "4c4c4544-0042-3810-8057-b3c04f4b4d32"
+
+// rig is a node as the plugin sees it: pcitest's HGX B300 tree whose eight units'
+// functions vfiotest's simulated kernel bound to vfio-pci, its DMI UUID, and a manifest
+// of those units signed by the node's enrolled key.
+type rig struct {
+	root, dir string
+	tree      *pcitest.Node
+	kernel    *vfiotest.Kernel
+	key       *signedtest.Key
+	m         *manifest.Manifest
+	path      string
+}
+
+func unitNames(i int) []string {
+	return []string{fmt.Sprintf("gpu%d", i), fmt.Sprintf("nic%d.0", i), fmt.Sprintf("nic%d.1", i), fmt.Sprintf("nvme%d", i)}
+}
+
+func newRig(t *testing.T) *rig {
+	r := &rig{dir: t.TempDir()}
+	r.tree = pcitest.New(t, pcitest.B300())
+	r.root = r.tree.Root
+	dmi := filepath.Join(r.root, "sys/class/dmi/id")
+	os.MkdirAll(dmi, 0o755)
+	if err := os.WriteFile(filepath.Join(dmi, "product_uuid"), []byte(uuid+"\n"), 0o444); err != nil {
+		t.Fatal(err)
+	}
+	var err error
+	if r.kernel, err = vfiotest.New(r.root); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.kernel.Load("vfio-pci"); err != nil {
+		t.Fatal(err)
+	}
+	r.m = manifesttest.B300(7)
+	r.m.Node.DMIUUID = uuid
+	for i := range r.m.Units {
+		for j, name := range unitNames(i) {
+			a := r.tree.Addr(name)
+			r.rebind(t, a, "vfio-pci")
+			f := &r.m.Units[i].Functions[j]
+			f.BDF, f.IOMMUGroup = a.String(), r.group(t, a)
+		}
+	}
+	r.key = signedtest.NewKey(t, filepath.Join(r.dir, "keys"), "node", 1, uuid)
+	r.path = r.key.Sign(t, r.m, filepath.Join(r.dir, "manifest.dsse.json"))
+	return r
+}
+
+func (r *rig) group(t *testing.T, a pci.Address) int {
+	l, err := os.Readlink(filepath.Join(r.root, pci.DevicesDir, a.String(), "iommu_group"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, _ := strconv.Atoi(path.Base(l))
+	return g
+}
+
+// rebind moves a function to drv ("vfio-pci", or "" for its host driver) the way
+// vfiobind does: driver_override, unbind, drivers_probe.
+func (r *rig) rebind(t *testing.T, a pci.Address, drv string) {
+	t.Helper()
+	dev := path.Join(pci.DevicesDir, a.String())
+	if err := r.kernel.WriteFile(path.Join(dev, "driver_override"), []byte(drv+"\n")); err != nil {
+		t.Fatal(err)
+	}
+	if cur, err := r.kernel.ReadLink(path.Join(dev, "driver")); err == nil {
+		if err := r.kernel.WriteFile(path.Join("sys/bus/pci/drivers", path.Base(cur), "unbind"), []byte(a.String())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.kernel.WriteFile("sys/bus/pci/drivers_probe", []byte(a.String())); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// kubelet is the kubelet's side of the plugin's two sockets.
+type kubelet struct {
+	reg registerapi.RegistrationClient
+	dra drapb.DRAPluginClient
+}
+
+func dial(t *testing.T, sock string) *grpc.ClientConn {
+	c, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// publishedDevices lists the driver's devices the API holds, waiting up to 10 s for
+// want as the slice controller publishes in the background.
+func publishedDevices(t *testing.T, client *fake.Clientset, want func([]string) bool) []string {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		list, err := client.ResourceV1().ResourceSlices().List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, s := range list.Items {
+			for _, d := range s.Spec.Devices {
+				names = append(names, d.Name)
+			}
+		}
+		if want(names) {
+			return names
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("published devices %v", names)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func countIs(n int) func([]string) bool { return func(s []string) bool { return len(s) == n } }
+
+// claim stores in the API a claim of the unit shape in namespace tenant with the
+// allocation the scheduler writes when it gives the claim unit: every request a function
+// of it (that the real allocator gives whole units is resources' test; here the unit is
+// chosen, to make an allocation go wrong on purpose).
+func claim(t *testing.T, client *fake.Clientset, d *plugin.Driver, name string, unit string) *resourceapi.ResourceClaim {
+	t.Helper()
+	objs := d.Objects()
+	shape := objs.Shapes[0]
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "tenant", UID: types.UID("uid-" + name)},
+		Spec: resources.ClaimSpec(shape)}
+	// The allocation the scheduler writes: every request a function of unit.
+	res := resourceapi.AllocationResult{}
+	names := shape.RequestNames()
+	i := 0
+	for _, dev := range objs.Devices {
+		if *dev.Attributes[resources.AttrUnit].StringValue != unit {
+			continue
+		}
+		res.Devices.Results = append(res.Devices.Results, resourceapi.DeviceRequestAllocationResult{
+			Request: names[i], Driver: resources.DriverName, Pool: objs.Node, Device: dev.Name})
+		i++
+	}
+	if i != len(names) {
+		t.Fatalf("unit %s: %d devices published", unit, i)
+	}
+	c.Status.Allocation = &res
+	if _, err := client.ResourceV1().ResourceClaims("tenant").Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func prepare(t *testing.T, k *kubelet, c *resourceapi.ResourceClaim) *drapb.NodePrepareResourceResponse {
+	t.Helper()
+	resp, err := k.dra.NodePrepareResources(context.Background(), &drapb.NodePrepareResourcesRequest{Claims: []*drapb.Claim{
+		{Namespace: c.Namespace, Name: c.Name, Uid: string(c.UID)}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.Claims[string(c.UID)]
+}
+
+func TestPluginThroughKubeletGRPC(t *testing.T) {
+	r := newRig(t)
+	cdiDir, reg, data := filepath.Join(r.dir, "cdi"), filepath.Join(r.dir, "registry"), filepath.Join(r.dir, "plugin")
+	cfg := plugin.Config{Manifest: r.path, Source: resources.Source{Keys: filepath.Dir(r.key.Pub)}, Root: r.root, CDIDir: cdiDir, StateDir: data}
+	d, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The kubelet makes these directories (its plugins and plugins_registry).
+	for _, dir := range []string{reg, data} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The API's Node object owns the node's slices.
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: r.m.Node.Hostname, UID: "node-uid"}})
+	// The fake API does not generate names as the API server does for the slice
+	// controller's generateName: this reactor does, then lets the create through.
+	var generated atomic.Int32
+	client.PrependReactor("create", "resourceslices", func(action k8stesting.Action) (bool, runtime.Object, error) {
+		s := action.(k8stesting.CreateAction).GetObject().(*resourceapi.ResourceSlice)
+		if s.Name == "" && s.GenerateName != "" {
+			s.Name = fmt.Sprintf("%s%d", s.GenerateName, generated.Add(1))
+		}
+		return false, nil, nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(reg),
+		kubeletplugin.PluginDataDirectoryPath(data)); err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+
+	// Registration, as the kubelet's plugin watcher does it.
+	k := &kubelet{reg: registerapi.NewRegistrationClient(dial(t, filepath.Join(reg, resources.DriverName+"-reg.sock")))}
+	info, err := k.reg.GetInfo(ctx, &registerapi.InfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Type != registerapi.DRAPlugin || info.Name != resources.DriverName || info.Endpoint != filepath.Join(data, "dra.sock") {
+		t.Fatalf("plugin info %+v", info)
+	}
+	if _, err := k.reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
+		t.Fatal(err)
+	}
+	k.dra = drapb.NewDRAPluginClient(dial(t, info.Endpoint))
+
+	// The eight units' 32 functions are published, with the pcieRoot sysfs gives.
+	publishedDevices(t, client, countIs(32))
+	gpu0 := d.Objects().Devices[0]
+	if gpu0.Name != resources.DeviceName("gpu0", r.m.Units[0].Functions[0].BDF) ||
+		*gpu0.Attributes[resources.AttrPCIeRoot].StringValue != fmt.Sprintf("pci0000:%02x", pcitest.B300GPUBuses[0]) {
+		t.Fatalf("first device %s attributes %v", gpu0.Name, gpu0.Attributes)
+	}
+
+	// Prepare: a CDI spec with the four groups' nodes, and the metadata KubeVirt reads.
+	vm0 := claim(t, client, d, "vm0", "gpu0")
+	got := prepare(t, k, vm0)
+	if got.Error != "" || len(got.Devices) != 4 {
+		t.Fatalf("prepare vm0: %+v", got)
+	}
+	cache, err := cdi.NewCache(cdi.WithSpecDirs(cdiDir), cdi.WithAutoRefresh(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, dev := range got.Devices {
+		f := r.m.Units[0].Functions[i]
+		if dev.DeviceName != resources.DeviceName("gpu0", f.BDF) {
+			t.Errorf("device %d is %s, want function %s", i, dev.DeviceName, f.BDF)
+		}
+		var ours, meta *cdi.Device
+		for _, id := range dev.CdiDeviceIds {
+			cd := cache.GetDevice(id)
+			if cd == nil {
+				t.Fatalf("CDI device %s: not in %s (%v)", id, cdiDir, cache.GetErrors())
+			}
+			if strings.HasPrefix(id, plugin.CDIKind+"=") {
+				ours = cd
+			} else {
+				meta = cd
+			}
+		}
+		if ours == nil || meta == nil {
+			t.Fatalf("device %s: CDI IDs %v, want the unit's and the metadata's", dev.DeviceName, dev.CdiDeviceIds)
+		}
+		nodes := ours.ContainerEdits.DeviceNodes
+		if len(nodes) != 1 || nodes[0].Path != fmt.Sprintf("/dev/vfio/%d", f.IOMMUGroup) {
+			t.Errorf("device %s: CDI nodes %v, want /dev/vfio/%d", dev.DeviceName, nodes, f.IOMMUGroup)
+		}
+		checkMetadata(t, data, vm0, dev.RequestNames[0], f.BDF)
+	}
+
+	// A second claim given gpu0 (an allocation gone wrong) is refused while vm0 holds it.
+	dup := claim(t, client, d, "dup", "gpu0")
+	got = prepare(t, k, dup)
+	if !strings.Contains(got.Error, "is prepared for claim uid-vm0") || len(got.Devices) != 0 {
+		t.Fatalf("prepare of a claim on vm0's devices: %+v", got)
+	}
+
+	// Refusal: gpu4's second NIC went back to mlx5_core after the allocation.
+	vm1 := claim(t, client, d, "vm1", "gpu4")
+	nic := r.tree.Addr("nic4.1")
+	r.rebind(t, nic, "")
+	got = prepare(t, k, vm1)
+	want := fmt.Sprintf("function %s left vfio-pci: it is bound to mlx5_core", nic)
+	if !strings.Contains(got.Error, want) || len(got.Devices) != 0 {
+		t.Fatalf("prepare vm1 with a NIC on mlx5_core: %+v, want the error to say %q", got, want)
+	}
+	if m, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-vm1*")); len(m) != 0 {
+		t.Fatalf("refused claim left CDI specs %v", m)
+	}
+
+	// Unprepare: the specs and metadata go, and gpu0 is withheld until recycled.
+	uresp, err := k.dra.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{
+		{Namespace: vm0.Namespace, Name: vm0.Name, Uid: string(vm0.UID)}}})
+	if err != nil || uresp.Claims[string(vm0.UID)].Error != "" {
+		t.Fatalf("unprepare vm0: %v %+v", err, uresp)
+	}
+	if m, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-vm0*")); len(m) != 0 {
+		t.Fatalf("unprepare left CDI specs %v", m)
+	}
+	if _, err := os.Stat(filepath.Join(data, "dra-device-metadata", "tenant_vm0")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("unprepare left the metadata: %v", err)
+	}
+	noGPU0 := func(s []string) bool {
+		for _, n := range s {
+			if strings.HasPrefix(n, "gpu0-") {
+				return false
+			}
+		}
+		return len(s) == 28
+	}
+	publishedDevices(t, client, noGPU0)
+	// A second unprepare (the kubelet retries) is fine.
+	if uresp, err := k.dra.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{
+		{Namespace: vm0.Namespace, Name: vm0.Name, Uid: string(vm0.UID)}}}); err != nil || uresp.Claims[string(vm0.UID)].Error != "" {
+		t.Fatalf("second unprepare: %v %+v", err, uresp)
+	}
+	// A plugin restarted now still withholds it (the state directory remembers).
+	restarted, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dev := range restarted.Objects().Devices {
+		if strings.HasPrefix(dev.Name, "gpu0-") {
+			t.Fatalf("a restarted plugin offers %s of the released unit", dev.Name)
+		}
+	}
+	// The same generation again keeps it withheld; generation 8 (after recycle) offers it.
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	publishedDevices(t, client, noGPU0)
+	r.m.Generation = 8
+	r.key.Sign(t, r.m, r.path)
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	publishedDevices(t, client, countIs(32))
+
+	// A manifest of another node in its place: prepare refuses every claim, naming why.
+	other := signedtest.NewKey(t, filepath.Join(r.dir, "keys"), "other", 2, manifesttest.NodeUUID(5))
+	mo := *r.m
+	mo.Node.DMIUUID = manifesttest.NodeUUID(5)
+	other.Sign(t, &mo, r.path)
+	vm2 := claim(t, client, d, "vm2", "gpu5")
+	got = prepare(t, k, vm2)
+	if !strings.Contains(got.Error, manifest.ErrWrongNode.Error()) || len(got.Devices) != 0 {
+		t.Fatalf("prepare against another node's manifest: %+v", got)
+	}
+	select {
+	case err := <-d.Errors():
+		t.Fatalf("background error: %v", err)
+	default:
+	}
+}
+
+// checkMetadata reads the request's KEP-5304 metadata file the helper wrote: a JSON
+// stream, one object per version; the v1alpha1 one (KubeVirt v1.9's) must name the
+// function's PCI address as resource.kubernetes.io/pciBusID.
+func checkMetadata(t *testing.T, data string, c *resourceapi.ResourceClaim, request, bdf string) {
+	t.Helper()
+	p := filepath.Join(data, "dra-device-metadata", c.Namespace+"_"+c.Name, request, "metadata.json")
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	dec := json.NewDecoder(f)
+	var versions []string
+	for {
+		var doc struct {
+			APIVersion string `json:"apiVersion"`
+			Requests   []struct {
+				Name    string `json:"name"`
+				Devices []struct {
+					Attributes map[string]resourceapi.DeviceAttribute `json:"attributes"`
+				} `json:"devices"`
+			} `json:"requests"`
+		}
+		err := dec.Decode(&doc)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", p, err)
+		}
+		versions = append(versions, doc.APIVersion)
+		if doc.APIVersion != "metadata.resource.k8s.io/v1alpha1" {
+			continue
+		}
+		if len(doc.Requests) != 1 || doc.Requests[0].Name != request || len(doc.Requests[0].Devices) != 1 {
+			t.Fatalf("%s: %+v", p, doc)
+		}
+		a := doc.Requests[0].Devices[0].Attributes[resources.AttrPCIBusID]
+		if a.StringValue == nil || *a.StringValue != bdf {
+			t.Fatalf("%s: pciBusID %v, want %s", p, a.StringValue, bdf)
+		}
+	}
+	if strings.Join(versions, " ") != "metadata.resource.k8s.io/v1beta1 metadata.resource.k8s.io/v1alpha1" {
+		t.Fatalf("%s: versions %v", p, versions)
+	}
+}

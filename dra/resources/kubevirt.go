@@ -1,0 +1,45 @@
+package resources
+
+// The VMI stanza for KubeVirt's DRA host devices (HostDevicesWithDRA, KubeVirt v1.9):
+// spec.resourceClaims names the claim (here made from a unit shape's template) and each
+// domain.devices.hostDevices[] entry takes one request of it. KubeVirt's own types are
+// not a dependency: these are the fields of its API the stanza sets.
+
+// VMIClaims is the part of a VirtualMachineInstance spec that claims one whole unit.
+type VMIClaims struct {
+	ResourceClaims []VMIResourceClaim `json:"resourceClaims"`
+	Domain         VMIDomain          `json:"domain"`
+}
+
+// VMIResourceClaim is a pod resource claim: a claim made from a template.
+type VMIResourceClaim struct {
+	Name                      string `json:"name"`
+	ResourceClaimTemplateName string `json:"resourceClaimTemplateName"`
+}
+
+// VMIDomain holds the host devices.
+type VMIDomain struct {
+	Devices VMIDevices `json:"devices"`
+}
+
+// VMIDevices holds the host devices.
+type VMIDevices struct {
+	HostDevices []VMIHostDevice `json:"hostDevices"`
+}
+
+// VMIHostDevice is one function: the claim's request that virt-launcher finds the PCI
+// address of in the device metadata.
+type VMIHostDevice struct {
+	Name        string `json:"name"`
+	ClaimName   string `json:"claimName"`
+	RequestName string `json:"requestName"`
+}
+
+// KubeVirt is the stanza claiming one unit of shape s under the claim name claim.
+func KubeVirt(s Shape, claim string) VMIClaims {
+	v := VMIClaims{ResourceClaims: []VMIResourceClaim{{Name: claim, ResourceClaimTemplateName: s.TemplateName()}}}
+	for _, r := range s.RequestNames() {
+		v.Domain.Devices.HostDevices = append(v.Domain.Devices.HostDevices, VMIHostDevice{Name: claim + "-" + r, ClaimName: claim, RequestName: r})
+	}
+	return v
+}

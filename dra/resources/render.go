@@ -1,0 +1,302 @@
+package resources
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/passage-boot/passage/manifest"
+)
+
+// DriverName is the DRA driver's name: the domain of its attributes and what its
+// DeviceClass selects (a DNS subdomain of at most resourceapi.DriverNameMaxLength).
+const DriverName = "passage-boot.github.io"
+
+// ClassName is the DeviceClass every unit claim's requests name.
+const ClassName = "unit-function." + DriverName
+
+// The attributes of every device (a function of a unit), besides the standard ones. In a
+// CEL selector: device.attributes["passage-boot.github.io"].unit.
+const (
+	AttrUnit       = "unit"       // the manifest's unit ID (gpu3)
+	AttrRole       = "role"       // the function's role (gpu, gpu-nic, gpu-nvme, data-direct)
+	AttrShape      = "shape"      // the unit's roles, Shape: a claim for one shape never takes part of another
+	AttrStatus     = "status"     // ready, or degraded (published only with Options.Degraded)
+	AttrGeneration = "generation" // the manifest's generation
+	AttrIOMMUGroup = "iommuGroup" // the function's IOMMU group: /dev/vfio/<group>
+)
+
+// The standard attributes (k8s.io/dynamic-resource-allocation/deviceattribute; KEP-4381
+// and KEP-5304): KubeVirt's virt-launcher reads pciBusID from the device metadata.
+const (
+	AttrPCIBusID = "resource.kubernetes.io/pciBusID"
+	AttrPCIeRoot = "resource.kubernetes.io/pcieRoot"
+	AttrNUMANode = "resource.kubernetes.io/numaNode"
+)
+
+// UnitAttribute is the fully qualified attribute every unit claim's constraint matches.
+const UnitAttribute resourceapi.FullyQualifiedName = DriverName + "/" + AttrUnit
+
+// Options are the choices of rendering.
+type Options struct {
+	// NodeName is the Kubernetes node the slices are for; "" takes the manifest's
+	// hostname.
+	NodeName string
+	// Degraded publishes degraded units too (their devices say status degraded); by
+	// default only ready units are offered.
+	Degraded bool
+	// PCIeRoot returns a function's PCIe root complex (pci<domain>:<bus>), which the
+	// manifest does not carry: the node plugin reads it from sysfs
+	// (deviceattribute.GetPCIeRootAttributeByPCIBusID). nil: the attribute is left out.
+	PCIeRoot func(bdf string) (string, error)
+	// Withhold are units not to offer although the manifest says ready: released by a
+	// claim, they wait for recycle and a newer manifest.
+	Withhold map[string]bool
+}
+
+// Objects are what a manifest renders to.
+type Objects struct {
+	Node       string
+	Generation int64
+	// Devices are every device offered, in manifest order; Slices hold them, at most
+	// resourceapi.ResourceSliceMaxDevices each.
+	Devices   []resourceapi.Device
+	Slices    []*resourceapi.ResourceSlice
+	Class     *resourceapi.DeviceClass
+	Templates []*resourceapi.ResourceClaimTemplate
+	// Shapes are the templates' unit shapes, in the same order.
+	Shapes []Shape
+}
+
+// Shape is a unit's functions by role, in the manifest's order (GPU first): what one
+// ResourceClaimTemplate requests.
+type Shape []string
+
+// String is the shape's attribute value: the roles joined by "+".
+func (s Shape) String() string { return strings.Join(s, "+") }
+
+// TemplateName names the shape's ResourceClaimTemplate: "unit-" and the roles as DNS
+// labels (unit-gpu.gpu-nic.gpu-nic.gpu-nvme).
+func (s Shape) TemplateName() string { return "unit-" + strings.Join(s, ".") }
+
+// RequestNames are the template's request names, one per function: the role, with an
+// index when the shape has the role more than once (gpu, gpu-nic-0, gpu-nic-1, gpu-nvme).
+func (s Shape) RequestNames() []string {
+	count := map[string]int{}
+	for _, r := range s {
+		count[r]++
+	}
+	seen := map[string]int{}
+	out := make([]string, len(s))
+	for i, r := range s {
+		out[i] = r
+		if count[r] > 1 {
+			out[i] = fmt.Sprintf("%s-%d", r, seen[r])
+		}
+		seen[r]++
+	}
+	return out
+}
+
+func shapeOf(u *manifest.Unit) Shape {
+	s := make(Shape, len(u.Functions))
+	for i, f := range u.Functions {
+		s[i] = f.Role
+	}
+	return s
+}
+
+// DeviceName is the device of a function: the unit and the address as one DNS label
+// (gpu3-0000-7b-00-0).
+func DeviceName(unit, bdf string) string {
+	return unit + "-" + strings.NewReplacer(":", "-", ".", "-").Replace(bdf)
+}
+
+// Render builds the objects of a verified manifest. It refuses, naming the unit or
+// function, what the API would refuse: a name that is not a DNS label, a value longer
+// than the API takes, a generation beyond int64.
+func Render(v *manifest.Verified, opts Options) (*Objects, error) {
+	m := v.Manifest
+	node := opts.NodeName
+	if node == "" {
+		node = m.Node.Hostname
+	}
+	if errs := validation.IsDNS1123Subdomain(node); len(errs) > 0 {
+		return nil, fmt.Errorf("node name %q: %s", manifest.Printable(node), strings.Join(errs, "; "))
+	}
+	if m.Generation > math.MaxInt64 {
+		return nil, fmt.Errorf("manifest generation %d: beyond the API's int64", m.Generation)
+	}
+	o := &Objects{Node: node, Generation: int64(m.Generation)}
+	shapes := map[string]bool{}
+	for i := range m.Units {
+		u := &m.Units[i]
+		switch {
+		case opts.Withhold[u.ID]:
+			continue
+		case u.Status == manifest.StatusReady:
+		case u.Status == manifest.StatusDegraded && opts.Degraded:
+		default:
+			continue
+		}
+		shape := shapeOf(u)
+		if err := checkShape(u.ID, shape); err != nil {
+			return nil, err
+		}
+		if !shapes[shape.String()] {
+			shapes[shape.String()] = true
+			o.Shapes = append(o.Shapes, shape)
+		}
+		for _, f := range u.Functions {
+			d, err := device(m, u, f, shape, opts)
+			if err != nil {
+				return nil, fmt.Errorf("unit %q function %s: %w", manifest.Printable(u.ID), manifest.Printable(f.BDF), err)
+			}
+			o.Devices = append(o.Devices, d)
+		}
+	}
+	o.Slices = slices(node, o.Generation, o.Devices)
+	o.Class = deviceClass()
+	sort.Slice(o.Shapes, func(i, j int) bool { return o.Shapes[i].String() < o.Shapes[j].String() })
+	for _, s := range o.Shapes {
+		o.Templates = append(o.Templates, Template(s))
+	}
+	return o, nil
+}
+
+// checkShape refuses a shape whose names the API would refuse.
+func checkShape(unit string, s Shape) error {
+	name := fmt.Sprintf("unit %q", manifest.Printable(unit))
+	if len(s) == 0 {
+		return fmt.Errorf("%s: no functions", name)
+	}
+	if len(s) > resourceapi.DeviceRequestsMaxSize {
+		return fmt.Errorf("%s: %d functions, a claim takes at most %d requests", name, len(s), resourceapi.DeviceRequestsMaxSize)
+	}
+	if len(s.String()) > resourceapi.DeviceAttributeMaxValueLength {
+		return fmt.Errorf("%s: shape %q is longer than an attribute value (%d)", name, manifest.Printable(s.String()), resourceapi.DeviceAttributeMaxValueLength)
+	}
+	for _, r := range s.RequestNames() {
+		if errs := validation.IsDNS1123Label(r); len(errs) > 0 {
+			return fmt.Errorf("%s: role %q is not a request name: %s", name, manifest.Printable(r), strings.Join(errs, "; "))
+		}
+	}
+	if errs := validation.IsDNS1123Subdomain(s.TemplateName()); len(errs) > 0 {
+		return fmt.Errorf("%s: template name %q: %s", name, manifest.Printable(s.TemplateName()), strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+func str(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{StringValue: &s} }
+func num(n int64) resourceapi.DeviceAttribute  { return resourceapi.DeviceAttribute{IntValue: &n} }
+
+func device(m *manifest.Manifest, u *manifest.Unit, f manifest.Function, shape Shape, opts Options) (resourceapi.Device, error) {
+	name := DeviceName(u.ID, f.BDF)
+	if errs := validation.IsDNS1123Label(name); len(errs) > 0 {
+		return resourceapi.Device{}, fmt.Errorf("device name %q: %s", manifest.Printable(name), strings.Join(errs, "; "))
+	}
+	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+		AttrUnit:       str(u.ID),
+		AttrRole:       str(f.Role),
+		AttrShape:      str(shape.String()),
+		AttrStatus:     str(u.Status),
+		AttrGeneration: num(int64(m.Generation)),
+		AttrIOMMUGroup: num(int64(f.IOMMUGroup)),
+		AttrPCIBusID:   str(f.BDF),
+	}
+	// A function without NUMA affinity publishes no numaNode (deviceattribute's rule).
+	if f.NUMANode >= 0 {
+		attrs[AttrNUMANode] = num(int64(f.NUMANode))
+	}
+	if opts.PCIeRoot != nil {
+		root, err := opts.PCIeRoot(f.BDF)
+		if err != nil {
+			return resourceapi.Device{}, fmt.Errorf("pcieRoot: %w", err)
+		}
+		attrs[AttrPCIeRoot] = str(root)
+	}
+	for k, a := range attrs {
+		if a.StringValue != nil && len(*a.StringValue) > resourceapi.DeviceAttributeMaxValueLength {
+			return resourceapi.Device{}, fmt.Errorf("attribute %s: %d characters, the API takes %d", k, len(*a.StringValue), resourceapi.DeviceAttributeMaxValueLength)
+		}
+	}
+	if len(attrs) > resourceapi.ResourceSliceMaxAttributesAndCapacitiesPerDevice {
+		return resourceapi.Device{}, fmt.Errorf("%d attributes, the API takes %d", len(attrs), resourceapi.ResourceSliceMaxAttributesAndCapacitiesPerDevice)
+	}
+	return resourceapi.Device{Name: name, Attributes: attrs}, nil
+}
+
+// slices puts the devices into one pool named after the node, at most
+// ResourceSliceMaxDevices a slice; the pool's generation is the manifest's, so a newer
+// manifest's slices supersede an older one's (the allocator uses the highest generation
+// of a pool).
+func slices(node string, gen int64, devs []resourceapi.Device) []*resourceapi.ResourceSlice {
+	n := (len(devs) + resourceapi.ResourceSliceMaxDevices - 1) / resourceapi.ResourceSliceMaxDevices
+	if n == 0 {
+		n = 1 // an empty pool says "no devices", which the scheduler must know too
+	}
+	var out []*resourceapi.ResourceSlice
+	for i := range n {
+		lo := i * resourceapi.ResourceSliceMaxDevices
+		hi := min(lo+resourceapi.ResourceSliceMaxDevices, len(devs))
+		nodeName := node
+		out = append(out, &resourceapi.ResourceSlice{
+			TypeMeta:   metav1.TypeMeta{APIVersion: resourceapi.SchemeGroupVersion.String(), Kind: "ResourceSlice"},
+			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%s-%d", node, DriverName, i)},
+			Spec: resourceapi.ResourceSliceSpec{
+				Driver:   DriverName,
+				Pool:     resourceapi.ResourcePool{Name: node, Generation: gen, ResourceSliceCount: int64(n)},
+				NodeName: &nodeName,
+				Devices:  devs[lo:hi:hi],
+			},
+		})
+	}
+	return out
+}
+
+func deviceClass() *resourceapi.DeviceClass {
+	return &resourceapi.DeviceClass{
+		TypeMeta:   metav1.TypeMeta{APIVersion: resourceapi.SchemeGroupVersion.String(), Kind: "DeviceClass"},
+		ObjectMeta: metav1.ObjectMeta{Name: ClassName},
+		Spec: resourceapi.DeviceClassSpec{Selectors: []resourceapi.DeviceSelector{{
+			CEL: &resourceapi.CELDeviceSelector{Expression: fmt.Sprintf("device.driver == %q", DriverName)},
+		}}},
+	}
+}
+
+// ClaimSpec is the claim of one whole unit of the shape: one request per function,
+// each selecting its role within the shape, all constrained to one unit.
+func ClaimSpec(s Shape) resourceapi.ResourceClaimSpec {
+	names := s.RequestNames()
+	var reqs []resourceapi.DeviceRequest
+	for i, role := range s {
+		expr := fmt.Sprintf("device.attributes[%q].%s == %q && device.attributes[%q].%s == %q",
+			DriverName, AttrRole, role, DriverName, AttrShape, s.String())
+		reqs = append(reqs, resourceapi.DeviceRequest{Name: names[i], Exactly: &resourceapi.ExactDeviceRequest{
+			DeviceClassName: ClassName,
+			Selectors:       []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: expr}}},
+			AllocationMode:  resourceapi.DeviceAllocationModeExactCount,
+			Count:           1,
+		}})
+	}
+	attr := UnitAttribute
+	return resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
+		Requests: reqs,
+		// No request names: the constraint holds for all of them.
+		Constraints: []resourceapi.DeviceConstraint{{MatchAttribute: &attr}},
+	}}
+}
+
+// Template is the ResourceClaimTemplate of a unit shape.
+func Template(s Shape) *resourceapi.ResourceClaimTemplate {
+	return &resourceapi.ResourceClaimTemplate{
+		TypeMeta:   metav1.TypeMeta{APIVersion: resourceapi.SchemeGroupVersion.String(), Kind: "ResourceClaimTemplate"},
+		ObjectMeta: metav1.ObjectMeta{Name: s.TemplateName()},
+		Spec:       resourceapi.ResourceClaimTemplateSpec{Spec: ClaimSpec(s)},
+	}
+}
