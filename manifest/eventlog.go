@@ -142,12 +142,21 @@ func ReadEventLog(path string) (*EventLog, error) {
 	if err != nil {
 		return nil, fmt.Errorf("event log %s: %w", path, err)
 	}
+	l, err := ParseEventLog(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return l, nil
+}
+
+// ParseEventLog parses an event log's content (an attestation carries it).
+func ParseEventLog(b []byte) (*EventLog, error) {
 	var l EventLog
 	if err := json.Unmarshal(b, &l); err != nil {
-		return nil, fmt.Errorf("event log %s: %w", path, err)
+		return nil, fmt.Errorf("event log: %w", err)
 	}
 	if l.Format != EventLogFormat {
-		return nil, fmt.Errorf("event log %s: format %q, want %q", path, l.Format, EventLogFormat)
+		return nil, fmt.Errorf("event log: format %q, want %q", l.Format, EventLogFormat)
 	}
 	return &l, nil
 }

@@ -1,0 +1,130 @@
+package attest
+
+import (
+	"bytes"
+	"crypto/x509"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/google/go-tpm/tpm2/transport"
+	"github.com/google/go-tpm/tpm2/transport/linuxudstpm"
+)
+
+// testCA is a private swtpm_localca state directory: the issuer of the EK certificates
+// of the swtpm instances made with it, as a TPM vendor's CA is of a node's.
+type testCA struct {
+	dir, conf, options string
+}
+
+func newTestCA(t *testing.T) *testCA {
+	t.Helper()
+	dir := t.TempDir()
+	ca := &testCA{dir: filepath.Join(dir, "state"), conf: filepath.Join(dir, "localca.conf"), options: filepath.Join(dir, "localca.options")}
+	if err := os.Mkdir(ca.dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	conf := "statedir = " + ca.dir + "\n" +
+		"signingkey = " + filepath.Join(ca.dir, "signkey.pem") + "\n" +
+		"issuercert = " + filepath.Join(ca.dir, "issuercert.pem") + "\n" +
+		"certserial = " + filepath.Join(ca.dir, "certserial") + "\n"
+	opts := "--platform-manufacturer passage\n--platform-version 2.1\n--platform-model QEMU\n"
+	if err := os.WriteFile(ca.conf, []byte(conf), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(ca.options, []byte(opts), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return ca
+}
+
+// pool is what an operator trusting this CA holds: its root and the intermediate that
+// signs EK certificates (swtpm_localca makes both on first use).
+func (ca *testCA) pool(t *testing.T) *x509.CertPool {
+	t.Helper()
+	var pemBytes []byte
+	for _, f := range []string{"swtpm-localca-rootca-cert.pem", "issuercert.pem"} {
+		b, err := os.ReadFile(filepath.Join(ca.dir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pemBytes = append(pemBytes, b...)
+	}
+	p, err := CAPool(pemBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// startSWTPM manufactures a swtpm with an EK certificate from ca (swtpm_setup
+// --create-ek-cert) and serves it on a Unix socket; the returned transport is closed and
+// the swtpm stopped at the test's end.
+func startSWTPM(t *testing.T, ca *testCA) transport.TPMCloser {
+	t.Helper()
+	for _, tool := range []string{"swtpm", "swtpm_setup", "swtpm_localca"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s not installed (image/deps.sh installs swtpm and swtpm-tools): %v", tool, err)
+		}
+	}
+	dir := t.TempDir()
+	state := filepath.Join(dir, "state")
+	if err := os.Mkdir(state, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	setupConf := filepath.Join(dir, "setup.conf")
+	conf := "create_certs_tool = " + mustLook(t, "swtpm_localca") + "\n" +
+		"create_certs_tool_config = " + ca.conf + "\n" +
+		"create_certs_tool_options = " + ca.options + "\n" +
+		"active_pcr_banks = sha256\n"
+	if err := os.WriteFile(setupConf, []byte(conf), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("swtpm_setup", "--tpm2", "--tpmstate", state, "--create-ek-cert",
+		"--create-platform-cert", "--lock-nvram", "--config", setupConf, "--overwrite").CombinedOutput()
+	if err != nil {
+		t.Fatalf("swtpm_setup: %v\n%s", err, out)
+	}
+	sock := filepath.Join(dir, "tpm.sock")
+	cmd := exec.Command("swtpm", "socket", "--tpm2", "--tpmstate", "dir="+state,
+		"--server", "type=unixio,path="+sock, "--ctrl", "type=unixio,path="+filepath.Join(dir, "ctrl.sock"),
+		"--flags", "not-need-init,startup-clear")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if c, err := net.Dial("unix", sock); err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("swtpm did not listen on %s: %s", sock, stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	tpm, err := linuxudstpm.Open(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tpm.Close() })
+	return tpm
+}
+
+func mustLook(t *testing.T, name string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
