@@ -3,6 +3,7 @@ package attest
 import (
 	"context"
 	"crypto/sha256"
+	"crypto/x509"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/google/go-tpm/tpm2/transport"
 
+	"github.com/passage-boot/passage/attest/attesttest"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
@@ -27,9 +29,9 @@ type node struct {
 
 const manifestName = "manifest.dsse.json"
 
-func bootNode(t *testing.T, ca *testCA, gens ...uint64) *node {
+func bootNode(t *testing.T, ca *attesttest.CA, gens ...uint64) *node {
 	t.Helper()
-	tpm := startSWTPM(t, ca)
+	tpm := attesttest.Start(t, ca)
 	k, err := tpmkey.New(tpm.(transport.TPMCloser))
 	if err != nil {
 		t.Fatal(err)
@@ -92,9 +94,9 @@ func (n *node) manifest(i int) Manifest {
 }
 
 // enrol runs the whole enrolment round: the verifier's challenge, the node's answer.
-func enrol(t *testing.T, a *Attestation, ca *testCA, on transport.TPM) *NodeRecord {
+func enrol(t *testing.T, a *Attestation, ca *attesttest.CA, on transport.TPM) *NodeRecord {
 	t.Helper()
-	ch, p, err := Enrol(a, ca.pool(t))
+	ch, p, err := Enrol(a, pool(t, ca))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,7 +128,7 @@ func wantRefused(t *testing.T, what string, err error, check, words string) {
 // (EK certificate chain, credential activation), an attestation of the manifest, its
 // verification, and each refusal with its reason.
 func TestEnrolAttestVerify(t *testing.T) {
-	ca := newTestCA(t)
+	ca := attesttest.NewCA(t)
 	a := bootNode(t, ca, 1, 2)
 	att := a.attest(t, nil)
 	rec := enrol(t, att, ca, a.tpm)
@@ -135,7 +137,7 @@ func TestEnrolAttestVerify(t *testing.T) {
 	} else if want, _ := a.key.PublicKeyPEM(); string(pemBytes) != string(want) {
 		t.Fatalf("enrolled signing key\n%s\nis not passage's key\n%s", pemBytes, want)
 	}
-	pol := Policy{EKCA: ca.pool(t)}
+	pol := Policy{EKCA: pool(t, ca)}
 	res, err := VerifyTPM(rec, att, a.manifest(1), pol)
 	if err != nil {
 		t.Fatalf("verify: %v", err)
@@ -150,11 +152,11 @@ func TestEnrolAttestVerify(t *testing.T) {
 	}
 
 	b := bootNode(t, ca, 1)
-	other := newTestCA(t)
+	other := attesttest.NewCA(t)
 	c := bootNode(t, other, 1)
 
 	t.Run("EKFromAnotherCA", func(t *testing.T) {
-		_, _, err := Enrol(c.attest(t, nil), ca.pool(t))
+		_, _, err := Enrol(c.attest(t, nil), pool(t, ca))
 		wantRefused(t, "enrol", err, "EK certificate", "not the operator's EK CA")
 		// A record made with the other CA's trust is refused by this operator's.
 		recC := enrol(t, c.attest(t, nil), other, c.tpm)
@@ -166,7 +168,7 @@ func TestEnrolAttestVerify(t *testing.T) {
 		// B's AK (and its genuine certification of B's key) presented with A's EK.
 		mixed := *b.attest(t, nil)
 		mixed.EKCert, mixed.EKPublic = att.EKCert, att.EKPublic
-		ch, p, err := Enrol(&mixed, ca.pool(t))
+		ch, p, err := Enrol(&mixed, pool(t, ca))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -187,7 +189,7 @@ func TestEnrolAttestVerify(t *testing.T) {
 		// A's AK, but B's signing key in place of the one A's AK certified.
 		forged := *att
 		forged.SigningKeyPublic = b.attest(t, nil).SigningKeyPublic
-		_, _, err := Enrol(&forged, ca.pool(t))
+		_, _, err := Enrol(&forged, pool(t, ca))
 		wantRefused(t, "enrol", err, "signing key", "not certified by the AK")
 		// A certification signed by B's AK.
 		forged = *att
@@ -269,9 +271,9 @@ func TestEnrolAttestVerify(t *testing.T) {
 	})
 }
 
-func caPEM(t *testing.T, ca *testCA) string {
+func caPEM(t *testing.T, ca *attesttest.CA) string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(ca.dir, "issuercert.pem"))
+	b, err := os.ReadFile(filepath.Join(ca.Dir, "issuercert.pem"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -297,4 +299,13 @@ func TestCheckSeen(t *testing.T) {
 			t.Errorf("reset %d generation %d after %+v: %v, want ok=%v", c.reset, c.gen, prev, err, c.ok)
 		}
 	}
+}
+
+func pool(t *testing.T, ca *attesttest.CA) *x509.CertPool {
+	t.Helper()
+	p, err := CAPool(ca.PEM(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }

@@ -1,10 +1,10 @@
 package attest
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 
 	"github.com/google/go-tpm/tpm2"
 	"github.com/google/go-tpm/tpm2/transport"
@@ -105,30 +105,29 @@ func readEKCert(t transport.TPM) ([]byte, error) {
 	return out, nil
 }
 
-// Material is what enrolment needs from the node: the EK (certificate and public area)
-// and the AK's public area.
-type Material struct {
-	EKCert, EKPublic, AKPublic []byte
-}
+// EKHandle is where manufacturing persists the RSA EK (TCG TPM v2.0 Provisioning
+// Guidance section 7.8); swtpm_setup puts it there too.
+const EKHandle tpm2.TPMHandle = 0x81010001
 
-// ReadMaterial recreates the EK and AK (transient; flushed before it returns) and reads
-// the EK certificate.
-func ReadMaterial(t transport.TPM) (*Material, error) {
-	cert, err := readEKCert(t)
-	if err != nil {
-		return nil, err
+// loadEK uses the persisted EK when it is the TCG template's key, and otherwise creates
+// it from the template (the same key: the endorsement seed and the template fix it);
+// creating an RSA-2048 primary takes seconds on some discrete TPMs. done flushes what
+// loadEK created.
+func loadEK(t transport.TPM) (ek *key, done func(), err error) {
+	if rp, err := (tpm2.ReadPublic{ObjectHandle: EKHandle}).Execute(t); err == nil {
+		if pub, err := rp.OutPublic.Contents(); err == nil {
+			got, want := *pub, tpm2.RSAEKTemplate
+			got.Unique = want.Unique
+			if bytes.Equal(tpm2.Marshal(got), tpm2.Marshal(want)) {
+				return &key{h: tpm2.NamedHandle{Handle: EKHandle, Name: rp.Name}, pub: *pub}, func() {}, nil
+			}
+		}
 	}
-	ek, err := createPrimary(t, tpm2.TPMRHEndorsement, tpm2.RSAEKTemplate, "EK")
+	ek, err = createPrimary(t, tpm2.TPMRHEndorsement, tpm2.RSAEKTemplate, "EK")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	defer flush(t, ek.h.Handle)
-	ak, err := createPrimary(t, tpm2.TPMRHEndorsement, AKTemplate(), "AK")
-	if err != nil {
-		return nil, err
-	}
-	defer flush(t, ak.h.Handle)
-	return &Material{EKCert: cert, EKPublic: tpm2.Marshal(ek.pub), AKPublic: tpm2.Marshal(ak.pub)}, nil
+	return ek, func() { flush(t, ek.h.Handle) }, nil
 }
 
 // Challenge is the verifier's TPM2_MakeCredential output for the node: only the TPM
@@ -148,11 +147,11 @@ const ChallengeFormat = "passage-attest-challenge/1"
 // (PolicySecret(TPM_RH_ENDORSEMENT), EK Credential Profile section 2.1.5.1). It returns
 // the credential the verifier sealed: proof the AK and the EK are in the same TPM.
 func Activate(t transport.TPM, c *Challenge) ([]byte, error) {
-	ek, err := createPrimary(t, tpm2.TPMRHEndorsement, tpm2.RSAEKTemplate, "EK")
+	ek, done, err := loadEK(t)
 	if err != nil {
 		return nil, err
 	}
-	defer flush(t, ek.h.Handle)
+	defer done()
 	ak, err := createPrimary(t, tpm2.TPMRHEndorsement, AKTemplate(), "AK")
 	if err != nil {
 		return nil, err
@@ -188,18 +187,9 @@ type Evidence struct {
 	PassageLog []byte
 }
 
-// ReadFirmwareLog reads the firmware event log at path; a missing file (no TPM driver
-// log, or securityfs not mounted) is an empty log, which a verifier refuses.
-func ReadFirmwareLog(path string) ([]byte, error) {
-	b, err := os.ReadFile(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("firmware event log: %w", err)
-	}
-	return b, nil
-}
+// MaxFirmwareLog bounds the firmware event log read: a PC Client log is tens of
+// kilobytes (OVMF's about 30 KiB), a server's with many option ROMs a few hundred.
+const MaxFirmwareLog = 4 << 20
 
 // Collect makes the attestation: recreates the EK and AK, reads the EK certificate,
 // certifies the signing key (recreated from signingTemplate in the owner hierarchy,
@@ -216,11 +206,11 @@ func Collect(t transport.TPM, signingTemplate tpm2.TPMTPublic, nonce []byte, ev 
 	if err != nil {
 		return nil, err
 	}
-	ek, err := createPrimary(t, tpm2.TPMRHEndorsement, tpm2.RSAEKTemplate, "EK")
+	ek, done, err := loadEK(t)
 	if err != nil {
 		return nil, err
 	}
-	flush(t, ek.h.Handle) // only its public area is needed
+	done() // only its public area is needed
 	ak, err := createPrimary(t, tpm2.TPMRHEndorsement, AKTemplate(), "AK")
 	if err != nil {
 		return nil, err

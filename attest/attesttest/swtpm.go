@@ -1,8 +1,9 @@
-package attest
+// Package attesttest runs swtpm with an EK certificate from a private swtpm_localca for
+// tests: the TPM of a genuine node, as far as a verifier can tell, and its vendor CA.
+package attesttest
 
 import (
 	"bytes"
-	"crypto/x509"
 	"net"
 	"os"
 	"os/exec"
@@ -14,23 +15,25 @@ import (
 	"github.com/google/go-tpm/tpm2/transport/linuxudstpm"
 )
 
-// testCA is a private swtpm_localca state directory: the issuer of the EK certificates
+// CA is a private swtpm_localca state directory: the issuer of the EK certificates
 // of the swtpm instances made with it, as a TPM vendor's CA is of a node's.
-type testCA struct {
-	dir, conf, options string
+type CA struct {
+	// Dir is the swtpm_localca state directory.
+	Dir           string
+	conf, options string
 }
 
-func newTestCA(t *testing.T) *testCA {
+func NewCA(t testing.TB) *CA {
 	t.Helper()
 	dir := t.TempDir()
-	ca := &testCA{dir: filepath.Join(dir, "state"), conf: filepath.Join(dir, "localca.conf"), options: filepath.Join(dir, "localca.options")}
-	if err := os.Mkdir(ca.dir, 0o700); err != nil {
+	ca := &CA{Dir: filepath.Join(dir, "state"), conf: filepath.Join(dir, "localca.conf"), options: filepath.Join(dir, "localca.options")}
+	if err := os.Mkdir(ca.Dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	conf := "statedir = " + ca.dir + "\n" +
-		"signingkey = " + filepath.Join(ca.dir, "signkey.pem") + "\n" +
-		"issuercert = " + filepath.Join(ca.dir, "issuercert.pem") + "\n" +
-		"certserial = " + filepath.Join(ca.dir, "certserial") + "\n"
+	conf := "statedir = " + ca.Dir + "\n" +
+		"signingkey = " + filepath.Join(ca.Dir, "signkey.pem") + "\n" +
+		"issuercert = " + filepath.Join(ca.Dir, "issuercert.pem") + "\n" +
+		"certserial = " + filepath.Join(ca.Dir, "certserial") + "\n"
 	opts := "--platform-manufacturer passage\n--platform-version 2.1\n--platform-model QEMU\n"
 	if err := os.WriteFile(ca.conf, []byte(conf), 0o600); err != nil {
 		t.Fatal(err)
@@ -41,29 +44,37 @@ func newTestCA(t *testing.T) *testCA {
 	return ca
 }
 
-// pool is what an operator trusting this CA holds: its root and the intermediate that
+// PEM is what an operator trusting this CA holds: its root and the intermediate that
 // signs EK certificates (swtpm_localca makes both on first use).
-func (ca *testCA) pool(t *testing.T) *x509.CertPool {
+func (ca *CA) PEM(t testing.TB) []byte {
 	t.Helper()
 	var pemBytes []byte
 	for _, f := range []string{"swtpm-localca-rootca-cert.pem", "issuercert.pem"} {
-		b, err := os.ReadFile(filepath.Join(ca.dir, f))
+		b, err := os.ReadFile(filepath.Join(ca.Dir, f))
 		if err != nil {
 			t.Fatal(err)
 		}
 		pemBytes = append(pemBytes, b...)
 	}
-	p, err := CAPool(pemBytes)
+	return pemBytes
+}
+
+// Start manufactures a swtpm with an EK certificate from ca (swtpm_setup
+// --create-ek-cert) and serves it on a Unix socket; the returned transport is closed and
+// the swtpm stopped at the test's end.
+func Start(t testing.TB, ca *CA) transport.TPMCloser {
+	t.Helper()
+	tpm, err := linuxudstpm.Open(StartSocket(t, ca))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return p
+	t.Cleanup(func() { tpm.Close() })
+	return tpm
 }
 
-// startSWTPM manufactures a swtpm with an EK certificate from ca (swtpm_setup
-// --create-ek-cert) and serves it on a Unix socket; the returned transport is closed and
-// the swtpm stopped at the test's end.
-func startSWTPM(t *testing.T, ca *testCA) transport.TPMCloser {
+// StartSocket is Start returning swtpm's socket instead of a connection, for a program
+// that opens the TPM itself (swtpm serves one connection at a time).
+func StartSocket(t testing.TB, ca *CA) string {
 	t.Helper()
 	for _, tool := range []string{"swtpm", "swtpm_setup", "swtpm_localca"} {
 		if _, err := exec.LookPath(tool); err != nil {
@@ -112,15 +123,10 @@ func startSWTPM(t *testing.T, ca *testCA) transport.TPMCloser {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	tpm, err := linuxudstpm.Open(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { tpm.Close() })
-	return tpm
+	return sock
 }
 
-func mustLook(t *testing.T, name string) string {
+func mustLook(t testing.TB, name string) string {
 	t.Helper()
 	p, err := exec.LookPath(name)
 	if err != nil {
