@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -76,17 +77,26 @@ func Start(t testing.TB, ca *CA) transport.TPMCloser {
 // that opens the TPM itself (swtpm serves one connection at a time).
 func StartSocket(t testing.TB, ca *CA) string {
 	t.Helper()
+	state := filepath.Join(t.TempDir(), "state")
+	Manufacture(t, ca, state)
+	sock, _ := Serve(t, state)
+	return sock
+}
+
+// Manufacture makes state a TPM's state directory with an EK certificate from ca, as
+// a TPM vendor's manufacturing does (swtpm_setup --create-ek-cert --lock-nvram): a
+// QEMU boot (qemu-tests' Options.TPMState) then runs on it.
+func Manufacture(t testing.TB, ca *CA, state string) {
+	t.Helper()
 	for _, tool := range []string{"swtpm", "swtpm_setup", "swtpm_localca"} {
 		if _, err := exec.LookPath(tool); err != nil {
 			t.Fatalf("%s not installed (image/deps.sh installs swtpm and swtpm-tools): %v", tool, err)
 		}
 	}
-	dir := t.TempDir()
-	state := filepath.Join(dir, "state")
-	if err := os.Mkdir(state, 0o700); err != nil {
+	if err := os.MkdirAll(state, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	setupConf := filepath.Join(dir, "setup.conf")
+	setupConf := filepath.Join(t.TempDir(), "setup.conf")
 	conf := "create_certs_tool = " + mustLook(t, "swtpm_localca") + "\n" +
 		"create_certs_tool_config = " + ca.conf + "\n" +
 		"create_certs_tool_options = " + ca.options + "\n" +
@@ -99,19 +109,37 @@ func StartSocket(t testing.TB, ca *CA) string {
 	if err != nil {
 		t.Fatalf("swtpm_setup: %v\n%s", err, out)
 	}
-	sock := filepath.Join(dir, "tpm.sock")
+}
+
+// Serve runs swtpm on the state directory (started: TPM2_Startup(CLEAR) done) and
+// returns its command socket; stop ends it (at the latest at the test's end), before
+// anything else runs on the same state directory.
+func Serve(t testing.TB, state string) (sock string, stop func()) {
+	t.Helper()
+	// A Unix socket path must fit in sun_path (108 bytes); a test's temp dir may not.
+	dir, err := os.MkdirTemp("", "swtpm-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock = filepath.Join(dir, "tpm.sock")
 	cmd := exec.Command("swtpm", "socket", "--tpm2", "--tpmstate", "dir="+state,
 		"--server", "type=unixio,path="+sock, "--ctrl", "type=unixio,path="+filepath.Join(dir, "ctrl.sock"),
 		"--flags", "not-need-init,startup-clear")
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
+		os.RemoveAll(dir)
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+			os.RemoveAll(dir)
+		})
+	}
+	t.Cleanup(stop)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if c, err := net.Dial("unix", sock); err == nil {
@@ -123,7 +151,7 @@ func StartSocket(t testing.TB, ca *CA) string {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	return sock
+	return sock, stop
 }
 
 func mustLook(t testing.TB, name string) string {
