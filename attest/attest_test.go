@@ -32,7 +32,7 @@ const manifestName = "manifest.dsse.json"
 func bootNode(t *testing.T, ca *attesttest.CA, gens ...uint64) *node {
 	t.Helper()
 	tpm := attesttest.Start(t, ca)
-	k, err := tpmkey.New(tpm.(transport.TPMCloser))
+	k, err := tpmkey.New(tpm)
 	if err != nil {
 		t.Fatal(err)
 	}
