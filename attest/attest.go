@@ -70,8 +70,9 @@ type Attestation struct {
 	PCRs map[int]HexBytes `json:"pcrs"`
 	// FirmwareLog is the firmware's TCG PC Client event log as securityfs gives it.
 	FirmwareLog []byte `json:"firmware_log"`
-	// PassageLog is passage's own event log of PCR 13 (manifest event log file).
-	PassageLog json.RawMessage `json:"passage_log"`
+	// PassageLog is passage's own event log of PCR 13 (the manifest's event log file,
+	// a TCG PC Client crypto-agile log like the firmware's).
+	PassageLog []byte `json:"passage_log"`
 }
 
 // Signed is a TPMS_ATTEST and the TPMT_SIGNATURE over it.

@@ -6,10 +6,10 @@ import (
 	"crypto/ecdsa"
 	"crypto/sha256"
 	"crypto/x509"
-	"encoding/hex"
 	"fmt"
 	"math/big"
 
+	goattest "github.com/google/go-attestation/attest"
 	"github.com/google/go-tpm/tpm2"
 
 	"github.com/passage-boot/passage/manifest"
@@ -214,9 +214,10 @@ func VerifyTPM(rec *NodeRecord, a *Attestation, m Manifest, p Policy) (*Result, 
 	return &Result{ResetCount: att.ClockInfo.ResetCount, RestartCount: att.ClockInfo.RestartCount, Seen: seen}, nil
 }
 
-// checkPassageLog replays passage's event log (manifest.EventLog) into PCR 13's sha256
-// bank and checks the last event measured this manifest: the quote then covers this
-// manifest, written in the quoted boot (PCRs reset only with the TPM).
+// checkPassageLog replays passage's event log (a TCG PC Client log, manifest.EventLog)
+// into the quoted PCR 13 with go-attestation, as the firmware's log is replayed, and
+// checks its last event measured this manifest: the quote then covers this manifest,
+// written in the quoted boot (PCRs reset only with the TPM).
 func checkPassageLog(raw []byte, pcr13, payload []byte) error {
 	const check = "PCR 13"
 	if len(raw) == 0 {
@@ -226,23 +227,27 @@ func checkPassageLog(raw []byte, pcr13, payload []byte) error {
 	if err != nil {
 		return refuse(check, "%v", err)
 	}
-	if l.PCR != ManifestPCR {
-		return refuse(check, "passage's event log is of PCR %d", l.PCR)
-	}
 	if len(l.Events) == 0 {
 		return refuse(check, "passage's event log has no events")
 	}
-	replay, err := l.Replay()
-	if err != nil {
-		return refuse(check, "%v", err)
+	if l.PCR != ManifestPCR {
+		return refuse(check, "passage's event log is of PCR %d", l.PCR)
 	}
-	if replay["sha256"] != hex.EncodeToString(pcr13) {
-		return refuse(check, "passage's event log replays to %s, the quote holds %x", replay["sha256"], pcr13)
+	el, err := goattest.ParseEventLog(raw)
+	if err != nil {
+		return refuse(check, "passage's event log: %v", err)
+	}
+	events, err := el.Verify([]goattest.PCR{{Index: ManifestPCR, Digest: pcr13, DigestAlg: crypto.SHA256}})
+	if err != nil {
+		return refuse(check, "passage's event log does not replay to the quoted %x: %v", pcr13, err)
+	}
+	if len(events) != len(l.Events) {
+		return refuse(check, "passage's event log replays %d events of %d", len(events), len(l.Events))
 	}
 	sum := sha256.Sum256(payload)
-	last := l.Events[len(l.Events)-1]
-	if last.Digests["sha256"] != hex.EncodeToString(sum[:]) {
-		return refuse(check, "last event measured %s (generation %d), not this manifest's payload sha256:%x", last.Digests["sha256"], last.Generation, sum)
+	last, ev := events[len(events)-1], l.Events[len(l.Events)-1]
+	if !bytes.Equal(last.Digest, sum[:]) {
+		return refuse(check, "last event measured %x (generation %d), not this manifest's payload sha256:%x", last.Digest, ev.Generation, sum)
 	}
 	return nil
 }
