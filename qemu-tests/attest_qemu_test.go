@@ -4,14 +4,13 @@ package qemutest
 
 import (
 	"encoding/hex"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
-
-	"github.com/google/go-tpm/tpm2/transport/linuxudstpm"
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
@@ -141,30 +140,62 @@ func TestScenario9Attest(t *testing.T) {
 		t.Fatal("the guest published no firmware event log")
 	}
 
-	// Enrolment: the verifier's challenge, answered by the node's TPM.
-	ch, pending, err := attest.Enrol(a, pool)
-	if err != nil {
-		t.Fatal(err)
+	// Enrolment and verification through the commands, as an operator runs them: the
+	// verifier's challenge, the node's answer from its TPM (its state once QEMU is gone:
+	// the same EK and AK the guest used), the node record, verify --attest.
+	v := t.TempDir()
+	passage := filepath.Join(v, "passage")
+	if out, err := exec.Command("go", "build", "-o", passage, "../cmd/passage").CombinedOutput(); err != nil {
+		t.Fatalf("build passage: %v\n%s", err, out)
 	}
+	cli := func(args ...string) string {
+		t.Helper()
+		out, err := exec.Command(passage, args...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("passage %v: %v\n%s", args, err, out)
+		}
+		return string(out)
+	}
+	write := func(name string, b []byte) string {
+		t.Helper()
+		path := filepath.Join(v, name)
+		if err := os.WriteFile(path, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	env := write("manifest.dsse.json", run.Files["manifest.dsse.json"])
+	attPath := write("manifest.dsse.json"+attest.Suffix, run.Files["manifest.dsse.json"+attest.Suffix])
+	caFile := write("ek-ca.pem", ca.PEM(t))
+	ch, pend, ans := filepath.Join(v, "challenge.json"), filepath.Join(v, "pending.json"), filepath.Join(v, "answer")
+	node, pub := filepath.Join(v, "node.json"), filepath.Join(v, "node-tpm.pub")
+	cli("attest", "enroll", "--ek-ca", caFile, "--challenge", ch, "--pending", pend, attPath)
 	sock, stop := attesttest.Serve(t, state)
-	tpm, err := linuxudstpm.Open(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	answer, err := attest.Activate(tpm, ch)
-	tpm.Close()
+	cli("attest", "activate", "--tpm-device", sock, "-o", ans, ch)
 	stop() // the second boot runs on the same state
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec, err := attest.Complete(pending, answer)
-	if err != nil {
+	cli("attest", "enroll", "--pending", pend, "--answer", ans, "-o", node, "--tpm-pub-out", pub)
+	var rec attest.NodeRecord
+	if err := attest.ReadJSON(node, attest.NodeFormat, &rec); err != nil {
 		t.Fatal(err)
 	}
 
-	a, m := attestationOf(t, run, rec)
 	approved := approvedFor(t, filepath.Join(work, "tftp", "passage.efi"))
-	res, err := attest.Verify(rec, a, m, attest.Policy{EKCA: pool, Approved: approved})
+	apJSON, err := json.Marshal(approved)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := cli("verify", "--tpm-pub", pub, "--attest", attPath, "--node", node, "--ek-ca", caFile,
+		"--approved", write("approved.json", apJSON), "--update-node", env)
+	t.Logf("passage verify --attest:\n%s", out)
+	if !strings.Contains(out, ": OK, signed by") || !strings.Contains(out, "attested    EK certified") || !strings.Contains(out, "Secure Boot by O=SnakeOil") {
+		t.Errorf("verify --attest accepted without saying what was attested:\n%s", out)
+	}
+	if err := attest.ReadJSON(node, attest.NodeFormat, &rec); err != nil || rec.Seen.Generation == 0 {
+		t.Fatalf("--update-node: record %+v, %v", rec.Seen, err)
+	}
+
+	a, m := attestationOf(t, run, &rec)
+	res, err := attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: approved})
 	if err != nil {
 		t.Fatalf("the approved image's attestation is refused: %v", err)
 	}
@@ -186,18 +217,18 @@ func TestScenario9Attest(t *testing.T) {
 		t.Fatalf("uki.sh: %v: %s", err, out)
 	}
 	unapproved := approvedFor(t, filepath.Join(other, "passage.efi"))
-	_, err = attest.Verify(rec, a, m, attest.Policy{EKCA: pool, Approved: unapproved})
+	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: unapproved})
 	wantRefusal(t, "another build approved", err, "PCR 4", "no approved image")
 	onlyPCR11 := *approved
 	onlyPCR11.PCR11 = unapproved.PCR11
-	_, err = attest.Verify(rec, a, m, attest.Policy{EKCA: pool, Approved: &onlyPCR11})
+	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: &onlyPCR11})
 	wantRefusal(t, "another build's PCR 11 approved", err, "PCR 11", "not an approved UKI's")
 	otherDB := *approved
 	otherDB.DBCertificates = []string{string(ca.PEM(t))}
 	if err := otherDB.Parse(); err != nil {
 		t.Fatal(err)
 	}
-	_, err = attest.Verify(rec, a, m, attest.Policy{EKCA: pool, Approved: &otherDB})
+	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: &otherDB})
 	wantRefusal(t, "another db certificate approved", err, "PCR 7", "not an approved db certificate")
 
 	// The same node, Secure Boot off (no keys enrolled: the firmware checks nothing).
@@ -214,11 +245,11 @@ func TestScenario9Attest(t *testing.T) {
 	if con, _ := os.ReadFile(run.Console); strings.Contains(string(con), "UEFI Secure Boot is enabled") {
 		t.Fatal("the second boot ran under Secure Boot")
 	}
-	a, m = attestationOf(t, run, rec)
-	_, err = attest.Verify(rec, a, m, attest.Policy{EKCA: pool, Approved: approvedFor(t, filepath.Join(work, "tftp", "passage.efi"))})
+	a, m = attestationOf(t, run, &rec)
+	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: approvedFor(t, filepath.Join(work, "tftp", "passage.efi"))})
 	wantRefusal(t, "Secure Boot off", err, "PCR 7", "Secure Boot is off")
 	// Everything the TPM vouches for still holds: only the firmware's word refuses it.
-	if _, err := attest.VerifyTPM(rec, a, m, attest.Policy{EKCA: pool}); err != nil {
+	if _, err := attest.VerifyTPM(&rec, a, m, attest.Policy{EKCA: pool}); err != nil {
 		t.Errorf("TPM checks of the second boot: %v", err)
 	}
 }
