@@ -101,9 +101,9 @@ func (h *HexBytes) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// maxFile bounds what the verifier reads: an attestation carries a firmware log of tens
-// of kilobytes; anything far larger is not one.
-const maxFile = 8 << 20
+// MaxFile bounds what is read as an attestation: it carries a firmware log of tens of
+// kilobytes (at most MaxFirmwareLog); anything far larger is not one.
+const MaxFile = 8 << 20
 
 func readBounded(path string) ([]byte, error) {
 	f, err := os.Open(path)
@@ -118,8 +118,8 @@ func readBounded(path string) ([]byte, error) {
 	if !fi.Mode().IsRegular() {
 		return nil, fmt.Errorf("%s: not a regular file", path)
 	}
-	if fi.Size() > maxFile {
-		return nil, fmt.Errorf("%s: %d bytes, more than %d", path, fi.Size(), maxFile)
+	if fi.Size() > MaxFile {
+		return nil, fmt.Errorf("%s: %d bytes, more than %d", path, fi.Size(), MaxFile)
 	}
 	return os.ReadFile(path)
 }

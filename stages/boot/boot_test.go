@@ -6,10 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -794,5 +797,63 @@ func TestManifestAttestation(t *testing.T) {
 	}
 	if len(a.FirmwareLog) != 0 {
 		t.Errorf("a firmware log of %d bytes from a synthetic root", len(a.FirmwareLog))
+	}
+}
+
+// TestPublishPostsAttestation: passage.url gets the envelope, then the attestation beside
+// it (its own media type, the file's bytes); without an attestation only the envelope.
+func TestPublishPostsAttestation(t *testing.T) {
+	type post struct {
+		ctype string
+		body  []byte
+	}
+	var mu sync.Mutex
+	var got []post
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		got = append(got, post{r.Header.Get("Content-Type"), b})
+		mu.Unlock()
+	}))
+	defer srv.Close()
+	for _, withAttestation := range []bool{true, false} {
+		got = nil
+		root := t.TempDir()
+		att := []byte(`{"format":"passage-attestation/1"}`)
+		if withAttestation {
+			dir := filepath.Join(root, "run/passage")
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, EnvelopeName+attest.Suffix), att, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.url=" + srv.URL + "/m"),
+			Signed: &manifest.Signed{Envelope: []byte("{}"), Digest: "sha256:00"}}
+		var publish stages.Stage
+		for _, s := range b.Stages() {
+			if s.Name == "publish" {
+				publish = s
+			}
+		}
+		publish.Needs = nil // run alone: no network or manifest stage before it
+		rs, err := (&stages.Runner{Stages: []stages.Stage{publish}, Timeout: 10 * time.Second, Grace: time.Second}).Run(context.Background(), &stages.State{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rs[0].Status != stages.OK {
+			t.Fatalf("publish: %s %v %v", rs[0].Status, rs[0].Err, rs[0].Findings)
+		}
+		want := 1
+		if withAttestation {
+			want = 2
+		}
+		if len(got) != want || got[0].ctype != "application/vnd.dsse.envelope.v1+json" || string(got[0].body) != "{}" {
+			t.Fatalf("attestation %v: posts %+v", withAttestation, got)
+		}
+		if withAttestation && (got[1].ctype != "application/vnd.passage.attestation+json" || string(got[1].body) != string(att)) {
+			t.Errorf("second post %q %s, want the attestation", got[1].ctype, got[1].body)
+		}
 	}
 }
