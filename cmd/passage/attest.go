@@ -4,9 +4,11 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -33,7 +35,7 @@ func cmdAttest(args []string, stdout, stderr io.Writer) int {
 	pubOut := fs.String("tpm-pub-out", "", "enroll: also write the certified signing key to `FILE`, what verify --tpm-pub reads")
 	dev := fs.String("tpm-device", tpmkey.DefaultDevice, "activate, quote: the TPM character `DEVICE` (or swtpm's socket)")
 	nonce := fs.String("nonce", "", "quote: the verifier's nonce, `HEX` (1 to 64 bytes; default: 32 random bytes, printed)")
-	dir := fs.String("dir", "/run/passage", "quote: the directory of the boot's manifest and its event log")
+	dir := fs.String("dir", "/run/passage", "quote: the `DIR` of the boot's manifest and its event log")
 	pos, code, ok := parseFlags(fs, args, stdout)
 	if !ok {
 		return code
@@ -194,8 +196,8 @@ func (a attestCmd) quote(dev, dir, nonceHex, out string) int {
 	if ev.PassageLog, err = os.ReadFile(filepath.Join(dir, "manifest.dsse.json"+manifest.EventLogSuffix)); err != nil {
 		return a.fail(2, "%v", err)
 	}
-	if ev.FirmwareLog, err = os.ReadFile(attest.FirmwareLogPath); err != nil && !os.IsNotExist(err) {
-		return a.fail(2, "%v", err)
+	if ev.FirmwareLog, err = readAtMost(attest.FirmwareLogPath, attest.MaxFirmwareLog); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return a.fail(2, "firmware event log: %v", err)
 	}
 	k, err := tpmkey.Open(dev)
 	if err != nil {
@@ -215,6 +217,20 @@ func (a attestCmd) quote(dev, dir, nonceHex, out string) int {
 	}
 	fmt.Fprintf(a.stdout, "attestation %s, nonce %x\n", pr(out), nonce)
 	return 0
+}
+
+// readAtMost reads path, refusing more than max bytes (securityfs reports no size).
+func readAtMost(path string, max int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, max+1))
+	if err == nil && int64(len(b)) > max {
+		err = fmt.Errorf("%s: over %d bytes", path, max)
+	}
+	return b, err
 }
 
 // attestFlags are verify's --attest flags: the attestation published beside the
