@@ -3,6 +3,7 @@ module github.com/passage-boot/passage
 go 1.26.0
 
 require (
+	github.com/google/go-attestation v0.6.4
 	github.com/google/go-tpm v0.9.8
 	github.com/google/go-tpm-tools v0.4.11
 	github.com/insomniacslk/dhcp v0.0.0-20260901064844-234b97448fae
@@ -25,7 +26,6 @@ require (
 	github.com/charmbracelet/lipgloss v0.7.1 // indirect
 	github.com/containerd/console v1.0.4-0.20230706203907-8f6c4e4faef5 // indirect
 	github.com/dustin/go-humanize v1.0.1 // indirect
-	github.com/google/go-attestation v0.6.4 // indirect
 	github.com/hugelgupf/go-shlex v0.0.0-20200702092117-c80c9d0918fa // indirect
 	github.com/hugelgupf/vmtest v0.0.0-20240307030256-5d9f3d34a58d // indirect
 	github.com/josharian/native v1.1.0 // indirect
