@@ -249,9 +249,10 @@ func (f *attestFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.update, "update-node", false, "with --attest: record the accepted reset count and generation in the node record")
 }
 
-// check verifies the attestation for the manifest v, signed by signer; it prints why
-// it refuses and returns the exit status (0: accepted, with lines for the summary).
-func (f *attestFlags) check(path string, v *manifest.Verified, signer *ringKey, stderr io.Writer) ([]string, int) {
+// check verifies the attestation for the manifest v, which the TPM key in tpmPub
+// verified; it prints why it refuses and returns the exit status (0: accepted, with
+// lines for the summary).
+func (f *attestFlags) check(path string, v *manifest.Verified, tpmPub string, stderr io.Writer) ([]string, int) {
 	fail := func(code int, format string, args ...any) ([]string, int) {
 		fmt.Fprintf(stderr, "passage verify: "+format+"\n", args...)
 		return nil, code
@@ -286,7 +287,11 @@ func (f *attestFlags) check(path string, v *manifest.Verified, signer *ringKey, 
 	if err != nil {
 		return fail(2, "%v", err)
 	}
-	res, err := attest.Verify(&rec, att, attest.Manifest{Payload: v.Payload, Generation: v.Manifest.Generation, Signer: signer.v.Public()},
+	key, err := manifest.LoadVerifier(tpmPub)
+	if err != nil {
+		return fail(2, "--tpm-pub: %v", err)
+	}
+	res, err := attest.Verify(&rec, att, attest.Manifest{Payload: v.Payload, Generation: v.Manifest.Generation, Signer: key.Public()},
 		attest.Policy{EKCA: pool, Approved: ap, Nonce: nonce})
 	if err != nil {
 		return fail(1, "%s: REFUSED: attestation %s: %s", path, f.att, oneLine(err))

@@ -40,18 +40,17 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		}
 		return verifyMany(paths, keyFile, vf.tpmPub != "", opts, stdout, stderr)
 	}
-	got, key, code := vf.verifyKey("verify", paths[0], stderr)
+	if af.att != "" && vf.tpmPub == "" {
+		fmt.Fprintln(stderr, "passage verify: --attest vouches for the TPM key: give --tpm-pub")
+		return 2
+	}
+	got, signer, code := vf.verify("verify", paths[0], stderr)
 	if got == nil {
 		return code
 	}
-	signer := key.signer()
 	var attested []string
 	if af.att != "" {
-		if vf.tpmPub == "" {
-			fmt.Fprintln(stderr, "passage verify: --attest vouches for the TPM key: give --tpm-pub")
-			return 2
-		}
-		if attested, code = af.check(paths[0], got, key, stderr); code != 0 {
+		if attested, code = af.check(paths[0], got, vf.tpmPub, stderr); code != 0 {
 			return code
 		}
 	}

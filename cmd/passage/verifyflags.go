@@ -46,33 +46,24 @@ func (f *verifyFlags) options(cmd string, stderr io.Writer) (keyFile string, opt
 // after printing why on stderr: 1 when the manifest is
 // refused (the reason follows REFUSED), 2 for a usage error or a file that cannot be read.
 func (f *verifyFlags) verify(cmd, path string, stderr io.Writer) (*manifest.Verified, string, int) {
-	v, k, code := f.verifyKey(cmd, path, stderr)
-	if v == nil {
-		return nil, "", code
-	}
-	return v, k.signer(), 0
-}
-
-// verifyKey is verify returning the key that verified the manifest.
-func (f *verifyFlags) verifyKey(cmd, path string, stderr io.Writer) (*manifest.Verified, *ringKey, int) {
 	keyFile, opts, code := f.options(cmd, stderr)
 	if code != 0 {
-		return nil, nil, code
+		return nil, "", code
 	}
 	kr, err := loadKeyring(keyFile, f.tpmPub != "")
 	if err != nil {
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
-		return nil, nil, 2
+		return nil, "", 2
 	}
 	kr.sayIgnored(stderr, cmd, keyFile)
 	o := verifyFile(path, kr, opts)
 	switch {
 	case o.failed != nil:
 		fmt.Fprintf(stderr, "passage %s: %s: %s\n", cmd, path, oneLine(o.failed))
-		return nil, nil, 2
+		return nil, "", 2
 	case o.refused != nil:
 		fmt.Fprintf(stderr, "passage %s: %s: REFUSED: %s\n", cmd, path, oneLine(o.refused))
-		return nil, nil, 1
+		return nil, "", 1
 	}
-	return o.verified, o.key, 0
+	return o.verified, o.key.signer(), 0
 }
