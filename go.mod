@@ -3,6 +3,7 @@ module github.com/passage-boot/passage
 go 1.26.0
 
 require (
+	github.com/google/go-attestation v0.6.4
 	github.com/google/go-tpm v0.9.8
 	github.com/google/go-tpm-tools v0.4.11
 	github.com/insomniacslk/dhcp v0.0.0-20260901064844-234b97448fae

@@ -7,7 +7,6 @@ import (
 	"crypto/sha256"
 	"crypto/sha512"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"hash"
@@ -16,30 +15,32 @@ import (
 	"sort"
 )
 
-// EventLogFormat names the event log layout below; a replaying verifier checks it.
-const EventLogFormat = "passage-eventlog/1"
+// EventLogFormat names the event log's layout (tcglog.go): a replaying verifier checks it.
+const EventLogFormat = "TCG PC Client crypto-agile event log"
 
 // EventLogSuffix is appended to the manifest's file name to name its event log.
-const EventLogSuffix = ".eventlog.json"
+const EventLogSuffix = ".eventlog.bin"
 
 // EventLog records every manifest measured into the PCR during one boot, in extend
 // order, so a verifier holding a TPM quote of that PCR can replay it (see Replay) and
 // tie the quote to the manifests. PCRs reset at reboot, so a log whose boot_id is not the
-// current one is started afresh rather than appended to.
+// current one is started afresh rather than appended to. On disk it is a TCG PC Client
+// crypto-agile log (tcglog.go), which any verifier of firmware logs replays; EventLog is
+// its decoded view.
 type EventLog struct {
-	Format string  `json:"format"`
-	BootID string  `json:"boot_id"`
-	PCR    int     `json:"pcr"`
-	Events []Event `json:"events"`
+	Format string
+	BootID string
+	PCR    int
+	Events []Event
 }
 
 // Event is one extend: the manifest's generation and file, its payload digest, and the
 // digest extended into each PCR bank (the payload hashed with that bank's algorithm).
 type Event struct {
-	Generation    uint64            `json:"generation"`
-	Manifest      string            `json:"manifest"`
-	PayloadDigest string            `json:"payload_digest"`
-	Digests       map[string]string `json:"digests"` // bank ("sha256") -> hex
+	Generation    uint64
+	Manifest      string
+	PayloadDigest string
+	Digests       map[string]string // bank ("sha256") -> hex
 }
 
 // Measurer extends a PCR; the TPM implementation is manifest/tpmkey.
@@ -142,14 +143,16 @@ func ReadEventLog(path string) (*EventLog, error) {
 	if err != nil {
 		return nil, fmt.Errorf("event log %s: %w", path, err)
 	}
-	var l EventLog
-	if err := json.Unmarshal(b, &l); err != nil {
-		return nil, fmt.Errorf("event log %s: %w", path, err)
+	l, err := ParseEventLog(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	if l.Format != EventLogFormat {
-		return nil, fmt.Errorf("event log %s: format %q, want %q", path, l.Format, EventLogFormat)
-	}
-	return &l, nil
+	return l, nil
+}
+
+// ParseEventLog parses an event log's content (an attestation carries it).
+func ParseEventLog(b []byte) (*EventLog, error) {
+	return parseTCG(b)
 }
 
 // appendEvent adds ev to dir/name, starting a new log when the file is missing,
@@ -158,15 +161,15 @@ func appendEvent(dir, name, bootID string, pcr int, ev Event) error {
 	// A missing or unreadable log is replaced rather than fatal: the manifest is already
 	// written, and a log that cannot be read could not replay this boot's PCR anyway.
 	l, err := ReadEventLog(filepath.Join(dir, name))
-	if err != nil || l.BootID != bootID || l.PCR != pcr {
+	if err != nil || l.BootID != bootID || l.PCR != pcr || len(l.Events) == 0 {
 		l = &EventLog{Format: EventLogFormat, BootID: bootID, PCR: pcr}
 	}
 	l.Events = append(l.Events, ev)
-	b, err := json.MarshalIndent(l, "", "  ")
+	b, err := l.marshalTCG()
 	if err != nil {
 		return fmt.Errorf("event log %s: %w", filepath.Join(dir, name), err)
 	}
-	return WriteAtomic(dir, name, append(b, '\n'))
+	return WriteAtomic(dir, name, b)
 }
 
 // WriteSigned is the boot stage's last step: sign m with each of signers (SignPayload),

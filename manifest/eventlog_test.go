@@ -3,6 +3,7 @@ package manifest_test
 import (
 	"bytes"
 	"context"
+	"crypto"
 	"crypto/sha1"
 	"crypto/sha256"
 	"encoding/hex"
@@ -11,6 +12,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	goattest "github.com/google/go-attestation/attest"
 
 	. "github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
@@ -145,5 +148,90 @@ func TestSchemaExample(t *testing.T) {
 	}
 	if m.SchemaVersion != SchemaVersion || len(m.Units) == 0 || m.GuestPlan == nil {
 		t.Errorf("example decoded to %+v", m)
+	}
+}
+
+// TestEventLogTCGFormat: the log on disk is a TCG PC Client crypto-agile log that
+// another verifier reads: go-attestation (which replays firmware logs) parses it and
+// replays it to the PCR in both banks, and its events' digests are the payloads'.
+func TestEventLogTCGFormat(t *testing.T) {
+	dir := t.TempDir()
+	const name = "manifest.dsse.json"
+	pcr := &fakePCR{}
+	m := manifesttest.B300(1)
+	var payloads [][]byte
+	for gen := uint64(1); gen <= 3; gen++ {
+		m.Generation = gen
+		s, err := WriteSigned(context.Background(), m, dir, name, pcr, testSigner(t, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		payloads = append(payloads, s.Payload)
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, name+EventLogSuffix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	el, err := goattest.ParseEventLog(raw)
+	if err != nil {
+		t.Fatalf("go-attestation cannot parse the log: %v", err)
+	}
+	for _, bank := range []struct {
+		name string
+		h    crypto.Hash
+	}{{"sha256", crypto.SHA256}, {"sha1", crypto.SHA1}} {
+		events, err := el.Verify([]goattest.PCR{{Index: 13, Digest: pcr.vals[bank.name], DigestAlg: bank.h}})
+		if err != nil {
+			t.Fatalf("%s: go-attestation does not replay the log to the PCR: %v", bank.name, err)
+		}
+		if len(events) != 3 {
+			t.Fatalf("%s: %d events replayed, want 3", bank.name, len(events))
+		}
+		for i, e := range events {
+			h := bank.h.New()
+			h.Write(payloads[i])
+			if e.Index != 13 || uint32(e.Type) != 0x0D || !bytes.Equal(e.Digest, h.Sum(nil)) {
+				t.Errorf("%s: event %d: PCR %d type %#x digest %x, want PCR 13 EV_IPL of the payload", bank.name, i, e.Index, uint32(e.Type), e.Digest)
+			}
+		}
+	}
+	// A log that does not replay: go-attestation says so for PCR 13.
+	other := append([]byte(nil), pcr.vals["sha256"]...)
+	other[0] ^= 1
+	if _, err := el.Verify([]goattest.PCR{{Index: 13, Digest: other, DigestAlg: crypto.SHA256}}); err == nil {
+		t.Error("go-attestation replayed the log to another PCR value")
+	}
+}
+
+// TestEventLogParseRejects: damaged logs are refused with the reason, never a panic.
+func TestEventLogParseRejects(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := WriteSigned(context.Background(), manifesttest.B300(1), dir, "m", &fakePCR{}, testSigner(t, 1)); err != nil {
+		t.Fatal(err)
+	}
+	good, err := os.ReadFile(filepath.Join(dir, "m"+EventLogSuffix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ParseEventLog(good); err != nil {
+		t.Fatal(err)
+	}
+	// Cut anywhere but between events, the log is refused; cut between them it is the
+	// shorter log (here: the header alone, no event), which replays to another PCR.
+	for i := 0; i < len(good); i++ {
+		if l, err := ParseEventLog(good[:i]); err == nil && len(l.Events) != 0 {
+			t.Fatalf("a log cut at %d of %d bytes parsed with %d events", i, len(good), len(l.Events))
+		}
+	}
+	for _, c := range []struct {
+		name string
+		b    []byte
+	}{
+		{"json", []byte(`{"format":"passage-eventlog/1"}`)},
+		{"empty", nil},
+	} {
+		if _, err := ParseEventLog(c.b); err == nil || !strings.Contains(err.Error(), "event log") {
+			t.Errorf("%s: %v", c.name, err)
+		}
 	}
 }

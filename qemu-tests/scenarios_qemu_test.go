@@ -369,8 +369,8 @@ func TestScenario1CleanBoot(t *testing.T) {
 				t.Fatal(err)
 			}
 			logName := "manifest.dsse.json" + manifest.EventLogSuffix
-			var evlog manifest.EventLog
-			if err := json.Unmarshal(run.Files[logName], &evlog); err != nil {
+			evlog, err := manifest.ParseEventLog(run.Files[logName])
+			if err != nil {
 				t.Fatalf("%s: %v", logName, err)
 			}
 			if n := len(evlog.Events); n == 0 || evlog.Events[n-1].PayloadDigest != ver.Digest || evlog.BootID != m.BootID {

@@ -18,6 +18,8 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	var vf verifyFlags
 	vf.register(fs)
 	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary (with --units: the units document)")
+	var af attestFlags
+	af.register(fs)
 	unitsView := fs.Bool("units", false, "print the units view: per unit status, reasons, NUMA node, host functions, guest placement (manifest/SCHEMA.md)")
 	paths, code, ok := parseFlags(fs, args, stdout)
 	if !ok {
@@ -32,15 +34,25 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		if code != 0 {
 			return code
 		}
-		if *asJSON || *unitsView {
-			fmt.Fprintln(stderr, "passage verify: --json and --units take one manifest")
+		if *asJSON || *unitsView || af.att != "" {
+			fmt.Fprintln(stderr, "passage verify: --json, --units and --attest take one manifest")
 			return 2
 		}
 		return verifyMany(paths, keyFile, vf.tpmPub != "", opts, stdout, stderr)
 	}
+	if af.att != "" && vf.tpmPub == "" {
+		fmt.Fprintln(stderr, "passage verify: --attest vouches for the TPM key: give --tpm-pub")
+		return 2
+	}
 	got, signer, code := vf.verify("verify", paths[0], stderr)
 	if got == nil {
 		return code
+	}
+	var attested []string
+	if af.att != "" {
+		if attested, code = af.check(paths[0], got, vf.tpmPub, stderr); code != 0 {
+			return code
+		}
 	}
 	if *unitsView {
 		return printUnits(stdout, stderr, paths[0], got, *asJSON)
@@ -51,6 +63,9 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 		return 0
 	}
 	printSummary(stdout, paths[0], got, signer)
+	for _, l := range attested {
+		fmt.Fprintf(stdout, "  %s\n", l)
+	}
 	return 0
 }
 

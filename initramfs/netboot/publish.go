@@ -16,6 +16,10 @@ import (
 // EnvelopeType is the media type of a DSSE envelope (in-toto's registration).
 const EnvelopeType = "application/vnd.dsse.envelope.v1+json"
 
+// AttestationType is the media type of passage's attestation of the manifest (package
+// attest, manifest/SCHEMA.md), POSTed to the same URL after the envelope.
+const AttestationType = "application/vnd.passage.attestation+json"
+
 // PublishPolicy bounds Publish: at most Tries requests, each within PerTry, separated by
 // waits that start at Backoff and double up to MaxBackoff.
 type PublishPolicy struct {
@@ -90,6 +94,11 @@ func retryable(code int) bool {
 // made; the error is the last failure, or nil once the server answered 2xx.
 func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, error) {
 	return send(ctx, hc, "publish", http.MethodPost, url, EnvelopeType, body, p)
+}
+
+// PublishAttestation POSTs an attestation to url, bounded and retried as Publish is.
+func PublishAttestation(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, error) {
+	return send(ctx, hc, "publish", http.MethodPost, url, AttestationType, body, p)
 }
 
 // Put PUTs body, of media type ctype, to url (a Pushgateway group: the node's last boot

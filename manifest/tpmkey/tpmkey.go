@@ -171,6 +171,10 @@ func (k *TPM) Close() error {
 	return errors.Join(ferr, cerr)
 }
 
+// Transport is the open TPM, for the attestation made after the manifest (package
+// attest) on the same connection.
+func (k *TPM) Transport() transport.TPM { return k.t }
+
 // Public returns the signing key's public part.
 func (k *TPM) Public() crypto.PublicKey { return k.pub }
 

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/firmware"
@@ -677,6 +679,25 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 		return err
 	}
 	r.Changef("envelope %s posted to %s", signed.Digest, b.Config.URL)
+	// The attestation goes with it, when the manifest stage made one: the control plane
+	// verifies both from what it received.
+	name := EnvelopeName + attest.Suffix
+	body, err := ReadBeneath(b.Root, filepath.Join(initramfs.RunDir, name), attest.MaxFile)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err == nil {
+		att, perr := netboot.PublishAttestation(ctx, nil, b.Config.URL, body, p)
+		for i, a := range att {
+			r.Findingf("%s try %d: status %d %s", name, i+1, a.Status, a.Err)
+		}
+		err = perr
+	}
+	if err != nil {
+		r.Degrade("%s not posted: %v", name, err)
+		return nil
+	}
+	r.Changef("%s posted to %s", name, b.Config.URL)
 	return nil
 }
 

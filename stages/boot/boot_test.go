@@ -6,10 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -18,6 +21,8 @@ import (
 	"github.com/google/go-tpm/tpm2/transport"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/attest"
+	"github.com/passage-boot/passage/attest/attesttest"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
@@ -731,5 +736,124 @@ func TestBootProfileFindsNoUnits(t *testing.T) {
 	}
 	if !found {
 		t.Errorf("the manifest's decide stage does not say why: %+v", b.Manifest.Stages)
+	}
+}
+
+// noClose lets the boot close its TPM without closing the swtpm connection the test
+// goes on using as the node.
+type noClose struct{ transport.TPM }
+
+func (noClose) Close() error { return nil }
+
+// TestManifestAttestation: with a TPM that has an EK certificate (swtpm), the manifest
+// stage writes the attestation beside the manifest and passage.out publishes it; a
+// verifier enrols the node from it and accepts it for this manifest (the TPM checks: a
+// synthetic root has no firmware event log, which the full verification refuses).
+func TestManifestAttestation(t *testing.T) {
+	ca := attesttest.NewCA(t)
+	tpm := attesttest.Start(t, ca)
+	open := func(string) (manifest.Signer, manifest.Measurer, error) {
+		k, err := tpmkey.New(noClose{tpm})
+		if err != nil {
+			return nil, nil, err
+		}
+		return k, k, nil
+	}
+	root, _ := signingNode(t)
+	b := &Boot{Root: root, OpenTPM: open,
+		Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key")}
+	rs, _ := run(t, b, "scan", "decide", "manifest")
+	if mr := rs[2]; mr.Status != stages.OK {
+		t.Fatalf("manifest %s %v %v", mr.Status, mr.Err, mr.Findings)
+	}
+	a, err := attest.ReadAttestation(filepath.Join(root, "run/passage", EnvelopeName+attest.Suffix))
+	if err != nil {
+		t.Fatalf("%v (findings %v)", err, rs[2].Findings)
+	}
+	pool, err := attest.CAPool(ca.PEM(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, pending, err := attest.Enrol(a, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ans, err := attest.Activate(tpm, ch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := attest.Complete(pending, ans)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := tpmkey.New(noClose{tpm})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.Close()
+	m := attest.Manifest{Payload: b.Signed.Payload, Generation: b.Manifest.Generation, Signer: k.Public()}
+	if _, err := attest.VerifyTPM(rec, a, m, attest.Policy{EKCA: pool}); err != nil {
+		t.Fatalf("verify: %v", err)
+	}
+	if len(a.FirmwareLog) != 0 {
+		t.Errorf("a firmware log of %d bytes from a synthetic root", len(a.FirmwareLog))
+	}
+}
+
+// TestPublishPostsAttestation: passage.url gets the envelope, then the attestation beside
+// it (its own media type, the file's bytes); without an attestation only the envelope.
+func TestPublishPostsAttestation(t *testing.T) {
+	type post struct {
+		ctype string
+		body  []byte
+	}
+	var mu sync.Mutex
+	var got []post
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		got = append(got, post{r.Header.Get("Content-Type"), b})
+		mu.Unlock()
+	}))
+	defer srv.Close()
+	for _, withAttestation := range []bool{true, false} {
+		got = nil
+		root := t.TempDir()
+		att := []byte(`{"format":"passage-attestation/1"}`)
+		if withAttestation {
+			dir := filepath.Join(root, "run/passage")
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, EnvelopeName+attest.Suffix), att, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.url=" + srv.URL + "/m"),
+			Signed: &manifest.Signed{Envelope: []byte("{}"), Digest: "sha256:00"}}
+		var publish stages.Stage
+		for _, s := range b.Stages() {
+			if s.Name == "publish" {
+				publish = s
+			}
+		}
+		publish.Needs = nil // run alone: no network or manifest stage before it
+		rs, err := (&stages.Runner{Stages: []stages.Stage{publish}, Timeout: 10 * time.Second, Grace: time.Second}).Run(context.Background(), &stages.State{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rs[0].Status != stages.OK {
+			t.Fatalf("publish: %s %v %v", rs[0].Status, rs[0].Err, rs[0].Findings)
+		}
+		want := 1
+		if withAttestation {
+			want = 2
+		}
+		if len(got) != want || got[0].ctype != "application/vnd.dsse.envelope.v1+json" || string(got[0].body) != "{}" {
+			t.Fatalf("attestation %v: posts %+v", withAttestation, got)
+		}
+		if withAttestation && (got[1].ctype != "application/vnd.passage.attestation+json" || string(got[1].body) != string(att)) {
+			t.Errorf("second post %q %s, want the attestation", got[1].ctype, got[1].body)
+		}
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
@@ -309,6 +310,15 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	b.Mark("manifest-written")
 	r.Changef("%s %s generation %d (%s), %d signatures", EnvelopeName, signed.Digest, m.Generation, m.GenerationSource, len(signed.KeyIDs))
 	b.writeMetrics(ctx, r, dir, m, strings.Join(signed.KeyIDs, " "))
+	if k, ok := tpm.signer.(*tpmkey.TPM); ok && err == nil && tpm.measurer != nil {
+		// Only once the manifest is measured: the attestation's quote covers PCR 13
+		// ending in this manifest. It is published with the manifest (copied below).
+		if aerr := b.writeAttestation(k, dir, signed); aerr != nil {
+			r.Findingf("attestation: %v", aerr)
+		} else {
+			r.Changef("%s: quote of PCRs %v with the payload digest as nonce, the signing key certified by the AK", EnvelopeName+attest.Suffix, attest.QuotedPCRs)
+		}
+	}
 
 	if outDir != "" {
 		if err := copyFiles(dir, outDir); err != nil {
@@ -329,6 +339,36 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		}
 	}
 	return nil
+}
+
+// writeAttestation attests the manifest just measured (package attest) offline: the
+// nonce is its payload digest, so the attestation is fresh exactly when the manifest is
+// (its generation and boot id). The firmware's event log is read beneath the root; a
+// missing one is written empty, which a verifier refuses.
+func (b *Boot) writeAttestation(k *tpmkey.TPM, dir string, signed *manifest.Signed) error {
+	var ev attest.Evidence
+	fw, err := ReadBeneath(b.Root, attest.FirmwareLogPath, attest.MaxFirmwareLog)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		// No log (no TPM driver log, or securityfs not mounted): attested empty.
+	case err != nil:
+		return fmt.Errorf("firmware event log: %w", err)
+	default:
+		ev.FirmwareLog = fw
+	}
+	if ev.PassageLog, err = os.ReadFile(filepath.Join(dir, EnvelopeName+manifest.EventLogSuffix)); err != nil {
+		return err
+	}
+	nonce := sha256.Sum256(signed.Payload)
+	a, err := attest.Collect(k.Transport(), tpmkey.Template(), nonce[:], ev)
+	if err != nil {
+		return err
+	}
+	out, err := a.Marshal()
+	if err != nil {
+		return err
+	}
+	return manifest.WriteAtomic(dir, EnvelopeName+attest.Suffix, out)
 }
 
 // tpmPrep is the TPM opened and its generation counter advanced, ahead of the manifest
