@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"crypto"
 	"crypto/x509"
-	"encoding/hex"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -146,28 +145,23 @@ func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*Firmwar
 		}
 		res.Authority = c.Subject.String()
 	}
-	var loaded []string
+	// Every application the firmware started is approved, not only one of them: an
+	// application that ran first (one the db's other certificates sign) could have
+	// started the approved image after doing what it liked.
 	for _, e := range events {
 		if e.Index != 4 || uint32(e.Type) != evBootServicesApplication {
 			continue
 		}
-		if slices.ContainsFunc(ap.Authenticode, func(h HexBytes) bool { return bytes.Equal(h, e.Digest) }) {
-			res.Image = e.Digest
+		if !slices.ContainsFunc(ap.Authenticode, func(h HexBytes) bool { return bytes.Equal(h, e.Digest) }) {
+			return nil, refuse("PCR 4", "an image that is not approved was loaded (Authenticode sha256 %x)", e.Digest)
 		}
-		loaded = append(loaded, hex.EncodeToString(e.Digest))
+		res.Image = e.Digest
 	}
 	if res.Image == nil {
-		return nil, refuse("PCR 4", "no approved image was loaded (Authenticode sha256 of the loaded: %s)", orNone(loaded))
+		return nil, refuse("PCR 4", "no approved image was loaded (no EV_EFI_BOOT_SERVICES_APPLICATION event)")
 	}
 	if !slices.ContainsFunc(ap.PCR11, func(h HexBytes) bool { return bytes.Equal(h, quoted[11]) }) {
 		return nil, refuse("PCR 11", "%x is not an approved UKI's", []byte(quoted[11]))
 	}
 	return res, nil
-}
-
-func orNone(s []string) string {
-	if len(s) == 0 {
-		return "none"
-	}
-	return strings.Join(s, ", ")
 }

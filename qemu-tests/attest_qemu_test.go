@@ -5,6 +5,7 @@ package qemutest
 import (
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -115,10 +116,10 @@ func wantRefusal(t *testing.T, what string, err error, check, words string) {
 // attestation beside its manifest. The verifier, holding only the CA, the snakeoil db
 // certificate and the image's Authenticode hash and predicted PCR 11, enrols the node
 // (the credential round against the TPM's state once QEMU is gone: the same EK and AK
-// the guest used) and accepts the manifest. The same attestation is refused against
-// another signed build of the image (naming PCR 4, and PCR 11 when only its PCR 11 is
-// approved) and another db certificate (PCR 7); a second boot of the same node with
-// Secure Boot off is refused naming PCR 7.
+// the guest used) and accepts the manifest; against another db certificate it is
+// refused naming PCR 7. A second boot of the same node runs another build of the image,
+// signed with the same db key: refused naming PCR 4, and PCR 11 when its Authenticode
+// hash is approved too. A third, with Secure Boot off, is refused naming PCR 7.
 func TestScenario9Attest(t *testing.T) {
 	ca := attesttest.NewCA(t)
 	dir := t.TempDir()
@@ -202,27 +203,60 @@ func TestScenario9Attest(t *testing.T) {
 	t.Logf("accepted: reset count %d, generation %d, db %s, Authenticode %x, PCR 11 %x",
 		res.ResetCount, m.Generation, res.Firmware.Authority, res.Firmware.Image, []byte(a.PCRs[11]))
 
-	// Another build of the image, signed by the same key: its command line differs.
+	// Another build of the image, signed by the same db key: the same kernel and
+	// initramfs (the sections of the image the harness serves), another command line.
+	// The node boots it: the firmware runs it, but it is not the image the operator
+	// approved. Refused naming PCR 4 (its Authenticode hash is not approved), and naming
+	// PCR 11 where a lax list approves its Authenticode hash but not what its sections
+	// measure.
 	other := filepath.Join(dir, "other")
-	kernel, initrd, err := (&Options{Build: buildDir(t)}).paths()
-	if err != nil {
-		t.Fatal(err)
+	otherUKI := filepath.Join(other, "passage.efi")
+	rebuild := func(uki string) error {
+		parts := filepath.Join(dir, "parts")
+		if err := os.MkdirAll(parts, 0o755); err != nil {
+			return err
+		}
+		for _, sec := range []string{"linux", "initrd", "cmdline"} {
+			if out, err := exec.Command("objcopy", "-O", "binary", "--only-section=."+sec, uki, filepath.Join(parts, sec)).CombinedOutput(); err != nil {
+				return fmt.Errorf("objcopy .%s: %v: %s", sec, err, out)
+			}
+		}
+		line, err := os.ReadFile(filepath.Join(parts, "cmdline"))
+		if err != nil {
+			return err
+		}
+		key, cert, err := SnakeoilKey(dir)
+		if err != nil {
+			return err
+		}
+		cmd := strings.TrimRight(string(line), "\x00\n ") + " passage.build=other"
+		if out, err := exec.Command("bash", filepath.Join("..", "image", "uki.sh"), other,
+			filepath.Join(parts, "linux"), filepath.Join(parts, "initrd"), cmd, key, cert).CombinedOutput(); err != nil {
+			return fmt.Errorf("uki.sh: %v: %s", err, out)
+		}
+		b, err := os.ReadFile(otherUKI)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(uki, b, 0o644)
 	}
-	key, cert, err := SnakeoilKey(dir)
-	if err != nil {
-		t.Fatal(err)
+	orun, _ := bootPassage(t, Options{NetBoot: &NetBoot{Tamper: rebuild}, TPMState: state, WorkDir: filepath.Join(dir, "unapproved")})
+	if con, _ := os.ReadFile(orun.Console); !strings.Contains(string(con), "EFI stub: UEFI Secure Boot is enabled") || !strings.Contains(string(con), "passage.build=other") {
+		t.Fatal("the other build did not run under Secure Boot")
 	}
-	if out, err := exec.Command("bash", filepath.Join("..", "image", "uki.sh"), other, kernel, initrd,
-		run.Cmdline+" passage.build=other", key, cert).CombinedOutput(); err != nil {
-		t.Fatalf("uki.sh: %v: %s", err, out)
+	unapproved := approvedFor(t, otherUKI)
+	oa, om := attestationOf(t, orun, &rec)
+	_, err = attest.Verify(&rec, oa, om, attest.Policy{EKCA: pool, Approved: approved})
+	wantRefusal(t, "another signed build booted", err, "PCR 4", "not approved was loaded")
+	lax := *approved
+	lax.Authenticode = append(append([]attest.HexBytes(nil), approved.Authenticode...), unapproved.Authenticode...)
+	_, err = attest.Verify(&rec, oa, om, attest.Policy{EKCA: pool, Approved: &lax})
+	wantRefusal(t, "another signed build booted, its Authenticode hash approved", err, "PCR 11", "not an approved UKI's")
+	// What the TPM vouches for holds: only the image is not the approved one.
+	if _, err := attest.VerifyTPM(&rec, oa, om, attest.Policy{EKCA: pool}); err != nil {
+		t.Errorf("TPM checks of the unapproved build's boot: %v", err)
 	}
-	unapproved := approvedFor(t, filepath.Join(other, "passage.efi"))
-	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: unapproved})
-	wantRefusal(t, "another build approved", err, "PCR 4", "no approved image")
-	onlyPCR11 := *approved
-	onlyPCR11.PCR11 = unapproved.PCR11
-	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: &onlyPCR11})
-	wantRefusal(t, "another build's PCR 11 approved", err, "PCR 11", "not an approved UKI's")
+
 	otherDB := *approved
 	otherDB.DBCertificates = []string{string(ca.PEM(t))}
 	if err := otherDB.Parse(); err != nil {
