@@ -71,7 +71,7 @@ func (a *Approved) Parse() error {
 type FirmwareResult struct {
 	// Authority is the subject of the db certificate that verified the image.
 	Authority string
-	// Image is the approved Authenticode hash found in PCR 4's log.
+	// Image is the approved Authenticode hash of the last application PCR 4's log shows.
 	Image []byte
 }
 
@@ -83,8 +83,9 @@ const evBootServicesApplication = 0x80000003
 // VerifyFirmware replays the firmware's TCG event log into the quoted PCRs (all but
 // PCR 13, which only passage extends) with go-attestation and checks the approved image
 // booted: Secure Boot on, every authority that verified an image after the separator an
-// approved db certificate (PCR 7); PCR 4's log holds an approved Authenticode hash (the
-// raw PCR 4 value depends on the boot options tried first, so it is not pinned); PCR 11
+// approved db certificate (PCR 7); every application PCR 4's log shows is an approved
+// Authenticode hash (the raw PCR 4 value depends on the boot options tried first, so it
+// is not pinned); PCR 11
 // is an approved UKI's. A PCR the log says nothing about must hold its reset value:
 // go-attestation accepts any value for a PCR without events.
 func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*FirmwareResult, error) {

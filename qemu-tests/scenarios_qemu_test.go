@@ -723,34 +723,43 @@ func TestEmergencyShell(t *testing.T) {
 	var (
 		mu          sync.Mutex
 		atShell     bool
+		typingOK    bool
+		typingDmesg bool
 		gotOK       bool
 		inDmesg     bool
 		dmesg       []string
 		stop        = make(chan struct{})
 		stopOnce    sync.Once
-		typedDmesg  bool
 		shellPrompt = "passage: emergency (units failed: "
 	)
 	defer stopOnce.Do(func() { close(stop) })
-	// Until "ok" is read back, `echo ok` is typed every two seconds (at most 30 times):
-	// the shell may not be reading the terminal yet when the first one arrives. Enter is
-	// CR, as a terminal sends it: u-root's shell edits the line in raw mode.
-	typeUntil := func(kb io.Writer, line string, done func() bool) {
+	// typeUntil types line at the console, a key at a time as a person does, then Enter
+	// (CR, as a terminal sends it: u-root's shell edits the line in raw mode); again
+	// every few seconds until done (at most 20 times): the shell may not be reading the
+	// terminal yet when the first line arrives, and its line editor has been seen to drop
+	// a line typed while it redraws.
+	typeUntil := func(kb io.Writer, line string, every time.Duration, done func() bool) {
 		go func() {
-			for i := 0; i < 30; i++ {
+			// The prompt is drawn before the line editor reads the terminal: a key
+			// pressed in between has been seen to hang it after the next Enter.
+			time.Sleep(time.Second)
+			for i := 0; i < 20; i++ {
 				mu.Lock()
 				d := done()
-				if !d {
-					io.WriteString(kb, line+"\r")
-				}
 				mu.Unlock()
 				if d {
 					return
 				}
+				for _, c := range []byte(line + "\r") {
+					if _, err := kb.Write([]byte{c}); err != nil {
+						return
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
 				select {
 				case <-stop:
 					return
-				case <-time.After(2 * time.Second):
+				case <-time.After(every):
 				}
 			}
 		}()
@@ -762,13 +771,16 @@ func TestEmergencyShell(t *testing.T) {
 		switch {
 		case !atShell && strings.Contains(l, shellPrompt) && strings.HasSuffix(l, ": shell (passage.emergency=shell)"):
 			atShell = true
-			typeUntil(kb, "echo ok", func() bool { return gotOK })
+		case atShell && l == ">" && !typingOK:
+			// The shell's prompt: an operator types once it is there.
+			typingOK = true
+			typeUntil(kb, "echo ok", 5*time.Second, func() bool { return gotOK })
 		case atShell && !gotOK && l == "ok":
 			gotOK = true
-		case gotOK && !typedDmesg:
-			typedDmesg = true
-			io.WriteString(kb, "echo "+begin+"; dmesg; echo "+end+"\r")
-		case l == begin:
+		case gotOK && l == ">" && !typingDmesg:
+			typingDmesg = true
+			typeUntil(kb, "echo "+begin+"; dmesg; echo "+end, 10*time.Second, func() bool { return inDmesg })
+		case !inDmesg && l == begin:
 			inDmesg = true
 		case inDmesg && l == end:
 			return true
