@@ -50,7 +50,12 @@ sources() {
 }
 # The build passage reports (buildinfo), stamped from git: it is an input, so a new
 # commit rebuilds the u-root part, as it changes a go-built binary.
-ldflags="-s -w -buildid= $(bash image/buildstamp.sh)"
+# u-root's gobusybox builds in GOPATH mode, where the Go toolchain assumes go 1.20's
+# GODEBUG defaults (panicnil=1, tlsrsakex=1, tls3des=1, x509negativeserial=1, ...); the
+# runtime takes its defaults from runtime.godebugDefault, which a later -X replaces, so
+# the image runs with the defaults `go build ./cmd/passage` gives passage (its go.mod's).
+godebug=$(go list -f '{{.DefaultGODEBUG}}' ./cmd/passage)
+ldflags="-s -w -buildid= -X=runtime.godebugDefault=$godebug $(bash image/buildstamp.sh)"
 core_stamp=$({
 	echo "$ldflags"
 	sources ./cmd/passage

@@ -3,12 +3,14 @@
 package qemutest
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -211,5 +213,85 @@ func TestTopologyVariants(t *testing.T) {
 	}
 	if len(e1000) != 2 || e1000[0].IOMMUGroup == "" || e1000[0].IOMMUGroup != e1000[1].IOMMUGroup {
 		t.Errorf("e1000s behind the pcie-pci-bridge: %+v, want 2 in one IOMMU group", e1000)
+	}
+}
+
+// TestImageGoDefaults: the busybox in the image runs with the GODEBUG defaults a go build
+// of passage has (its go.mod's: none), not with those of GOPATH mode, in which gobusybox
+// builds it (go 1.20's: panicnil=1, tlsrsakex=1, tls3des=1, x509negativeserial=1, ...).
+// image/initramfs.sh replaces runtime.godebugDefault with -X. The build information
+// still records GOPATH mode's defaults (with -trimpath it records no -ldflags), so the
+// test holds the image to a GOPATH-mode build of a small program: without the -X its
+// binary carries the defaults string once more (runtime.godebugDefault) than with it,
+// and recovers go 1.20's nil from panic(nil); the image's busybox carries the string as
+// often as the build with the -X.
+func TestImageGoDefaults(t *testing.T) {
+	dir := t.TempDir()
+	core := filepath.Join(os.Getenv("PASSAGE_BUILD"), "uroot.cpio")
+	f, err := os.Open(core)
+	if err != nil {
+		t.Fatalf("%v (run make qemu-test)", err)
+	}
+	defer f.Close()
+	cmd := exec.Command("cpio", "-i", "--quiet", "--make-directories", "bbin/bb")
+	cmd.Dir, cmd.Stdin = dir, f
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("cpio -i bbin/bb < %s: %v: %s", core, err, out)
+	}
+	if want, err := exec.Command("go", "list", "-f", "{{.DefaultGODEBUG}}", "../cmd/passage").Output(); err != nil || strings.TrimSpace(string(want)) != "" {
+		t.Fatalf("go list -f {{.DefaultGODEBUG}} ./cmd/passage: %q, %v: initramfs.sh sets what it says; this test expects none", want, err)
+	}
+	defaults := func(bin string) (string, int) {
+		t.Helper()
+		out, err := exec.Command("go", "version", "-m", bin).Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, v, _ := strings.Cut(string(out), "DefaultGODEBUG=")
+		v, _, _ = strings.Cut(v, "\n")
+		if !strings.Contains(v, "panicnil=1") {
+			t.Fatalf("%s: build information records DefaultGODEBUG=%q, not GOPATH mode's", bin, v)
+		}
+		b, err := os.ReadFile(bin)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v, bytes.Count(b, []byte(v))
+	}
+	bbDefaults, bbCount := defaults(filepath.Join(dir, "bbin", "bb"))
+
+	src := filepath.Join(dir, "gopath", "src", "panicnil")
+	if err := os.MkdirAll(src, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	prog := "package main\n\nimport \"fmt\"\n\nfunc main() {\n\tdefer func() { fmt.Printf(\"%T\", recover()) }()\n\tpanic(nil)\n}\n"
+	if err := os.WriteFile(filepath.Join(src, "main.go"), []byte(prog), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	counts := map[string]int{}
+	for _, c := range []struct{ ldflags, recovers string }{{"-s -w", "<nil>"}, {"-s -w -X=runtime.godebugDefault=", "*runtime.PanicNilError"}} {
+		bin := filepath.Join(dir, "panicnil"+strconv.Itoa(len(c.ldflags)))
+		build := exec.Command("go", "build", "-trimpath", "-ldflags="+c.ldflags, "-o", bin, ".")
+		build.Dir = src
+		build.Env = append(os.Environ(), "GO111MODULE=off", "GOPATH="+filepath.Join(dir, "gopath"), "GOFLAGS=")
+		if out, err := build.CombinedOutput(); err != nil {
+			t.Fatalf("GOPATH-mode build: %v: %s", err, out)
+		}
+		out, err := exec.Command(bin).Output()
+		if err != nil || string(out) != c.recovers {
+			t.Errorf("GOPATH-mode build with -ldflags=%q recovers %q (%v), want %q", c.ldflags, out, err, c.recovers)
+		}
+		v, n := defaults(bin)
+		if v != bbDefaults {
+			t.Fatalf("GOPATH-mode defaults %q, the image's busybox %q", v, bbDefaults)
+		}
+		counts[c.ldflags] = n
+	}
+	without, with := counts["-s -w"], counts["-s -w -X=runtime.godebugDefault="]
+	if without != with+1 {
+		t.Fatalf("GOPATH-mode builds carry the defaults string %d times without the -X, %d with it: the test's premise is wrong", without, with)
+	}
+	if bbCount != with {
+		t.Errorf("the image's busybox carries GOPATH mode's defaults %d times, a build with runtime.godebugDefault replaced %d, without %d: it runs with go 1.20's defaults", bbCount, with, without)
 	}
 }
