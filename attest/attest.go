@@ -23,8 +23,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"sort"
+
+	"github.com/passage-boot/passage/manifest"
 )
 
 // Format names the attestation file's shape.
@@ -105,28 +106,9 @@ func (h *HexBytes) UnmarshalJSON(b []byte) error {
 // kilobytes (at most MaxFirmwareLog); anything far larger is not one.
 const MaxFile = 8 << 20
 
-func readBounded(path string) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s: not a regular file", path)
-	}
-	if fi.Size() > MaxFile {
-		return nil, fmt.Errorf("%s: %d bytes, more than %d", path, fi.Size(), MaxFile)
-	}
-	return os.ReadFile(path)
-}
-
 // ReadAttestation reads an attestation file.
 func ReadAttestation(path string) (*Attestation, error) {
-	b, err := readBounded(path)
+	b, err := manifest.ReadRegular(path, MaxFile)
 	if err != nil {
 		return nil, fmt.Errorf("attestation %s: %w", path, err)
 	}

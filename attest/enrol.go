@@ -14,6 +14,8 @@ import (
 	"fmt"
 
 	"github.com/google/go-tpm/tpm2"
+
+	"github.com/passage-boot/passage/manifest"
 )
 
 // NodeFormat names the node record's shape.
@@ -242,7 +244,7 @@ func (r *NodeRecord) SigningKeyPEM() ([]byte, error) {
 
 // ReadJSON reads a bounded JSON file of the given format (the format field checked).
 func ReadJSON(path, format string, v any) error {
-	b, err := readBounded(path)
+	b, err := manifest.ReadRegular(path, MaxFile)
 	if err != nil {
 		return err
 	}

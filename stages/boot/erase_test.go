@@ -30,25 +30,11 @@ import (
 func TestBootEraseRecord(t *testing.T) {
 	bn := newBootNode(t)
 	root := bn.node.Root
-	ctrls := map[pci.Address]*erasetest.Controller{}
-	tree, err := pci.Scan(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, d := range tree.Devices {
-		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())
-		if err := os.WriteFile(filepath.Join(dir, "reset_method"), []byte("flr bus\n"), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(dir, "reset"), nil, 0o200); err != nil {
-			t.Fatal(err)
-		}
-		if d.Class == pcitest.ClassNVMe {
-			c := erasetest.New("S"+d.Addr.String(), erase.SANICAPCES|erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 22})
-			c.Write(1, 0, bytes.Repeat([]byte{0xa5}, 512))
-			ctrls[d.Addr] = c
-		}
-	}
+	ctrls := simulateNVMe(t, root, "flr bus", func(a pci.Address) *erasetest.Controller {
+		c := erasetest.New("S"+a.String(), erase.SANICAPCES|erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 22})
+		c.Write(1, 0, bytes.Repeat([]byte{0xa5}, 512))
+		return c
+	})
 	victim := bn.node.Addr("nvme2")
 	ctrls[victim].Faults.KeepData = true
 
@@ -121,19 +107,9 @@ func TestNoUnitNVMeLeftOnNVMe(t *testing.T) {
 	}
 	bn := newBootNodeOf(t, spec)
 	root := bn.node.Root
-	tree, err := pci.Scan(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctrls := map[pci.Address]*erasetest.Controller{}
-	for _, d := range tree.Devices {
-		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())
-		os.WriteFile(filepath.Join(dir, "reset_method"), []byte("flr\n"), 0o644)
-		os.WriteFile(filepath.Join(dir, "reset"), nil, 0o200)
-		if d.Class == pcitest.ClassNVMe {
-			ctrls[d.Addr] = erasetest.New("S"+d.Addr.String(), erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 16})
-		}
-	}
+	ctrls := simulateNVMe(t, root, "flr", func(a pci.Address) *erasetest.Controller {
+		return erasetest.New("S"+a.String(), erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 16})
+	})
 	ctrls[bn.node.Addr("nvme2")].Faults.SanitizeFails = true
 	nvme5 := bn.node.Addr("nvme5")
 	if drv, _ := vfiobind.Driver(bn.kern, nvme5); drv != erase.NVMeDriver {
@@ -164,23 +140,9 @@ func TestNoUnitNVMeLeftOnNVMe(t *testing.T) {
 func TestEraseShowsProgress(t *testing.T) {
 	bn := newBootNode(t)
 	root := bn.node.Root
-	tree, err := pci.Scan(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctrls := map[pci.Address]*erasetest.Controller{}
-	for _, d := range tree.Devices {
-		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())
-		if err := os.WriteFile(filepath.Join(dir, "reset_method"), []byte("flr\n"), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(dir, "reset"), nil, 0o200); err != nil {
-			t.Fatal(err)
-		}
-		if d.Class == pcitest.ClassNVMe {
-			ctrls[d.Addr] = erasetest.New("S"+d.Addr.String(), erase.SANICAPCES, 0, false, erasetest.Namespace{NSID: 1, Blocks: 1 << 12})
-		}
-	}
+	ctrls := simulateNVMe(t, root, "flr", func(a pci.Address) *erasetest.Controller {
+		return erasetest.New("S"+a.String(), erase.SANICAPCES, 0, false, erasetest.Namespace{NSID: 1, Blocks: 1 << 12})
+	})
 	slow := bn.node.Addr("nvme3")
 	ctrls[slow].Faults.SanitizeTime = 2500 * time.Millisecond // polled each second: 0%, ~40%, ~80%
 
@@ -229,4 +191,28 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// simulateNVMe gives every function of the tree under root a reset the kernel can do
+// (reset_method says methods) and every NVMe a simulated controller made by ctrl.
+func simulateNVMe(t *testing.T, root, methods string, ctrl func(pci.Address) *erasetest.Controller) map[pci.Address]*erasetest.Controller {
+	t.Helper()
+	tree, err := pci.Scan(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctrls := map[pci.Address]*erasetest.Controller{}
+	for _, d := range tree.Devices {
+		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())
+		if err := os.WriteFile(filepath.Join(dir, "reset_method"), []byte(methods+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "reset"), nil, 0o200); err != nil {
+			t.Fatal(err)
+		}
+		if d.Class == pcitest.ClassNVMe {
+			ctrls[d.Addr] = ctrl(d.Addr)
+		}
+	}
+	return ctrls
 }
