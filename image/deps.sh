@@ -33,6 +33,9 @@ command -v sbsign >/dev/null || need+=(sbsigntool)
 command -v openssl >/dev/null || need+=(openssl)
 # sfdisk: the switch_root scenario's GPT root disk, and rootdev's test against blkid.
 command -v sfdisk >/dev/null || need+=(fdisk)
+# udev: systemd-hwdb, which pciids' test uses to build a hardware database of its own, and
+# the system's hwdb.bin (made by udev's postinst), the second source lspci takes names from.
+command -v systemd-hwdb >/dev/null || need+=(udev)
 if ((${#need[@]})); then
 	if [[ $(id -u) != 0 ]]; then
 		echo "deps: missing ${need[*]}; run as root or install them" >&2

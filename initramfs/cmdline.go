@@ -35,14 +35,22 @@ const (
 	EmergencyPoweroff Emergency = "poweroff" // reboot(POWER_OFF): out of the fleet until someone looks
 )
 
-// EmergencyOn is passage.emergency_on=: which verdicts take the emergency action before
-// the handoff.
+// EmergencyOn is passage.emergency_on=: which unit verdicts also take the emergency
+// action before the handoff. A boot that cannot go on takes it whatever this says: no
+// signed manifest was written (the hypervisor has nothing to trust), or the handoff
+// failed (no root).
+//
+// The default is never. A failed unit is the decision working: it stays failed in the
+// signed manifest, no consumer (render, the DRA driver, the hook) ever offers it, and
+// the other seven units of the node can serve. Holding the whole node for one unit turns
+// one bad NIC into eight lost GPUs and a node that never reaches the fleet's monitoring,
+// where the failed unit is counted and alerted on (passage_units{status="failed"}).
 type EmergencyOn string
 
 const (
-	EmergencyOnFailed   EmergencyOn = "failed"   // a failed unit
-	EmergencyOnDegraded EmergencyOn = "degraded" // a failed or a degraded unit
-	EmergencyOnNever    EmergencyOn = "never"    // only a failed handoff
+	EmergencyOnFailed   EmergencyOn = "failed"   // also a failed unit
+	EmergencyOnDegraded EmergencyOn = "degraded" // also a failed or a degraded unit
+	EmergencyOnNever    EmergencyOn = "never"    // no unit verdict: only a boot that cannot go on
 )
 
 // TPMMode is passage.tpm=.
@@ -161,7 +169,7 @@ func Defaults() Config {
 		// A sanitize of a large drive takes minutes; its own deadline, not the stages'.
 		EraseTimeout: 30 * time.Minute,
 		Emergency:    EmergencyHold,
-		EmergencyOn:  EmergencyOnFailed,
+		EmergencyOn:  EmergencyOnNever,
 	}
 }
 

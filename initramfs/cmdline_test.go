@@ -86,11 +86,11 @@ func TestParseCmdline(t *testing.T) {
 		{"emergency", "passage.emergency=poweroff passage.emergency_on=degraded passage.debug", func(c Config) bool {
 			return c.Emergency == EmergencyPoweroff && c.EmergencyOn == EmergencyOnDegraded && c.Debug
 		}, nil},
-		{"emergency defaults: hold on a failed unit, no debug", "passage.debug=off", func(c Config) bool {
-			return c.Emergency == EmergencyHold && c.EmergencyOn == EmergencyOnFailed && !c.Debug
+		{"emergency defaults: hold, a failed unit hands off, no debug", "passage.debug=off", func(c Config) bool {
+			return c.Emergency == EmergencyHold && c.EmergencyOn == EmergencyOnNever && !c.Debug
 		}, nil},
 		{"emergency words refused", "passage.emergency=panic passage.emergency_on=always passage.debug=yes passage.tpm", func(c Config) bool {
-			return c.Emergency == EmergencyHold && c.EmergencyOn == EmergencyOnFailed && !c.Debug
+			return c.Emergency == EmergencyHold && c.EmergencyOn == EmergencyOnNever && !c.Debug
 		}, []string{"passage.emergency=panic", "passage.emergency_on=always", "passage.debug=yes", "passage.tpm"}},
 		{"relative key", "passage.key=key", func(c Config) bool { return c.Key == Defaults().Key }, []string{"passage.key=key"}},
 	}

@@ -35,7 +35,7 @@
 //	passage.host_modules=A,B  e1000e,igb         host drivers loaded by the host stage, after vfio binding (empty value: none)
 //	passage.log=PATH          /run/passage/log.jsonl  the build, then stage results as JSON lines
 //	passage.emergency=hold|shell|reboot|poweroff hold  what a failed boot does instead of its handoff (after the manifest is written)
-//	passage.emergency_on=failed|degraded|never failed  verdicts that take the emergency action: a failed unit, a failed or degraded one, or only a failed handoff
+//	passage.emergency_on=failed|degraded|never never  unit verdicts that also take the emergency action: a failed unit, a failed or degraded one, or none (a boot without a signed manifest, or whose handoff fails, takes it always)
 //	passage.debug=on|off      off                every stage's whole error on the console, a waiting stage shown every second; passage.debug alone is on
 //
 // DUR is a Go duration (30s, 2m). handoff=switch_root without passage.root falls back to

@@ -1,7 +1,8 @@
-// Package pciids names PCI vendors and devices from a pci.ids database, as lspci does:
-// the same file (/usr/share/misc/pci.ids on Debian), the same lookup (vendor, then
-// vendor+device; subsystems name only lspci's Subsystem line, which passage does not
-// print). A command names the functions of one tree, a few dozen IDs out of the file's
+// Package pciids names PCI vendors and devices as lspci does: from the same pci.ids file
+// (/usr/share/misc/pci.ids on Debian), with the same lookup (vendor, then vendor+device;
+// subsystems name only lspci's Subsystem line, which passage does not print), and, for
+// what pci.ids does not list, from the same second source, udev's hardware database
+// (hwdb.bin, systemd's trie), which libpci consults after pci.ids. A command names the functions of one tree, a few dozen IDs out of the file's
 // tens of thousands, so OpenFor reads the file once, front to back, keeps only the names
 // asked for and stops as soon as the vendors asked for are behind it; Open reads every
 // name, for WriteSubset, which writes the subset an initramfs carries.
@@ -31,6 +32,7 @@ const maxSize = 16 << 20
 // empty names, and callers print IDs only.
 type DB struct {
 	path    string
+	hwdb    string
 	vendors map[uint16]string
 	devices map[uint32]string
 	// order keeps the file's order for Subset.
@@ -199,18 +201,56 @@ func (db *DB) sorted() *DB {
 	return db
 }
 
-// OpenDefaultFor is OpenFor on path, or on DefaultPath when path is "". A default
-// database that is not there is no error: the result is nil and names nothing (IDs only,
-// as lspci -n). A path given explicitly must exist.
-func OpenDefaultFor(path string, ids []ID) (*DB, error) {
-	if path != "" {
-		return OpenFor(path, ids)
+// NoHwdb, as OpenDefaultFor's hwdb, reads pci.ids alone (lspci -O hwdb.disable=1).
+const NoHwdb = "none"
+
+// OpenDefaultFor reads the names of ids as lspci looks them up (libpci's names.c,
+// id_lookup): pci.ids first, then, for a vendor or a device it does not list, udev's
+// hardware database (hwdb.bin). path "" is DefaultPath; hwdb "" is the one libudev would
+// open (DefaultHwdb), NoHwdb none. A default that is not there is no error: a node with
+// neither gives nil, which names nothing (IDs only, as lspci -n). A file given explicitly
+// must exist.
+func OpenDefaultFor(path, hwdb string, ids []ID) (*DB, error) {
+	explicit := path != ""
+	if !explicit {
+		path = DefaultPath
 	}
-	db, err := OpenFor(DefaultPath, ids)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+	db, err := OpenFor(path, ids)
+	if errors.Is(err, fs.ErrNotExist) && !explicit {
+		db, err = nil, nil
 	}
-	return db, err
+	if err != nil {
+		return nil, err
+	}
+	switch hwdb {
+	case NoHwdb:
+		return db, nil
+	case "":
+		if hwdb = DefaultHwdb(); hwdb == "" {
+			return db, nil
+		}
+	}
+	h, err := OpenHwdb(hwdb)
+	if err != nil {
+		return nil, err
+	}
+	defer h.Close()
+	if db == nil {
+		db = &DB{vendors: map[uint16]string{}, devices: map[uint32]string{}, byVen: map[uint16][]uint16{}}
+	}
+	if err := db.hwdbNames(h, ids); err != nil {
+		return nil, err
+	}
+	db.hwdb = hwdb
+	return db, nil
+}
+
+// Hwdb is the hardware database the names were completed from ("" for none).
+func (db *DB) Hwdb() string {
+	if db == nil {
+		return ""
+	}
+	return db.hwdb
 }
 
 // Path is the file the database was read from ("" for nil).
@@ -222,15 +262,13 @@ func (db *DB) Path() string {
 }
 
 // Names returns the vendor's and the device's names; "" where the database has none.
+// Each is looked up on its own, as lspci -mm's columns are: hwdb can name a device whose
+// vendor pci.ids lists without it.
 func (db *DB) Names(vendor, device uint16) (vendorName, deviceName string) {
 	if db == nil {
 		return "", ""
 	}
-	vendorName, ok := db.vendors[vendor]
-	if !ok {
-		return "", ""
-	}
-	return vendorName, db.devices[uint32(vendor)<<16|uint32(device)]
+	return db.vendors[vendor], db.devices[uint32(vendor)<<16|uint32(device)]
 }
 
 // Label is a function's name as lspci -nn prints it after the class:

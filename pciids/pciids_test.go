@@ -19,13 +19,19 @@ import (
 
 // lspciNames runs lspci -mm (machine-readable: "slot" "class" "vendor" "device" ...) over
 // the tree with the database file and returns each function's vendor and device words.
-func lspciNames(t *testing.T, n *pcitest.Node, ids string) map[string][2]string {
+// With hwdb false, lspci reads pci.ids alone (-O hwdb.disable=1); otherwise it also asks
+// the hwdb.bin libudev finds, if any.
+func lspciNames(t *testing.T, n *pcitest.Node, ids string, hwdb bool) map[string][2]string {
 	t.Helper()
 	lspci, err := exec.LookPath("lspci")
 	if err != nil {
 		t.Fatalf("lspci not found (image/deps.sh installs pciutils): %v", err)
 	}
-	out, err := exec.Command(lspci, "-D", "-mm", "-i", ids, "-A", "linux-sysfs", "-O", "sysfs.path="+n.SysfsPath()).Output()
+	args := []string{"-D", "-mm", "-i", ids, "-A", "linux-sysfs", "-O", "sysfs.path=" + n.SysfsPath()}
+	if !hwdb {
+		args = append(args, "-O", "hwdb.disable=1")
+	}
+	out, err := exec.Command(lspci, args...).Output()
 	if err != nil {
 		t.Fatalf("lspci: %v", err)
 	}
@@ -62,11 +68,13 @@ func leftPad(id uint16) string {
 }
 
 func referenceTrees() map[string]pcitest.Spec {
-	return map[string]pcitest.Spec{"b300": pcitest.B300(), "b200": pcitest.B200()}
+	return map[string]pcitest.Spec{"b300": pcitest.B300(), "b200": pcitest.B200(), "sriov": pcitest.SRIOVNode(2, 4, 2)}
 }
 
-// TestNamesEqualLspci holds every function of the reference trees against lspci, with
-// the system's database and with the subset an initramfs carries.
+// TestNamesEqualLspci holds every function of three trees against lspci, with the
+// system's pci.ids and with the subset an initramfs carries, each both with the hwdb.bin
+// libudev finds (which lspci asks after pci.ids; on a host without udev there is none,
+// and both read pci.ids alone) and with hwdb off (lspci -O hwdb.disable=1).
 func TestNamesEqualLspci(t *testing.T) {
 	full, err := pciids.Open(pciids.DefaultPath)
 	if err != nil {
@@ -90,31 +98,38 @@ func TestNamesEqualLspci(t *testing.T) {
 				t.Fatal(err)
 			}
 			// What the commands read: the names of this tree's functions only.
-			db, err := pciids.OpenFor(whole.Path(), treeIDs(tree))
+			only, err := pciids.OpenFor(whole.Path(), treeIDs(tree))
 			if err != nil {
 				t.Fatal(err)
 			}
 			for _, d := range tree.Devices {
-				if got, want := ours(db, d), ours(whole, d); got != want {
-					t.Errorf("%s %s %s: OpenFor names it %q, Open %q", name, d.IDs(), db.Path(), got, want)
+				if got, want := ours(only, d), ours(whole, d); got != want {
+					t.Errorf("%s %s %s: OpenFor names it %q, Open %q", name, d.IDs(), only.Path(), got, want)
 				}
 			}
-			want := lspciNames(t, n, db.Path())
-			if len(want) != len(tree.Devices) || len(want) == 0 {
-				t.Fatalf("%s: lspci lists %d functions, the scan %d", name, len(want), len(tree.Devices))
-			}
-			named := 0
-			for _, d := range tree.Devices {
-				got := ours(db, d)
-				if got != want[d.Addr.String()] {
-					t.Errorf("%s %s (%s) %s: ours %q, lspci %q", name, d.Addr, d.IDs(), db.Path(), got, want[d.Addr.String()])
+			for _, hwdb := range []string{"", pciids.NoHwdb} {
+				db, err := pciids.OpenDefaultFor(whole.Path(), hwdb, treeIDs(tree))
+				if err != nil {
+					t.Fatal(err)
 				}
-				if v, dv := db.Names(d.VendorID, d.DeviceID); v != "" && dv != "" {
-					named++
+				src := db.Path() + " hwdb " + db.Hwdb()
+				want := lspciNames(t, n, db.Path(), hwdb != pciids.NoHwdb)
+				if len(want) != len(tree.Devices) || len(want) == 0 {
+					t.Fatalf("%s: lspci lists %d functions, the scan %d", name, len(want), len(tree.Devices))
 				}
-			}
-			if named == 0 {
-				t.Errorf("%s with %s: no function named; the comparison shows nothing", name, db.Path())
+				named := 0
+				for _, d := range tree.Devices {
+					got := ours(db, d)
+					if got != want[d.Addr.String()] {
+						t.Errorf("%s %s (%s) %s: ours %q, lspci %q", name, d.Addr, d.IDs(), src, got, want[d.Addr.String()])
+					}
+					if v, dv := db.Names(d.VendorID, d.DeviceID); v != "" && dv != "" {
+						named++
+					}
+				}
+				if named == 0 {
+					t.Errorf("%s with %s: no function named; the comparison shows nothing", name, src)
+				}
 			}
 		}
 	}

@@ -75,8 +75,9 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 
-	cfg, summary, units, notRoot := runBoot(*root, *dryRun, console)
-	why := emergencyWhy(cfg, summary, units)
+	cfg, summary, units, notRoot, signed := runBoot(*root, *dryRun, console)
+	// A dry run signs nothing by design: only its verdicts can ask for the emergency.
+	why := emergencyWhy(cfg, summary, units, signed || *dryRun)
 	// The booted system keeps the kernel's own limit on its /dev/kmsg writers.
 	if err := restoreKmsg(); err != nil {
 		fmt.Fprintf(console, "passage: %v\n", err)
@@ -111,10 +112,16 @@ func cmdBoot(args []string, stdout, stderr io.Writer) int {
 	return 0 // not reached: neither returns
 }
 
-// emergencyWhy says why the boot takes its emergency action instead of the handoff
-// (passage.emergency_on=): the units the verdict did not pass, or "" for the handoff. A
-// run that failed without units (an internal error before the decision) counts as failed.
-func emergencyWhy(cfg initramfs.Config, summary stages.Status, units []stages.Unit) string {
+// emergencyWhy says why the boot takes its emergency action instead of the handoff, or ""
+// for the handoff. A boot that wrote no signed manifest cannot go on, whatever
+// passage.emergency_on says: the node would serve with nothing the hypervisor can verify.
+// Otherwise passage.emergency_on chooses the unit verdicts that also take it (by default
+// none: initramfs.EmergencyOn says why). A run that failed without units (an internal
+// error before the decision) counts as failed.
+func emergencyWhy(cfg initramfs.Config, summary stages.Status, units []stages.Unit, signed bool) string {
+	if !signed {
+		return "no signed manifest was written"
+	}
 	var failed, degraded []string
 	for _, u := range units {
 		switch u.Status {
@@ -145,7 +152,7 @@ func emergencyWhy(cfg initramfs.Config, summary stages.Status, units []stages.Un
 
 // runBoot does everything before the handoff. A panic outside the runner (which recovers
 // its stages' own) still ends in a handoff, with the run counted as failed.
-func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status, units []stages.Unit, notRoot []string) {
+func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config, summary stages.Status, units []stages.Unit, notRoot []string, signed bool) {
 	cfg = initramfs.Defaults()
 	summary = stages.Failed
 	defer func() {
@@ -243,7 +250,7 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 			fmt.Fprintf(console, "passage: %v\n", err)
 		}
 	}
-	return cfg, summary, units, b.PassthroughAddrs()
+	return cfg, summary, units, b.PassthroughAddrs(), b.ManifestSigned()
 }
 
 // buildRecord is log.jsonl's first line: {"type":"build", and the build's fields}.

@@ -31,20 +31,27 @@ func TestEmergencyWhy(t *testing.T) {
 	} {
 		cfg := initramfs.Defaults()
 		cfg.EmergencyOn = tt.on
-		if got := emergencyWhy(cfg, tt.summary, tt.units); got != tt.want {
+		if got := emergencyWhy(cfg, tt.summary, tt.units, true); got != tt.want {
 			t.Errorf("emergency_on=%s, %d units, %s: %q, want %q", tt.on, len(tt.units), tt.summary, got, tt.want)
 		}
+		// Without a signed manifest the boot cannot go on, whatever emergency_on says.
+		if got := emergencyWhy(cfg, tt.summary, tt.units, false); got != "no signed manifest was written" {
+			t.Errorf("emergency_on=%s, no manifest: %q", tt.on, got)
+		}
+	}
+	if initramfs.Defaults().EmergencyOn != initramfs.EmergencyOnNever {
+		t.Errorf("default passage.emergency_on=%s: a node with one failed unit would not hand off", initramfs.Defaults().EmergencyOn)
 	}
 }
 
 // TestBootKmsgAndEmergency: a boot mirrors its console into the kernel log (a plain file
 // at the tree's dev/kmsg here), and names the emergency it would take for a verdict with
-// a failed unit.
+// a failed unit under passage.emergency_on=failed (and hands off under the default).
 func TestBootKmsgAndEmergency(t *testing.T) {
 	spec := pcitest.B300()
 	spec.Fn("nic1.0").ATS = nil // gpu1 fails under passage.ats=require
 	root := bootTreeOf(t, spec, "console=ttyS0 passage.profile=b300 passage.key=/etc/passage/passage.key passage.tpm=off "+
-		"passage.ats=require passage.emergency=poweroff passage.debug")
+		"passage.ats=require passage.emergency=poweroff passage.emergency_on=failed passage.debug")
 	kmsg := filepath.Join(root, "dev", "kmsg")
 	os.MkdirAll(filepath.Dir(kmsg), 0o755)
 	if err := os.WriteFile(kmsg, nil, 0o644); err != nil {
@@ -73,5 +80,14 @@ func TestBootKmsgAndEmergency(t *testing.T) {
 	}
 	if !strings.Contains(con.String(), "passage: emergency poweroff would be taken (units failed: gpu1 (passage.emergency_on=failed)); --no-handoff\n") {
 		t.Errorf("console does not name the emergency:\n%s", con.String())
+	}
+
+	// Under the default the same verdict hands off: gpu1 stays failed, the rest serve.
+	root = bootTreeOf(t, spec, "console=ttyS0 passage.profile=b300 passage.key=/etc/passage/passage.key passage.tpm=off "+
+		"passage.ats=require passage.emergency=poweroff")
+	con.Reset()
+	cmdBoot([]string{"--root", root, "--dry-run", "--no-handoff"}, &con, &errb)
+	if !strings.Contains(con.String(), "passage: boot --dry-run failed") || strings.Contains(con.String(), "would be taken") {
+		t.Errorf("default passage.emergency_on: a failed unit should hand off:\n%s", con.String())
 	}
 }

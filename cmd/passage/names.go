@@ -8,13 +8,15 @@ import (
 	"github.com/passage-boot/passage/topology"
 )
 
-// namesFlag is --pci-ids: where vendor and device names come from. Without it the
-// system's database (pciids.DefaultPath; in the initramfs, the subset the image carries)
-// names what it knows, and a node without one shows IDs only, as lspci -n does.
-type namesFlag struct{ file string }
+// namesFlag is --pci-ids and --hwdb: where vendor and device names come from, as lspci
+// takes them. Without them the system's pci.ids (pciids.DefaultPath; in the initramfs, the
+// subset the image carries) names what it knows and udev's hwdb what pci.ids does not, and
+// a node with neither shows IDs only, as lspci -n does.
+type namesFlag struct{ file, hwdb string }
 
 func (n *namesFlag) register(fs *flag.FlagSet) {
 	fs.StringVar(&n.file, "pci-ids", "", "read vendor and device names from the pci.ids `FILE` (default "+pciids.DefaultPath+" when it exists)")
+	fs.StringVar(&n.hwdb, "hwdb", "", "name what pci.ids does not from udev's hwdb.bin `FILE` (default: the one libudev opens, when there is one), or "+pciids.NoHwdb+" (lspci -O hwdb.disable=1)")
 }
 
 // open reads the names of tree's functions, and no others (pciids.OpenFor).
@@ -23,7 +25,7 @@ func (n *namesFlag) open(tree *pci.Tree) (*pciids.DB, error) {
 	for _, d := range tree.Devices {
 		ids = append(ids, pciids.ID{Vendor: d.VendorID, Device: d.DeviceID})
 	}
-	return pciids.OpenDefaultFor(n.file, ids)
+	return pciids.OpenDefaultFor(n.file, n.hwdb, ids)
 }
 
 // deviceNames is a function's names in a JSON document; absent where the database has

@@ -117,6 +117,10 @@ func (b *Boot) signed() *manifest.Signed {
 	return b.Signed
 }
 
+// ManifestSigned says whether the manifest stage wrote a signed manifest: a boot without
+// one cannot go on (its emergency action is taken whatever passage.emergency_on says).
+func (b *Boot) ManifestSigned() bool { return b.signed() != nil }
+
 // Units are the decision's units (nil before the decide stage completed).
 func (b *Boot) Units() []*topology.Unit {
 	d, _, _ := b.results()
