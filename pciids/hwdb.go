@@ -1,13 +1,15 @@
 package pciids
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"os"
+	"runtime/debug"
 	"sort"
 	"strings"
+	"syscall"
 )
 
 // HwdbPaths are where libudev looks for the compiled hardware database, in its order
@@ -52,11 +54,15 @@ const (
 	maxString = 64 << 10
 )
 
-// Hwdb is an opened hwdb.bin. Lookups read the nodes they walk (pread), not the whole
-// file: a command asks for a few IDs of a 13 MB trie.
+// Hwdb is an opened hwdb.bin, mapped read-only as sd-hwdb maps it: a command asks for a
+// few IDs of a 13 MB trie, and a lookup touches only the pages of the nodes it walks (a
+// glob's subtree can be a thousand nodes: reading each with its own system call cost 50
+// ms for the B300 tree's IDs). systemd-hwdb replaces the file by rename, never in place;
+// a mapping cut short anyway faults, and that fault is an error of the lookup
+// (debug.SetPanicOnFault), not a crash.
 type Hwdb struct {
 	path                           string
-	f                              *os.File
+	data                           []byte
 	size                           int64
 	nodeSize, childSize, valueSize uint64
 	root                           uint64
@@ -69,7 +75,7 @@ func OpenHwdb(path string) (*Hwdb, error) {
 	fail := func(format string, a ...any) (*Hwdb, error) {
 		return nil, fmt.Errorf("hwdb %s: "+format, append([]any{path}, a...)...)
 	}
-	f, err := os.Open(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return fail("%w", err)
 	}
@@ -85,12 +91,16 @@ func OpenHwdb(path string) (*Hwdb, error) {
 		f.Close()
 		return fail("%d bytes, more than the %d a hwdb.bin can be", fi.Size(), maxHwdbSize)
 	}
-	h := &Hwdb{path: path, f: f, size: fi.Size()}
-	hdr := make([]byte, hwdbHeaderSize)
-	if _, err := f.ReadAt(hdr, 0); err != nil {
-		f.Close()
-		return fail("header: %w", noEOF(err))
+	defer f.Close()
+	if fi.Size() < hwdbHeaderSize {
+		return fail("header: %d bytes, shorter than a hwdb.bin's %d", fi.Size(), hwdbHeaderSize)
 	}
+	data, err := syscall.Mmap(int(f.Fd()), 0, int(fi.Size()), syscall.PROT_READ, syscall.MAP_SHARED)
+	if err != nil {
+		return fail("mmap: %w", err)
+	}
+	h := &Hwdb{path: path, data: data, size: fi.Size()}
+	hdr := data[:hwdbHeaderSize]
 	le := binary.LittleEndian
 	field := func(i int) uint64 { return le.Uint64(hdr[8+8*i:]) }
 	fileSize, headerSize := field(1), field(2)
@@ -109,24 +119,24 @@ func OpenHwdb(path string) (*Hwdb, error) {
 		err = fmt.Errorf("root node at %d, outside the file", h.root)
 	}
 	if err != nil {
-		f.Close()
+		h.Close()
 		return fail("%v", err)
 	}
 	return h, nil
 }
 
-// Close releases the file.
-func (h *Hwdb) Close() error { return h.f.Close() }
+// Close releases the mapping.
+func (h *Hwdb) Close() error {
+	if h.data == nil {
+		return nil
+	}
+	err := syscall.Munmap(h.data)
+	h.data = nil
+	return err
+}
 
 // Path is the file the database was opened from.
 func (h *Hwdb) Path() string { return h.path }
-
-func noEOF(err error) error {
-	if err == io.EOF {
-		return io.ErrUnexpectedEOF
-	}
-	return err
-}
 
 // node is one trie_node_f with its child and value entries.
 type node struct {
@@ -146,16 +156,12 @@ type value struct {
 	priority       uint16
 }
 
-// read reads n bytes at off, which must lie inside the file.
+// read returns the n bytes at off, which must lie inside the file.
 func (h *Hwdb) read(off, n uint64) ([]byte, error) {
 	if off > uint64(h.size) || n > uint64(h.size)-off {
 		return nil, fmt.Errorf("%d bytes at %d: outside the file", n, off)
 	}
-	b := make([]byte, n)
-	if _, err := h.f.ReadAt(b, int64(off)); err != nil {
-		return nil, fmt.Errorf("%d bytes at %d: %w", n, off, noEOF(err))
-	}
-	return b, nil
+	return h.data[off : off+n], nil
 }
 
 func (h *Hwdb) node(off uint64) (*node, error) {
@@ -194,19 +200,15 @@ func (h *Hwdb) str(off uint64) (string, error) {
 	if off == 0 {
 		return "", nil
 	}
-	for chunk := uint64(64); ; chunk *= 2 {
-		n := min(chunk, uint64(h.size)-min(off, uint64(h.size)))
-		b, err := h.read(off, n)
-		if err != nil {
-			return "", fmt.Errorf("string: %w", err)
-		}
-		if i := strings.IndexByte(string(b), 0); i >= 0 {
-			return string(b[:i]), nil
-		}
-		if n < chunk || n >= maxString {
-			return "", fmt.Errorf("string at %d: no end within %d bytes", off, n)
-		}
+	if off >= uint64(h.size) {
+		return "", fmt.Errorf("string at %d: outside the file", off)
 	}
+	b := h.data[off:min(uint64(h.size), off+maxString)]
+	i := bytes.IndexByte(b, 0)
+	if i < 0 {
+		return "", fmt.Errorf("string at %d: no end within %d bytes", off, len(b))
+	}
+	return string(b[:i]), nil
 }
 
 // lookup is one search's state: the properties found so far and the nodes read.
@@ -220,7 +222,16 @@ type lookup struct {
 // Properties returns the properties hwdb gives modalias, as sd_hwdb_get does: every
 // entry whose key (a glob) matches modalias, a later entry of the same property replacing
 // an earlier one unless it comes from a file of lower priority or an earlier line.
-func (h *Hwdb) Properties(modalias string) (map[string]string, error) {
+func (h *Hwdb) Properties(modalias string) (props map[string]string, err error) {
+	if h.data == nil {
+		return nil, fmt.Errorf("hwdb %s: closed", h.path)
+	}
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if p := recover(); p != nil {
+			props, err = nil, fmt.Errorf("hwdb %s: %q: the mapped file faulted (changed in place?): %v", h.path, modalias, p)
+		}
+	}()
 	l := &lookup{h: h, search: modalias, props: map[string]value{}}
 	if err := l.searchTrie(); err != nil {
 		return nil, fmt.Errorf("hwdb %s: %q: %w", h.path, modalias, err)
@@ -447,8 +458,15 @@ func bracket(pattern string, c byte) (ok bool, n int) {
 // (ID_VENDOR_FROM_DATABASE of "pci:v%08X*") and a device's (ID_MODEL_FROM_DATABASE of
 // "pci:v%08Xd%08X*"), the modaliases libpci's names-hwdb.c asks for.
 func (db *DB) hwdbNames(h *Hwdb, ids []ID) error {
+	// A tree lists each ID once per function: ask hwdb once per ID, found or not.
+	asked, vendorAsked := map[ID]bool{}, map[uint16]bool{}
 	for _, id := range ids {
-		if _, ok := db.vendors[id.Vendor]; !ok {
+		if asked[id] {
+			continue
+		}
+		asked[id] = true
+		if _, ok := db.vendors[id.Vendor]; !ok && !vendorAsked[id.Vendor] {
+			vendorAsked[id.Vendor] = true
 			p, err := h.Properties(fmt.Sprintf("pci:v%08X*", id.Vendor))
 			if err != nil {
 				return err

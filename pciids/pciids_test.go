@@ -307,4 +307,13 @@ func BenchmarkNames(b *testing.B) {
 			}
 		}
 	})
+	// What the commands do: OpenFor, then the host's hwdb for what pci.ids lacks.
+	b.Run("OpenDefaultFor", func(b *testing.B) {
+		b.Logf("hwdb: %q", pciids.DefaultHwdb())
+		for b.Loop() {
+			if _, err := pciids.OpenDefaultFor("", "", ids); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 }
