@@ -32,7 +32,8 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-go build -o "$tmp/passage" ./cmd/passage
+# Static, as make build and the image build it (CGO_ENABLED=0): the binary an operator runs.
+CGO_ENABLED=0 go build -o "$tmp/passage" ./cmd/passage
 go build -o "$tmp/benchtable" ./bench/cmd/benchtable
 mkdir -p "$build"
 "$tmp/benchtable" -passage "$tmp/passage" -build "$image" -out "$build/bench.md" "$@"

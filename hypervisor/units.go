@@ -16,7 +16,7 @@ const UnitsFormat = "passage-units/1"
 
 // UnitsDoc is what a scheduler needs from a verified manifest, per unit: the verdict and
 // why, where the unit sits, its host functions, and where the manifest's guest plan puts
-// them. manifest/SCHEMA.md documents it; `passage verify --units --json` prints it.
+// them. manifest/SCHEMA.md documents it; `passage verify --by-unit --json` prints it.
 type UnitsDoc struct {
 	Format        string     `json:"format"` // UnitsFormat
 	Node          string     `json:"node"`   // hostname

@@ -13,7 +13,7 @@ keys=$build/demo-key
 rm -rf "$out"
 
 echo "demo: building passage"
-go build -o "$build/passage" ./cmd/passage
+CGO_ENABLED=0 go build -o "$build/passage" ./cmd/passage # static, as make build and the image
 
 echo "demo: booting $build/initramfs.cpio.gz on $(cat "$build/kernel/release") under QEMU (TCG; about a minute)"
 boot_rc=0

@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"strings"
+	"sync"
 )
 
 // WriteHTML writes a self-contained page: summary, findings, and per collective an
@@ -25,33 +26,36 @@ func WriteHTML(w io.Writer, rep *Report) error {
 	for _, c := range rep.Collectives {
 		data.Colls = append(data.Colls, coll{c, template.HTML(plotSVG(c, rep.Thresholds))})
 	}
-	return pageTmpl.Execute(w, data)
+	return pageTmpl().Execute(w, data)
 }
 
-var pageTmpl = template.Must(template.New("page").Funcs(template.FuncMap{
-	"size":  sizeString,
-	"f2":    func(p *float64) string { return fmtPtr(p, "%.2f") },
-	"pct":   func(p *float64) string { return fmtPtr(p, "%+.2f%%") },
-	"worst": worstString,
-	"nvb":   nvbString,
-	"limitFor": func(size int64, th Thresholds) float64 {
-		if size >= Large8MiB {
-			return th.Large8MiBPct
-		}
-		return th.SmallPct
-	},
-	"deltaClass": func(p *float64, limit float64) string {
-		switch {
-		case p == nil:
-			return ""
-		case *p < -limit:
-			return "bad"
-		case *p < 0:
-			return "loss"
-		}
-		return "ok"
-	},
-}).Parse(`<!DOCTYPE html>
+// pageTmpl is parsed on first use: every passage command links perfcheck, and parsing
+// the page at package init cost each of them (passage help too) a parse they never use.
+var pageTmpl = sync.OnceValue(func() *template.Template {
+	return template.Must(template.New("page").Funcs(template.FuncMap{
+		"size":  sizeString,
+		"f2":    func(p *float64) string { return fmtPtr(p, "%.2f") },
+		"pct":   func(p *float64) string { return fmtPtr(p, "%+.2f%%") },
+		"worst": worstString,
+		"nvb":   nvbString,
+		"limitFor": func(size int64, th Thresholds) float64 {
+			if size >= Large8MiB {
+				return th.Large8MiBPct
+			}
+			return th.SmallPct
+		},
+		"deltaClass": func(p *float64, limit float64) string {
+			switch {
+			case p == nil:
+				return ""
+			case *p < -limit:
+				return "bad"
+			case *p < 0:
+				return "loss"
+			}
+			return "ok"
+		},
+	}).Parse(`<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>perfcheck {{.Verdict}}: {{.R.Guest}} vs {{.R.Host}}</title>
 <style>
@@ -94,6 +98,7 @@ details{margin:6px 0}
 {{end}}</table>{{end}}
 </body></html>
 `))
+})
 
 // plot geometry, in SVG user units
 const (

@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 // NCCLRun is one output file of an nccl-tests binary (all_reduce_perf, ...): one round.
@@ -72,10 +73,12 @@ func nanResult() NCCLResult {
 // mpiPrefix matches what launchers put before each line of a rank's output:
 // Open MPI --tag-output "[1,0]<stdout>:", Open MPI --timestamp-output too, Slurm
 // srun --label "0: ", MPICH/Intel MPI -prepend-rank "[0] ".
-var mpiPrefix = regexp.MustCompile(`^(\[\d+,\d+\]<std(out|err)>:|\s*\d+: |\[\d+\] )`)
+var mpiPrefix = sync.OnceValue(func() *regexp.Regexp {
+	return regexp.MustCompile(`^(\[\d+,\d+\]<std(out|err)>:|\s*\d+: |\[\d+\] )`)
+})
 
 // collectiveRe finds an nccl-tests binary name in a banner or an echoed command line.
-var collectiveRe = regexp.MustCompile(`([a-z][a-z_]*?)_perf\b`)
+var collectiveRe = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`([a-z][a-z_]*?)_perf\b`) })
 
 // abortMarkers are substrings of the lines nccl-tests, NCCL, CUDA and the MPI launchers
 // print when a run dies before its footer.
@@ -99,7 +102,7 @@ func abortLine(s string) bool {
 // stripLine removes a launcher prefix, CR line ends and surrounding blanks.
 func stripLine(s string) string {
 	s = strings.TrimRight(s, "\r")
-	if loc := mpiPrefix.FindStringIndex(s); loc != nil {
+	if loc := mpiPrefix().FindStringIndex(s); loc != nil {
 		s = s[loc[1]:]
 	}
 	return strings.TrimSpace(s)
@@ -325,7 +328,7 @@ func ParseNCCL(name string, r io.Reader) (*NCCLRun, error) {
 			body := strings.TrimSpace(strings.TrimLeft(s, "#"))
 			switch {
 			case strings.HasPrefix(body, "Collective test starting:"):
-				if m := collectiveRe.FindStringSubmatch(body); m != nil {
+				if m := collectiveRe().FindStringSubmatch(body); m != nil {
 					run.Collective = m[1]
 				}
 			case strings.HasPrefix(body, "Collective test concluded"):
@@ -368,7 +371,7 @@ func ParseNCCL(name string, r io.Reader) (*NCCLRun, error) {
 		if _, err := strconv.ParseInt(f[0], 10, 64); err != nil {
 			// Banner, echoed command, NCCL INFO lines, launcher chatter: not the table.
 			if run.Collective == "" {
-				if m := collectiveRe.FindStringSubmatch(s); m != nil && knownCollective(m[1]) {
+				if m := collectiveRe().FindStringSubmatch(s); m != nil && knownCollective(m[1]) {
 					run.Collective = m[1]
 				}
 			}

@@ -140,7 +140,7 @@ func bootGuestCheck(t *testing.T, g *topology.Guest, name string) measuredPlan {
 	return got
 }
 
-// domainsFromManifest renders the libvirt domain of every unit (--units all) from the
+// domainsFromManifest renders the libvirt domain of every unit (--unit all) from the
 // manifest of a real boot, flat and with --numa, for kvm and for qemu, and has libvirt
 // judge each: virt-xml-validate against libvirt's schema, then virsh define in a
 // libvirtd of the test's own, which keeps every hostdev. The boot's units have numa_node
@@ -156,7 +156,7 @@ func domainsFromManifest(t *testing.T, passage, env, tpmPub string, m *manifest.
 	for _, numa := range []bool{false, true} {
 		for _, typ := range []string{"kvm", "qemu"} {
 			name := "passage-scenario1-" + typ
-			args := []string{"render", env, "--tpm-pub", tpmPub, "--format", "libvirt", "--units", "all",
+			args := []string{"render", env, "--tpm-pub", tpmPub, "--format", "libvirt", "--unit", "all",
 				"--domain-type", typ, "--vcpus", "2", "--memory", "1024"}
 			if numa {
 				name += "-numa"

@@ -100,6 +100,28 @@ func deprecatedAlias(fs *flag.FlagSet, old, now string) {
 	deprecatedFlag(fs, old, now, func(v string) error { return fs.Set(now, v) })
 }
 
+// deprecatedBoolAlias is deprecatedAlias for a boolean flag: the old name too stands
+// alone (--units, not --units=true).
+func deprecatedBoolAlias(fs *flag.FlagSet, old, now string) {
+	fs.Var(&boolAlias{fs: fs, old: old, now: now}, old, "deprecated: use "+dashes(now)+" (this name goes in the next release)")
+}
+
+type boolAlias struct {
+	fs       *flag.FlagSet
+	old, now string
+	said     bool
+}
+
+func (b *boolAlias) IsBoolFlag() bool { return true }
+func (b *boolAlias) String() string   { return "" }
+func (b *boolAlias) Set(v string) error {
+	if !b.said {
+		fmt.Fprintf(b.fs.Output(), "passage %s: %s is deprecated, use %s\n", b.fs.Name(), dashes(b.old), dashes(b.now))
+		b.said = true
+	}
+	return b.fs.Set(b.now, v)
+}
+
 // dashes writes a flag as the help does: -o, --pub.
 func dashes(name string) string {
 	if len(name) == 1 {

@@ -130,7 +130,7 @@ func TestDeprecatedFlagNames(t *testing.T) {
 		{[]string{"verify", "--key", pub, env}, "--key", "--pub"},
 		{[]string{"metrics", "--manifest", env, "--pub", pub}, "--manifest", "the MANIFEST argument"},
 		{[]string{"metrics", "--key", pub, env}, "--key", "--pub"},
-		{[]string{"render", "--manifest", env, "--key", pub, "--units", "0"}, "--manifest", "the MANIFEST argument"},
+		{[]string{"render", "--manifest", env, "--key", pub, "--unit", "0"}, "--manifest", "the MANIFEST argument"},
 		{[]string{"plan", "--snapshot", filepath.Join("..", "..", "examples", "b300.tar.gz"), "--out", saved}, "--out", "-o"},
 	} {
 		code, out, errs := runCmd(t, run, tc.args...)

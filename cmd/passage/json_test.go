@@ -90,7 +90,7 @@ func TestJSONAddressesAreBDFs(t *testing.T) {
 		outs = append(outs, output{name, out.String()})
 	}
 	root := pcitest.New(t, pcitest.B300()).Root
-	for _, args := range [][]string{{"plan", "--units", "0,1"}, {"plan", "--numa"}, {"inspect"}, {"apply", "--dry-run"}} {
+	for _, args := range [][]string{{"plan", "--unit", "0,1"}, {"plan", "--numa"}, {"inspect"}, {"apply", "--dry-run"}} {
 		var out, errb bytes.Buffer
 		full := append(append([]string{"--root", root}, args[1:]...), "--json")
 		var code int

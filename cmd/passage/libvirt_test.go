@@ -91,7 +91,7 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 		for _, layout := range []struct {
 			name string
 			args []string
-		}{{"flat", []string{"--units", "0,1"}}, {"numa", []string{"--units", "0,1,4", "--numa"}}} {
+		}{{"flat", []string{"--unit", "0,1"}}, {"numa", []string{"--unit", "0,1,4", "--numa"}}} {
 			for _, typ := range []string{"kvm", "qemu"} {
 				cases = append(cases, domainCase{name: node + "-" + layout.name + "-" + typ, node: node,
 					args: append([]string{"--domain-type", typ}, layout.args...)})

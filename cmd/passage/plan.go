@@ -19,11 +19,12 @@ import (
 
 // planFlags are the inputs plan and render share.
 type planFlags struct {
-	src            treeSource
-	profile, units string
-	ats, cmdline   string
-	erase          string
-	numa           bool
+	src          treeSource
+	profile      string
+	units        unitList
+	ats, cmdline string
+	erase        string
+	numa         bool
 	// command is the command the decision predicts (plan --for); "" is the boot.
 	command string
 }
@@ -31,7 +32,7 @@ type planFlags struct {
 func (f *planFlags) register(fs *flag.FlagSet) {
 	f.src.register(fs)
 	fs.StringVar(&f.profile, "profile", "b300", "built-in profile ("+strings.Join(topology.Builtins(), ", ")+") or a YAML/JSON file")
-	fs.StringVar(&f.units, "units", "all", "units the guest plan lays out: all, or gpu0,gpu1 (or 0,1); the verdicts, the bind set and a saved decision cover every unit")
+	f.units.register(fs, "units the guest plan lays out: all, or `UNITS` like gpu0,gpu1 (or 0,1), repeatable; the verdicts, the bind set and a saved decision cover every unit", true)
 	fs.BoolVar(&f.numa, "numa", false, "one pxb-pcie expander per unit on its NUMA node (guest NODE/SYS distances)")
 	fs.StringVar(&f.ats, "ats", "", "ATS policy for NIC functions without ATS: prefer or require (default: passage.ats= from the command line, else prefer)")
 	fs.StringVar(&f.erase, "erase", "", "erase policy: off, auto or require (default: passage.erase= from the command line, else the profile's)")
@@ -45,16 +46,7 @@ type errUsage struct{ error }
 // the kernel's state under the root too (command line, lockdown), as apply does, so the
 // two agree; a snapshot or a dump has none.
 func (f *planFlags) decide(fs *flag.FlagSet) (*decision.Decision, error) {
-	var units []topology.UnitID
-	if f.units != "all" {
-		for _, s := range strings.Split(f.units, ",") {
-			id, err := topology.ParseUnitName(s)
-			if err != nil {
-				return nil, errUsage{fmt.Errorf("--units %q: want all or units like gpu0,gpu1 (or 0,1)", f.units)}
-			}
-			units = append(units, id)
-		}
-	}
+	units := f.units.units()
 	prof, err := topology.LoadProfile(f.profile)
 	if err != nil {
 		return nil, errUsage{err}

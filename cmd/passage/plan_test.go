@@ -24,7 +24,7 @@ func runCmd(t *testing.T, f func([]string, io.Writer, io.Writer) int, args ...st
 func TestPlanAndRenderCLI(t *testing.T) {
 	n := pcitest.New(t, pcitest.B300())
 
-	code, out, errs := runCmd(t, cmdPlan, "--root", n.Root, "--profile", "b300", "--units", "0,1")
+	code, out, errs := runCmd(t, cmdPlan, "--root", n.Root, "--profile", "b300", "--unit", "0,1")
 	if code != 0 {
 		t.Fatalf("plan: %d %s", code, errs)
 	}
@@ -61,7 +61,7 @@ func TestPlanAndRenderCLI(t *testing.T) {
 		t.Errorf("guest GPU0 row %v", row)
 	}
 
-	code, out, errs = runCmd(t, cmdRender, "--root", n.Root, "--format", "qemu", "--units", "7")
+	code, out, errs = runCmd(t, cmdRender, "--root", n.Root, "--format", "qemu", "--unit", "7")
 	if code != 0 || !strings.Contains(out, "vfio-pci,host="+n.Addr("gpu7").String()) || strings.Contains(out, n.Addr("gpu6").String()) {
 		t.Errorf("render qemu: %d %s\n%s", code, errs, out)
 	}
@@ -74,10 +74,10 @@ func TestPlanAndRenderCLI(t *testing.T) {
 		t.Errorf("render nccl-xml: %d\n%s", code, out)
 	}
 
-	// Bad input: exit 2 with a one-line error.
+	// Bad input: exit 2 with a one-line error (a --unit that is no unit name is a bad flag
+	// value, TestPlanUnitFlag).
 	for _, args := range [][]string{
-		{"--root", n.Root, "--units", "x"},
-		{"--root", n.Root, "--units", "12"},
+		{"--root", n.Root, "--unit", "12"},
 		{"--root", n.Root, "--profile", "nosuch"},
 		{"--root", n.Root, "--lspci-dump", "x"},
 		{"--root", filepath.Join(n.Root, "missing")},

@@ -6,7 +6,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/passage-boot/passage/erase"
@@ -19,7 +18,8 @@ import (
 func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("recycle", stderr)
 	root := fs.String("root", "/", "root of the node (/proc, /sys, /dev, /run)")
-	units := fs.String("unit", "", "units to recycle: N or gpuN, comma-separated")
+	var units unitList
+	units.register(fs, "`UNITS` to recycle: gpuN or N, repeatable or comma-separated", false)
 	profile := fs.String("profile", "", "role profile (default: passage.profile= of /proc/cmdline, else b300)")
 	var rf recordFlags
 	rf.register(fs)
@@ -29,18 +29,7 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
 	}
-	var ids []topology.UnitID
-	for _, s := range strings.Split(*units, ",") {
-		if s == "" {
-			continue
-		}
-		id, err := topology.ParseUnitName(s)
-		if err != nil {
-			fmt.Fprintf(stderr, "passage recycle: --unit %q: want N or gpuN\n", s)
-			return 2
-		}
-		ids = append(ids, id)
-	}
+	ids := units.units()
 	p, err := erase.ParsePolicy(*policy)
 	if len(ids) == 0 || err != nil || !p.Active() {
 		fmt.Fprintln(stderr, "passage recycle: give --unit, and --erase auto or require")

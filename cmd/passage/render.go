@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"strings"
 
 	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/pci"
@@ -49,10 +48,8 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "passage render: one MANIFEST, not %q\n", pos)
 		return 2
 	}
-	units, err := parseUnits(f.units)
-	if err != nil {
-		return exitFor(stderr, err)
-	}
+	units := f.units.units()
+	var err error
 	set := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
 
@@ -84,9 +81,9 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 				return 2
 			}
 		}
-		// The verdicts admit units here; the decision's own guest plan (its --units) is
+		// The verdicts admit units here; the decision's own guest plan (its --unit) is
 		// not what is rendered.
-		f.units = "all"
+		f.units = unitList{all: true}
 		d, err := f.decide(fs)
 		if err == nil && d.LabelErr != nil {
 			// A guest must not be rendered from a labelling the rules disagree on.
@@ -129,7 +126,7 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	}
 	if in.Units == nil {
 		if left := hypervisor.LeftOut(in, r.Guest); left != "" {
-			fmt.Fprintf(stderr, "passage render: --units all leaves out %s\n", left)
+			fmt.Fprintf(stderr, "passage render: --unit all leaves out %s\n", left)
 		}
 	}
 	if _, err := stdout.Write(r.Out); err != nil {
@@ -139,27 +136,11 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// unitsOrAll are the units asked for, or with --units all those the verdicts admit.
+// unitsOrAll are the units asked for, or with --unit all those the verdicts admit.
 func unitsOrAll(in hypervisor.Input) []topology.UnitID {
 	if in.Units != nil {
 		return in.Units
 	}
 	ids, _, _ := topology.Admit(in.Sources, nil, in.AllowDegraded)
 	return ids
-}
-
-// parseUnits reads --units: "all" (nil) or gpu0,gpu1 (or 0,1).
-func parseUnits(s string) ([]topology.UnitID, error) {
-	if s == "all" {
-		return nil, nil
-	}
-	var units []topology.UnitID
-	for _, part := range strings.Split(s, ",") {
-		id, err := topology.ParseUnitName(part)
-		if err != nil {
-			return nil, errUsage{fmt.Errorf("--units %q: want all or units like gpu0,gpu1 (or 0,1)", s)}
-		}
-		units = append(units, id)
-	}
-	return units, nil
 }

@@ -109,7 +109,7 @@ func TestRenderFromManifest(t *testing.T) {
 		tree string
 	}
 	var all []rendering
-	for _, layout := range [][]string{{"--units", "0,1"}, {"--units", "gpu0,gpu1", "--numa"}, {"--units", "all", "--numa"}} {
+	for _, layout := range [][]string{{"--unit", "0,1"}, {"--unit", "gpu0,gpu1", "--numa"}, {"--unit", "all", "--numa"}} {
 		for _, format := range []string{"qemu", "libvirt", "libvirt-devices", "nccl-xml"} {
 			args := append([]string{"--format", format}, layout...)
 			code, fromTree, errs := runCmd(t, cmdRender, append([]string{"--root", n.root}, args...)...)
@@ -147,7 +147,7 @@ func TestRenderFromManifest(t *testing.T) {
 		}
 	}
 	// What the renderings hold, checked against the manifest rather than the renderer.
-	_, dom, _ := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,1", "--numa", "--vcpus", "4", "--memory", "8192")
+	_, dom, _ := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--format", "libvirt", "--unit", "0,1", "--numa", "--vcpus", "4", "--memory", "8192")
 	for _, u := range n.m.Units[:2] {
 		for _, f := range u.Functions {
 			var a struct{ d, b, s, f string }
@@ -166,7 +166,7 @@ func TestRenderFromManifest(t *testing.T) {
 		}
 	}
 	// Across sockets: one cell per host node, its vCPUs pinned to that node's CPUs.
-	code, dom2, errs := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--format", "libvirt", "--units", "0,4", "--numa", "--vcpus", "4", "--memory", "8192")
+	code, dom2, errs := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--format", "libvirt", "--unit", "0,4", "--numa", "--vcpus", "4", "--memory", "8192")
 	for _, want := range []string{`<cell id="0" cpus="0-1" memory="4096" unit="MiB">`, `<cell id="1" cpus="2-3" memory="4096" unit="MiB">`,
 		`<vcpupin vcpu="1" cpuset="0-63,128-191">`, `<vcpupin vcpu="2" cpuset="64-127,192-255">`, `<memnode cellid="1" mode="strict" nodeset="1">`} {
 		if code != 0 || !strings.Contains(dom2, want) {
@@ -223,10 +223,10 @@ func TestRenderRefusals(t *testing.T) {
 		{"wrong key", []string{n.envelope, "--pub", other.pub}, "another key"},
 		{"old generation", []string{n.envelope, "--pub", n.pub, "--min-generation", "2"}, "generation 1"},
 		{"other boot", []string{n.envelope, "--pub", n.pub, "--boot-id", "11111111-2222-3333-4444-555555555555"}, "boot"},
-		{"failed unit", []string{failed.envelope, "--pub", failed.pub, "--units", "0,1"}, "gpu1 is failed"},
-		{"failed unit, degraded allowed", []string{failed.envelope, "--pub", failed.pub, "--units", "1", "--allow-degraded"}, "gpu1 is failed"},
-		{"degraded without the flag", []string{degraded.envelope, "--pub", degraded.pub, "--units", "0"}, "gpu0 is degraded"},
-		{"failed unit from the tree", []string{"--root", failed.root, "--units", "1"}, "gpu1 is failed"},
+		{"failed unit", []string{failed.envelope, "--pub", failed.pub, "--unit", "0,1"}, "gpu1 is failed"},
+		{"failed unit, degraded allowed", []string{failed.envelope, "--pub", failed.pub, "--unit", "1", "--allow-degraded"}, "gpu1 is failed"},
+		{"degraded without the flag", []string{degraded.envelope, "--pub", degraded.pub, "--unit", "0"}, "gpu0 is degraded"},
+		{"failed unit from the tree", []string{"--root", failed.root, "--unit", "1"}, "gpu1 is failed"},
 	} {
 		for _, format := range []string{"qemu", "libvirt"} {
 			code, out, errs := runCmd(t, cmdRender, append(c.args, "--format", format)...)
@@ -240,23 +240,23 @@ func TestRenderRefusals(t *testing.T) {
 	if n.m.Generation != 1 || n.m.GenerationSource != manifest.GenerationFile {
 		t.Fatalf("generation %d from %s, want 1 from the file counter", n.m.Generation, n.m.GenerationSource)
 	}
-	if code, _, errs := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--min-generation", "1", "--boot-id", testBootID, "--units", "0"); code != 0 {
+	if code, _, errs := runCmd(t, cmdRender, n.envelope, "--pub", n.pub, "--min-generation", "1", "--boot-id", testBootID, "--unit", "0"); code != 0 {
 		t.Errorf("the right boot: exit %d %s", code, errs)
 	}
 	// Degraded with the flag: rendered, and named.
-	code, out, errs := runCmd(t, cmdRender, degraded.envelope, "--pub", degraded.pub, "--units", "0,1", "--allow-degraded", "--format", "libvirt")
+	code, out, errs := runCmd(t, cmdRender, degraded.envelope, "--pub", degraded.pub, "--unit", "0,1", "--allow-degraded", "--format", "libvirt")
 	if code != 0 || !strings.Contains(errs, "gpu0 is degraded") || !strings.Contains(out, "<description>gpu0 is degraded") || strings.Contains(errs, "gpu1") {
 		t.Errorf("degraded with --allow-degraded: exit %d, stderr %q\n%s", code, errs, out)
 	}
-	code, out, errs = runCmd(t, cmdRender, degraded.envelope, "--pub", degraded.pub, "--units", "0", "--allow-degraded", "--format", "qemu")
+	code, out, errs = runCmd(t, cmdRender, degraded.envelope, "--pub", degraded.pub, "--unit", "0", "--allow-degraded", "--format", "qemu")
 	if code != 0 || !strings.HasPrefix(out, "# passage: gpu0 is degraded: ") || strings.Count(out, "\n# ") != 0 {
 		t.Errorf("degraded with --allow-degraded, qemu: exit %d, stderr %q\n%s", code, errs, out)
 	}
-	// --units all renders what the verdicts admit: every unit but the failed one, which
+	// --unit all renders what the verdicts admit: every unit but the failed one, which
 	// it names.
 	code, out, errs = runCmd(t, cmdRender, failed.envelope, "--pub", failed.pub, "--format", "libvirt-devices")
 	if code != 0 || strings.Count(out, "<hostdev ") != 7*4 || !strings.Contains(errs, "leaves out gpu1 (failed)") {
-		t.Errorf("--units all with a failed unit: exit %d, %d hostdevs, want 28; stderr %q", code, strings.Count(out, "<hostdev "), errs)
+		t.Errorf("--unit all with a failed unit: exit %d, %d hostdevs, want 28; stderr %q", code, strings.Count(out, "<hostdev "), errs)
 	}
 
 	// Usage: tree flags with --manifest, manifest flags without it.
@@ -272,14 +272,14 @@ func TestRenderRefusals(t *testing.T) {
 	}
 }
 
-// TestVerifyUnitsView: verify --units --json prints, per unit, the manifest's verdict,
+// TestVerifyUnitsView: verify --by-unit --json prints, per unit, the manifest's verdict,
 // NUMA node, host functions and guest placement; text names every unit; a manifest that
 // does not verify prints nothing.
 func TestVerifyUnitsView(t *testing.T) {
 	n := bootSigned(t, b300With(func(s *pcitest.Spec) { s.Fn("gpu-dsp1").ACS = nil })())
-	code, out, errs := runCmd(t, cmdVerify, "--pub", n.pub, "--units", "--json", n.envelope)
+	code, out, errs := runCmd(t, cmdVerify, "--pub", n.pub, "--by-unit", "--json", n.envelope)
 	if code != 0 {
-		t.Fatalf("verify --units --json: exit %d %s", code, errs)
+		t.Fatalf("verify --by-unit --json: exit %d %s", code, errs)
 	}
 	var doc struct {
 		Format        string `json:"format"`
@@ -340,15 +340,15 @@ func TestVerifyUnitsView(t *testing.T) {
 		t.Errorf("gpu1: %s %v, want failed with reasons", doc.Units[1].Status, doc.Units[1].Reasons)
 	}
 
-	code, text, _ := runCmd(t, cmdVerify, "--pub", n.pub, "--units", n.envelope)
+	code, text, _ := runCmd(t, cmdVerify, "--pub", n.pub, "--by-unit", n.envelope)
 	for _, u := range n.m.Units {
 		if code != 0 || !strings.Contains(text, u.ID+" ") {
-			t.Errorf("verify --units: exit %d, no line for %s:\n%s", code, u.ID, text)
+			t.Errorf("verify --by-unit: exit %d, no line for %s:\n%s", code, u.ID, text)
 		}
 	}
 	other := bootSigned(t, pcitest.B300())
-	if code, out, errs := runCmd(t, cmdVerify, "--pub", other.pub, "--units", "--json", n.envelope); code != 1 || out != "" || !strings.Contains(errs, "REFUSED") {
-		t.Errorf("verify --units with another key: exit %d, stdout %q, stderr %q", code, out, errs)
+	if code, out, errs := runCmd(t, cmdVerify, "--pub", other.pub, "--by-unit", "--json", n.envelope); code != 1 || out != "" || !strings.Contains(errs, "REFUSED") {
+		t.Errorf("verify --by-unit with another key: exit %d, stdout %q, stderr %q", code, out, errs)
 	}
 }
 
@@ -357,7 +357,7 @@ func TestVerifyUnitsView(t *testing.T) {
 // a complete libvirt domain.
 func BenchmarkRender(b *testing.B) {
 	n := bootSigned(b, pcitest.B300())
-	common := []string{"--units", "0,1", "--numa", "--format", "libvirt"}
+	common := []string{"--unit", "0,1", "--numa", "--format", "libvirt"}
 	for _, c := range []struct {
 		name string
 		args []string

@@ -36,7 +36,8 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 	}
 	fs := newFlags("unbind", stderr)
 	root := fs.String("root", "/", "root of the sysfs tree to read and write")
-	unit := fs.String("unit", "", "unit to return to its host drivers: N or gpuN (units as passage plan labels them)")
+	var units unitList
+	units.register(fs, "`UNITS` to return to their host drivers: gpuN or N (as passage plan labels them), repeatable or comma-separated", false)
 	profile := fs.String("profile", "b300", "role profile that labels the units: a built-in name or a file")
 	bdfs := fs.String("bdf", "", "comma-separated functions to return instead of a unit (DDDD:BB:DD.F)")
 	asJSON := fs.Bool("json", false, "print the per-function report as JSON")
@@ -45,7 +46,7 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
 	}
-	if (*unit == "") == (*bdfs == "") {
+	if (len(units.ids) == 0) == (*bdfs == "") {
 		fmt.Fprintln(stderr, "passage unbind: give exactly one of --unit or --bdf")
 		return 2
 	}
@@ -55,8 +56,8 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 		return 2
 	}
 	var fns []*pci.Device
-	if *unit != "" {
-		fns, err = unbindUnitFunctions(tree, *unit, *profile, stderr)
+	if len(units.ids) > 0 {
+		fns, err = unbindUnitFunctions(tree, units.ids, *profile, stderr)
 	} else {
 		fns, err = unbindBDFs(tree, *bdfs)
 	}
@@ -121,12 +122,8 @@ func unbindDriverName(s string) string {
 }
 
 // unbindUnitFunctions labels the tree as passage plan and passage boot do and returns the
-// unit's passthrough functions.
-func unbindUnitFunctions(tree *pci.Tree, unit, profile string, stderr io.Writer) ([]*pci.Device, error) {
-	id, err := topology.ParseUnitName(unit)
-	if err != nil || id < 0 {
-		return nil, fmt.Errorf("--unit %q: want N or gpuN", unit)
-	}
+// units' passthrough functions.
+func unbindUnitFunctions(tree *pci.Tree, ids []topology.UnitID, profile string, stderr io.Writer) ([]*pci.Device, error) {
 	p, err := topology.LoadProfile(profile)
 	if err != nil {
 		return nil, err
@@ -137,21 +134,23 @@ func unbindUnitFunctions(tree *pci.Tree, unit, profile string, stderr io.Writer)
 	}
 	if err != nil {
 		// A labelling problem elsewhere in the tree does not change which functions
-		// this unit holds; the whole-group check still guards what is released.
+		// these units hold; the whole-group check still guards what is released.
 		fmt.Fprintf(stderr, "passage unbind: warning: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
 	}
-	u := labels.Unit(id)
-	if u == nil {
-		var have []string
-		for _, o := range labels.Units {
-			have = append(have, o.ID.String())
-		}
-		return nil, fmt.Errorf("--unit %s: no such unit under profile %s (have %s)", unit, profile, strings.Join(have, " "))
-	}
 	var fns []*pci.Device
-	for _, d := range u.Functions() {
-		if d != nil {
-			fns = append(fns, d)
+	for _, id := range ids {
+		u := labels.Unit(id)
+		if u == nil {
+			var have []string
+			for _, o := range labels.Units {
+				have = append(have, o.ID.String())
+			}
+			return nil, fmt.Errorf("--unit %s: no such unit under profile %s (have %s)", id, profile, strings.Join(have, " "))
+		}
+		for _, d := range u.Functions() {
+			if d != nil {
+				fns = append(fns, d)
+			}
 		}
 	}
 	return fns, nil

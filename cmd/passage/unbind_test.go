@@ -58,7 +58,7 @@ func TestUnbindRefuses(t *testing.T) {
 		{nil, "exactly one of --unit or --bdf"},
 		{[]string{"--unit", "3", "--bdf", "00:01.0"}, "exactly one of --unit or --bdf"},
 		{[]string{"--unit", "9"}, "no such unit"},
-		{[]string{"--unit", "three"}, "want N or gpuN"},
+		{[]string{"--unit", "three"}, `unit "three": want units like gpu0,gpu1`},
 		{[]string{"--unit", "3", "--profile", "no-such-profile"}, "no-such-profile"},
 		{[]string{"--bdf", "zz:00.0"}, "bad bus"},
 		{[]string{"--bdf", "0000:fe:00.0"}, "no such function"},

@@ -17,10 +17,12 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("verify", stderr)
 	var vf verifyFlags
 	vf.register(fs)
-	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary (with --units: the units document)")
+	asJSON := fs.Bool("json", false, "print the signed payload instead of a summary (with --by-unit: the units document)")
 	var af attestFlags
 	af.register(fs)
-	unitsView := fs.Bool("units", false, "print the units view: per unit status, reasons, NUMA node, host functions, guest placement (manifest/SCHEMA.md)")
+	// --by-unit, not --units: --unit is a unit list in every command that takes one.
+	unitsView := fs.Bool("by-unit", false, "print the manifest unit by unit: status, reasons, NUMA node, host functions, guest placement (manifest/SCHEMA.md)")
+	deprecatedBoolAlias(fs, "units", "by-unit")
 	paths, code, ok := parseFlags(fs, args, stdout)
 	if !ok {
 		return code
@@ -35,7 +37,7 @@ func cmdVerify(args []string, stdout, stderr io.Writer) int {
 			return code
 		}
 		if *asJSON || *unitsView || af.att != "" {
-			fmt.Fprintln(stderr, "passage verify: --json, --units and --attest take one manifest")
+			fmt.Fprintln(stderr, "passage verify: --json, --by-unit and --attest take one manifest")
 			return 2
 		}
 		return verifyMany(paths, keyFile, vf.tpmPub != "", opts, stdout, stderr)

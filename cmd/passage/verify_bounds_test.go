@@ -136,7 +136,7 @@ func TestVerifyOutputEscapesPayloadStrings(t *testing.T) {
 			t.Errorf("forged line printed: %q", l)
 		}
 	}
-	for _, args := range [][]string{{"--pub", pub, evil}, {"--pub", pub, "--units", evil}} {
+	for _, args := range [][]string{{"--pub", pub, evil}, {"--pub", pub, "--by-unit", evil}} {
 		code, out, errs = runCmd(t, cmdVerify, args...)
 		if code != 0 || strings.ContainsAny(out, "\x1b\x07\u202e") || !strings.Contains(out, `\x1b]0;owned\x07\x1b[2J reason \u202e`) {
 			t.Errorf("verify %v: exit %d %s\n%q", args, code, errs, out)

@@ -25,6 +25,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 // The protocol's words, written by the encoder below and compiled into the decoder's
@@ -47,13 +48,15 @@ const (
 // summaries are the PASSAGE-DONE words, the boot's overall status.
 var summaries = []string{"ok", "degraded", "failed"}
 
+// nameRE and eventRE are compiled on first use: every passage process links this
+// package, and only the boot writes blocks and markers.
 var (
-	nameRE  = regexp.MustCompile(`^` + namePattern + `$`)
-	eventRE = regexp.MustCompile(`^` + eventPattern + `$`)
+	nameRE  = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^` + namePattern + `$`) })
+	eventRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^` + eventPattern + `$`) })
 )
 
 func validName(name string) bool {
-	return nameRE.MatchString(name) && name != "." && name != ".."
+	return nameRE().MatchString(name) && name != "." && name != ".."
 }
 
 // File writes one file's block. Each line goes out in one Write so that a kernel message
@@ -147,7 +150,7 @@ func Uptime(root string) (float64, error) {
 // (the reader keeps it as -1: time unknown). An event name the reader would not
 // recognise (lower case, digits and dashes) writes nothing.
 func Mark(w io.Writer, root, event string) (float64, error) {
-	if !eventRE.MatchString(event) {
+	if !eventRE().MatchString(event) {
 		return -1, fmt.Errorf("emit mark %q: event must match %s", event, eventPattern)
 	}
 	up, err := Uptime(root)

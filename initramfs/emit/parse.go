@@ -13,6 +13,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -29,14 +30,23 @@ type Report struct {
 
 // The decoder finds protocol lines anywhere in a console line: a printk or a partial
 // line from another writer may sit in front of one. Patterns come from emit.go's words.
-var (
-	beginRE = regexp.MustCompile(regexp.QuoteMeta(beginPrefix) +
-		`(` + namePattern + `) ([0-9]+) ([0-9a-f]{64})` + regexp.QuoteMeta(closer))
-	endRE    = regexp.MustCompile(regexp.QuoteMeta(endPrefix) + `(\S+)` + regexp.QuoteMeta(closer))
-	doneRE   = regexp.MustCompile(regexp.QuoteMeta(donePrefix) + `(` + strings.Join(summaries, "|") + `)` + regexp.QuoteMeta(closer))
-	markerRE = regexp.MustCompile(regexp.QuoteMeta(markPrefix) + `(` + eventPattern + `) (-?[0-9]+\.[0-9]{3})\b`)
-	b64Line  = regexp.MustCompile(`^[A-Za-z0-9+/]+={0,2}$`)
-)
+// They are compiled on a parser's first use, not at package init: passage links this
+// package for the writer side, and every passage process (passage help too) would pay
+// for compiling what only a reader of a console uses.
+type patterns struct {
+	begin, end, done, marker, b64Line *regexp.Regexp
+}
+
+var parsePatterns = sync.OnceValue(func() *patterns {
+	return &patterns{
+		begin: regexp.MustCompile(regexp.QuoteMeta(beginPrefix) +
+			`(` + namePattern + `) ([0-9]+) ([0-9a-f]{64})` + regexp.QuoteMeta(closer)),
+		end:     regexp.MustCompile(regexp.QuoteMeta(endPrefix) + `(\S+)` + regexp.QuoteMeta(closer)),
+		done:    regexp.MustCompile(regexp.QuoteMeta(donePrefix) + `(` + strings.Join(summaries, "|") + `)` + regexp.QuoteMeta(closer)),
+		marker:  regexp.MustCompile(regexp.QuoteMeta(markPrefix) + `(` + eventPattern + `) (-?[0-9]+\.[0-9]{3})\b`),
+		b64Line: regexp.MustCompile(`^[A-Za-z0-9+/]+={0,2}$`),
+	}
+})
 
 // maxFileSize bounds one decoded block: a manifest or log is kilobytes; a runaway guest
 // must not make the reader hold gigabytes.
@@ -107,18 +117,18 @@ func (p *Parser) Line(s string) {
 		p.end(p.cur.name)
 		return
 	}
-	if m := endRE.FindStringSubmatch(s); m != nil {
+	if m := parsePatterns().end.FindStringSubmatch(s); m != nil {
 		p.end(m[1])
 		return
 	}
-	if m := doneRE.FindStringSubmatch(s); m != nil {
+	if m := parsePatterns().done.FindStringSubmatch(s); m != nil {
 		if p.rep.Done == "" {
 			p.rep.Done = m[1]
 			p.stamp("done")
 		}
 		return
 	}
-	if m := markerRE.FindStringSubmatch(s); m != nil {
+	if m := parsePatterns().marker.FindStringSubmatch(s); m != nil {
 		if _, ok := p.rep.Markers[m[1]]; !ok {
 			v, err := strconv.ParseFloat(m[2], 64)
 			if err != nil {
@@ -134,7 +144,7 @@ func (p *Parser) Line(s string) {
 		return
 	}
 	t := strings.TrimSpace(s)
-	if len(t) > lineWidth || !b64Line.MatchString(t) {
+	if len(t) > lineWidth || !parsePatterns().b64Line.MatchString(t) {
 		return
 	}
 	if p.cur.b64.Len()+len(t) > base64.StdEncoding.EncodedLen(p.cur.size) {
@@ -149,7 +159,7 @@ func (p *Parser) begin(s string) {
 		p.errorf("console file %s: no END before the next BEGIN", p.cur.name)
 		p.cur = nil
 	}
-	m := beginRE.FindStringSubmatch(s)
+	m := parsePatterns().begin.FindStringSubmatch(s)
 	if m == nil {
 		rest := s[strings.Index(s, beginPrefix)+len(beginPrefix):]
 		name, _, _ := strings.Cut(rest, " ")

@@ -18,6 +18,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -122,7 +123,7 @@ func Scan(root string) ([]Device, error) {
 		d.PartUUID = partUUID(root, dir, d.Name)
 		if real, err := filepath.EvalSymlinks(filepath.Join(dir, d.Name)); err == nil {
 			for _, c := range strings.Split(filepath.ToSlash(real), "/") {
-				if pciAddr.MatchString(c) {
+				if pciAddr().MatchString(c) {
 					d.PCI = append(d.PCI, c)
 				}
 			}
@@ -235,7 +236,11 @@ func gptPartUUID(r io.ReaderAt, sector int64, n int) string {
 	return fmt.Sprintf("%08x-%02x", sig, n)
 }
 
-var pciAddr = regexp.MustCompile(`^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$`)
+// pciAddr is compiled on first use: every passage process links this package, and only
+// the boot's root search reads sysfs block-device paths.
+var pciAddr = sync.OnceValue(func() *regexp.Regexp {
+	return regexp.MustCompile(`^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$`)
+})
 
 // under says the device sits below one of the PCI functions in not.
 func (d Device) under(not map[string]bool) string {

@@ -46,7 +46,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	boot := fs.Bool("boot", true, "boot the image under QEMU 3 times for the boot row (about 15 s a boot)")
 	boots := fs.Int("boots", 3, "boots for the boot row")
 	out := fs.String("out", "", "also write the table and details as Markdown to `FILE`")
-	only := fs.String("rows", "", "run only these rows (comma-separated: scan,plan,names,apply,scaling,floor,manifest,image,boot)")
+	only := fs.String("rows", "", "run only these rows (comma-separated: scan,oracle,plan,names,apply,scaling,floor,manifest,image,boot)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -82,6 +82,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fn   func(*env, *table, io.Writer) error
 	}{
 		{"scan", rowScan},
+		{"oracle", rowOracle},
 		{"plan", rowPlan},
 		{"names", rowNames},
 		{"apply", rowApply},
