@@ -5,12 +5,14 @@
 package hook
 
 import (
+	"encoding/xml"
 	"errors"
 	"fmt"
 	"sort"
 	"strconv"
 	"strings"
 
+	"kubevirt.io/kubevirt/pkg/virt-launcher/virtwrap/api"
 	"libvirt.org/go/libvirtxml"
 
 	"github.com/passage-boot/passage/hypervisor"
@@ -62,9 +64,9 @@ type Result struct {
 // refused, naming the function, when the manifest does not verify, names another node,
 // or the unit is not ready, or when the domain holds part of a unit only.
 func (c Config) DefineDomain(in []byte) (*Result, error) {
-	var d libvirtxml.Domain
-	if err := d.Unmarshal(string(in)); err != nil {
-		return nil, fmt.Errorf("domain xml: %w", err)
+	d, err := parseDomain(in)
+	if err != nil {
+		return nil, err
 	}
 	if d.Devices == nil {
 		return &Result{Domain: in}, nil
@@ -196,6 +198,31 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 
 func ptr[T any](v T) *T { return &v }
 
+// parseDomain reads the domain virt-launcher sends. It is KubeVirt's api.DomainSpec
+// written out, so it is read as one first: KubeVirt's DRA host devices carry no mode,
+// which libvirt defaults to subsystem and libvirtxml requires; nothing virt-launcher
+// keeps is lost on the way, as virt-launcher keeps only what DomainSpec holds.
+func parseDomain(in []byte) (libvirtxml.Domain, error) {
+	var d libvirtxml.Domain
+	var spec api.DomainSpec
+	if err := xml.Unmarshal(in, &spec); err != nil {
+		return d, fmt.Errorf("domain xml: %w", err)
+	}
+	for i := range spec.Devices.HostDevices {
+		if spec.Devices.HostDevices[i].Mode == "" {
+			spec.Devices.HostDevices[i].Mode = "subsystem"
+		}
+	}
+	b, err := xml.Marshal(spec)
+	if err != nil {
+		return d, fmt.Errorf("domain xml: %w", err)
+	}
+	if err := d.Unmarshal(string(b)); err != nil {
+		return d, fmt.Errorf("domain xml: %w", err)
+	}
+	return d, nil
+}
+
 func sourceOf(h libvirtxml.DomainHostdev) pci.Address {
 	a := h.SubsysPCI.Source.Address
 	v := func(p *uint) uint {
@@ -252,6 +279,7 @@ type child struct {
 	hostdev    int // index into Hostdevs, -1 otherwise
 	slot, fn   int
 	controller *libvirtxml.DomainController
+	addr       **libvirtxml.DomainAddress // another device's address
 }
 
 // children lists what plugs into bus, in slot/function order (firmware's order).
@@ -272,9 +300,9 @@ func (t *tree) children(bus int) []child {
 	}
 	// Every other device with a PCI address counts as a device on its bus.
 	for _, a := range otherAddresses(t.devs) {
-		if pciBus(a) == bus {
-			s, f := pciSlot(a)
-			out = append(out, child{index: -1, hostdev: -1, slot: s, fn: f})
+		if pciBus(*a) == bus {
+			s, f := pciSlot(*a)
+			out = append(out, child{index: -1, hostdev: -1, slot: s, fn: f, addr: a})
 		}
 	}
 	sort.SliceStable(out, func(i, j int) bool {
@@ -288,48 +316,57 @@ func (t *tree) children(bus int) []child {
 
 // otherAddresses are the PCI addresses of the devices that are neither controllers nor
 // host devices: they keep their places, and their buses are not the plan's to remove.
-func otherAddresses(d *libvirtxml.DomainDeviceList) []*libvirtxml.DomainAddress {
-	var out []*libvirtxml.DomainAddress
-	for _, x := range d.Disks {
-		out = append(out, x.Address)
+func otherAddresses(d *libvirtxml.DomainDeviceList) []**libvirtxml.DomainAddress {
+	var out []**libvirtxml.DomainAddress
+	for i := range d.Disks {
+		out = append(out, &d.Disks[i].Address)
 	}
-	for _, x := range d.Interfaces {
-		out = append(out, x.Address)
+	for i := range d.Interfaces {
+		out = append(out, &d.Interfaces[i].Address)
 	}
-	for _, x := range d.Videos {
-		out = append(out, x.Address)
+	for i := range d.Videos {
+		out = append(out, &d.Videos[i].Address)
 	}
-	for _, x := range d.Inputs {
-		out = append(out, x.Address)
+	for i := range d.Inputs {
+		out = append(out, &d.Inputs[i].Address)
 	}
-	for _, x := range d.Sounds {
-		out = append(out, x.Address)
+	for i := range d.Sounds {
+		out = append(out, &d.Sounds[i].Address)
 	}
-	for _, x := range d.Filesystems {
-		out = append(out, x.Address)
+	for i := range d.Filesystems {
+		out = append(out, &d.Filesystems[i].Address)
 	}
-	for _, x := range d.Channels {
-		out = append(out, x.Address)
+	for i := range d.Channels {
+		out = append(out, &d.Channels[i].Address)
 	}
-	for _, x := range d.Consoles {
-		out = append(out, x.Address)
+	for i := range d.Consoles {
+		out = append(out, &d.Consoles[i].Address)
 	}
-	for _, x := range d.Serials {
-		out = append(out, x.Address)
+	for i := range d.Serials {
+		out = append(out, &d.Serials[i].Address)
 	}
-	for _, x := range d.RNGs {
-		out = append(out, x.Address)
+	for i := range d.RNGs {
+		out = append(out, &d.RNGs[i].Address)
 	}
-	for _, x := range d.Watchdogs {
-		out = append(out, x.Address)
+	for i := range d.Watchdogs {
+		out = append(out, &d.Watchdogs[i].Address)
+	}
+	for i := range d.Controllers {
+		if d.Controllers[i].Type != "pci" {
+			out = append(out, &d.Controllers[i].Address)
+		}
 	}
 	if d.MemBalloon != nil {
-		out = append(out, d.MemBalloon.Address)
+		out = append(out, &d.MemBalloon.Address)
 	}
 	if d.VSock != nil {
-		out = append(out, d.VSock.Address)
+		out = append(out, &d.VSock.Address)
 	}
 	return out
+}
+
+func own(c libvirtxml.DomainController) bool {
+	return c.Alias != nil && strings.HasPrefix(c.Alias.Name, topology.AliasPrefix)
 }
 
 func isSwitchPort(model string) bool {
@@ -340,7 +377,8 @@ func isSwitchPort(model string) bool {
 // writes one, and a tree that has one was not laid out by it.
 func (t *tree) checkSwitches(unitOf func(pci.Address) (topology.UnitID, bool)) error {
 	for _, c := range t.devs.Controllers {
-		if c.Type != "pci" || c.Model != "pcie-switch-upstream-port" || c.Index == nil {
+		if c.Type != "pci" || c.Model != "pcie-switch-upstream-port" || c.Index == nil || own(c) {
+			// The hook's own switches are laid out again whatever libvirt put on them.
 			continue
 		}
 		first, firstAt := topology.UnitID(0), pci.Address{}
@@ -409,12 +447,14 @@ func (t *tree) strip(isMine func(libvirtxml.DomainHostdev) bool) error {
 		if c.Type != "pci" || c.Index == nil {
 			continue
 		}
-		ours := c.Alias != nil && strings.HasPrefix(c.Alias.Name, topology.AliasPrefix)
+		ours := own(c)
 		h := holds(int(*c.Index))
 		switch {
-		case ours && h&2 != 0:
-			return fmt.Errorf("controller %d (%s) holds a device that is not a passage unit function", *c.Index, c.Alias.Name)
 		case ours:
+			// libvirt places devices without an address on any free port, the hook's
+			// empty earlier ones too: those devices lose that place and libvirt gives
+			// them another when the domain is defined.
+			t.unplace(int(*c.Index), isMine)
 			remove[int(*c.Index)] = true
 		case (c.Model == "pcie-root-port" || isSwitchPort(c.Model)) && h == 1:
 			remove[int(*c.Index)] = true
@@ -461,6 +501,21 @@ func (t *tree) strip(isMine func(libvirtxml.DomainHostdev) bool) error {
 		}
 	}
 	return nil
+}
+
+// unplace drops the guest address of every device below bus that is not a passage
+// unit function.
+func (t *tree) unplace(bus int, isMine func(libvirtxml.DomainHostdev) bool) {
+	for _, ch := range t.children(bus) {
+		switch {
+		case ch.index >= 0:
+			t.unplace(ch.index, isMine)
+		case ch.hostdev >= 0 && !isMine(t.devs.Hostdevs[ch.hostdev]):
+			t.devs.Hostdevs[ch.hostdev].Address = nil
+		case ch.addr != nil:
+			*ch.addr = nil
+		}
+	}
 }
 
 // placement reads what the domain leaves to the plan: the first free controller index,
@@ -521,9 +576,9 @@ func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 // expander's root bus is its busNr and the bridges below it follow the same way. It
 // returns the guest bus each PCI controller index provides.
 func GuestBuses(domain []byte) (map[int]int, error) {
-	var d libvirtxml.Domain
-	if err := d.Unmarshal(string(domain)); err != nil {
-		return nil, fmt.Errorf("domain xml: %w", err)
+	d, err := parseDomain(domain)
+	if err != nil {
+		return nil, err
 	}
 	if d.Devices == nil {
 		return nil, errors.New("domain xml: no devices")
