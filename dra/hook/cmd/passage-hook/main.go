@@ -6,6 +6,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"log"
 	"os"
 	"os/signal"
@@ -15,29 +16,46 @@ import (
 	"github.com/passage-boot/passage/dra/hook"
 )
 
-func main() {
+type options struct {
+	c                         hook.Config
+	uuidFile, socket, ncclDir string
+}
+
+func parse(args []string, stderr io.Writer) (*options, error) {
 	fs := flag.NewFlagSet("passage-hook", flag.ContinueOnError)
-	var c hook.Config
-	fs.StringVar(&c.Manifest, "manifest", "/run/passage/manifest.dsse.json", "the node's manifest")
-	fs.StringVar(&c.Keys, "pub", "/etc/passage/keys", "enrolled public key file or directory")
-	fs.BoolVar(&c.TPM, "tpm-pub", false, "the keys are TPM keys")
-	fs.Uint64Var(&c.MinGeneration, "min-generation", 0, "refuse manifests of a lower generation")
-	uuidFile := fs.String("node-uuid-file", "/sys/class/dmi/id/product_uuid", "this node's DMI product UUID")
-	socket := fs.String("socket", "/var/run/kubevirt-hooks/passage/passage.sock", "the hook socket (one directory below /var/run/kubevirt-hooks)")
-	ncclDir := fs.String("nccl-dir", "/var/run/kubevirt-hooks/passage", "where each VMI's NCCL topology file is written (empty: not written)")
-	if err := fs.Parse(os.Args[1:]); err != nil {
+	fs.SetOutput(stderr)
+	var o options
+	fs.StringVar(&o.c.Manifest, "manifest", "/run/passage/manifest.dsse.json", "the node's manifest")
+	fs.StringVar(&o.c.Keys, "pub", "/etc/passage/keys", "enrolled public key file or directory")
+	fs.BoolVar(&o.c.TPM, "tpm-pub", false, "the keys are TPM keys")
+	fs.Uint64Var(&o.c.MinGeneration, "min-generation", 0, "refuse manifests of a lower generation")
+	fs.StringVar(&o.uuidFile, "node-uuid-file", "/sys/class/dmi/id/product_uuid", "this node's DMI product UUID")
+	fs.StringVar(&o.socket, "socket", "/var/run/kubevirt-hooks/passage/passage.sock", "the hook socket (one directory below /var/run/kubevirt-hooks)")
+	fs.StringVar(&o.ncclDir, "nccl-dir", "/var/run/kubevirt-hooks/passage", "where each VMI's NCCL topology file is written (empty: not written)")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("passage-hook: no arguments, not %q", fs.Args())
+	}
+	return &o, nil
+}
+
+func main() {
+	o, err := parse(os.Args[1:], os.Stderr)
+	if err != nil {
 		os.Exit(2)
 	}
-	b, err := os.ReadFile(*uuidFile)
+	b, err := os.ReadFile(o.uuidFile)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "passage-hook: node uuid: %v\n", err)
 		os.Exit(1)
 	}
-	c.NodeUUID = strings.TrimSpace(string(b))
+	o.c.NodeUUID = strings.TrimSpace(string(b))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	s := &hook.Server{Config: c, NCCLDir: *ncclDir, Log: log.New(os.Stderr, "passage-hook: ", 0)}
-	if err := hook.Serve(ctx, *socket, s); err != nil {
+	s := &hook.Server{Config: o.c, NCCLDir: o.ncclDir, Log: log.New(os.Stderr, "passage-hook: ", 0)}
+	if err := hook.Serve(ctx, o.socket, s); err != nil {
 		fmt.Fprintf(os.Stderr, "passage-hook: %v\n", err)
 		os.Exit(1)
 	}
