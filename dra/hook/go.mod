@@ -49,6 +49,7 @@ require (
 	kubevirt.io/api v1.8.0
 	kubevirt.io/kubevirt v1.9.0
 	libvirt.org/go/libvirtxml v1.12008.0
+	sigs.k8s.io/yaml v1.6.0
 )
 
 require (
@@ -65,6 +66,7 @@ require (
 	github.com/openshift/custom-resource-status v1.1.2 // indirect
 	github.com/secure-systems-lab/go-securesystemslib v0.11.1 // indirect
 	github.com/x448/float16 v0.8.4 // indirect
+	go.uber.org/mock v0.5.1 // indirect
 	go.yaml.in/yaml/v2 v2.4.3 // indirect
 	golang.org/x/crypto v0.55.0 // indirect
 	golang.org/x/net v0.57.0 // indirect
@@ -83,5 +85,4 @@ require (
 	sigs.k8s.io/json v0.0.0-20250730193827-2d320260d730 // indirect
 	sigs.k8s.io/randfill v1.0.0 // indirect
 	sigs.k8s.io/structured-merge-diff/v6 v6.3.2-0.20260122202528-d9cc6641c482 // indirect
-	sigs.k8s.io/yaml v1.6.0 // indirect
 )
