@@ -35,7 +35,10 @@ type GuestOptions struct {
 
 // Placement is what an existing domain leaves to a guest plan.
 type Placement struct {
-	// FirstIndex is the first libvirt controller index free for the plan's controllers.
+	// Free are the unused libvirt controller indexes below FirstIndex, ascending, and
+	// FirstIndex the first above every used one: the plan's controllers take the free
+	// ones first, since libvirt fills a gap in the indexes with a root port of its own.
+	Free       []int
 	FirstIndex int
 	// GuestNodes maps host NUMA nodes to the domain's guest NUMA cells; nil: the domain
 	// has none, and every unit goes under one expander of the plan's own, bound to no
@@ -264,7 +267,16 @@ func placeIn(chosen []GuestSource, in *Placement) (*Guest, error) {
 	if next < 1 {
 		return nil, fmt.Errorf("guest plan: first controller index %d: want 1 or more (0 is pcie-root)", next)
 	}
-	index := func() int { next++; return next - 1 }
+	free := append([]int(nil), in.Free...)
+	index := func() int {
+		if len(free) > 0 {
+			i := free[0]
+			free = free[1:]
+			return i
+		}
+		next++
+		return next - 1
+	}
 	type slot struct {
 		x        *Expander
 		nextSlot int

@@ -522,9 +522,18 @@ func (t *tree) unplace(bus int, isMine func(libvirtxml.DomainHostdev) bool) {
 // its guest NUMA cells and the host nodes they are bound to, and its expanders.
 func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 	p := &topology.Placement{FirstIndex: 1}
+	used := map[int]bool{}
 	for _, c := range t.devs.Controllers {
-		if c.Type == "pci" && c.Index != nil && int(*c.Index)+1 > p.FirstIndex {
-			p.FirstIndex = int(*c.Index) + 1
+		if c.Type == "pci" && c.Index != nil {
+			used[int(*c.Index)] = true
+			if int(*c.Index)+1 > p.FirstIndex {
+				p.FirstIndex = int(*c.Index) + 1
+			}
+		}
+	}
+	for i := 1; i < p.FirstIndex; i++ {
+		if !used[i] {
+			p.Free = append(p.Free, i)
 		}
 	}
 	if d.CPU != nil && d.CPU.Numa != nil && len(d.CPU.Numa.Cell) > 0 {
