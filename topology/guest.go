@@ -26,6 +26,38 @@ type GuestOptions struct {
 	// ExpanderBus0 and ExpanderStride place the expanders' bus numbers (defaults 0x80
 	// and 0x10): expander i starts at ExpanderBus0 + i*ExpanderStride.
 	ExpanderBus0, ExpanderStride int
+	// In lays the units out inside a domain that exists already (the KubeVirt hook's:
+	// other devices, controllers and expanders in place); nil lays out a fresh guest as
+	// render does. It is the same plan: one switch per unit, one downstream port per
+	// function, each function at device 0 of its port.
+	In *Placement
+}
+
+// Placement is what an existing domain leaves to a guest plan.
+type Placement struct {
+	// Free are the unused libvirt controller indexes below FirstIndex, ascending, and
+	// FirstIndex the first above every used one: the plan's controllers take the free
+	// ones first, since libvirt fills a gap in the indexes with a root port of its own.
+	Free       []int
+	FirstIndex int
+	// GuestNodes maps host NUMA nodes to the domain's guest NUMA cells; nil: the domain
+	// has none, and every unit goes under one expander of the plan's own, bound to no
+	// node.
+	GuestNodes map[int]int
+	// Expanders are the domain's pxb-pcie expanders (KubeVirt's PCINUMAAwareTopology
+	// makes one per guest node): a unit goes under the one of its guest node, after the
+	// devices it holds. Their bus numbers are allotted again, downward from 0xff as
+	// KubeVirt allots them, each with room for what it holds and for its units' switches.
+	Expanders []PlacedExpander
+}
+
+// PlacedExpander is an expander the domain has.
+type PlacedExpander struct {
+	Index     int // libvirt controller index
+	GuestNUMA int // guest node, -1 for none
+	// NextSlot is its first slot after the devices it holds; Reserved the bus numbers
+	// the bridges among those take (firmware numbers them first: lower slots).
+	NextSlot, Reserved int
 }
 
 // GuestPort is one emulated port of the guest plan.
@@ -39,6 +71,10 @@ type GuestPort struct {
 	// Addr is where the guest sees the port; Secondary is the bus number it provides.
 	Addr      pci.Address `json:"addr"`
 	Secondary int         `json:"secondary"`
+	// Index is its libvirt controller index and Parent the index of the bus it plugs
+	// into (render's: the guest bus numbers themselves).
+	Index  int `json:"index"`
+	Parent int `json:"parent"`
 }
 
 // GuestFunction is one passthrough function and its place in the guest.
@@ -55,8 +91,11 @@ type GuestFunction struct {
 type Expander struct {
 	ID       string `json:"id"`
 	BusNr    int    `json:"bus_nr"`
-	NUMANode int    `json:"numa_node"` // guest node
+	NUMANode int    `json:"numa_node"` // guest node, -1 for none
 	Dev      int    `json:"dev"`       // slot on pcie.0
+	Index    int    `json:"index"`     // libvirt controller index
+	// Kept: the domain had it (Placement); only its bus number is the plan's.
+	Kept bool `json:"kept,omitempty"`
 }
 
 // GuestUnit is one unit's virtual switch: root port -> upstream -> one downstream port
@@ -95,6 +134,8 @@ type Guest struct {
 	Units     []GuestUnit `json:"units"`
 	// GuestNodes maps host NUMA nodes to the guest nodes the VM must define.
 	GuestNodes map[int]int `json:"guest_nodes,omitempty"`
+	// Placed: laid out inside an existing domain (GuestOptions.In).
+	Placed bool `json:"placed,omitempty"`
 }
 
 // GuestPlan lays out the chosen units for a guest (PlanGuest over SourcesOf(units)).
@@ -125,6 +166,9 @@ func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 	if len(chosen) == 0 {
 		return nil, fmt.Errorf("guest plan: no unit to pass through")
 	}
+	if opt.In != nil {
+		return placeIn(chosen, opt.In)
+	}
 	if opt.RootSlot+len(chosen) > 0x1f {
 		return nil, fmt.Errorf("guest plan: %d units do not fit pcie.0 from slot %#x", len(chosen), opt.RootSlot)
 	}
@@ -153,6 +197,7 @@ func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 		if opt.NUMA {
 			gu.GuestNUMA = g.GuestNodes[u.NUMANode]
 			x := Expander{ID: prefix + "pxb", BusNr: opt.ExpanderBus0 + i*opt.ExpanderStride, NUMANode: gu.GuestNUMA, Dev: opt.RootSlot + i}
+			x.Index = x.BusNr
 			if x.BusNr > 0xff {
 				return nil, fmt.Errorf("guest plan: %s: expander bus %#x past 0xff", u.ID, x.BusNr)
 			}
@@ -176,17 +221,133 @@ func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 			return nil, fmt.Errorf("guest plan: %s: %d functions do not fit one switch", u.ID, len(fns))
 		}
 		rp.Secondary = bus
-		us := GuestPort{ID: prefix + "us", Model: "x3130-upstream", Bus: rp.ID, Addr: pci.Address{Bus: uint8(bus)}, Secondary: bus + 1}
-		gu.RootPort, gu.Upstream = rp, us
-		for k, f := range fns {
-			ds := GuestPort{ID: fmt.Sprintf("%sds%d", prefix, k), Model: "xio3130-downstream", Bus: us.ID, Dev: k,
-				Chassis: chassis, Slot: k + 1, Addr: pci.Address{Bus: uint8(bus + 1), Device: uint8(k)}, Secondary: bus + 2 + k}
-			gu.Functions = append(gu.Functions, GuestFunction{Host: f, HostID: f.Addr, Role: f.Role, Port: ds,
-				ID: fmt.Sprintf("%sf%d", prefix, k), Addr: pci.Address{Bus: uint8(ds.Secondary)}})
-		}
+		rp.Index, rp.Parent = rp.Secondary, int(rp.Addr.Bus)
+		unitSwitch(&gu, u, rp, prefix, chassis, nil)
 		bus += need
 		g.Units = append(g.Units, gu)
 	}
+	return g, nil
+}
+
+// unitSwitch lays out one unit's switch below its root port rp (rp.Secondary set):
+// the upstream port on rp's bus, one downstream port per function, each function at
+// device 0 of its port. Controller indexes are the guest bus numbers, or with index
+// the next ones it gives.
+func unitSwitch(gu *GuestUnit, u GuestSource, rp GuestPort, prefix string, chassis int, index func() int) {
+	bus := rp.Secondary
+	idx := func(secondary int) int {
+		if index == nil {
+			return secondary
+		}
+		return index()
+	}
+	us := GuestPort{ID: prefix + "us", Model: "x3130-upstream", Bus: rp.ID, Addr: pci.Address{Bus: uint8(bus)}, Secondary: bus + 1,
+		Index: idx(bus + 1), Parent: rp.Index}
+	gu.RootPort, gu.Upstream = rp, us
+	for k, f := range u.Functions {
+		ds := GuestPort{ID: fmt.Sprintf("%sds%d", prefix, k), Model: "xio3130-downstream", Bus: us.ID, Dev: k,
+			Addr: pci.Address{Bus: uint8(bus + 1), Device: uint8(k)}, Secondary: bus + 2 + k, Parent: us.Index}
+		ds.Index = idx(ds.Secondary)
+		if chassis > 0 {
+			ds.Chassis, ds.Slot = chassis, k+1
+		}
+		gu.Functions = append(gu.Functions, GuestFunction{Host: f, HostID: f.Addr, Role: f.Role, Port: ds,
+			ID: fmt.Sprintf("%sf%d", prefix, k), Addr: pci.Address{Bus: uint8(ds.Secondary)}})
+	}
+}
+
+// placeIn lays the chosen units out inside an existing domain (GuestOptions.In): per
+// unit the same switch as the fresh plan's, its root port on the expander of its
+// guest node (the domain's, or one of the plan's own), expander bus numbers allotted
+// downward from 0xff so that the libvirt controller indexes (upward from FirstIndex)
+// stay below them.
+func placeIn(chosen []GuestSource, in *Placement) (*Guest, error) {
+	g := &Guest{NUMA: in.GuestNodes != nil, Placed: true}
+	next := in.FirstIndex
+	if next < 1 {
+		return nil, fmt.Errorf("guest plan: first controller index %d: want 1 or more (0 is pcie-root)", next)
+	}
+	free := append([]int(nil), in.Free...)
+	index := func() int {
+		if len(free) > 0 {
+			i := free[0]
+			free = free[1:]
+			return i
+		}
+		next++
+		return next - 1
+	}
+	type slot struct {
+		x        *Expander
+		nextSlot int
+		reserved int
+		units    []int
+	}
+	var xs []*slot
+	byNode := map[int]*slot{}
+	for _, e := range in.Expanders {
+		s := &slot{x: &Expander{ID: fmt.Sprintf("pxb%d", e.Index), NUMANode: e.GuestNUMA, Index: e.Index, Kept: true}, nextSlot: e.NextSlot, reserved: e.Reserved}
+		xs = append(xs, s)
+		if _, dup := byNode[e.GuestNUMA]; !dup && e.GuestNUMA >= 0 {
+			byNode[e.GuestNUMA] = s
+		}
+	}
+	// Expanders the plan adds take their indexes first: their root ports plug into them.
+	for i, u := range chosen {
+		node := -1
+		if g.NUMA {
+			n, ok := in.GuestNodes[u.NUMANode]
+			if !ok {
+				return nil, fmt.Errorf("guest plan: %s: host NUMA node %d has no guest NUMA cell bound to it", u.ID, u.NUMANode)
+			}
+			node = n
+		}
+		s := byNode[node]
+		if s == nil {
+			s = &slot{x: &Expander{ID: fmt.Sprintf("pxbn%d", node), NUMANode: node, Index: index()}}
+			if node < 0 {
+				s.x.ID = "pxb"
+			}
+			xs = append(xs, s)
+			byNode[node] = s
+		}
+		s.units = append(s.units, i)
+	}
+	if g.NUMA {
+		g.GuestNodes = in.GuestNodes
+	}
+	units := make([]GuestUnit, len(chosen))
+	top := 0xff
+	for _, s := range xs {
+		need := 1 + s.reserved
+		for _, i := range s.units {
+			need += 2 + len(chosen[i].Functions)
+		}
+		s.x.BusNr = top - need + 1
+		top = s.x.BusNr - 1
+		if s.nextSlot+len(s.units) > 0x20 {
+			return nil, fmt.Errorf("guest plan: expander %d: %d units do not fit from slot %#x", s.x.Index, len(s.units), s.nextSlot)
+		}
+		bus := s.x.BusNr + 1 + s.reserved
+		for k, i := range s.units {
+			u := chosen[i]
+			if len(u.Functions) > 32 {
+				return nil, fmt.Errorf("guest plan: %s: %d functions do not fit one switch", u.ID, len(u.Functions))
+			}
+			prefix := fmt.Sprintf("u%d", u.ID)
+			gu := GuestUnit{Unit: u.ID, HostNUMA: u.NUMANode, GuestNUMA: s.x.NUMANode, Expander: s.x.ID, UpLink: u.UpLink}
+			rp := GuestPort{ID: prefix + "rp", Model: "pcie-root-port", Bus: s.x.ID, Dev: s.nextSlot + k,
+				Addr: pci.Address{Bus: uint8(s.x.BusNr), Device: uint8(s.nextSlot + k)}, Secondary: bus, Index: index(), Parent: s.x.Index}
+			unitSwitch(&gu, u, rp, prefix, 0, index)
+			bus += 2 + len(u.Functions)
+			units[i] = gu
+		}
+		g.Expanders = append(g.Expanders, *s.x)
+	}
+	if top < next {
+		return nil, fmt.Errorf("guest plan: expander bus numbers reach down to %#x, below the controller indexes (up to %d)", top+1, next-1)
+	}
+	g.Units = units
 	return g, nil
 }
 

@@ -2,6 +2,7 @@ package topology
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/passage-boot/passage/pci"
@@ -100,5 +101,87 @@ func TestEmulatedDevice(t *testing.T) {
 		if got := EmulatedDevice(GuestFunction{Role: role, ID: "u0f0"}, "u0ds0"); got != want {
 			t.Errorf("%s: %s", role, got)
 		}
+	}
+}
+
+// TestPlanGuestPlacement: inside an existing domain the plan gives each unit the switch
+// the fresh plan gives it (root port, upstream, one downstream port per function, the
+// same guest buses below the root port's), its controllers take the free indexes first
+// and then those above, a unit goes under the expander of its guest node after what that
+// expander holds, and expander bus numbers run down from 0xff above every index.
+func TestPlanGuestPlacement(t *testing.T) {
+	src := func(id UnitID, node int) GuestSource {
+		s := GuestSource{ID: id, Status: StatusReady, NUMANode: node}
+		for _, r := range []Role{RoleGPU, RoleGPUNIC, RoleGPUNIC, RoleGPUNVMe} {
+			s.Functions = append(s.Functions, HostFunction{Addr: pci.Address{Bus: uint8(0x10*int(id) + len(s.Functions))}, Role: r})
+		}
+		return s
+	}
+	units := []GuestSource{src(0, 0), src(4, 1)}
+	fresh, err := PlanGuest(units, GuestOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := &Placement{Free: []int{2, 5}, FirstIndex: 9, GuestNodes: map[int]int{0: 1, 1: 0},
+		Expanders: []PlacedExpander{{Index: 3, GuestNUMA: 1, NextSlot: 2, Reserved: 2}}}
+	g, err := PlanGuest(units, GuestOptions{In: in})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !g.Placed || !g.NUMA || len(g.Units) != 2 || len(g.Expanders) != 2 {
+		t.Fatalf("placed plan: %+v", g)
+	}
+	kept, added := g.Expanders[0], g.Expanders[1]
+	// Kept: index 3, holds gpu0 (host node 0 -> guest 1): 1 + 2 reserved + 6 buses.
+	if !kept.Kept || kept.Index != 3 || kept.BusNr != 0xff-9+1 || kept.NUMANode != 1 {
+		t.Errorf("kept expander %+v", kept)
+	}
+	// Added for guest node 0 (gpu4): the first free index, below the kept one's range.
+	if added.Kept || added.Index != 2 || added.NUMANode != 0 || added.BusNr != kept.BusNr-7 {
+		t.Errorf("added expander %+v (kept at %#x)", added, kept.BusNr)
+	}
+	u0, u4 := g.Units[0], g.Units[1]
+	if u0.Expander != "pxb3" || u0.RootPort.Dev != 2 || u0.RootPort.Parent != 3 || u0.RootPort.Secondary != kept.BusNr+3 || u0.GuestNUMA != 1 {
+		t.Errorf("gpu0 root port %+v on %s node %d", u0.RootPort, u0.Expander, u0.GuestNUMA)
+	}
+	if u4.RootPort.Parent != 2 || u4.RootPort.Dev != 0 || u4.RootPort.Secondary != added.BusNr+1 {
+		t.Errorf("gpu4 root port %+v", u4.RootPort)
+	}
+	// Indexes: 2 (added expander) and 5 from Free, then 9 upward, each once, a child's
+	// above its parent's.
+	seen := map[int]bool{}
+	var idx []int
+	for _, c := range g.LibvirtControllers() {
+		i := int(*c.Index)
+		if seen[i] || i == 3 {
+			t.Errorf("index %d given twice or the kept expander's", i)
+		}
+		seen[i] = true
+		idx = append(idx, i)
+		if c.Alias == nil || c.PCI.Target != nil && (c.PCI.Target.Chassis != nil || c.PCI.Target.Port != nil) {
+			t.Errorf("controller %d: alias %v, chassis/port %+v: want an alias and no chassis/port", i, c.Alias, c.PCI.Target)
+		}
+		if c.Address != nil && int(*c.Address.PCI.Bus) >= i && int(*c.Address.PCI.Bus) != 3 {
+			t.Errorf("controller %d plugs into %d", i, *c.Address.PCI.Bus)
+		}
+	}
+	if fmt.Sprint(idx[:3]) != "[2 5 9]" || len(idx) != 1+2*6 {
+		t.Errorf("indexes %v", idx)
+	}
+	// The switch below each root port is the fresh plan's.
+	for i, u := range g.Units {
+		f := fresh.Units[i]
+		for k, fn := range u.Functions {
+			d := int(fn.Addr.Bus) - u.RootPort.Secondary
+			fd := int(f.Functions[k].Addr.Bus) - f.RootPort.Secondary
+			if d != fd || fn.Port.Dev != f.Functions[k].Port.Dev || fn.Role != f.Functions[k].Role || fn.HostID != f.Functions[k].HostID {
+				t.Errorf("%s function %d: %+v, fresh plan %+v", u.Unit, k, fn, f.Functions[k])
+			}
+		}
+	}
+	// A host node the domain has no cell for is an error naming the unit.
+	in.GuestNodes = map[int]int{0: 0}
+	if _, err := PlanGuest(units, GuestOptions{In: in}); err == nil || !strings.Contains(err.Error(), "gpu4") {
+		t.Errorf("no cell for host node 1: %v", err)
 	}
 }

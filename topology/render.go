@@ -108,26 +108,82 @@ func marshalXML(comment string, v any, name string) ([]byte, error) {
 }
 
 func (g *Guest) devices() (*libvirtxml.DomainDeviceList, error) {
-	d := &libvirtxml.DomainDeviceList{}
-	for _, x := range g.Expanders {
-		d.Controllers = append(d.Controllers, libvirtController(x.BusNr, "pcie-expander-bus", "pxb-pcie",
-			&libvirtxml.DomainControllerPCITarget{BusNr: ptr(uint(x.BusNr)), NUMANode: ptr(uint(x.NUMANode))}, pci.Address{Device: uint8(x.Dev)}))
-	}
+	d := &libvirtxml.DomainDeviceList{Controllers: g.LibvirtControllers()}
 	for _, u := range g.Units {
-		rp := u.RootPort
-		d.Controllers = append(d.Controllers, libvirtController(rp.Secondary, "pcie-root-port", "pcie-root-port",
-			&libvirtxml.DomainControllerPCITarget{Chassis: ptr(uint(rp.Chassis)), Port: ptr(uint(rp.Slot))}, rp.Addr))
-		d.Controllers = append(d.Controllers, libvirtController(u.Upstream.Secondary, "pcie-switch-upstream-port", "x3130-upstream", nil, u.Upstream.Addr))
 		for _, f := range u.Functions {
-			p := f.Port
-			d.Controllers = append(d.Controllers, libvirtController(p.Secondary, "pcie-switch-downstream-port", "xio3130-downstream",
-				&libvirtxml.DomainControllerPCITarget{Chassis: ptr(uint(p.Chassis)), Port: ptr(uint(p.Slot))}, p.Addr))
 			d.Hostdevs = append(d.Hostdevs, libvirtxml.DomainHostdev{Managed: "no",
 				SubsysPCI: &libvirtxml.DomainHostdevSubsysPCI{Source: &libvirtxml.DomainHostdevSubsysPCISource{Address: libvirtAddr(f.HostID)}},
-				Address:   &libvirtxml.DomainAddress{PCI: libvirtAddr(f.Addr)}})
+				Address:   f.LibvirtAddress()})
 		}
 	}
 	return d, nil
+}
+
+// AliasPrefix starts the user alias (libvirt keeps "ua-" aliases, KubeVirt's DomainSpec
+// keeps <alias>) of every controller a placed plan adds: how the KubeVirt hook knows
+// its own earlier controllers when virt-launcher hands its output back.
+const AliasPrefix = "ua-passage-"
+
+// LibvirtControllers are the plan's PCI controllers in index order: the expanders it
+// adds, then per unit its root port, upstream port and downstream ports. A placed plan
+// (GuestOptions.In) leaves out the expanders the domain has (Kept), gives each
+// controller an alias (AliasPrefix and its id), and leaves to libvirt what KubeVirt's
+// DomainSpec does not keep (chassis/port, the QEMU model names) or what libvirt picks
+// anyway (an expander's pcie.0 slot).
+func (g *Guest) LibvirtControllers() []libvirtxml.DomainController {
+	var cs []libvirtxml.DomainController
+	add := func(id string, p GuestPort, model, qemuModel string, target *libvirtxml.DomainControllerPCITarget) {
+		at := pci.Address{Bus: uint8(p.Parent), Device: uint8(p.Dev)}
+		if p.Model == "x3130-upstream" {
+			at.Device = 0
+		}
+		c := libvirtController(p.Index, model, qemuModel, target, at)
+		if g.Placed {
+			c.PCI.Model, c.PCI.Target = nil, nil
+			c.Alias = &libvirtxml.DomainAlias{Name: AliasPrefix + id}
+		}
+		cs = append(cs, c)
+	}
+	for _, x := range g.Expanders {
+		if x.Kept {
+			continue
+		}
+		target := &libvirtxml.DomainControllerPCITarget{BusNr: ptr(uint(x.BusNr))}
+		if x.NUMANode >= 0 {
+			target.NUMANode = ptr(uint(x.NUMANode))
+		}
+		c := libvirtController(x.Index, "pcie-expander-bus", "pxb-pcie", target, pci.Address{Device: uint8(x.Dev)})
+		if g.Placed {
+			c.PCI.Model, c.Address = nil, nil
+			c.Alias = &libvirtxml.DomainAlias{Name: AliasPrefix + x.ID}
+		}
+		cs = append(cs, c)
+	}
+	chassis := func(p GuestPort) *libvirtxml.DomainControllerPCITarget {
+		if p.Chassis == 0 {
+			return nil
+		}
+		return &libvirtxml.DomainControllerPCITarget{Chassis: ptr(uint(p.Chassis)), Port: ptr(uint(p.Slot))}
+	}
+	for _, u := range g.Units {
+		rp := u.RootPort
+		if g.Placed {
+			// A placed root port's chassis and port are libvirt's to choose.
+			rp.Chassis = 0
+		}
+		add(rp.ID, rp, "pcie-root-port", "pcie-root-port", chassis(rp))
+		add(u.Upstream.ID, u.Upstream, "pcie-switch-upstream-port", "x3130-upstream", nil)
+		for _, f := range u.Functions {
+			add(f.Port.ID, f.Port, "pcie-switch-downstream-port", "xio3130-downstream", chassis(f.Port))
+		}
+	}
+	return cs
+}
+
+// LibvirtAddress is the function's guest address as libvirt writes it: device 0 of its
+// downstream port's bus (the port's controller index).
+func (f GuestFunction) LibvirtAddress() *libvirtxml.DomainAddress {
+	return &libvirtxml.DomainAddress{PCI: libvirtAddr(pci.Address{Bus: uint8(f.Port.Index)})}
 }
 
 func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,62 @@
+// Command passage-hook is passage's KubeVirt hook sidecar: it keeps each passage unit's
+// GPU, NICs and NVMe behind one virtual PCIe switch in the guest (see dra/hook).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/passage-boot/passage/dra/hook"
+)
+
+type options struct {
+	c                         hook.Config
+	uuidFile, socket, ncclDir string
+}
+
+func parse(args []string, stderr io.Writer) (*options, error) {
+	fs := flag.NewFlagSet("passage-hook", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var o options
+	fs.StringVar(&o.c.Manifest, "manifest", "/run/passage/manifest.dsse.json", "the node's manifest")
+	fs.StringVar(&o.c.Keys, "pub", "/etc/passage/keys", "enrolled public key file or directory")
+	fs.BoolVar(&o.c.TPM, "tpm-pub", false, "the keys are TPM keys")
+	fs.Uint64Var(&o.c.MinGeneration, "min-generation", 0, "refuse manifests of a lower generation")
+	fs.StringVar(&o.uuidFile, "node-uuid-file", "/sys/class/dmi/id/product_uuid", "this node's DMI product UUID")
+	fs.StringVar(&o.socket, "socket", "/var/run/kubevirt-hooks/passage/passage.sock", "the hook socket (one directory below /var/run/kubevirt-hooks)")
+	fs.StringVar(&o.ncclDir, "nccl-dir", "/var/run/kubevirt-hooks/passage", "where each VMI's NCCL topology file is written (empty: not written)")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("passage-hook: no arguments, not %q", fs.Args())
+	}
+	return &o, nil
+}
+
+func main() {
+	o, err := parse(os.Args[1:], os.Stderr)
+	if err != nil {
+		os.Exit(2)
+	}
+	b, err := os.ReadFile(o.uuidFile)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "passage-hook: node uuid: %v\n", err)
+		os.Exit(1)
+	}
+	o.c.NodeUUID = strings.TrimSpace(string(b))
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	s := &hook.Server{Config: o.c, NCCLDir: o.ncclDir, Log: log.New(os.Stderr, "passage-hook: ", 0)}
+	if err := hook.Serve(ctx, o.socket, s); err != nil {
+		fmt.Fprintf(os.Stderr, "passage-hook: %v\n", err)
+		os.Exit(1)
+	}
+}

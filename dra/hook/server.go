@@ -1,0 +1,127 @@
+package hook
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log"
+	"net"
+	"os"
+	"path/filepath"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	hooksinfo "kubevirt.io/kubevirt/pkg/hooks/info"
+	hooksv1alpha3 "kubevirt.io/kubevirt/pkg/hooks/v1alpha3"
+
+	"github.com/passage-boot/passage/manifest"
+)
+
+// Name is the hook's name in Info, what a VMI's hooks.kubevirt.io/hookSidecars
+// annotation and virt-launcher's logs show.
+const Name = "passage-unit-switch"
+
+// Server answers virt-launcher's hook calls (KubeVirt v1.9: Info, then the v1alpha3
+// Callbacks) with KubeVirt's own generated gRPC types.
+type Server struct {
+	Config Config
+	// NCCLDir, when set, receives the guest's NCCL topology file of each VMI defined
+	// with passage units, <namespace>_<name>.nccl-topo.xml, rewritten at each call so
+	// it is the one of the domain last handed back.
+	NCCLDir string
+	Log     *log.Logger
+}
+
+// Info subscribes to OnDefineDomain at v1alpha3, the version v1.9's virt-launcher tries
+// first.
+func (s *Server) Info(context.Context, *hooksinfo.InfoParams) (*hooksinfo.InfoResult, error) {
+	return &hooksinfo.InfoResult{Name: Name, Versions: []string{hooksv1alpha3.Version},
+		HookPoints: []*hooksinfo.HookPoint{{Name: hooksinfo.OnDefineDomainHookPointName, Priority: 0}}}, nil
+}
+
+// OnDefineDomain rebuilds the domain's passage units (DefineDomain); a refusal is a gRPC
+// error, which virt-launcher turns into a failed VMI start.
+func (s *Server) OnDefineDomain(_ context.Context, p *hooksv1alpha3.OnDefineDomainParams) (*hooksv1alpha3.OnDefineDomainResult, error) {
+	vmi := vmiName(p.GetVmi())
+	r, err := s.Config.DefineDomain(p.GetDomainXML())
+	if err != nil {
+		s.logf("%s: refused: %v", vmi, err)
+		return nil, status.Errorf(codes.FailedPrecondition, "passage: VMI %s: %v", vmi, err)
+	}
+	if r.Guest == nil {
+		s.logf("%s: no passage unit function: domain unchanged", vmi)
+		return &hooksv1alpha3.OnDefineDomainResult{DomainXML: r.Domain}, nil
+	}
+	s.logf("%s: %d units behind their switches", vmi, len(r.Guest.Units))
+	if s.NCCLDir != "" {
+		name := vmi + ".nccl-topo.xml"
+		if err := manifest.WriteAtomic(s.NCCLDir, name, r.NCCL); err != nil {
+			return nil, status.Errorf(codes.Internal, "passage: VMI %s: nccl topology: %v", vmi, err)
+		}
+	}
+	return &hooksv1alpha3.OnDefineDomainResult{DomainXML: r.Domain}, nil
+}
+
+// PreCloudInitIso passes cloud-init data through (Info does not subscribe to it).
+func (s *Server) PreCloudInitIso(_ context.Context, p *hooksv1alpha3.PreCloudInitIsoParams) (*hooksv1alpha3.PreCloudInitIsoResult, error) {
+	return &hooksv1alpha3.PreCloudInitIsoResult{CloudInitNoCloudSource: p.GetCloudInitNoCloudSource(), CloudInitData: p.GetCloudInitData()}, nil
+}
+
+// Shutdown has nothing to undo.
+func (s *Server) Shutdown(context.Context, *hooksv1alpha3.ShutdownParams) (*hooksv1alpha3.ShutdownResult, error) {
+	return &hooksv1alpha3.ShutdownResult{}, nil
+}
+
+func (s *Server) logf(format string, a ...any) {
+	if s.Log != nil {
+		s.Log.Printf(format, a...)
+	}
+}
+
+// vmiName is <namespace>_<name> of the VMI JSON virt-launcher passes ("vmi" if unread).
+func vmiName(b []byte) string {
+	var v struct {
+		Metadata struct{ Name, Namespace string }
+	}
+	if json.Unmarshal(b, &v) != nil || v.Metadata.Name == "" || !safe(v.Metadata.Name) || !safe(v.Metadata.Namespace) {
+		return "vmi"
+	}
+	return v.Metadata.Namespace + "_" + v.Metadata.Name
+}
+
+// safe: a Kubernetes name (DNS label/subdomain characters), never a path.
+func safe(s string) bool {
+	for _, r := range s {
+		if !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '.') {
+			return false
+		}
+	}
+	return s != "." && s != ".."
+}
+
+// Serve listens on the unix socket path (virt-launcher looks one directory below
+// /var/run/kubevirt-hooks) until ctx ends.
+func Serve(ctx context.Context, path string, s *Server) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		return fmt.Errorf("socket %s: %w", path, err)
+	}
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return fmt.Errorf("socket %s: %w", path, err)
+	}
+	g := grpc.NewServer()
+	hooksinfo.RegisterInfoServer(g, s)
+	hooksv1alpha3.RegisterCallbacksServer(g, s)
+	go func() {
+		<-ctx.Done()
+		g.Stop()
+	}()
+	if err := g.Serve(l); err != nil && ctx.Err() == nil {
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,291 @@
+//go:build qemu
+
+package qemutest
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"encoding/xml"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"libvirt.org/go/libvirtxml"
+
+	"github.com/passage-boot/passage/hypervisor/libvirttest"
+	"github.com/passage-boot/passage/manifest/manifesttest"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
+)
+
+// hookTestdata holds what the KubeVirt hook's test (dra/hook, its own module) holds the
+// hook to: for each case, the final domain libvirt kept after virt-launcher's three
+// calls (<case>.final.xml) and the NCCL topology file of the last call.
+const hookTestdata = "../dra/hook/testdata"
+
+// jsonDevice is a -device in libvirt's JSON form, as libvirt 9 writes it.
+var jsonDevice = regexp.MustCompile(`-device '(\{[^']*\})'`)
+
+// TestKubeVirtHookGuest boots the guest of the hook's final domain, the way scenario 6
+// boots a rendered plan: libvirt's own command line for the domain (virsh
+// domxml-to-native on a private libvirtd), its PCI controllers as libvirt wrote them,
+// each vfio-pci hostdev replaced by the emulated stand-in of its role at the same bus
+// and address (topology.EmulatedDevice). Inside, `passage plan` with the qemu-guest
+// profile shows each unit's GPU and NICs under one switch (PIX between them), on the
+// unit's guest NUMA node, and the NCCL file's bus IDs are the ones the guest enumerates.
+func TestKubeVirtHookGuest(t *testing.T) {
+	m := manifesttest.B300(7)
+	role := map[pci.Address]topology.Role{}
+	unitOf := map[pci.Address]string{}
+	for _, u := range m.Units {
+		for _, f := range u.Functions {
+			a, err := pci.ParseAddress(f.BDF)
+			if err != nil {
+				t.Fatal(err)
+			}
+			role[a], unitOf[a] = topology.Role(f.Role), u.ID
+		}
+	}
+	uri := libvirttest.Start(t)
+	for _, c := range []struct {
+		name string
+		// guest NUMA node of each unit's functions (-1: no guest NUMA), from the
+		// hook test's VMI: gpu0 on host node 0, gpu4 on host node 1 (B300.md).
+		nodes map[string]int
+	}{
+		{"2units", map[string]int{"gpu0": -1, "gpu1": -1}},
+		{"2units-2numa", map[string]int{"gpu0": 0, "gpu4": 1}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			domFile := hostless(t, filepath.Join(hookTestdata, c.name+".final.xml"))
+			nccl, err := os.ReadFile(filepath.Join(hookTestdata, c.name+".nccl-topo.xml"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			argv := libvirttest.Virsh(t, uri, "domxml-to-native", "--format", "qemu-argv", "--xml", domFile)
+			var devices []string
+			kept := 0
+			for _, mm := range jsonDevice.FindAllStringSubmatch(argv, -1) {
+				var d map[string]any
+				if err := json.Unmarshal([]byte(mm[1]), &d); err != nil {
+					t.Fatalf("libvirt's -device %s: %v", mm[1], err)
+				}
+				switch d["driver"] {
+				case "pxb-pcie", "pcie-root-port", "x3130-upstream", "xio3130-downstream":
+					devices = append(devices, "-device", keyval(d))
+				case "vfio-pci":
+					host, err := pci.ParseAddress(fmt.Sprint(d["host"]))
+					if err != nil {
+						t.Fatalf("hostdev %v: %v", d, err)
+					}
+					r, ok := role[host]
+					if !ok {
+						t.Fatalf("hostdev %s is no unit's function", host)
+					}
+					if d["addr"] != "0x0" {
+						t.Fatalf("hostdev %s at %v, want device 0 of its port", host, d["addr"])
+					}
+					devices = append(devices, "-device", topology.EmulatedDevice(topology.GuestFunction{Role: r, ID: fmt.Sprint(d["id"])}, fmt.Sprint(d["bus"])))
+					kept++
+				}
+			}
+			if kept != 4*len(c.nodes) {
+				t.Fatalf("%d hostdevs in libvirt's command line, want %d:\n%s", kept, 4*len(c.nodes), argv)
+			}
+			numa := c.nodes["gpu0"] >= 0
+			if numa {
+				// The domain's two cells, as scenario 6 defines guest nodes.
+				for n := 0; n < 2; n++ {
+					devices = append([]string{"-object", fmt.Sprintf("memory-backend-ram,id=mem%d,size=1024M", n),
+						"-numa", fmt.Sprintf("node,nodeid=%d,cpus=%d,memdev=mem%d", n, n, n)}, devices...)
+				}
+			}
+			t.Logf("devices from libvirt's command line: %s", strings.Join(devices, " "))
+			got := bootHookGuest(t, devices, c.name)
+
+			// Each unit's functions in the guest, by the guest's own labelling.
+			var buses []string
+			for _, u := range got.Units {
+				buses = append(buses, u.GPU)
+				buses = append(buses, u.NICs...)
+				if len(u.NICs) != 2 || len(u.NVMe) != 1 {
+					t.Errorf("guest unit %s: %d NICs, %d NVMe, want 2 and 1", u.ID, len(u.NICs), len(u.NVMe))
+				}
+				for _, n := range u.NICs {
+					for _, x := range []string{u.GPU, n} {
+						if d := got.Host.at(x, n); x != n && d != topology.PIX {
+							t.Errorf("guest unit %s: %s - %s = %q, want PIX", u.ID, x, n, d)
+						}
+					}
+				}
+			}
+			if len(got.Units) != len(c.nodes) {
+				t.Fatalf("guest has %d units, the domain %d: %+v", len(got.Units), len(c.nodes), got.Units)
+			}
+			// The guest NUMA node of each unit (guest units in bus order, the hook's
+			// units in unit order: both follow the expanders' busNr, highest first).
+			var want []int
+			var ids []string
+			for id := range c.nodes {
+				ids = append(ids, id)
+			}
+			sort.Strings(ids)
+			for _, id := range ids {
+				want = append(want, c.nodes[id])
+			}
+			var gotNodes []int
+			for _, u := range got.Units {
+				gotNodes = append(gotNodes, u.NUMANode)
+			}
+			sort.Sort(sort.Reverse(sort.IntSlice(gotNodes)))
+			sort.Sort(sort.Reverse(sort.IntSlice(want)))
+			if fmt.Sprint(gotNodes) != fmt.Sprint(want) {
+				t.Errorf("guest units' NUMA nodes %v, the units' guest nodes %v", gotNodes, want)
+			}
+
+			// The NCCL file names exactly the GPUs and NICs the guest enumerates.
+			ncclBuses := ncclLeaves(t, nccl)
+			sort.Strings(buses)
+			if strings.Join(ncclBuses, " ") != strings.Join(buses, " ") {
+				t.Errorf("NCCL file bus IDs %v, the guest's GPUs and NICs %v\n%s", ncclBuses, buses, nccl)
+			}
+			t.Logf("guest matrix:\n%s", textOf(got.Host))
+		})
+	}
+}
+
+// keyval writes libvirt's JSON -device in QEMU's key=value form: QEMU 7.2 creates the
+// JSON-form devices after the key=value ones, so a stand-in (key=value) would find no
+// port to plug into.
+func keyval(d map[string]any) string {
+	var keys []string
+	for k := range d {
+		if k != "driver" {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys)
+	out := []string{fmt.Sprint(d["driver"])}
+	for _, k := range keys {
+		v := d[k]
+		switch x := v.(type) {
+		case bool:
+			v = map[bool]string{true: "on", false: "off"}[x]
+		case float64:
+			v = fmt.Sprintf("%d", int64(x))
+		}
+		out = append(out, fmt.Sprintf("%s=%v", k, v))
+	}
+	return strings.Join(out, ",")
+}
+
+// hostless is the domain with what this machine cannot give libvirt's command line
+// taken out, nothing of the guest's PCI tree: the host NUMA binding (<numatune>: the
+// test machine has one node) and the hostdevs' backend left to libvirt's probing (no
+// vfio here: each hostdev names vfio, which its stand-in then replaces).
+func hostless(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d libvirtxml.Domain
+	if err := d.Unmarshal(string(b)); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	d.NUMATune = nil
+	for i := range d.Devices.Hostdevs {
+		if p := d.Devices.Hostdevs[i].SubsysPCI; p != nil {
+			p.Driver = &libvirtxml.DomainHostdevSubsysPCIDriver{Name: "vfio"}
+		}
+	}
+	s, err := d.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(t.TempDir(), filepath.Base(path))
+	if err := os.WriteFile(out, []byte(s), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// ncclLeaves are the bus IDs of the NCCL file's devices (the <pci> without children).
+func ncclLeaves(t *testing.T, nccl []byte) []string {
+	t.Helper()
+	type node struct {
+		BusID string `xml:"busid,attr"`
+		PCIs  []node `xml:"pci"`
+	}
+	var sys struct {
+		CPUs []struct {
+			PCIs []node `xml:"pci"`
+		} `xml:"cpu"`
+	}
+	if err := xml.Unmarshal(nccl, &sys); err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	var walk func(n node)
+	walk = func(n node) {
+		if len(n.PCIs) == 0 {
+			out = append(out, n.BusID)
+		}
+		for _, c := range n.PCIs {
+			walk(c)
+		}
+	}
+	for _, c := range sys.CPUs {
+		for _, p := range c.PCIs {
+			walk(p)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// bootHookGuest boots the image with devices and runs `passage plan --json` inside with
+// the qemu-guest profile, as scenario 6 does.
+func bootHookGuest(t *testing.T, devices []string, name string) measuredPlan {
+	t.Helper()
+	prof, err := os.ReadFile(guestProfile)
+	if err != nil {
+		t.Fatalf("guest profile: %v", err)
+	}
+	cmd := "passage plan --profile /etc/passage/qemu-guest.yaml --json"
+	run, err := Boot(context.Background(), Options{
+		Build: buildDir(t),
+		Name:  "kubevirt-hook-" + name,
+		Overlay: []OverlayFile{fakeUinit(t),
+			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
+			{Name: "etc/fakeuinit/run", Data: []byte(cmd + "\n")}},
+		Devices: devices,
+		WorkDir: filepath.Join(t.TempDir(), "work"),
+		Timeout: 4 * time.Minute,
+	})
+	if run != nil {
+		t.Logf("console: %s; wall %v", run.Console, run.Wall)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if run.Done != "ok" {
+		t.Fatalf("PASSAGE-DONE %q, want ok", run.Done)
+	}
+	t.Logf("guest PCI tree:\n%s", run.Files["pci.txt"])
+	out := run.Files["run-1.out"]
+	var got measuredPlan
+	if err := json.NewDecoder(bytes.NewReader(out)).Decode(&got); err != nil {
+		t.Fatalf("%s: %v\n%s", cmd, err, out)
+	}
+	if got.Profile != "qemu-guest" {
+		t.Fatalf("guest plan profile %q", got.Profile)
+	}
+	return got
+}
