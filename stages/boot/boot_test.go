@@ -857,3 +857,41 @@ func TestPublishPostsAttestation(t *testing.T) {
 		}
 	}
 }
+
+// TestManifestIdentity: a boot that could not read its boot id still signs, keeping the
+// DMI serial and hostname it did read; a boot that read no identity at all signs
+// nothing (the payload is written for the operator, the stage fails).
+func TestManifestIdentity(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		files  map[string]string
+		signed bool
+	}{
+		{"dmi and hostname, no boot id", map[string]string{"sys/class/dmi/id/product_serial": "S3R1AL-0042\n", "proc/sys/kernel/hostname": "b300-r07-n3\n"}, true},
+		{"nothing", nil, false},
+	} {
+		root, _ := signingNode(t)
+		os.Remove(filepath.Join(root, "proc/sys/kernel/random/boot_id"))
+		for p, c := range tc.files {
+			os.MkdirAll(filepath.Dir(filepath.Join(root, p)), 0o755)
+			if err := os.WriteFile(filepath.Join(root, p), []byte(c), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.erase=off passage.tpm=off passage.key=/etc/passage/passage.key")}
+		rs, _ := run(t, b, "manifest")
+		_, err := os.Stat(filepath.Join(root, "run/passage", EnvelopeName))
+		if tc.signed {
+			if err != nil || b.Signed == nil || b.Manifest.Node.DMISerial != "S3R1AL-0042" || b.Manifest.Node.Hostname != "b300-r07-n3" {
+				t.Errorf("%s: envelope %v, node %+v", tc.name, err, b.Manifest.Node)
+			}
+			continue
+		}
+		if rs[0].Status != stages.Failed || rs[0].Err == nil || !strings.Contains(rs[0].Err.Error(), "no node identity") || err == nil || b.Signed != nil {
+			t.Errorf("%s: stage %s %v, envelope %v: want failed for no node identity, nothing signed", tc.name, rs[0].Status, rs[0].Err, err)
+		}
+		if _, err := os.Stat(filepath.Join(root, "run/passage", PayloadName)); err != nil {
+			t.Errorf("%s: payload not written: %v", tc.name, err)
+		}
+	}
+}

@@ -191,9 +191,12 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	m, err := manifest.Build(b.Root, b.now())
 	if err != nil {
 		// Without a boot id the hypervisor cannot match the manifest to this boot, but an
-		// operator still needs it.
+		// operator still needs it, with the identity that was read (Sign refuses it when
+		// nothing was).
 		errs = append(errs, err.Error())
-		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, Build: manifest.ThisBuild(), GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
+		if m.KernelCmdline == "" {
+			m.KernelCmdline = b.Config.Cmdline
+		}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
 	if cpus, err := record.NUMACPUs(b.Root); err != nil {
