@@ -77,9 +77,11 @@ func (s *NonceStore) update(f func(n *nonceFile) error) error {
 	case err != nil:
 		return fmt.Errorf("nonce store: %w", err)
 	default:
-		if err := json.Unmarshal(b, &n); err != nil || n.Format != NonceStoreFormat || n.Issued == nil || n.Used == nil {
+		var got nonceFile
+		if err := json.Unmarshal(b, &got); err != nil || got.Format != NonceStoreFormat || got.Issued == nil || got.Used == nil {
 			return fmt.Errorf("nonce store %s: not a %s file (%v)", s.Path, NonceStoreFormat, err)
 		}
+		n = got
 	}
 	if err := f(&n); err != nil {
 		return err
