@@ -57,6 +57,9 @@ func FuzzImageArgs(f *testing.F) {
 		f.Add(bytes.Replace(b, []byte(`;xx`), []byte(inject+`;xx`), 1))
 	}
 	f.Add(bytes.Replace(b, []byte(`"mask": "0x001d"`), []byte(`"mask": "0x009d"`), 1))
+	// A small plan, so the fuzzer's mutations reach the fields rather than the profile.
+	f.Add([]byte(`{"version":4,"profile":{},"acs":[{"addr":"0000:00:01.0","offset":256,"mask":"0x005d","flags":"0x001d"},` +
+		`{"addr":"0000:01:00.0","offset":0}],"kernel_arg":"pci=config_acs=0x111x1@0000:00:01.0"}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		out, err := ImageArgs(b)
 		if err != nil {
