@@ -50,11 +50,12 @@ func Build(root string, now time.Time) (*Manifest, error) {
 	return m, errors.Join(errs...)
 }
 
-// Identified says whether m names the node that wrote it: a boot id, a hostname, a DMI
-// serial or a DMI UUID. A manifest with none of them could be any node's and is never
-// signed.
+// Identified says whether m names the node that wrote it: a boot id, a hostname (not
+// the kernel's "(none)" before one is set), a DMI serial or a DMI UUID. A manifest with
+// none of them could be any node's and is never signed.
 func (m *Manifest) Identified() error {
-	if m.BootID == "" && m.Node.Hostname == "" && m.Node.DMISerial == "" && m.Node.DMIUUID == "" {
+	host := m.Node.Hostname != "" && m.Node.Hostname != "(none)"
+	if m.BootID == "" && !host && m.Node.DMISerial == "" && m.Node.DMIUUID == "" {
 		return errors.New("manifest: no node identity (boot_id, hostname, dmi_serial and dmi_uuid all empty): it could be any node's")
 	}
 	return nil

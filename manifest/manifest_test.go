@@ -96,6 +96,11 @@ func TestSignNeedsIdentity(t *testing.T) {
 	if s, err := Sign(context.Background(), m, testSigner(t, 1)); s != nil || err == nil || !strings.Contains(err.Error(), "no node identity") {
 		t.Fatalf("Sign: %+v, %v; want refused for no node identity", s, err)
 	}
+	unset := *m
+	unset.Node.Hostname = "(none)" // the kernel's before anything sets one
+	if s, err := Sign(context.Background(), &unset, testSigner(t, 1)); s != nil || err == nil {
+		t.Fatalf("Sign with hostname (none): %+v, %v; want refused", s, err)
+	}
 	dir := t.TempDir()
 	if s, err := WriteSigned(context.Background(), m, dir, "m.dsse.json", nil, testSigner(t, 1)); s != nil || err == nil {
 		t.Fatalf("WriteSigned: %+v, %v", s, err)
