@@ -124,24 +124,18 @@ func eventName(e goattest.Event, n int) string {
 	return fmt.Sprintf("event %d of PCR %d (%s, 0x%08x)", n, e.Index, e.Type, uint32(e.Type))
 }
 
-// checkEvents holds every event of PCRs 4, 7, 11 and 12 to its rule, in log order, and
+// checkEvents holds every event of PCRs 4, 7 and 11 to its rule, in log order, and
 // returns the last approved image PCR 4 shows.
 func checkEvents(events []goattest.Event, ap *Approved) ([]byte, error) {
 	var image []byte
 	seen := map[int]int{}
 	for _, e := range events {
 		rules, judged := eventRules[e.Index]
-		if !judged && e.Index != 12 {
+		if !judged {
 			continue
 		}
 		seen[e.Index]++
 		name, check := eventName(e, seen[e.Index]), fmt.Sprintf("PCR %d", e.Index)
-		if e.Index == 12 {
-			if !slices.ContainsFunc(ap.PCR12Events, func(h HexBytes) bool { return bytes.Equal(h, e.Digest) }) {
-				return nil, refuse(check, "%s, digest %x: not an event the approved policy names (pcr12_event_sha256; a command line or credential the UKI did not carry)", name, e.Digest)
-			}
-			continue
-		}
 		switch rules[uint32(e.Type)] {
 		case approvedImage:
 			if !slices.ContainsFunc(ap.Authenticode, func(h HexBytes) bool { return bytes.Equal(h, e.Digest) }) {
@@ -163,15 +157,33 @@ func checkEvents(events []goattest.Event, ap *Approved) ([]byte, error) {
 	return image, nil
 }
 
+// checkPCR12 allows in PCR 12 only the events the approved set names: systemd-stub
+// measures there a command line it took instead of the UKI's own (from the loader, as
+// it does with Secure Boot off) and credentials it was given.
+func checkPCR12(events []goattest.Event, ap *Approved) error {
+	n := 0
+	for _, e := range events {
+		if e.Index != 12 {
+			continue
+		}
+		n++
+		if !slices.ContainsFunc(ap.PCR12Events, func(h HexBytes) bool { return bytes.Equal(h, e.Digest) }) {
+			return refuse("PCR 12", "%s, digest %x: not an event the approved policy names (pcr12_event_sha256; a command line or credential the UKI did not carry)", eventName(e, n), e.Digest)
+		}
+	}
+	return nil
+}
+
 // VerifyFirmware replays the firmware's TCG event log into the quoted PCRs (all but
 // PCR 13, which only passage extends) with go-attestation and checks the approved image
-// booted: every event of PCRs 4, 7 and 11 an approved image or of a type whose digest
-// is the hash of its data, and is (checkEvents); Secure Boot on, every authority that
-// verified an image after the separator an approved db certificate (PCR 7); at least one
-// approved application in PCR 4 (whose raw value depends on the boot options tried
-// first, so it is not pinned); PCR 11 an approved UKI's; PCR 12 only events the approved
-// policy names. A PCR the log says nothing about must hold its reset value:
-// go-attestation accepts any value for a PCR without events.
+// booted, refusing on the first that fails: every event of PCRs 4, 7 and 11 an approved
+// image or of a type whose digest is the hash of its data, and is (checkEvents); Secure
+// Boot on, every authority that verified an image after the separator an approved db
+// certificate (PCR 7); at least one approved application in PCR 4 (whose raw value
+// depends on the boot options tried first, so it is not pinned); PCR 11 an approved
+// UKI's; PCR 12 only events the approved policy names (checkPCR12). A PCR the log says
+// nothing about must hold its reset value: go-attestation accepts any value for a PCR
+// without events.
 func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*FirmwareResult, error) {
 	if len(raw) == 0 {
 		return nil, refuse("firmware event log", "empty: the node gave no firmware event log (%s), so nothing shows what it booted", FirmwareLogPath)
@@ -239,6 +251,9 @@ func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*Firmwar
 	}
 	if !slices.ContainsFunc(ap.PCR11, func(h HexBytes) bool { return bytes.Equal(h, quoted[11]) }) {
 		return nil, refuse("PCR 11", "%x is not an approved UKI's", []byte(quoted[11]))
+	}
+	if err := checkPCR12(events, ap); err != nil {
+		return nil, err
 	}
 	return res, nil
 }

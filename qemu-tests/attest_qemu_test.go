@@ -3,6 +3,7 @@
 package qemutest
 
 import (
+	"bytes"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -320,6 +321,11 @@ func TestScenario9Attest(t *testing.T) {
 	a, m = attestationOf(t, run, &rec)
 	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: approvedFor(t, filepath.Join(work, "tftp", "passage.efi"))})
 	wantRefusal(t, "Secure Boot off", err, "PCR 7", "Secure Boot is off")
+	// Without Secure Boot systemd-stub took the loader's command line: a command line
+	// override, which it measures into PCR 12 (TestVerifyFirmware refuses it by name).
+	if bytes.Equal(a.PCRs[12], make([]byte, len(a.PCRs[12]))) {
+		t.Errorf("the loader's command line left PCR 12 at zero")
+	}
 	// Everything the TPM vouches for still holds: only the firmware's word refuses it.
 	if _, err := attest.VerifyTPM(&rec, a, m, attest.Policy{EKCA: pool}); err != nil {
 		t.Errorf("TPM checks of the second boot: %v", err)
