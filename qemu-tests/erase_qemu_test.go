@@ -173,9 +173,12 @@ func TestRecycleRunningHost(t *testing.T) {
 	state := filepath.Join(dir, "tpm")
 	attesttest.Manufacture(t, ca, state)
 	work := filepath.Join(dir, "work")
+	// Secure Boot locks the kernel down: the signed line carries the SKU's plan, which
+	// the kernel programs (a unit whose ACS cannot be set is not ready).
+	plan := planFor(t, Topology{})
 	run, final := bootPassage(t, Options{Topology: Topology{NVMeImages: images}, Overlay: []OverlayFile{uinitOverlay(t, "recycler")},
 		Append:  []string{"passage.erase=off", "passage.net=off", "passage.emit=off"},
-		NetBoot: &NetBoot{}, TPMState: state, WorkDir: work, Timeout: 8 * time.Minute})
+		NetBoot: &NetBoot{}, TPMState: state, WorkDir: work, Timeout: 8 * time.Minute, Plan: plan})
 	file := func(name string) string { return strings.TrimSpace(string(run.Files[name])) }
 	for _, n := range []string{"recycle-held", "recycle"} {
 		t.Logf("%s (exit %s):\n%s", n, file(n+".exit"), file(n+".out"))
