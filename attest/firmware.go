@@ -176,14 +176,14 @@ func checkPCR12(events []goattest.Event, ap *Approved) error {
 
 // VerifyFirmware replays the firmware's TCG event log into the quoted PCRs (all but
 // PCR 13, which only passage extends) with go-attestation and checks the approved image
-// booted, refusing on the first that fails: every event of PCRs 4, 7 and 11 an approved
-// image or of a type whose digest is the hash of its data, and is (checkEvents); Secure
-// Boot on, every authority that verified an image after the separator an approved db
-// certificate (PCR 7); at least one approved application in PCR 4 (whose raw value
-// depends on the boot options tried first, so it is not pinned); PCR 11 an approved
-// UKI's; PCR 12 only events the approved policy names (checkPCR12). A PCR the log says
-// nothing about must hold its reset value: go-attestation accepts any value for a PCR
-// without events.
+// booted, refusing on the first that fails: Secure Boot on, every authority that
+// verified an image after the separator an approved db certificate (PCR 7, with
+// go-attestation's ParseSecurebootState); every event of PCRs 4, 7 and 11 an approved
+// image or of a type whose digest is the hash of its data, and is (checkEvents); at least
+// one approved application in PCR 4 (whose raw value depends on the boot options tried
+// first, so it is not pinned); PCR 11 an approved UKI's; PCR 12 only events the approved
+// policy names (checkPCR12). A PCR the log says nothing about must hold its reset value:
+// go-attestation accepts any value for a PCR without events.
 func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*FirmwareResult, error) {
 	if len(raw) == 0 {
 		return nil, refuse("firmware event log", "empty: the node gave no firmware event log (%s), so nothing shows what it booted", FirmwareLogPath)
@@ -225,10 +225,6 @@ func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*Firmwar
 			return nil, refuse(fmt.Sprintf("PCR %d", p.Index), "quoted %x but the firmware event log has no event for it", p.Digest)
 		}
 	}
-	image, err := checkEvents(events, ap)
-	if err != nil {
-		return nil, err
-	}
 	sb, err := goattest.ParseSecurebootState(events)
 	if err != nil {
 		return nil, refuse("PCR 7", "Secure Boot state: %v", err)
@@ -239,12 +235,17 @@ func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*Firmwar
 	if len(sb.PostSeparatorAuthority) == 0 {
 		return nil, refuse("PCR 7", "no db certificate verified an image after the separator")
 	}
-	res := &FirmwareResult{Image: image}
+	res := &FirmwareResult{}
 	for _, c := range sb.PostSeparatorAuthority {
 		if !slices.ContainsFunc(ap.certs, func(a *x509.Certificate) bool { return bytes.Equal(a.Raw, c.Raw) }) {
 			return nil, refuse("PCR 7", "an image was verified by %q, not an approved db certificate", c.Subject.String())
 		}
 		res.Authority = c.Subject.String()
+	}
+	// After Secure Boot: without it the firmware starts what it likes, and that is the
+	// refusal to give first.
+	if res.Image, err = checkEvents(events, ap); err != nil {
+		return nil, err
 	}
 	if res.Image == nil {
 		return nil, refuse("PCR 4", "no approved image was loaded (no EV_EFI_BOOT_SERVICES_APPLICATION event)")

@@ -207,8 +207,13 @@ func TestVerifyFirmware(t *testing.T) {
 			q[4] = pcr4
 			return l
 		}},
-		{"a PCR 7 EV_EFI_ACTION whose data is not its digest's", "PCR 7", "event 8 of PCR 7 (EV_EFI_ACTION, 0x80000007): digest", func(q map[int]HexBytes, a *Approved) []byte {
+		{"a PCR 7 EV_EFI_ACTION whose data is not its digest's", "PCR 7", "invalid digest for EFI Action", func(q map[int]HexBytes, a *Approved) []byte {
 			l, pcr7 := appendEvent(t, raw, 7, q[7], evEFIAction, other[:], []byte("DMA Protection Disabled"))
+			q[7] = pcr7
+			return l
+		}},
+		{"a PCR 7 separator whose data is not its digest's", "PCR 7", "separator", func(q map[int]HexBytes, a *Approved) []byte {
+			l, pcr7 := appendEvent(t, raw, 7, q[7], evSeparator, other[:], []byte{0, 0, 0, 0})
 			q[7] = pcr7
 			return l
 		}},
