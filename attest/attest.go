@@ -62,6 +62,10 @@ type Attestation struct {
 	// Nonce is the qualifying data of Certify and Quote: the verifier's, or the
 	// manifest's payload digest when the node attests offline.
 	Nonce []byte `json:"nonce"`
+	// NonceSource says where the node took Nonce from: NonceControlPlane (fetched from
+	// passage.url just before the quote) or NoncePayloadDigest (offline). It is the node's
+	// word, signed by nothing: a verifier that issues nonces checks the nonce itself.
+	NonceSource string `json:"nonce_source,omitempty"`
 	// Certify is TPM2_Certify of the signing key by the AK.
 	Certify Signed `json:"certify"`
 	// Quote is TPM2_Quote by the AK over QuotedPCRs.
@@ -75,6 +79,12 @@ type Attestation struct {
 	// a TCG PC Client crypto-agile log like the firmware's).
 	PassageLog []byte `json:"passage_log"`
 }
+
+// Where a node's nonce came from (Attestation.NonceSource).
+const (
+	NonceControlPlane  = "control-plane"
+	NoncePayloadDigest = "payload-digest"
+)
 
 // Signed is a TPMS_ATTEST and the TPMT_SIGNATURE over it.
 type Signed struct {

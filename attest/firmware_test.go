@@ -9,6 +9,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
 	"math/big"
@@ -51,10 +52,22 @@ func firmwareFixture(t *testing.T) (raw []byte, quoted map[int]HexBytes, ap *App
 }
 
 // appendApplication appends to a TCG crypto-agile log an EV_EFI_BOOT_SERVICES_APPLICATION
-// event in PCR 4 with digest as its sha256 (the other banks the log declares get the
-// digest's hash in their size), as firmware logs an image it starts, and returns the log
-// and the quoted PCR 4 extended with it.
+// event in PCR 4 with digest as its sha256, as firmware logs an image it starts, and
+// returns the log and the quoted PCR 4 extended with it.
 func appendApplication(t *testing.T, raw []byte, pcr4 HexBytes, digest []byte) ([]byte, HexBytes) {
+	t.Helper()
+	// UEFI_IMAGE_LOAD_EVENT: location, length and link address of the image, an empty
+	// device path.
+	load := binary.LittleEndian.AppendUint32(make([]byte, 24), 8)
+	load = append(load, make([]byte, 8)...)
+	return appendEvent(t, raw, 4, pcr4, evBootServicesApplication, digest, load)
+}
+
+// appendEvent appends to a TCG crypto-agile log an event of type typ in PCR pcr with
+// digest as its sha256 (the other banks the log declares get the digest's hash in their
+// size) and data as its data, and returns the log and the quoted value (was) extended
+// with it: an event that really happened, however the log labels it.
+func appendEvent(t *testing.T, raw []byte, pcr int, was HexBytes, typ uint32, digest, data []byte) ([]byte, HexBytes) {
 	t.Helper()
 	// The first event is the TCG_PCR_EVENT of the Spec ID Event03 (TCG PC Client
 	// Platform Firmware Profile 10.4.5.1): its algorithms follow a 24-byte header.
@@ -66,8 +79,8 @@ func appendApplication(t *testing.T, raw []byte, pcr4 HexBytes, digest []byte) (
 	}
 	n := int(le.Uint32(ev[24:]))
 	var e bytes.Buffer
-	binary.Write(&e, le, uint32(4))
-	binary.Write(&e, le, uint32(evBootServicesApplication))
+	binary.Write(&e, le, uint32(pcr))
+	binary.Write(&e, le, typ)
 	binary.Write(&e, le, uint32(n))
 	for i := 0; i < n; i++ {
 		alg, dsize := le.Uint16(ev[28+4*i:]), int(le.Uint16(ev[30+4*i:]))
@@ -79,12 +92,10 @@ func appendApplication(t *testing.T, raw []byte, pcr4 HexBytes, digest []byte) (
 		}
 		e.Write(d)
 	}
-	// UEFI_IMAGE_LOAD_EVENT: location, length and link address of the image, an empty
-	// device path.
-	binary.Write(&e, le, uint32(32))
-	e.Write(make([]byte, 32))
+	binary.Write(&e, le, uint32(len(data)))
+	e.Write(data)
 	h := sha256.New()
-	h.Write(pcr4)
+	h.Write(was)
 	h.Write(digest)
 	return append(append([]byte(nil), raw...), e.Bytes()...), h.Sum(nil)
 }
@@ -108,6 +119,45 @@ func TestVerifyFirmware(t *testing.T) {
 		a := *ap
 		return f(q, &a), q, &a
 	}
+	// relabel appends an unapproved application that really ran (PCR 4 holds it) and
+	// relogs it as typ.
+	relabel := func(q map[int]HexBytes, typ uint32) []byte {
+		l, pcr4 := appendApplication(t, raw, q[4], other[:])
+		q[4] = pcr4
+		binary.LittleEndian.PutUint32(l[len(raw)+4:], typ)
+		return l
+	}
+	// A UKI whose command line was overridden (systemd-stub measures the LoadOptions it
+	// takes instead of .cmdline into PCR 12, as UTF-16 with the NUL).
+	var cmdline []byte
+	for _, r := range "console=ttyS0 rdinit=/bin/sh\x00" {
+		cmdline = binary.LittleEndian.AppendUint16(cmdline, uint16(r))
+	}
+	override := sha256.Sum256(cmdline)
+	withOverride := func(q map[int]HexBytes) []byte {
+		l, pcr12 := appendEvent(t, raw, 12, q[12], evIPL, override[:], cmdline)
+		q[12] = pcr12
+		return l
+	}
+
+	// Events that are what they say pass: an EV_EFI_ACTION whose digest is its data's,
+	// a PCR 12 event the approved policy names.
+	ret := []byte("Returning from EFI Application from Boot Option")
+	rh := sha256.Sum256(ret)
+	l, q, a := with(func(q map[int]HexBytes, a *Approved) []byte {
+		l, pcr4 := appendEvent(t, raw, 4, q[4], evEFIAction, rh[:], ret)
+		q[4] = pcr4
+		a.PCR12Events = []HexBytes{override[:]}
+		if err := a.Parse(); err != nil {
+			t.Fatal(err)
+		}
+		l, q[12] = appendEvent(t, l, 12, q[12], evIPL, override[:], cmdline)
+		return l
+	})
+	if _, err := VerifyFirmware(l, q, a); err != nil {
+		t.Errorf("an EV_EFI_ACTION over its data in PCR 4 and an approved PCR 12 event: %v", err)
+	}
+
 	for _, c := range []struct {
 		name, check, words string
 		change             func(q map[int]HexBytes, a *Approved) []byte
@@ -139,6 +189,42 @@ func TestVerifyFirmware(t *testing.T) {
 				t.Fatal(err)
 			}
 			return raw
+		}},
+		{"an unapproved image relogged as EV_EFI_ACTION", "PCR 4", "(EV_EFI_ACTION, 0x80000007): digest", func(q map[int]HexBytes, a *Approved) []byte {
+			return relabel(q, evEFIAction)
+		}},
+		{"an unapproved image relogged as EV_IPL", "PCR 4", "(EV_IPL, 0x0000000d): a type this PCR may not hold", func(q map[int]HexBytes, a *Approved) []byte {
+			return relabel(q, evIPL)
+		}},
+		{"an unapproved image relogged as EV_EFI_BOOT_SERVICES_DRIVER", "PCR 4", "(EV_EFI_BOOT_SERVICES_DRIVER, 0x80000004): a type this PCR may not hold", func(q map[int]HexBytes, a *Approved) []byte {
+			return relabel(q, 0x80000004)
+		}},
+		{"an unapproved image relogged as EV_SEPARATOR", "PCR 4", "(EV_SEPARATOR, 0x00000004): digest", func(q map[int]HexBytes, a *Approved) []byte {
+			return relabel(q, evSeparator)
+		}},
+		{"an EV_EFI_ACTION whose data is not its digest's", "PCR 4", "is not the sha256 of its data", func(q map[int]HexBytes, a *Approved) []byte {
+			l, pcr4 := appendEvent(t, raw, 4, q[4], evEFIAction, other[:], []byte("Returning from EFI Application from Boot Option"))
+			q[4] = pcr4
+			return l
+		}},
+		{"a PCR 7 EV_EFI_ACTION whose data is not its digest's", "PCR 7", "invalid digest for EFI Action", func(q map[int]HexBytes, a *Approved) []byte {
+			l, pcr7 := appendEvent(t, raw, 7, q[7], evEFIAction, other[:], []byte("DMA Protection Disabled"))
+			q[7] = pcr7
+			return l
+		}},
+		{"a PCR 7 separator whose data is not its digest's", "PCR 7", "separator", func(q map[int]HexBytes, a *Approved) []byte {
+			l, pcr7 := appendEvent(t, raw, 7, q[7], evSeparator, other[:], []byte{0, 0, 0, 0})
+			q[7] = pcr7
+			return l
+		}},
+		{"a PCR 11 separator whose data is not its digest's", "PCR 11", "(EV_SEPARATOR, 0x00000004): digest", func(q map[int]HexBytes, a *Approved) []byte {
+			l, pcr11 := appendEvent(t, raw, 11, q[11], evSeparator, other[:], []byte{0, 0, 0, 0})
+			q[11] = pcr11
+			a.PCR11 = append(a.PCR11, pcr11)
+			return l
+		}},
+		{"a kernel command line override in PCR 12", "PCR 12", "event 1 of PCR 12 (EV_IPL, 0x0000000d), digest " + hex.EncodeToString(override[:]), func(q map[int]HexBytes, a *Approved) []byte {
+			return withOverride(q)
 		}},
 		{"no log", "firmware event log", "empty", func(q map[int]HexBytes, a *Approved) []byte { return nil }},
 		{"a truncated log", "firmware event log", "", func(q map[int]HexBytes, a *Approved) []byte { return raw[:len(raw)-7] }},

@@ -6,6 +6,7 @@ import (
 	"crypto/ecdsa"
 	"crypto/sha256"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"math/big"
 
@@ -103,6 +104,10 @@ type Policy struct {
 	// Nonce is the nonce the verifier gave; empty: the manifest's payload digest (the
 	// node attested offline, right after writing the manifest).
 	Nonce []byte
+	// Nonces, when set, is the verifier's store of the nonces it issued (NonceStore):
+	// the attestation's nonce must be one of them, unused, and is then used up. Nonce
+	// must be empty with it.
+	Nonces *NonceStore
 }
 
 // Manifest is the verified manifest the attestation is to vouch for.
@@ -164,7 +169,14 @@ func VerifyTPM(rec *NodeRecord, a *Attestation, m Manifest, p Policy) (*Result, 
 		return nil, err
 	}
 	nonce := p.Nonce
-	if len(nonce) == 0 {
+	switch {
+	case p.Nonces != nil && len(nonce) != 0:
+		return nil, errors.New("policy: a nonce and a nonce store: give one")
+	case p.Nonces != nil:
+		// Checked against the store once the quote is the AK's (below): only the node's
+		// TPM can spend an issued nonce.
+		nonce = a.Nonce
+	case len(nonce) == 0:
 		sum := sha256.Sum256(m.Payload)
 		nonce = sum[:]
 	}
@@ -189,6 +201,11 @@ func VerifyTPM(rec *NodeRecord, a *Attestation, m Manifest, p Policy) (*Result, 
 	}
 	if !bytes.Equal(att.ExtraData.Buffer, nonce) {
 		return nil, refuse("quote", "quoted nonce %x, want %x", att.ExtraData.Buffer, nonce)
+	}
+	if p.Nonces != nil {
+		if err := p.Nonces.Use(nonce); err != nil {
+			return nil, err
+		}
 	}
 	q, err := att.Attested.Quote()
 	if err != nil {

@@ -19,13 +19,13 @@ import (
 	"github.com/passage-boot/passage/pci"
 )
 
-func b300Decision(t *testing.T, live Live) *Decision {
+func b300Decision(t testing.TB, live Live) *Decision {
 	t.Helper()
 	return b300DecisionAt(t, pcitest.New(t, pcitest.B300()).Root, live)
 }
 
 // b300DecisionAt decides on the B300 tree under root.
-func b300DecisionAt(t *testing.T, root string, live Live) *Decision {
+func b300DecisionAt(t testing.TB, root string, live Live) *Decision {
 	t.Helper()
 	tree, err := pci.Scan(root)
 	if err != nil {

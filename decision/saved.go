@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"slices"
-	"strings"
 
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/firmware"
@@ -18,7 +17,7 @@ import (
 )
 
 // SavedVersion is the version of the saved-plan format.
-const SavedVersion = 3 // 2 added erase_policy, 3 for
+const SavedVersion = 4 // 2 added erase_policy, 3 for, 4 each port's mask and flags
 
 // Saved is a decision written down by `passage plan --out F`, for `passage apply --plan
 // F`: as with a saved Terraform plan, apply decides again on the node as it is now, with
@@ -46,7 +45,11 @@ type SavedPort struct {
 	Offset  int             `json:"offset"`
 	Current pci.ACSBits     `json:"current"`
 	Target  pci.ACSBits     `json:"target"`
-	Skip    string          `json:"skip,omitempty"`
+	// Mask and Flags are the port's pci=config_acs= entry (topology.ACSPort's): ImageArgs
+	// rebuilds the image's argument from them rather than trusting kernel_arg's text.
+	Mask  pci.ACSBits `json:"mask"`
+	Flags pci.ACSBits `json:"flags"`
+	Skip  string      `json:"skip,omitempty"`
 }
 
 // Save writes the decision down.
@@ -60,7 +63,7 @@ func (d *Decision) Save() (*Saved, error) {
 	for _, p := range d.ACS {
 		sp := SavedPort{Addr: p.Addr, Unit: p.Unit, Offset: p.Offset, Skip: p.Skip}
 		if p.Offset != 0 {
-			sp.Current, sp.Target = p.Current, p.Target()
+			sp.Current, sp.Target, sp.Mask, sp.Flags = p.Current, p.Target(), p.Mask, p.Flags
 		}
 		s.ACS = append(s.ACS, sp)
 	}
@@ -194,20 +197,42 @@ func PlanDigest(b []byte) string {
 	return "sha256:" + hex.EncodeToString(sum[:])
 }
 
+// configACSBits are the flag positions a pci=config_acs= entry has (bit 6, DT, down to
+// bit 0, SV): a mask or flag outside them would be dropped from the entry silently.
+const configACSBits pci.ACSBits = 1<<7 - 1
+
 // ImageArgs are the kernel arguments a signed boot image carries for the saved plan in
 // b (`make uki PLAN=F`): the plan's pci=config_acs=, which Linux 6.11+ programs before
 // passage runs, and PlanArg naming the plan, which the node records in its manifest.
-// A plan with nothing to set is refused: the image would carry no ACS at all.
+//
+// The argument is rebuilt from the plan's ports by topology.KernelArg, the function that
+// made kernel_arg, so nothing but flags and addresses reaches the image: the operator's
+// db key signs this line, and a plan edited to carry another separator (\r, \v, NUL,
+// U+00A0 all split arguments in the kernel) or another pci= option would otherwise ride
+// along. A plan whose kernel_arg is not the rebuilt argument was edited, or written by
+// another passage: it is refused. A plan with nothing to set is refused too: the image
+// would carry no ACS at all.
 func ImageArgs(b []byte) (string, error) {
 	s, err := ReadSaved(bytes.NewReader(b))
 	if err != nil {
 		return "", err
 	}
-	if s.KernelArg == "" {
+	ports := make([]topology.ACSPort, 0, len(s.ACS))
+	for _, p := range s.ACS {
+		if p.Offset == 0 {
+			continue
+		}
+		if p.Mask&^configACSBits != 0 || p.Flags&^p.Mask != 0 {
+			return "", fmt.Errorf("saved plan: acs %s: mask 0x%04x, flags 0x%04x: not a pci=config_acs= entry (flags within a mask of bits 0..6)", p.Addr, uint16(p.Mask), uint16(p.Flags))
+		}
+		ports = append(ports, topology.ACSPort{Addr: p.Addr, Offset: p.Offset, Mask: p.Mask, Flags: p.Flags})
+	}
+	arg := topology.KernelArg(ports)
+	if arg == "" {
 		return "", errors.New("saved plan: no pci=config_acs= (no unit's ports are to be set): nothing to bake into an image")
 	}
-	if strings.ContainsAny(s.KernelArg, " \t\n\"") || !strings.HasPrefix(s.KernelArg, "pci=config_acs=") {
-		return "", fmt.Errorf("saved plan: kernel argument %q is not one pci=config_acs= word", s.KernelArg)
+	if s.KernelArg != arg {
+		return "", fmt.Errorf("saved plan: kernel_arg %q is not the argument its acs ports make (%q): refused, the plan was edited", s.KernelArg, arg)
 	}
-	return s.KernelArg + " " + PlanArg + "=" + PlanDigest(b), nil
+	return arg + " " + PlanArg + "=" + PlanDigest(b), nil
 }

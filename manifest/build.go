@@ -18,9 +18,12 @@ import (
 
 // Build starts a manifest for this boot: schema version, this binary's build, node
 // identity, boot id, kernel release and command line, all read under root ("/" on a live
-// node, a temp dir in tests), and the time. The stages fill in the rest. A missing optional file (DMI on a VM, a
-// root-only product_serial) leaves its field empty; boot_id is required because the
-// hypervisor matches manifests to boots with it.
+// node, a temp dir in tests), and the time. The stages fill in the rest. A missing
+// optional file (DMI on a VM, a root-only product_serial) leaves its field empty.
+// boot_id is required because the hypervisor matches manifests to boots with it: without
+// it Build returns the error and the manifest with everything else it read (the DMI
+// serial and UUID, the hostname still say which node wrote it); Sign refuses a manifest
+// with no identity at all.
 func Build(root string, now time.Time) (*Manifest, error) {
 	m := &Manifest{
 		SchemaVersion:    SchemaVersion,
@@ -28,23 +31,34 @@ func Build(root string, now time.Time) (*Manifest, error) {
 		GenerationSource: GenerationNone,
 		Time:             now.UTC(),
 	}
+	var errs []error
 	var err error
 	if m.BootID, err = readTrimmed(root, "proc/sys/kernel/random/boot_id"); err != nil {
-		return nil, fmt.Errorf("manifest: boot id: %w", err)
-	}
-	if m.BootID == "" {
-		return nil, fmt.Errorf("manifest: boot id: %s is empty", filepath.Join(root, "proc/sys/kernel/random/boot_id"))
+		errs = append(errs, fmt.Errorf("manifest: boot id: %w", err))
+	} else if m.BootID == "" {
+		errs = append(errs, fmt.Errorf("manifest: boot id: %s is empty", filepath.Join(root, "proc/sys/kernel/random/boot_id")))
 	}
 	if m.Node, err = ReadNode(root); err != nil {
-		return nil, err
+		errs = append(errs, err)
 	}
 	if err := readOptional(root, []optionalFile{
 		{&m.KernelRelease, "proc/sys/kernel/osrelease"},
 		{&m.KernelCmdline, "proc/cmdline"},
 	}); err != nil {
-		return nil, err
+		errs = append(errs, err)
 	}
-	return m, nil
+	return m, errors.Join(errs...)
+}
+
+// Identified says whether m names the node that wrote it: a boot id, a hostname (not
+// the kernel's "(none)" before one is set), a DMI serial or a DMI UUID. A manifest with
+// none of them could be any node's and is never signed.
+func (m *Manifest) Identified() error {
+	host := m.Node.Hostname != "" && m.Node.Hostname != "(none)"
+	if m.BootID == "" && !host && m.Node.DMISerial == "" && m.Node.DMIUUID == "" {
+		return errors.New("manifest: no node identity (boot_id, hostname, dmi_serial and dmi_uuid all empty): it could be any node's")
+	}
+	return nil
 }
 
 // ReadNode reads the node's identity under root: hostname and DMI fields, each empty

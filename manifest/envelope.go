@@ -37,8 +37,14 @@ type Signed struct {
 }
 
 // Sign marshals m canonically and wraps it in a DSSE envelope signed by each of signers
-// (see SignPayload).
+// (see SignPayload). A manifest that names no node (Identified) is refused: a signature
+// over it would vouch for whichever node showed it.
 func Sign(ctx context.Context, m *Manifest, signers ...Signer) (*Signed, error) {
+	if m != nil {
+		if err := m.Identified(); err != nil {
+			return nil, fmt.Errorf("%w: refused to sign", err)
+		}
+	}
 	payload, err := Marshal(m)
 	if err != nil {
 		return nil, err

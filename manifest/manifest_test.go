@@ -66,11 +66,59 @@ func TestBuildNeedsBootID(t *testing.T) {
 			if content != nil {
 				files["proc/sys/kernel/random/boot_id"] = *content
 			}
-			_, err := Build(writeRoot(t, files), time.Now())
+			m, err := Build(writeRoot(t, files), time.Now())
 			if err == nil || !strings.Contains(err.Error(), "boot_id") {
 				t.Fatalf("err = %v, want one naming boot_id", err)
 			}
+			// What was read stays: the DMI identity and the hostname still name the node.
+			if m == nil || m.Node.DMISerial != "S3R1AL-0042" || m.Node.DMIUUID != "4c4c4544-0042-3810-8057-b3c04f4b4d32" || m.Node.Hostname != "b300-r07-n3" || m.KernelRelease != "6.12.48" {
+				t.Fatalf("manifest without a boot id: %+v", m)
+			}
+			if _, err := Sign(context.Background(), m, testSigner(t, 1)); err != nil {
+				t.Errorf("a manifest that names its node by DMI and hostname: %v", err)
+			}
 		})
+	}
+}
+
+// TestSignNeedsIdentity: a manifest that names no node (no boot id, hostname, DMI serial
+// or UUID could be read) is refused at signing, by Sign and by WriteSigned, which then
+// writes no envelope; any one of the four is enough.
+func TestSignNeedsIdentity(t *testing.T) {
+	files := defaultRootFiles()
+	for _, f := range []string{"proc/sys/kernel/random/boot_id", "proc/sys/kernel/hostname", "sys/class/dmi/id/product_serial", "sys/class/dmi/id/product_uuid"} {
+		delete(files, f)
+	}
+	m, err := Build(writeRoot(t, files), time.Now())
+	if m == nil || err == nil {
+		t.Fatalf("Build: %+v, %v", m, err)
+	}
+	if s, err := Sign(context.Background(), m, testSigner(t, 1)); s != nil || err == nil || !strings.Contains(err.Error(), "no node identity") {
+		t.Fatalf("Sign: %+v, %v; want refused for no node identity", s, err)
+	}
+	unset := *m
+	unset.Node.Hostname = "(none)" // the kernel's before anything sets one
+	if s, err := Sign(context.Background(), &unset, testSigner(t, 1)); s != nil || err == nil {
+		t.Fatalf("Sign with hostname (none): %+v, %v; want refused", s, err)
+	}
+	dir := t.TempDir()
+	if s, err := WriteSigned(context.Background(), m, dir, "m.dsse.json", nil, testSigner(t, 1)); s != nil || err == nil {
+		t.Fatalf("WriteSigned: %+v, %v", s, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "m.dsse.json")); !os.IsNotExist(err) {
+		t.Errorf("an envelope was written: %v", err)
+	}
+	for name, set := range map[string]func(m *Manifest){
+		"boot id":    func(m *Manifest) { m.BootID = testBootID },
+		"hostname":   func(m *Manifest) { m.Node.Hostname = "n3" },
+		"dmi serial": func(m *Manifest) { m.Node.DMISerial = "S3R1AL-0042" },
+		"dmi uuid":   func(m *Manifest) { m.Node.DMIUUID = "4c4c4544-0042-3810-8057-b3c04f4b4d32" },
+	} {
+		c := *m
+		set(&c)
+		if _, err := Sign(context.Background(), &c, testSigner(t, 1)); err != nil {
+			t.Errorf("with only a %s: %v", name, err)
+		}
 	}
 }
 

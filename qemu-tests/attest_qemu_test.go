@@ -3,14 +3,19 @@
 package qemutest
 
 import (
+	"bytes"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/passage-boot/passage/attest"
@@ -120,6 +125,9 @@ func wantRefusal(t *testing.T, what string, err error, check, words string) {
 // refused naming PCR 7. A second boot of the same node runs another build of the image,
 // signed with the same db key: refused naming PCR 4, and PCR 11 when its Authenticode
 // hash is approved too. A third, with Secure Boot off, is refused naming PCR 7.
+// The first boot runs against a control plane on the host's loopback (passage.url): it
+// fetches a nonce from it before quoting, and the verifier holding the nonce store
+// accepts that attestation once, refusing it shown again, naming the nonce.
 func TestScenario9Attest(t *testing.T) {
 	ca := attesttest.NewCA(t)
 	dir := t.TempDir()
@@ -130,8 +138,28 @@ func TestScenario9Attest(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// The control plane: passage.url on the host's loopback (the guest reaches it through
+	// the management network), issuing nonces from the verifier's store on GET and
+	// keeping what the boot POSTs.
+	v := t.TempDir()
+	store := filepath.Join(v, "nonces.json")
+	nonces := attest.NonceHandler(&attest.NonceStore{Path: store})
+	var mu sync.Mutex
+	posted := map[string][]byte{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			nonces.ServeHTTP(w, r)
+			return
+		}
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		posted[r.Header.Get("Content-Type")] = b
+		mu.Unlock()
+	}))
+	defer srv.Close()
+
 	work := filepath.Join(dir, "secureboot")
-	run, _ := bootPassage(t, Options{NetBoot: &NetBoot{}, TPMState: state, WorkDir: work})
+	run, _ := bootPassage(t, Options{NetBoot: &NetBoot{ControlPlane: srv.Listener.Addr().String()}, TPMState: state, WorkDir: work})
 	con, _ := os.ReadFile(run.Console)
 	if !strings.Contains(string(con), "EFI stub: UEFI Secure Boot is enabled") {
 		t.Fatal("the boot did not run under Secure Boot")
@@ -140,11 +168,18 @@ func TestScenario9Attest(t *testing.T) {
 	if len(a.FirmwareLog) == 0 {
 		t.Fatal("the guest published no firmware event log")
 	}
+	// The boot fetched a nonce before it quoted: the attestation it posted and kept is
+	// over the control plane's nonce, not the payload digest.
+	mu.Lock()
+	sent := posted["application/vnd.passage.attestation+json"]
+	mu.Unlock()
+	if a.NonceSource != attest.NonceControlPlane || len(a.Nonce) != attest.NonceSize || string(sent) != string(run.Files["manifest.dsse.json"+attest.Suffix]) {
+		t.Fatalf("attestation nonce %x from %q (posted %d bytes), want the control plane's, posted; console end:\n%s", a.Nonce, a.NonceSource, len(sent), consoleTail(run.Console, 40))
+	}
 
 	// Enrolment and verification through the commands, as an operator runs them: the
 	// verifier's challenge, the node's answer from its TPM (its state once QEMU is gone:
 	// the same EK and AK the guest used), the node record, verify --attest.
-	v := t.TempDir()
 	passage := filepath.Join(v, "passage")
 	if out, err := exec.Command("go", "build", "-o", passage, "../cmd/passage").CombinedOutput(); err != nil {
 		t.Fatalf("build passage: %v\n%s", err, out)
@@ -186,7 +221,7 @@ func TestScenario9Attest(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := cli("verify", "--tpm-pub", pub, "--attest", attPath, "--node", node, "--ek-ca", caFile,
-		"--approved", write("approved.json", apJSON), "--update-node", env)
+		"--approved", write("approved.json", apJSON), "--nonces", store, "--update-node", env)
 	t.Logf("passage verify --attest:\n%s", out)
 	if !strings.Contains(out, ": OK, signed by") || !strings.Contains(out, "attested    EK certified") || !strings.Contains(out, "Secure Boot by O=SnakeOil") {
 		t.Errorf("verify --attest accepted without saying what was attested:\n%s", out)
@@ -196,7 +231,11 @@ func TestScenario9Attest(t *testing.T) {
 	}
 
 	a, m := attestationOf(t, run, &rec)
-	res, err := attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: approved})
+	// Shown again, the attestation is a replay: its nonce is used up.
+	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: approved, Nonces: &attest.NonceStore{Path: store}})
+	wantRefusal(t, "the same attestation shown twice", err, "nonce", hex.EncodeToString(a.Nonce)+" was already used")
+	// The checks below are of the image, with the nonce given.
+	res, err := attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: approved, Nonce: a.Nonce})
 	if err != nil {
 		t.Fatalf("the approved image's attestation is refused: %v", err)
 	}
@@ -262,7 +301,7 @@ func TestScenario9Attest(t *testing.T) {
 	if err := otherDB.Parse(); err != nil {
 		t.Fatal(err)
 	}
-	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: &otherDB})
+	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: &otherDB, Nonce: a.Nonce})
 	wantRefusal(t, "another db certificate approved", err, "PCR 7", "not an approved db certificate")
 
 	// The same node, Secure Boot off (no keys enrolled: the firmware checks nothing).
@@ -282,6 +321,11 @@ func TestScenario9Attest(t *testing.T) {
 	a, m = attestationOf(t, run, &rec)
 	_, err = attest.Verify(&rec, a, m, attest.Policy{EKCA: pool, Approved: approvedFor(t, filepath.Join(work, "tftp", "passage.efi"))})
 	wantRefusal(t, "Secure Boot off", err, "PCR 7", "Secure Boot is off")
+	// Without Secure Boot systemd-stub took the loader's command line: a command line
+	// override, which it measures into PCR 12 (TestVerifyFirmware refuses it by name).
+	if bytes.Equal(a.PCRs[12], make([]byte, len(a.PCRs[12]))) {
+		t.Errorf("the loader's command line left PCR 12 at zero")
+	}
 	// Everything the TPM vouches for still holds: only the firmware's word refuses it.
 	if _, err := attest.VerifyTPM(&rec, a, m, attest.Policy{EKCA: pool}); err != nil {
 		t.Errorf("TPM checks of the second boot: %v", err)

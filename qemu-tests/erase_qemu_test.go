@@ -8,12 +8,16 @@ import (
 	"crypto/sha256"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/passage-boot/passage/attest"
+	"github.com/passage-boot/passage/attest/attesttest"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/tpmkey"
 )
 
 // tenantMarker is what the last tenant left on its NVMe: written over the whole
@@ -153,7 +157,10 @@ func TestEraseAtBoot(t *testing.T) {
 // while a process holds unit 0's /dev/vfio/<group> open; once it is closed, recycle
 // erases the NVMe (no marker anywhere in its image after power-off), resets the unit,
 // binds it back to vfio-pci, and writes a manifest that verifies with a higher
-// generation than the boot's. Unit 1, not asked for, keeps its marker.
+// generation than the boot's. Unit 1, not asked for, keeps its marker. The node boots
+// the signed image under Secure Boot with a TPM that has an EK certificate: recycle
+// attests the generation it signs, and verify --attest (as an operator runs it, after
+// enrolling the node) accepts the newest manifest with nobody quoting by hand.
 func TestRecycleRunningHost(t *testing.T) {
 	dir := t.TempDir()
 	var images []string
@@ -162,8 +169,16 @@ func TestRecycleRunningHost(t *testing.T) {
 		markedImage(t, p, 16, tenantMarker)
 		images = append(images, p)
 	}
+	ca := attesttest.NewCA(t)
+	state := filepath.Join(dir, "tpm")
+	attesttest.Manufacture(t, ca, state)
+	work := filepath.Join(dir, "work")
+	// Secure Boot locks the kernel down: the signed line carries the SKU's plan, which
+	// the kernel programs (a unit whose ACS cannot be set is not ready).
+	plan := planFor(t, Topology{})
 	run, final := bootPassage(t, Options{Topology: Topology{NVMeImages: images}, Overlay: []OverlayFile{uinitOverlay(t, "recycler")},
-		Append: []string{"passage.erase=off", "passage.net=off", "passage.emit=off"}})
+		Append:  []string{"passage.erase=off", "passage.net=off", "passage.emit=off"},
+		NetBoot: &NetBoot{}, TPMState: state, WorkDir: work, Timeout: 8 * time.Minute, Plan: plan})
 	file := func(name string) string { return strings.TrimSpace(string(run.Files[name])) }
 	for _, n := range []string{"recycle-held", "recycle"} {
 		t.Logf("%s (exit %s):\n%s", n, file(n+".exit"), file(n+".out"))
@@ -227,6 +242,63 @@ func TestRecycleRunningHost(t *testing.T) {
 	}
 	if !hasMarker(images[1]) {
 		t.Error("unit 1's NVMe image lost its marker: recycle touched a unit it was not asked for")
+	}
+
+	// The verifier: enrol the node from the attestation beside the newest manifest (the
+	// credential round against the TPM's state once QEMU is gone), then verify --attest.
+	a, _ := attestationOf(t, run, nil)
+	pool, err := attest.CAPool(ca.PEM(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, pending, err := attest.Enrol(a, pool)
+	if err != nil {
+		t.Fatalf("enrol: %v", err)
+	}
+	sock, stop := attesttest.Serve(t, state)
+	tpm, err := tpmkey.Open(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ans, err := attest.Activate(tpm.Transport(), ch)
+	tpm.Close()
+	stop()
+	if err != nil {
+		t.Fatalf("activate: %v", err)
+	}
+	rec, err := attest.Complete(pending, ans)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := t.TempDir()
+	write := func(name string, b []byte) string {
+		t.Helper()
+		p := filepath.Join(v, name)
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	recJSON, _ := json.Marshal(rec)
+	pemKey, err := rec.SigningKeyPEM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	apJSON, _ := json.Marshal(approvedFor(t, filepath.Join(work, "tftp", "passage.efi")))
+	passage := filepath.Join(v, "passage")
+	if out, err := exec.Command("go", "build", "-o", passage, "../cmd/passage").CombinedOutput(); err != nil {
+		t.Fatalf("build passage: %v\n%s", err, out)
+	}
+	out, err := exec.Command(passage, "verify", "--tpm-pub", write("node.pub", pemKey),
+		"--attest", write("manifest.dsse.json"+attest.Suffix, run.Files["manifest.dsse.json"+attest.Suffix]),
+		"--node", write("node.json", recJSON), "--ek-ca", write("ek-ca.pem", ca.PEM(t)), "--approved", write("approved.json", apJSON),
+		write("manifest.dsse.json", run.Files["manifest.dsse.json"])).CombinedOutput()
+	t.Logf("passage verify --attest of generation %d:\n%s", final.Generation, out)
+	if err != nil || !strings.Contains(string(out), "attested    EK certified") {
+		t.Errorf("verify --attest of recycle's generation %d: %v", final.Generation, err)
+	}
+	if a.NonceSource != attest.NoncePayloadDigest {
+		t.Errorf("recycle's attestation: nonce source %q", a.NonceSource)
 	}
 }
 

@@ -27,7 +27,15 @@ type NetBoot struct {
 	// StopAt ends the boot (QEMU is killed) at the first console line containing it: a
 	// refused image leaves the firmware waiting, not powered off.
 	StopAt string
+	// ControlPlane, when set, is the host address (127.0.0.1:PORT) of a control plane
+	// the test serves: the guest reaches it as ControlPlaneURL (a guestfwd on the
+	// management network, internal/fwd per connection), which goes into the signed
+	// command line as passage.url.
+	ControlPlane string
 }
+
+// ControlPlaneURL is passage.url in a boot with a ControlPlane.
+const ControlPlaneURL = "http://10.0.2.100/m"
 
 // Debian's ovmf package.
 const (
@@ -93,6 +101,17 @@ func (n *NetBoot) args(work, kernel, initrd, cmdline string, topology []string) 
 		return nil, fmt.Errorf("netboot: cannot locate image/uki.sh")
 	}
 	script := filepath.Join(filepath.Dir(self), "..", "image", "uki.sh")
+	guestfwd := ""
+	if n.ControlPlane != "" {
+		fwd := filepath.Join(work, "fwd")
+		build := exec.Command("go", "build", "-o", fwd, "./internal/fwd")
+		build.Dir = filepath.Dir(self)
+		if out, err := build.CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("netboot: build internal/fwd: %v: %s", err, out)
+		}
+		guestfwd = ",guestfwd=tcp:10.0.2.100:80-cmd:" + fwd + " " + n.ControlPlane
+		cmdline += " passage.url=" + ControlPlaneURL
+	}
 	if out, err := exec.Command("bash", script, tftp, kernel, initrd, cmdline, key, cert).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("netboot: uki.sh: %v: %s", err, out)
 	}
@@ -121,7 +140,7 @@ func (n *NetBoot) args(work, kernel, initrd, cmdline string, topology []string) 
 	topo := append([]string(nil), topology...)
 	for i, a := range topo {
 		if strings.HasPrefix(a, "user,id=mgmt0,") {
-			topo[i] = a + ",tftp=" + tftp + ",bootfile=boot.ipxe"
+			topo[i] = a + ",tftp=" + tftp + ",bootfile=boot.ipxe" + guestfwd
 			netdev = true
 		}
 		if strings.HasPrefix(a, "e1000e,id=mgmt0d,") && strings.Contains(a, ",romfile=") {

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"maps"
 	"os"
 	"path/filepath"
@@ -45,6 +46,11 @@ type Options struct {
 	Signers  []manifest.Signer
 	Verifier manifest.Verifier
 	Measurer manifest.Measurer
+	// Attest, when set, attests each generation once it is signed and measured (quote over
+	// PCR 13 ending in it: stages/boot.WriteAttestation), so a verifier's verify --attest
+	// takes the newest manifest without anyone quoting by hand. Without it (no TPM) any
+	// earlier attestation beside the manifest is removed: it would be of an older one.
+	Attest func(dir string, signed *manifest.Signed) error
 	// Counters give the generation, first that answers (manifest.NextGeneration).
 	Counters []manifest.Counter
 	// Sysfs and Open default to the kernel under Root; tests simulate both.
@@ -444,7 +450,30 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifes
 	if err != nil {
 		o.logf("manifest generation %d: %v", gen, err)
 	}
+	o.attest(gen, signed, err == nil)
 	return m, signed, nil
+}
+
+// AttestationSuffix names a manifest's attestation beside it (attest.Suffix; repeated so
+// recycle does not link the verifier's code).
+const AttestationSuffix = ".attest.json"
+
+// attest writes generation gen's attestation when it was measured, and otherwise removes
+// the one beside the manifest: an attestation of the previous generation would say
+// nothing true of this one.
+func (o *Options) attest(gen uint64, signed *manifest.Signed, measured bool) {
+	stale := filepath.Join(o.Dir, EnvelopeName+AttestationSuffix)
+	if o.Attest != nil && measured && o.Measurer != nil {
+		err := o.Attest(o.Dir, signed)
+		if err == nil {
+			o.logf("manifest generation %d attested (%s)", gen, EnvelopeName+AttestationSuffix)
+			return
+		}
+		o.logf("manifest generation %d: attestation: %v", gen, err)
+	}
+	if err := os.Remove(stale); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		o.logf("manifest generation %d: %s: %v", gen, stale, err)
+	}
 }
 
 func prevUnit(prev *manifest.Manifest, id topology.UnitID) *manifest.Unit {

@@ -25,6 +25,7 @@ import (
 //	node:     passage attest activate -o ANSWER C
 //	verifier: passage attest enroll --pending P --answer ANSWER -o NODE [--tpm-pub-out KEY]
 //	node:     passage attest quote --nonce HEX -o ATTESTATION (a control plane's nonce)
+//	verifier: passage attest nonce --nonces STORE (issue one: what passage.url's GET answers)
 func cmdAttest(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("attest", stderr)
 	ekCA := fs.String("ek-ca", "", "enroll: the operator's EK CA certificates `FILE` (PEM): the TPM vendor's, in CI swtpm_localca's")
@@ -36,12 +37,13 @@ func cmdAttest(args []string, stdout, stderr io.Writer) int {
 	dev := fs.String("tpm-device", tpmkey.DefaultDevice, "activate, quote: the TPM character `DEVICE` (or swtpm's socket)")
 	nonce := fs.String("nonce", "", "quote: the verifier's nonce, `HEX` (1 to 64 bytes; default: 32 random bytes, printed)")
 	dir := fs.String("dir", "/run/passage", "quote: the `DIR` of the boot's manifest and its event log")
+	nonces := fs.String("nonces", "", "nonce: the verifier's nonce store `FILE` (nonces.json beside the node records), created when missing")
 	pos, code, ok := parseFlags(fs, args, stdout)
 	if !ok {
 		return code
 	}
 	if len(pos) == 0 {
-		fmt.Fprintln(stderr, "passage attest: give enroll, activate or quote; see passage help attest")
+		fmt.Fprintln(stderr, "passage attest: give enroll, activate, quote or nonce; see passage help attest")
 		return 2
 	}
 	a := attestCmd{stdout: stdout, stderr: stderr}
@@ -71,8 +73,19 @@ func cmdAttest(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		return a.quote(*dev, *dir, *nonce, *out)
+	case "nonce":
+		if len(pos) != 1 || *nonces == "" {
+			fmt.Fprintln(stderr, "passage attest nonce: give --nonces FILE, no argument")
+			return 2
+		}
+		n, err := (&attest.NonceStore{Path: *nonces}).Issue()
+		if err != nil {
+			return a.fail(2, "%v", err)
+		}
+		fmt.Fprintln(stdout, hex.EncodeToString(n))
+		return 0
 	}
-	fmt.Fprintf(stderr, "passage attest: %q: not enroll, activate or quote\n", pos[0])
+	fmt.Fprintf(stderr, "passage attest: %q: not enroll, activate, quote or nonce\n", pos[0])
 	return 2
 }
 
@@ -236,8 +249,8 @@ func readAtMost(path string, max int64) ([]byte, error) {
 // attestFlags are verify's --attest flags: the attestation published beside the
 // manifest, and what the verifier holds it to.
 type attestFlags struct {
-	att, node, ekCA, approved, nonce string
-	update                           bool
+	att, node, ekCA, approved, nonce, nonces string
+	update                                   bool
 }
 
 func (f *attestFlags) register(fs *flag.FlagSet) {
@@ -246,6 +259,7 @@ func (f *attestFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.ekCA, "ek-ca", "", "with --attest: the operator's EK CA certificates `FILE` (PEM)")
 	fs.StringVar(&f.approved, "approved", "", "with --attest: the approved image `FILE` (Authenticode hashes, PCR 11 values, db certificates)")
 	fs.StringVar(&f.nonce, "nonce", "", "with --attest: the nonce given to the node, `HEX` (default: the manifest's payload digest, the boot's own)")
+	fs.StringVar(&f.nonces, "nonces", "", "with --attest: the verifier's nonce store `FILE` (passage attest nonce, passage.url's GET): the attestation's nonce must be one it issued and not yet used, and is used up")
 	fs.BoolVar(&f.update, "update-node", false, "with --attest: record the accepted reset count and generation in the node record")
 }
 
@@ -266,6 +280,13 @@ func (f *attestFlags) check(path string, v *manifest.Verified, tpmPub string, st
 		if nonce, err = hex.DecodeString(f.nonce); err != nil || len(nonce) == 0 {
 			return fail(2, "--nonce %q: not hex", f.nonce)
 		}
+	}
+	var store *attest.NonceStore
+	if f.nonces != "" {
+		if nonce != nil {
+			return fail(2, "--nonce and --nonces: give one")
+		}
+		store = &attest.NonceStore{Path: f.nonces}
 	}
 	var rec attest.NodeRecord
 	if err := attest.ReadJSON(f.node, attest.NodeFormat, &rec); err != nil {
@@ -292,7 +313,7 @@ func (f *attestFlags) check(path string, v *manifest.Verified, tpmPub string, st
 		return fail(2, "--tpm-pub: %v", err)
 	}
 	res, err := attest.Verify(&rec, att, attest.Manifest{Payload: v.Payload, Generation: v.Manifest.Generation, Signer: key.Public()},
-		attest.Policy{EKCA: pool, Approved: ap, Nonce: nonce})
+		attest.Policy{EKCA: pool, Approved: ap, Nonce: nonce, Nonces: store})
 	if err != nil {
 		return fail(1, "%s: REFUSED: attestation %s: %s", path, f.att, oneLine(err))
 	}

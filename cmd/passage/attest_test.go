@@ -86,4 +86,26 @@ func TestAttestRound(t *testing.T) {
 	}
 	// --attest without what it is checked against is a usage error.
 	mustRun(2, "verify", "--tpm-pub", pub, "--attest", att, env)
+
+	// A verifier that issues nonces: the node quotes over one it issued; the TPM checks
+	// pass (the firmware log is what refuses here), and the nonce is then used up.
+	store := filepath.Join(v, "nonces.json")
+	out, _ := mustRun(0, "attest", "nonce", "--nonces", store)
+	issued := strings.TrimSpace(out)
+	fresh := filepath.Join(v, "fresh.attest.json")
+	mustRun(0, "attest", "quote", "--tpm-device", sock, "--dir", dir, "--nonce", issued, "-o", fresh)
+	verify := func(a string) string {
+		_, errs := mustRun(1, "verify", "--tpm-pub", pub, "--attest", a, "--node", node, "--ek-ca", caFile, "--approved", approved, "--nonces", store, env)
+		return errs
+	}
+	if errs := verify(fresh); !strings.Contains(errs, "firmware event log: empty") {
+		t.Errorf("verify --nonces, an issued nonce: %s, want past the nonce to the firmware log", errs)
+	}
+	if errs := verify(fresh); !strings.Contains(errs, "nonce: "+issued+" was already used") {
+		t.Errorf("the same attestation again: %s, want refused naming the nonce", errs)
+	}
+	if errs := verify(att); !strings.Contains(errs, "nonce: "+hex.EncodeToString(nonce[:])+" was never issued") {
+		t.Errorf("an attestation over a nonce never issued: %s, want refused naming the nonce", errs)
+	}
+	mustRun(2, "verify", "--tpm-pub", pub, "--attest", att, "--node", node, "--ek-ca", caFile, "--approved", approved, "--nonces", store, "--nonce", issued, env)
 }

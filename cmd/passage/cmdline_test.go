@@ -106,3 +106,56 @@ func TestCmdlineBakesThePlan(t *testing.T) {
 		}
 	}
 }
+
+// TestCmdlineRefusesEditedPlan: a saved plan whose kernel_arg was edited to carry anything
+// besides the entries its ports make (another argument after a separator the kernel
+// splits on, another pci= option after a comma, shell text for the Makefile) is refused,
+// naming the plan file, and nothing is printed for `make uki` to sign.
+func TestCmdlineRefusesEditedPlan(t *testing.T) {
+	ref := pcitest.New(t, pcitest.B300()).Root
+	dir := t.TempDir()
+	saved := filepath.Join(dir, "b300.plan.json")
+	var out, errb bytes.Buffer
+	if code := cmdPlan([]string{"--root", ref, "-o", saved, "--erase", "off"}, &out, &errb); code != 0 {
+		t.Fatalf("plan --out: exit %d: %s", code, errb.String())
+	}
+	b, err := os.ReadFile(saved)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var plan map[string]any
+	if err := json.Unmarshal(b, &plan); err != nil {
+		t.Fatal(err)
+	}
+	arg := plan["kernel_arg"].(string)
+	for name, edited := range map[string]string{
+		"carriage return":      arg + "\rrdinit=/bin/sh",
+		"vertical tab":         arg + "\vrdinit=/bin/sh",
+		"form feed":            arg + "\frdinit=/bin/sh",
+		"NUL":                  arg + "\x00rdinit=/bin/sh",
+		"no-break space":       arg + "\u00a0rdinit=/bin/sh",
+		"comma, acs redirect":  arg + ",disable_acs_redir=pci:*",
+		"comma, noats":         arg + ",noats",
+		"command substitution": arg + "$(reboot)",
+		"backquote":            arg + "`reboot`",
+		"semicolon command":    arg + "; reboot",
+		"pipe":                 arg + "|sh",
+		"entry inside a flag":  strings.Replace(arg, "@", "\r@", 1),
+	} {
+		plan["kernel_arg"] = edited
+		nb, err := json.Marshal(plan)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := filepath.Join(dir, "edited.json")
+		if err := os.WriteFile(f, nb, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		out.Reset()
+		errb.Reset()
+		code := cmdCmdline([]string{"--plan", f}, &out, &errb)
+		if code != 2 || out.Len() != 0 || !strings.Contains(errb.String(), f+": saved plan: kernel_arg") {
+			t.Errorf("%s: exit %d, printed %q, stderr %q; want 2, nothing, the plan named", name, code, out.String(), errb.String())
+		}
+	}
+}

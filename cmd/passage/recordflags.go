@@ -63,6 +63,13 @@ func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writ
 			}
 			o.Signers = append([]manifest.Signer{ts}, o.Signers...)
 			o.Measurer = meas
+			if k, ok := ts.(*tpmkey.TPM); ok {
+				// Each generation is attested as the boot attests its manifest: over its
+				// payload digest (offline; recycle has no control plane to ask).
+				o.Attest = func(dir string, signed *manifest.Signed) error {
+					return boot.WriteAttestation(root, k, dir, signed.Payload, nil)
+				}
+			}
 			if c, ok := ts.(manifest.Counter); ok {
 				o.Counters = append(o.Counters, c)
 			}

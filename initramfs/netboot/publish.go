@@ -3,6 +3,7 @@ package netboot
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -111,6 +112,30 @@ func Put(ctx context.Context, hc *http.Client, url, ctype string, body []byte, p
 // kernel's random pool within ctx; then at most p.Tries requests, backing off between
 // them, no retry of a status the server will answer again.
 func send(ctx context.Context, hc *http.Client, verb, method, url, ctype string, body []byte, p PublishPolicy) ([]Attempt, error) {
+	att, _, err := exchange(ctx, hc, verb, method, url, ctype, body, p)
+	return att, err
+}
+
+// FetchNonce GETs a nonce from url (passage.url: the control plane answers a GET that
+// accepts NonceType with a fresh nonce in hex), bounded and retried within p exactly as
+// Publish is. A body that is not 16 to 64 bytes of hex is an error, not retried.
+func FetchNonce(ctx context.Context, hc *http.Client, url string, p PublishPolicy) ([]byte, []Attempt, error) {
+	att, body, err := exchange(ctx, hc, "nonce", http.MethodGet, url, NonceType, nil, p)
+	if err != nil {
+		return nil, att, err
+	}
+	n, err := hex.DecodeString(string(bytes.TrimSpace(body)))
+	if err != nil || len(n) < 16 || len(n) > 64 {
+		return nil, att, fmt.Errorf("nonce %s: the answer %q is not 16 to 64 bytes of hex", url, bytes.TrimSpace(body))
+	}
+	return n, att, nil
+}
+
+// NonceType is the media type of a nonce from the control plane (attest.NonceType).
+const NonceType = "application/vnd.passage.nonce"
+
+// exchange is send returning the body of the successful response (at most 512 bytes).
+func exchange(ctx context.Context, hc *http.Client, verb, method, url, ctype string, body []byte, p PublishPolicy) ([]Attempt, []byte, error) {
 	if hc == nil {
 		hc = http.DefaultClient
 	}
@@ -133,7 +158,7 @@ func send(ctx context.Context, hc *http.Client, verb, method, url, ctype string,
 		err := entropy.Wait(ctx, p.Pool, verb+" "+url+": TLS", p.Note)
 		done()
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	waits := p.Waits()
@@ -144,16 +169,16 @@ func send(ctx context.Context, hc *http.Client, verb, method, url, ctype string,
 		if i > 0 {
 			a.Wait = waits[i-1].String()
 			if err := sleep(ctx, waits[i-1]); err != nil {
-				return attempts, fmt.Errorf("%s %s: %w (after %d tries: %v)", verb, url, err, i, last)
+				return attempts, nil, fmt.Errorf("%s %s: %w (after %d tries: %v)", verb, url, err, i, last)
 			}
 		}
 		done := p.wait("a response from " + url)
-		code, err := request(ctx, hc, method, url, ctype, body, p.PerTry)
+		code, got, err := request(ctx, hc, method, url, ctype, body, p.PerTry)
 		done()
 		a.Status = code
 		if err == nil {
 			attempts = append(attempts, a)
-			return attempts, nil
+			return attempts, got, nil
 		}
 		a.Err = err.Error()
 		attempts = append(attempts, a)
@@ -162,31 +187,39 @@ func send(ctx context.Context, hc *http.Client, verb, method, url, ctype string,
 			break
 		}
 	}
-	return attempts, fmt.Errorf("%s %s: %d tries: %w", verb, url, len(attempts), last)
+	return attempts, nil, fmt.Errorf("%s %s: %d tries: %w", verb, url, len(attempts), last)
 }
 
-func request(ctx context.Context, hc *http.Client, method, url, ctype string, body []byte, perTry time.Duration) (int, error) {
+func request(ctx context.Context, hc *http.Client, method, url, ctype string, body []byte, perTry time.Duration) (int, []byte, error) {
 	if perTry > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, perTry)
 		defer cancel()
 	}
-	req, err := http.NewRequestWithContext(ctx, method, url, bytes.NewReader(body))
-	if err != nil {
-		return 0, err
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
 	}
-	req.Header.Set("Content-Type", ctype)
+	req, err := http.NewRequestWithContext(ctx, method, url, rd)
+	if err != nil {
+		return 0, nil, err
+	}
+	if method == http.MethodGet {
+		req.Header.Set("Accept", ctype)
+	} else {
+		req.Header.Set("Content-Type", ctype)
+	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	defer resp.Body.Close()
 	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 	if resp.StatusCode/100 == 3 {
-		return resp.StatusCode, fmt.Errorf("%s: redirect to %q not followed (the body goes only to the URL given)", resp.Status, resp.Header.Get("Location"))
+		return resp.StatusCode, nil, fmt.Errorf("%s: redirect to %q not followed (the body goes only to the URL given)", resp.Status, resp.Header.Get("Location"))
 	}
 	if resp.StatusCode/100 != 2 {
-		return resp.StatusCode, errors.New(resp.Status + ": " + string(bytes.TrimSpace(msg)))
+		return resp.StatusCode, nil, errors.New(resp.Status + ": " + string(bytes.TrimSpace(msg)))
 	}
-	return resp.StatusCode, nil
+	return resp.StatusCode, msg, nil
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/passage-boot/passage/initramfs/kmod"
 	"github.com/passage-boot/passage/initramfs/netboot"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/stages"
 	"github.com/passage-boot/passage/topology"
@@ -684,12 +685,21 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	}
 	r.Changef("envelope %s posted to %s", signed.Digest, b.Config.URL)
 	// The attestation goes with it, when the manifest stage made one: the control plane
-	// verifies both from what it received.
+	// verifies both from what it received. Made fresh for the control plane's nonce
+	// first; the manifest stage's (over the payload digest) when that cannot be had.
 	name := EnvelopeName + attest.Suffix
-	body, err := ReadBeneath(b.Root, filepath.Join(initramfs.RunDir, name), attest.MaxFile)
-	if errors.Is(err, fs.ErrNotExist) {
+	path := filepath.Join(initramfs.RunDir, name)
+	if _, err := ReadBeneath(b.Root, path, attest.MaxFile); errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
+	if err := b.attestOnline(ctx, r, signed, p); err != nil {
+		// Not a degraded boot: the attestation says its nonce is the payload digest, and a
+		// verifier that wants its own nonce refuses it, naming the nonce.
+		r.Findingf("%s: no nonce from the control plane, the offline attestation (nonce: the payload digest) is posted: %v", name, err)
+	} else {
+		r.Changef("%s: quoted again over the control plane's nonce", name)
+	}
+	body, err := ReadBeneath(b.Root, path, attest.MaxFile)
 	if err == nil {
 		att, perr := netboot.PublishAttestation(ctx, nil, b.Config.URL, body, p)
 		for i, a := range att {
@@ -703,6 +713,33 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	}
 	r.Changef("%s posted to %s", name, b.Config.URL)
 	return nil
+}
+
+// attestOnline fetches a nonce from passage.url (bounded and retried as the publish is)
+// and replaces the manifest stage's attestation with one quoted over it: a verifier that
+// issued the nonce knows the quote is newer than its request, which a quote over the
+// payload digest cannot show (it can be shown again later).
+func (b *Boot) attestOnline(ctx context.Context, r *stages.Result, signed *manifest.Signed, p netboot.PublishPolicy) error {
+	nonce, atts, err := netboot.FetchNonce(ctx, nil, b.Config.URL, p)
+	for i, a := range atts {
+		r.Findingf("nonce try %d: status %d %s", i+1, a.Status, a.Err)
+	}
+	if err != nil {
+		return err
+	}
+	tpm := b.openTPM(r)
+	if tpm.closer != nil {
+		defer tpm.closer.Close()
+	}
+	k, ok := tpm.signer.(*tpmkey.TPM)
+	if !ok {
+		return fmt.Errorf("tpm: not open for the quote (%v)", tpm.err)
+	}
+	dir, err := Beneath(b.Root, initramfs.RunDir)
+	if err != nil {
+		return err
+	}
+	return WriteAttestation(b.Root, k, dir, signed.Payload, nonce)
 }
 
 // Mark prints a timeline marker on the console (a no-op without one).

@@ -1,7 +1,9 @@
 package boot
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -524,12 +526,7 @@ func TestManifestTPM(t *testing.T) {
 }
 
 func TestManifestTPMOnWithoutTPM(t *testing.T) {
-	root := pcitest.New(t, pcitest.B300()).Root
-	keyDir := filepath.Join(root, "etc/passage")
-	os.MkdirAll(keyDir, 0o755)
-	if _, _, err := manifest.GenerateKey(keyDir); err != nil {
-		t.Fatal(err)
-	}
+	root, _ := signingNode(t) // a boot id: Sign refuses a manifest that names no node
 	b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.erase=off passage.tpm=on passage.key=/etc/passage/passage.key")}
 	rs, _ := run(t, b, "manifest")
 	if rs[0].Status != stages.Failed || !strings.Contains(rs[0].Err.Error(), "passage.tpm=on") {
@@ -810,6 +807,11 @@ func TestPublishPostsAttestation(t *testing.T) {
 	var mu sync.Mutex
 	var got []post
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			// A control plane that issues no nonces: the offline attestation is posted.
+			http.NotFound(w, r)
+			return
+		}
 		b, _ := io.ReadAll(r.Body)
 		mu.Lock()
 		got = append(got, post{r.Header.Get("Content-Type"), b})
@@ -855,5 +857,168 @@ func TestPublishPostsAttestation(t *testing.T) {
 		if withAttestation && (got[1].ctype != "application/vnd.passage.attestation+json" || string(got[1].body) != string(att)) {
 			t.Errorf("second post %q %s, want the attestation", got[1].ctype, got[1].body)
 		}
+	}
+}
+
+// TestManifestIdentity: a boot that could not read its boot id still signs, keeping the
+// DMI serial and hostname it did read; a boot that read no identity at all signs
+// nothing (the payload is written for the operator, the stage fails).
+func TestManifestIdentity(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		files  map[string]string
+		signed bool
+	}{
+		{"dmi and hostname, no boot id", map[string]string{"sys/class/dmi/id/product_serial": "S3R1AL-0042\n", "proc/sys/kernel/hostname": "b300-r07-n3\n"}, true},
+		{"nothing", nil, false},
+	} {
+		root, _ := signingNode(t)
+		os.Remove(filepath.Join(root, "proc/sys/kernel/random/boot_id"))
+		for p, c := range tc.files {
+			os.MkdirAll(filepath.Dir(filepath.Join(root, p)), 0o755)
+			if err := os.WriteFile(filepath.Join(root, p), []byte(c), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b := &Boot{Root: root, Config: initramfs.ParseCmdline("passage.erase=off passage.tpm=off passage.key=/etc/passage/passage.key")}
+		rs, _ := run(t, b, "manifest")
+		_, err := os.Stat(filepath.Join(root, "run/passage", EnvelopeName))
+		if tc.signed {
+			if err != nil || b.Signed == nil || b.Manifest.Node.DMISerial != "S3R1AL-0042" || b.Manifest.Node.Hostname != "b300-r07-n3" {
+				t.Errorf("%s: envelope %v, node %+v", tc.name, err, b.Manifest.Node)
+			}
+			continue
+		}
+		if rs[0].Status != stages.Failed || rs[0].Err == nil || !strings.Contains(rs[0].Err.Error(), "no node identity") || err == nil || b.Signed != nil {
+			t.Errorf("%s: stage %s %v, envelope %v: want failed for no node identity, nothing signed", tc.name, rs[0].Status, rs[0].Err, err)
+		}
+		if _, err := os.Stat(filepath.Join(root, "run/passage", PayloadName)); err != nil {
+			t.Errorf("%s: payload not written: %v", tc.name, err)
+		}
+	}
+}
+
+// TestPublishFreshAttestation: a control plane on loopback issues nonces (attest's
+// NonceHandler on GET passage.url, its store a file); the publish stage fetches one and
+// posts an attestation quoted over it, which the verifier accepts once for this
+// manifest; shown again it is refused naming the nonce, and so is the manifest stage's
+// offline attestation (its nonce, the payload digest, was never issued), which says
+// where its nonce came from.
+func TestPublishFreshAttestation(t *testing.T) {
+	ca := attesttest.NewCA(t)
+	tpm := attesttest.Start(t, ca)
+	open := func(string) (manifest.Signer, manifest.Measurer, error) {
+		k, err := tpmkey.New(noClose{tpm})
+		if err != nil {
+			return nil, nil, err
+		}
+		return k, k, nil
+	}
+	store := &attest.NonceStore{Path: filepath.Join(t.TempDir(), "nonces.json")}
+	nonces := attest.NonceHandler(store)
+	var mu sync.Mutex
+	posted := map[string][]byte{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			nonces.ServeHTTP(w, r)
+			return
+		}
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		posted[r.Header.Get("Content-Type")] = b
+		mu.Unlock()
+	}))
+	defer srv.Close()
+
+	root, _ := signingNode(t)
+	b := &Boot{Root: root, OpenTPM: open,
+		Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key passage.url=" + srv.URL + "/m")}
+	rs, _ := run(t, b, "scan", "decide", "manifest")
+	if mr := rs[2]; mr.Status != stages.OK {
+		t.Fatalf("manifest %s %v %v", mr.Status, mr.Err, mr.Findings)
+	}
+	attPath := filepath.Join(root, "run/passage", EnvelopeName+attest.Suffix)
+	offline, err := os.ReadFile(attPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var publish stages.Stage
+	for _, s := range b.Stages() {
+		if s.Name == "publish" {
+			publish = s
+		}
+	}
+	publish.Needs = nil // run alone: the control plane is on loopback, no network stage
+	rs, err = (&stages.Runner{Stages: []stages.Stage{publish}, Timeout: 30 * time.Second, Grace: time.Second}).Run(context.Background(), &stages.State{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rs[0].Status != stages.OK {
+		t.Fatalf("publish: %s %v %v", rs[0].Status, rs[0].Err, rs[0].Findings)
+	}
+	readAtt := func(b []byte) *attest.Attestation {
+		t.Helper()
+		p := filepath.Join(t.TempDir(), "a.json")
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		a, err := attest.ReadAttestation(p)
+		if err != nil {
+			t.Fatalf("%v (publish %v)", err, rs[0].Findings)
+		}
+		return a
+	}
+	mu.Lock()
+	fresh := readAtt(posted["application/vnd.passage.attestation+json"])
+	mu.Unlock()
+	sum := sha256.Sum256(b.Signed.Payload)
+	if fresh.NonceSource != attest.NonceControlPlane || bytes.Equal(fresh.Nonce, sum[:]) || len(fresh.Nonce) != attest.NonceSize {
+		t.Fatalf("posted attestation: nonce %x from %q, want the control plane's", fresh.Nonce, fresh.NonceSource)
+	}
+
+	pool, err := attest.CAPool(ca.PEM(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, pending, err := attest.Enrol(fresh, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ans, err := attest.Activate(tpm, ch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := attest.Complete(pending, ans)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := tpmkey.New(noClose{tpm})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.Close()
+	m := attest.Manifest{Payload: b.Signed.Payload, Generation: b.Manifest.Generation, Signer: k.Public()}
+	pol := attest.Policy{EKCA: pool, Nonces: store}
+	if _, err := attest.VerifyTPM(rec, fresh, m, pol); err != nil {
+		t.Fatalf("the fresh attestation: %v", err)
+	}
+	_, err = attest.VerifyTPM(rec, fresh, m, pol)
+	if attest.CheckOf(err) != "nonce" || !strings.Contains(err.Error(), hex.EncodeToString(fresh.Nonce)) || !strings.Contains(err.Error(), "already used") {
+		t.Errorf("the same attestation again: %v, want refused naming the nonce", err)
+	}
+
+	// The manifest stage's own attestation, as passage.out keeps it: over the payload
+	// digest, which this verifier never issued.
+	a := readAtt(offline)
+	if a.NonceSource != attest.NoncePayloadDigest || !bytes.Equal(a.Nonce, sum[:]) {
+		t.Errorf("offline attestation: nonce %x from %q, want the payload digest", a.Nonce, a.NonceSource)
+	}
+	_, err = attest.VerifyTPM(rec, a, m, pol)
+	if attest.CheckOf(err) != "nonce" || !strings.Contains(err.Error(), hex.EncodeToString(sum[:])) || !strings.Contains(err.Error(), "never issued") {
+		t.Errorf("a nonce never issued: %v, want refused naming the nonce", err)
+	}
+	// Without a store, the offline attestation is what it always was: fresh as its manifest.
+	if _, err := attest.VerifyTPM(rec, a, m, attest.Policy{EKCA: pool}); err != nil {
+		t.Errorf("offline attestation without a nonce store: %v", err)
 	}
 }

@@ -191,9 +191,12 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	m, err := manifest.Build(b.Root, b.now())
 	if err != nil {
 		// Without a boot id the hypervisor cannot match the manifest to this boot, but an
-		// operator still needs it.
+		// operator still needs it, with the identity that was read (Sign refuses it when
+		// nothing was).
 		errs = append(errs, err.Error())
-		m = &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, Build: manifest.ThisBuild(), GenerationSource: manifest.GenerationNone, Time: b.now().UTC(), KernelCmdline: b.Config.Cmdline}
+		if m.KernelCmdline == "" {
+			m.KernelCmdline = b.Config.Cmdline
+		}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
 	if cpus, err := record.NUMACPUs(b.Root); err != nil {
@@ -343,11 +346,21 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 
 // writeAttestation attests the manifest just measured (package attest) offline: the
 // nonce is its payload digest, so the attestation is fresh exactly when the manifest is
-// (its generation and boot id). The firmware's event log is read beneath the root; a
-// missing one is written empty, which a verifier refuses.
+// (its generation and boot id). With passage.url the publish stage replaces it with one
+// quoted over the control plane's nonce (attestOnline).
 func (b *Boot) writeAttestation(k *tpmkey.TPM, dir string, signed *manifest.Signed) error {
+	return WriteAttestation(b.Root, k, dir, signed.Payload, nil)
+}
+
+// WriteAttestation writes the attestation (package attest) of the manifest in dir
+// (EnvelopeName, whose payload is payload, just measured into PCR 13: its event log is
+// beside it) made by the TPM k: quoted over nonce, the control plane's; with none, over
+// the payload digest, and the file says which (nonce_source). The firmware's event log
+// is read beneath root; a missing one is written empty, which a verifier refuses. The
+// boot and recycle write every generation's attestation through it.
+func WriteAttestation(root string, k *tpmkey.TPM, dir string, payload, nonce []byte) error {
 	var ev attest.Evidence
-	fw, err := ReadBeneath(b.Root, attest.FirmwareLogPath, attest.MaxFirmwareLog)
+	fw, err := ReadBeneath(root, attest.FirmwareLogPath, attest.MaxFirmwareLog)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		// No log (no TPM driver log, or securityfs not mounted): attested empty.
@@ -359,11 +372,16 @@ func (b *Boot) writeAttestation(k *tpmkey.TPM, dir string, signed *manifest.Sign
 	if ev.PassageLog, err = os.ReadFile(filepath.Join(dir, EnvelopeName+manifest.EventLogSuffix)); err != nil {
 		return err
 	}
-	nonce := sha256.Sum256(signed.Payload)
-	a, err := attest.Collect(k.Transport(), tpmkey.Template(), nonce[:], ev)
+	source := attest.NonceControlPlane
+	if len(nonce) == 0 {
+		sum := sha256.Sum256(payload)
+		nonce, source = sum[:], attest.NoncePayloadDigest
+	}
+	a, err := attest.Collect(k.Transport(), tpmkey.Template(), nonce, ev)
 	if err != nil {
 		return err
 	}
+	a.NonceSource = source
 	out, err := a.Marshal()
 	if err != nil {
 		return err
