@@ -51,24 +51,27 @@ type proc struct {
 // kube-scheduler, kube-controller-manager, etcd) with its files in dir. Each wait is
 // bounded, and its error carries the component's log tail. On error what was started
 // is stopped.
-func Start(ctx context.Context, bin, dir string) (c *Cluster, err error) {
-	c = &Cluster{Dir: dir, Started: time.Now()}
-	defer func() {
-		if err != nil {
-			c.Stop()
-		}
-	}()
+func Start(ctx context.Context, bin, dir string) (*Cluster, error) {
+	c := &Cluster{Dir: dir, Started: time.Now()}
+	if err := c.start0(ctx, bin, dir); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"} {
 		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
-			return nil, fmt.Errorf("control plane %s: %w (make cluster-bin builds it)", bin, err)
+			return fmt.Errorf("control plane %s: %w (make cluster-bin builds it)", bin, err)
 		}
 	}
 	if err := c.secrets(); err != nil {
-		return nil, err
+		return err
 	}
 	ports, err := freePorts(5)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
@@ -78,10 +81,10 @@ func Start(ctx context.Context, bin, dir string) (c *Cluster, err error) {
 		"--listen-peer-urls="+peerURL, "--initial-advertise-peer-urls="+peerURL,
 		"--initial-cluster=e2e="+peerURL, "--unsafe-no-fsync", "--log-level=warn")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if err := c.wait(ctx, etcd, 30*time.Second, func() error { return get(http.DefaultClient, etcdURL+"/health", "") }); err != nil {
-		return nil, err
+		return err
 	}
 	c.Server = fmt.Sprintf("https://127.0.0.1:%d", ports[2])
 	f := func(n string) string { return filepath.Join(dir, n) }
@@ -94,49 +97,49 @@ func Start(ctx context.Context, bin, dir string) (c *Cluster, err error) {
 		"--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.96.0.0/16",
 		"--token-auth-file="+f("tokens.csv"), "--authorization-mode=Node,RBAC", "--cert-dir="+f("apiserver-certs"))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(c.caPEM)
 	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
 	if err := c.wait(ctx, api, 60*time.Second, func() error { return get(hc, c.Server+"/readyz", c.adminTokn) }); err != nil {
-		return nil, err
+		return err
 	}
 	for _, u := range []struct{ name, token string }{{"admin", c.adminTokn}, {"scheduler", "scheduler-" + c.adminTokn}, {"controller-manager", "cm-" + c.adminTokn}} {
 		if err := c.kubeconfig(f(u.name+".kubeconfig"), u.token); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	c.Admin = f("admin.kubeconfig")
 	rc, err := clientcmd.BuildConfigFromFlags("", c.Admin)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	rc.QPS, rc.Burst = 100, 200
 	if c.Client, err = kubernetes.NewForConfig(rc); err != nil {
-		return nil, err
+		return err
 	}
 	sched, err := c.start(bin, "kube-scheduler", "--kubeconfig="+f("scheduler.kubeconfig"), "--leader-elect=false",
 		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[3]), "--cert-dir="+f("scheduler-certs"))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	// The node controller is left out: with no kubelet it marks the nodes NotReady.
 	cm, err := c.start(bin, "kube-controller-manager", "--kubeconfig="+f("controller-manager.kubeconfig"), "--leader-elect=false",
 		"--controllers=resourceclaim-controller,garbage-collector-controller",
 		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[4]), "--cert-dir="+f("cm-certs"))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	// Both serve /healthz on their secure port once started (self-signed).
 	insecure := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	for i, p := range []*proc{sched, cm} {
 		url := fmt.Sprintf("https://127.0.0.1:%d/healthz", ports[3+i])
 		if err := c.wait(ctx, p, 60*time.Second, func() error { return get(insecure, url, "") }); err != nil {
-			return nil, err
+			return err
 		}
 	}
-	return c, nil
+	return nil
 }
 
 func get(hc *http.Client, url, token string) error {
