@@ -25,6 +25,8 @@ import (
 	"syscall"
 	"time"
 
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 )
@@ -123,6 +125,17 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[3]), "--cert-dir="+f("scheduler-certs"))
 	if err != nil {
 		return err
+	}
+	// The controller-manager runs its controllers as its own user (no service-account
+	// credentials: no token controller runs), whose built-in role does not cover what
+	// these two do: they get their controllers' built-in roles.
+	for _, role := range []string{"system:controller:resource-claim-controller", "system:controller:generic-garbage-collector"} {
+		b := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "e2e:" + role},
+			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
+			Subjects: []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: "system:kube-controller-manager"}}}
+		if _, err := c.Client.RbacV1().ClusterRoleBindings().Create(ctx, b, metav1.CreateOptions{}); err != nil {
+			return fmt.Errorf("controller-manager role %s: %w", role, err)
+		}
 	}
 	// The node controller is left out: with no kubelet it marks the nodes NotReady.
 	cm, err := c.start(bin, "kube-controller-manager", "--kubeconfig="+f("controller-manager.kubeconfig"), "--leader-elect=false",
