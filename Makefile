@@ -78,8 +78,8 @@ qemu-bench: deps
 # cluster-test runs passage-dra against a real control plane on loopback (dra/cluster):
 # kube-apiserver, kube-scheduler, kube-controller-manager and etcd at the versions
 # dra/cluster/kube and dra/cluster/etcd pin, built from the Go module proxy into
-# $(BUILD)/controlplane/<versions>/ once (cold: about 30 minutes of compile on 2 cores;
-# afterwards the binaries are reused).
+# $(BUILD)/controlplane/<versions>/ once (cold: about 25 minutes of CPU, some 15 minutes
+# on 2 idle cores; afterwards the binaries are reused and the test takes about 30 s).
 cluster-bin:
 	@bash dra/cluster/build.sh $(abspath $(BUILD))/controlplane >/dev/null
 
