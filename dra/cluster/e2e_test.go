@@ -357,6 +357,32 @@ func TestCluster(t *testing.T) {
 	}
 	createPod(t, ctx, api, "degraded-ok-2", "", orDegraded)
 	waitUnschedulable(t, ctx, api, "degraded-ok-2", "cannot allocate all claims")
+	// Node e's degraded gpu0 is not published (no --degraded; its other units failed):
+	// the claim that would take it stays Pending.
+	start("b300-e", "b300-e", 5, false, func(r *noderig.Rig) {
+		r.M.Units[0].Status, r.M.Units[0].Reasons = manifest.StatusDegraded, []string{"erase: auto: nvme not erased"}
+		for i := 1; i < len(r.M.Units); i++ {
+			r.M.Units[i].Status, r.M.Units[i].Reasons = manifest.StatusFailed, []string{"acs: mismatch"}
+			for j := range r.M.Units[i].Functions {
+				r.M.Units[i].Functions[j].DriverAfter = "nvidia"
+			}
+		}
+		r.Sign(t)
+	})
+	waitFor(t, ctx, 60*time.Second, "b300-e's empty pool published", func() (bool, string) {
+		list, err := api.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, sl := range list.Items {
+			if sl.Spec.Pool.Name == "b300-e" {
+				return len(sl.Spec.Devices) == 0, fmt.Sprint(len(sl.Spec.Devices), " devices")
+			}
+		}
+		return false, "no slice"
+	})
+	time.Sleep(2 * time.Second) // the scheduler has seen the new node and its pool
+	waitUnschedulable(t, ctx, api, "degraded-ok-2", "cannot allocate all claims")
 	t.Logf("TIMING e2e wall time: %v", time.Since(began).Round(100*time.Millisecond))
 }
 
