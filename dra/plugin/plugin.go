@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"path"
 	"path/filepath"
 	"slices"
@@ -76,6 +77,11 @@ type Config struct {
 // withheldFile is the withheld units in StateDir: unit -> the generation it was released
 // under.
 const withheldFile = "withheld.json"
+
+// MaxFile bounds every file the plugin reads back (withheld.json, the claims' CDI
+// specs), and so every file it writes: one it could not read again would wedge the
+// node (a restart refused, a claim never released).
+const MaxFile = 1 << 20
 
 // Driver is the plugin's state: the verified manifest's objects and the withheld units.
 type Driver struct {
@@ -276,7 +282,10 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 	}
 	var out []kubeletplugin.Device
 	var errs []error
-	units := map[string]bool{}
+	// claimed are the claim's devices of each unit, by device name; seen the request
+	// each device was allocated to.
+	claimed := map[string]map[string]bool{}
+	seen := map[string]string{}
 	var names []string
 	for _, r := range c.Status.Allocation.Devices.Results {
 		if r.Driver != resources.DriverName {
@@ -288,16 +297,25 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 				r.Request, r.Pool, r.Device, d.v.Manifest.Generation, d.objs.Node))
 			continue
 		}
+		bdf, group := *dev.Attributes[resources.AttrPCIBusID].StringValue, int(*dev.Attributes[resources.AttrIOMMUGroup].IntValue)
+		if first, dup := seen[r.Device]; dup {
+			errs = append(errs, fmt.Errorf("requests %s and %s: function %s (device %s) allocated twice in one claim", first, r.Request, bdf, r.Device))
+			continue
+		}
+		seen[r.Device] = r.Request
+		unit := *dev.Attributes[resources.AttrUnit].StringValue
+		if claimed[unit] == nil {
+			claimed[unit] = map[string]bool{}
+		}
+		claimed[unit][r.Device] = true
 		if other, ok := inUse[r.Device]; ok {
 			errs = append(errs, fmt.Errorf("request %s: device %s is prepared for claim %s", r.Request, r.Device, other))
 			continue
 		}
-		bdf, group := *dev.Attributes[resources.AttrPCIBusID].StringValue, int(*dev.Attributes[resources.AttrIOMMUGroup].IntValue)
 		if err := d.checkFunction(bdf, group); err != nil {
 			errs = append(errs, fmt.Errorf("request %s: device %s: %w", r.Request, r.Device, err))
 			continue
 		}
-		units[*dev.Attributes[resources.AttrUnit].StringValue] = true
 		names = append(names, r.Device)
 		name := cdiName(c.UID, r.Request)
 		spec.Devices = append(spec.Devices, cdispec.Device{Name: name, ContainerEdits: cdispec.ContainerEdits{
@@ -313,25 +331,63 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 			Metadata:     &kubeletplugin.DeviceMetadata{Attributes: attrs},
 		})
 	}
+	errs = append(errs, d.wholeUnits(claimed)...)
 	if len(errs) > 0 {
 		return nil, errors.Join(errs...)
 	}
-	ids := slices.Sorted(func(yield func(string) bool) {
-		for u := range units {
-			if !yield(u) {
-				return
-			}
-		}
-	})
+	ids := slices.Sorted(maps.Keys(claimed))
 	spec.Annotations = map[string]string{
 		annotationUnits:      strings.Join(ids, ","),
 		annotationGeneration: strconv.FormatUint(d.v.Manifest.Generation, 10),
 		annotationDevices:    strings.Join(names, ","),
 	}
+	// The spec is read back (inUse, specUnits) under MaxFile: one larger is refused
+	// here, not found unreadable at the next prepare or unprepare.
+	if b, err := json.Marshal(spec); err != nil {
+		return nil, fmt.Errorf("cdi spec: %w", err)
+	} else if len(b) > MaxFile {
+		return nil, fmt.Errorf("cdi spec: %d bytes, more than the %d the plugin reads back", len(b), MaxFile)
+	}
 	if err := d.cdi.WriteSpec(spec, specName(c.UID)); err != nil {
 		return nil, fmt.Errorf("cdi spec: %w", err)
 	}
 	return out, nil
+}
+
+// wholeUnits holds a claim to the whole-unit rule itself rather than trusting the
+// scheduler's matchAttribute: every unit the claim has a function of is offered whole to
+// it. A unit with a function left out (a partial unit, or functions of two units mixed)
+// is refused naming the functions claimed and those missing.
+func (d *Driver) wholeUnits(claimed map[string]map[string]bool) []error {
+	if len(claimed) == 0 {
+		return nil
+	}
+	ids := slices.Sorted(maps.Keys(claimed))
+	var errs []error
+	for _, u := range ids {
+		var got, missing []string
+		for _, dev := range d.objs.Devices {
+			if *dev.Attributes[resources.AttrUnit].StringValue != u {
+				continue
+			}
+			bdf := *dev.Attributes[resources.AttrPCIBusID].StringValue
+			if claimed[u][dev.Name] {
+				got = append(got, bdf)
+			} else {
+				missing = append(missing, bdf)
+			}
+		}
+		if len(missing) == 0 {
+			continue
+		}
+		mixed := ""
+		if len(ids) > 1 {
+			mixed = fmt.Sprintf(" (the claim mixes units %s)", strings.Join(ids, ", "))
+		}
+		errs = append(errs, fmt.Errorf("unit %s is not claimed whole%s: functions %s claimed, %s not",
+			u, mixed, strings.Join(got, " "), strings.Join(missing, " ")))
+	}
+	return errs
 }
 
 // checkFunction holds a function to the kernel's files now: present, bound to vfio-pci,
@@ -407,17 +463,36 @@ func (d *Driver) readHeld() error {
 		return nil
 	}
 	p := filepath.Join(d.cfg.StateDir, withheldFile)
-	b, err := manifest.ReadRegular(p, 1<<20)
+	b, err := manifest.ReadRegular(p, MaxFile)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
 	if err == nil {
-		err = json.Unmarshal(b, &d.held)
+		d.held, err = decodeHeld(b)
 	}
 	if err != nil {
-		return fmt.Errorf("withheld units %s: %w", p, err)
+		return fmt.Errorf("withheld units %s: %w (the released units it names would be offered unrecycled: repair or remove it once the node is recycled)", p, err)
 	}
 	return nil
+}
+
+// decodeHeld is withheld.json: a JSON object of unit IDs to generations. Anything else
+// (null, another type, an empty unit) is refused at start: a nil map would panic the
+// next unprepare, and guessing would offer a released unit again.
+func decodeHeld(b []byte) (map[string]uint64, error) {
+	var held map[string]uint64
+	if err := json.Unmarshal(b, &held); err != nil {
+		return nil, err
+	}
+	if held == nil {
+		return nil, errors.New("not a JSON object of units (null)")
+	}
+	for u := range held {
+		if u == "" {
+			return nil, errors.New("an empty unit ID")
+		}
+	}
+	return held, nil
 }
 
 // writeHeld records the withheld units before they are published without them: a
@@ -427,6 +502,9 @@ func (d *Driver) writeHeld() error {
 		return nil
 	}
 	b, err := json.Marshal(d.held)
+	if err == nil && len(b) > MaxFile {
+		err = fmt.Errorf("%d bytes, more than the %d the plugin reads back", len(b), MaxFile)
+	}
 	if err == nil {
 		err = manifest.WriteAtomic(d.cfg.StateDir, withheldFile, b)
 	}
@@ -462,7 +540,7 @@ func (d *Driver) inUse(uid types.UID) (map[string]string, error) {
 }
 
 func readSpec(p string) (*cdispec.Spec, error) {
-	b, err := manifest.ReadRegular(p, 1<<20)
+	b, err := manifest.ReadRegular(p, MaxFile)
 	if err != nil {
 		return nil, err
 	}

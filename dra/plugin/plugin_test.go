@@ -7,9 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -29,90 +27,20 @@ import (
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	"tags.cncf.io/container-device-interface/pkg/cdi"
 
+	"github.com/passage-boot/passage/dra/internal/noderig"
 	"github.com/passage-boot/passage/dra/internal/signedtest"
 	"github.com/passage-boot/passage/dra/plugin"
 	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
-	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
-	"github.com/passage-boot/passage/vfiobind/vfiotest"
 )
 
 const uuid = "4c4c4544-0042-3810-8057-b3c04f4b4d32"
 
-// rig is a node as the plugin sees it: pcitest's HGX B300 tree whose eight units'
-// functions vfiotest's simulated kernel bound to vfio-pci, its DMI UUID, and a manifest
-// of those units signed by the node's enrolled key.
-type rig struct {
-	root, dir string
-	tree      *pcitest.Node
-	kernel    *vfiotest.Kernel
-	key       *signedtest.Key
-	m         *manifest.Manifest
-	path      string
-}
-
-func unitNames(i int) []string {
-	return []string{fmt.Sprintf("gpu%d", i), fmt.Sprintf("nic%d.0", i), fmt.Sprintf("nic%d.1", i), fmt.Sprintf("nvme%d", i)}
-}
-
-func newRig(t *testing.T) *rig {
-	r := &rig{dir: t.TempDir()}
-	r.tree = pcitest.New(t, pcitest.B300())
-	r.root = r.tree.Root
-	dmi := filepath.Join(r.root, "sys/class/dmi/id")
-	os.MkdirAll(dmi, 0o755)
-	if err := os.WriteFile(filepath.Join(dmi, "product_uuid"), []byte(uuid+"\n"), 0o444); err != nil {
-		t.Fatal(err)
-	}
-	var err error
-	if r.kernel, err = vfiotest.New(r.root); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.kernel.Load("vfio-pci"); err != nil {
-		t.Fatal(err)
-	}
-	r.m = manifesttest.B300(7)
-	r.m.Node.DMIUUID = uuid
-	for i := range r.m.Units {
-		for j, name := range unitNames(i) {
-			a := r.tree.Addr(name)
-			r.rebind(t, a, "vfio-pci")
-			f := &r.m.Units[i].Functions[j]
-			f.BDF, f.IOMMUGroup = a.String(), r.group(t, a)
-		}
-	}
-	r.key = signedtest.NewKey(t, filepath.Join(r.dir, "keys"), "node", 1, uuid)
-	r.path = r.key.Sign(t, r.m, filepath.Join(r.dir, "manifest.dsse.json"))
-	return r
-}
-
-func (r *rig) group(t *testing.T, a pci.Address) int {
-	l, err := os.Readlink(filepath.Join(r.root, pci.DevicesDir, a.String(), "iommu_group"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	g, _ := strconv.Atoi(path.Base(l))
-	return g
-}
-
-// rebind moves a function to drv ("vfio-pci", or "" for its host driver) the way
-// vfiobind does: driver_override, unbind, drivers_probe.
-func (r *rig) rebind(t *testing.T, a pci.Address, drv string) {
-	t.Helper()
-	dev := path.Join(pci.DevicesDir, a.String())
-	if err := r.kernel.WriteFile(path.Join(dev, "driver_override"), []byte(drv+"\n")); err != nil {
-		t.Fatal(err)
-	}
-	if cur, err := r.kernel.ReadLink(path.Join(dev, "driver")); err == nil {
-		if err := r.kernel.WriteFile(path.Join("sys/bus/pci/drivers", path.Base(cur), "unbind"), []byte(a.String())); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := r.kernel.WriteFile("sys/bus/pci/drivers_probe", []byte(a.String())); err != nil {
-		t.Fatal(err)
-	}
+// newRig is the node: noderig's B300, its manifest signed by the node's enrolled key.
+func newRig(t *testing.T) *noderig.Rig {
+	return noderig.New(t, uuid, manifesttest.B300(0).Node.Hostname, 1, filepath.Join(t.TempDir(), "keys"))
 }
 
 // kubelet is the kubelet's side of the plugin's two sockets.
@@ -167,7 +95,7 @@ func claim(t *testing.T, client *fake.Clientset, d *plugin.Driver, name string, 
 	objs := d.Objects()
 	shape := objs.Shapes[0]
 	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "tenant", UID: types.UID("uid-" + name)},
-		Spec: resources.ClaimSpec(shape)}
+		Spec: resources.ClaimSpec(shape, false)}
 	// The allocation the scheduler writes: every request a function of unit.
 	res := resourceapi.AllocationResult{}
 	names := shape.RequestNames()
@@ -202,56 +130,13 @@ func prepare(t *testing.T, k *kubelet, c *resourceapi.ResourceClaim) *drapb.Node
 
 func TestPluginThroughKubeletGRPC(t *testing.T) {
 	r := newRig(t)
-	cdiDir, reg, data := filepath.Join(r.dir, "cdi"), filepath.Join(r.dir, "registry"), filepath.Join(r.dir, "plugin")
-	cfg := plugin.Config{Manifest: r.path, Source: resources.Source{Keys: filepath.Dir(r.key.Pub)}, Root: r.root, CDIDir: cdiDir, StateDir: data}
-	d, err := plugin.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The kubelet makes these directories (its plugins and plugins_registry).
-	for _, dir := range []string{reg, data} {
-		if err := os.MkdirAll(dir, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// The API's Node object owns the node's slices.
-	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: r.m.Node.Hostname, UID: "node-uid"}})
-	// The fake API does not generate names as the API server does for the slice
-	// controller's generateName: this reactor does, then lets the create through.
-	var generated atomic.Int32
-	client.PrependReactor("create", "resourceslices", func(action k8stesting.Action) (bool, runtime.Object, error) {
-		s := action.(k8stesting.CreateAction).GetObject().(*resourceapi.ResourceSlice)
-		if s.Name == "" && s.GenerateName != "" {
-			s.Name = fmt.Sprintf("%s%d", s.GenerateName, generated.Add(1))
-		}
-		return false, nil, nil
-	})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(reg),
-		kubeletplugin.PluginDataDirectoryPath(data)); err != nil {
-		t.Fatal(err)
-	}
-	defer d.Stop()
-
-	// Registration, as the kubelet's plugin watcher does it.
-	k := &kubelet{reg: registerapi.NewRegistrationClient(dial(t, filepath.Join(reg, resources.DriverName+"-reg.sock")))}
-	info, err := k.reg.GetInfo(ctx, &registerapi.InfoRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if info.Type != registerapi.DRAPlugin || info.Name != resources.DriverName || info.Endpoint != filepath.Join(data, "dra.sock") {
-		t.Fatalf("plugin info %+v", info)
-	}
-	if _, err := k.reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
-		t.Fatal(err)
-	}
-	k.dra = drapb.NewDRAPluginClient(dial(t, info.Endpoint))
-
+	cdiDir, reg, data := filepath.Join(r.Dir, "cdi"), filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: cdiDir, StateDir: data}
+	d, client, k, ctx := start(t, cfg, reg)
 	// The eight units' 32 functions are published, with the pcieRoot sysfs gives.
 	publishedDevices(t, client, countIs(32))
 	gpu0 := d.Objects().Devices[0]
-	if gpu0.Name != resources.DeviceName("gpu0", r.m.Units[0].Functions[0].BDF) ||
+	if gpu0.Name != resources.DeviceName("gpu0", r.M.Units[0].Functions[0].BDF) ||
 		*gpu0.Attributes[resources.AttrPCIeRoot].StringValue != fmt.Sprintf("pci0000:%02x", pcitest.B300GPUBuses[0]) {
 		t.Fatalf("first device %s attributes %v", gpu0.Name, gpu0.Attributes)
 	}
@@ -267,7 +152,7 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, dev := range got.Devices {
-		f := r.m.Units[0].Functions[i]
+		f := r.M.Units[0].Functions[i]
 		if dev.DeviceName != resources.DeviceName("gpu0", f.BDF) {
 			t.Errorf("device %d is %s, want function %s", i, dev.DeviceName, f.BDF)
 		}
@@ -302,8 +187,8 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 
 	// Refusal: gpu4's second NIC went back to mlx5_core after the allocation.
 	vm1 := claim(t, client, d, "vm1", "gpu4")
-	nic := r.tree.Addr("nic4.1")
-	r.rebind(t, nic, "")
+	nic := r.Tree.Addr("nic4.1")
+	r.Rebind(t, nic, "")
 	got = prepare(t, k, vm1)
 	want := fmt.Sprintf("function %s left vfio-pci: it is bound to mlx5_core", nic)
 	if !strings.Contains(got.Error, want) || len(got.Devices) != 0 {
@@ -354,18 +239,18 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 		t.Fatal(err)
 	}
 	publishedDevices(t, client, noGPU0)
-	r.m.Generation = 8
-	r.key.Sign(t, r.m, r.path)
+	r.M.Generation = 8
+	r.Sign(t)
 	if err := d.Reload(ctx); err != nil {
 		t.Fatal(err)
 	}
 	publishedDevices(t, client, countIs(32))
 
 	// A manifest of another node in its place: prepare refuses every claim, naming why.
-	other := signedtest.NewKey(t, filepath.Join(r.dir, "keys"), "other", 2, manifesttest.NodeUUID(5))
-	mo := *r.m
+	other := signedtest.NewKey(t, r.Keys, "other", 2, manifesttest.NodeUUID(5))
+	mo := *r.M
 	mo.Node.DMIUUID = manifesttest.NodeUUID(5)
-	other.Sign(t, &mo, r.path)
+	other.Sign(t, &mo, r.Path)
 	vm2 := claim(t, client, d, "vm2", "gpu5")
 	got = prepare(t, k, vm2)
 	if !strings.Contains(got.Error, manifest.ErrWrongNode.Error()) || len(got.Devices) != 0 {
@@ -376,6 +261,58 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 		t.Fatalf("background error: %v", err)
 	default:
 	}
+}
+
+// start starts the plugin of cfg with client-go's fake API holding the node, and
+// registers it as the kubelet's plugin watcher does; the kubelet's side is returned.
+func start(t *testing.T, cfg plugin.Config, reg string) (*plugin.Driver, *fake.Clientset, *kubelet, context.Context) {
+	t.Helper()
+	data := cfg.StateDir
+	d, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The kubelet makes these directories (its plugins and plugins_registry).
+	for _, dir := range []string{reg, data} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The API's Node object owns the node's slices.
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: d.Objects().Node, UID: "node-uid"}})
+	// The fake API does not generate names as the API server does for the slice
+	// controller's generateName: this reactor does, then lets the create through.
+	var generated atomic.Int32
+	client.PrependReactor("create", "resourceslices", func(action k8stesting.Action) (bool, runtime.Object, error) {
+		s := action.(k8stesting.CreateAction).GetObject().(*resourceapi.ResourceSlice)
+		if s.Name == "" && s.GenerateName != "" {
+			s.Name = fmt.Sprintf("%s%d", s.GenerateName, generated.Add(1))
+		}
+		return false, nil, nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(reg),
+		kubeletplugin.PluginDataDirectoryPath(data)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.Stop)
+
+	// Registration, as the kubelet's plugin watcher does it.
+	k := &kubelet{reg: registerapi.NewRegistrationClient(dial(t, filepath.Join(reg, resources.DriverName+"-reg.sock")))}
+	info, err := k.reg.GetInfo(ctx, &registerapi.InfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Type != registerapi.DRAPlugin || info.Name != resources.DriverName || info.Endpoint != filepath.Join(data, "dra.sock") {
+		t.Fatalf("plugin info %+v", info)
+	}
+	if _, err := k.reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
+		t.Fatal(err)
+	}
+	k.dra = drapb.NewDRAPluginClient(dial(t, info.Endpoint))
+
+	return d, client, k, ctx
 }
 
 // checkMetadata reads the request's KEP-5304 metadata file the helper wrote: a JSON
@@ -422,5 +359,107 @@ func checkMetadata(t *testing.T, data string, c *resourceapi.ResourceClaim, requ
 	}
 	if strings.Join(versions, " ") != "metadata.resource.k8s.io/v1beta1 metadata.resource.k8s.io/v1alpha1" {
 		t.Fatalf("%s: versions %v", p, versions)
+	}
+}
+
+// claimOf stores a claim whose allocation is the given devices (request name -> device
+// name), as a scheduler gone wrong could write it.
+func claimOf(t *testing.T, client *fake.Clientset, d *plugin.Driver, name string, devs [][2]string) *resourceapi.ResourceClaim {
+	t.Helper()
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "tenant", UID: types.UID("uid-" + name)},
+		Spec: resources.ClaimSpec(d.Objects().Shapes[0], false)}
+	res := resourceapi.AllocationResult{}
+	for _, rd := range devs {
+		res.Devices.Results = append(res.Devices.Results, resourceapi.DeviceRequestAllocationResult{
+			Request: rd[0], Driver: resources.DriverName, Pool: d.Objects().Node, Device: rd[1]})
+	}
+	c.Status.Allocation = &res
+	if _, err := client.ResourceV1().ResourceClaims("tenant").Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// TestPrepareHoldsWholeUnits: prepare refuses, through the DRA gRPC, an allocation the
+// scheduler's matchAttribute should never make (the plugin does not trust it): functions
+// of two units mixed, a unit's GPU alone, one function twice; each refusal names the
+// functions, and no CDI spec is left. A whole unit is then prepared.
+func TestPrepareHoldsWholeUnits(t *testing.T) {
+	r := newRig(t)
+	cdiDir, reg, data := filepath.Join(r.Dir, "cdi"), filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: cdiDir, StateDir: data}
+	d, client, k, _ := start(t, cfg, reg)
+	publishedDevices(t, client, countIs(32))
+	fn := func(unit, j int) string { return r.M.Units[unit].Functions[j].BDF }
+	dev := func(unit, j int) string { return resources.DeviceName(r.M.Units[unit].ID, fn(unit, j)) }
+	reqs := d.Objects().Shapes[0].RequestNames()
+	for _, tc := range []struct {
+		name string
+		devs [][2]string
+		want []string
+	}{
+		{"mixed", [][2]string{{reqs[0], dev(0, 0)}, {reqs[1], dev(1, 1)}, {reqs[2], dev(1, 2)}, {reqs[3], dev(1, 3)}}, []string{
+			"unit gpu0 is not claimed whole (the claim mixes units gpu0, gpu1): functions " + fn(0, 0) + " claimed, " + fn(0, 1) + " " + fn(0, 2) + " " + fn(0, 3) + " not",
+			"unit gpu1 is not claimed whole (the claim mixes units gpu0, gpu1): functions " + fn(1, 1) + " " + fn(1, 2) + " " + fn(1, 3) + " claimed, " + fn(1, 0) + " not"}},
+		{"partial", [][2]string{{reqs[0], dev(2, 0)}}, []string{
+			"unit gpu2 is not claimed whole: functions " + fn(2, 0) + " claimed, " + fn(2, 1) + " " + fn(2, 2) + " " + fn(2, 3) + " not"}},
+		{"duplicate", [][2]string{{reqs[0], dev(3, 0)}, {reqs[1], dev(3, 1)}, {reqs[2], dev(3, 2)}, {reqs[3], dev(3, 3)}, {"again", dev(3, 1)}}, []string{
+			"requests " + reqs[1] + " and again: function " + fn(3, 1) + " (device " + dev(3, 1) + ") allocated twice in one claim"}},
+	} {
+		c := claimOf(t, client, d, tc.name, tc.devs)
+		got := prepare(t, k, c)
+		for _, w := range tc.want {
+			if !strings.Contains(got.Error, w) {
+				t.Errorf("%s: prepare error %q, want it to say %q", tc.name, got.Error, w)
+			}
+		}
+		if got.Error == "" || len(got.Devices) != 0 {
+			t.Errorf("%s: prepared %+v", tc.name, got)
+		}
+		if m, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-"+tc.name+"*")); len(m) != 0 {
+			t.Errorf("%s: refused claim left CDI specs %v", tc.name, m)
+		}
+	}
+	whole := claimOf(t, client, d, "whole", [][2]string{{reqs[0], dev(4, 0)}, {reqs[1], dev(4, 1)}, {reqs[2], dev(4, 2)}, {reqs[3], dev(4, 3)}})
+	if got := prepare(t, k, whole); got.Error != "" || len(got.Devices) != 4 {
+		t.Fatalf("whole unit gpu4: %+v", got)
+	}
+}
+
+// TestWithheldFileRefusedAtStart: a withheld.json that is not an object of units (null,
+// another type, truncated, an empty unit ID) is refused when the plugin starts, naming
+// the file, instead of panicking the next unprepare; a file larger than MaxFile too.
+func TestWithheldFileRefusedAtStart(t *testing.T) {
+	r := newRig(t)
+	data := filepath.Join(r.Dir, "plugin")
+	if err := os.MkdirAll(data, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(data, "withheld.json")
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: filepath.Join(r.Dir, "cdi"), StateDir: data}
+	for _, bad := range []string{"null", "[]", `{"gpu0":`, `{"":7}`, `{"gpu0":-1}`, `{"gpu0":7} {}`, `{"gpu0":7,"x":"` + strings.Repeat("a", plugin.MaxFile) + `"}`} {
+		if err := os.WriteFile(p, []byte(bad), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		_, err := plugin.New(cfg)
+		if err == nil || !strings.Contains(err.Error(), p) {
+			t.Errorf("withheld.json %.20q: %v, want a refusal naming it", bad, err)
+		}
+	}
+	// A good one withholds its unit, and unprepare of a claim without a spec still works.
+	if err := os.WriteFile(p, []byte(`{"gpu1":7}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dev := range d.Objects().Devices {
+		if strings.HasPrefix(dev.Name, "gpu1-") {
+			t.Fatalf("withheld gpu1 offered: %s", dev.Name)
+		}
+	}
+	if len(d.Objects().Devices) != 28 {
+		t.Fatalf("%d devices offered, want 28", len(d.Objects().Devices))
 	}
 }

@@ -85,8 +85,14 @@ func (a *allocator) take(device string) {
 	a.state.AllocatedDevices.Insert(structured.MakeDeviceID(resources.DriverName, a.objs.Node, device))
 }
 
-// allocate allocates one claim of the shape; nil when it cannot be.
+// allocate allocates one claim of the shape from its ready-only template; nil when it
+// cannot be.
 func (a *allocator) allocate(t *testing.T, name string, s resources.Shape) *resourceapi.AllocationResult {
+	t.Helper()
+	return a.allocateSpec(t, name, resources.ClaimSpec(s, false))
+}
+
+func (a *allocator) allocateSpec(t *testing.T, name string, spec resourceapi.ResourceClaimSpec) *resourceapi.AllocationResult {
 	t.Helper()
 	ctx := context.Background()
 	al, err := structured.NewAllocator(ctx, structured.Features{}, a.state, classes{a.objs.Class}, a.objs.Slices, cel.NewCache(10, cel.Features{}))
@@ -94,7 +100,7 @@ func (a *allocator) allocate(t *testing.T, name string, s resources.Shape) *reso
 		t.Fatal(err)
 	}
 	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "tenant", UID: types.UID("uid-" + name)},
-		Spec: resources.ClaimSpec(s)}
+		Spec: spec}
 	res, err := al.Allocate(ctx, a.node, []*resourceapi.ResourceClaim{claim})
 	if err != nil {
 		t.Fatalf("claim %s: %v", name, err)
@@ -222,27 +228,48 @@ func TestAllocatorSkipsBrokenUnits(t *testing.T) {
 	}
 }
 
-// TestAllocatorDegradedOnlyWhenAsked: Options.Degraded offers gpu2 too, and six claims
-// are then allocated.
+// TestAllocatorDegradedOnlyWhenAsked: a degraded unit is allocated only when the slices
+// publish it (Options.Degraded) and the claim asks for it (the -or-degraded template's
+// spec): with gpu2 published, the five ready units go to ready-only claims and a sixth
+// such claim gets nothing; a claim from the -or-degraded template then gets gpu2, and
+// never the failed gpu3. Without Options.Degraded there is no such template and gpu2
+// is not published.
 func TestAllocatorDegradedOnlyWhenAsked(t *testing.T) {
 	objs, err := resources.Render(verified(t, node()), resources.Options{Degraded: true})
 	if err != nil {
 		t.Fatal(err)
 	}
+	if len(objs.DegradedTemplates) != len(objs.Templates) || objs.DegradedTemplates[1].Name != b300.DegradedTemplateName() {
+		t.Fatalf("degraded templates %v", objs.DegradedTemplates)
+	}
 	a := newAllocator(objs)
 	seen := map[string]bool{}
-	for i := range 6 {
+	for i := range 5 {
 		r := a.allocate(t, fmt.Sprintf("vm%d", i), b300)
 		if r == nil {
-			t.Fatalf("claim %d not allocated with the degraded unit offered", i)
+			t.Fatalf("ready claim %d not allocated", i)
 		}
 		seen[unitOf(t, objs, b300, r)] = true
 	}
-	if !seen["gpu2"] || seen["gpu3"] {
-		t.Fatalf("units %v: want gpu2 (degraded, offered) and never gpu3 (failed)", seen)
+	if seen["gpu2"] || seen["gpu3"] {
+		t.Fatalf("ready-only claims got units %v", seen)
 	}
-	if r := a.allocate(t, "vm6", b300); r != nil {
-		t.Fatalf("a seventh claim allocated %v", r.Devices.Results)
+	if r := a.allocate(t, "vm5", b300); r != nil {
+		t.Fatalf("a sixth ready-only claim allocated %v (the degraded unit?)", r.Devices.Results)
+	}
+	r := a.allocateSpec(t, "vm6", objs.DegradedTemplates[1].Spec.Spec)
+	if r == nil || unitOf(t, objs, b300, r) != "gpu2" {
+		t.Fatalf("a claim asking for a degraded unit: %v, want gpu2", r)
+	}
+	if r := a.allocateSpec(t, "vm7", objs.DegradedTemplates[1].Spec.Spec); r != nil {
+		t.Fatalf("the failed unit allocated: %v", r.Devices.Results)
+	}
+	plain, err := resources.Render(verified(t, node()), resources.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(plain.DegradedTemplates) != 0 {
+		t.Fatalf("degraded templates without Options.Degraded: %v", plain.DegradedTemplates)
 	}
 }
 

@@ -35,9 +35,14 @@ type VMIHostDevice struct {
 	RequestName string `json:"requestName"`
 }
 
-// KubeVirt is the stanza claiming one unit of shape s under the claim name claim.
-func KubeVirt(s Shape, claim string) VMIClaims {
-	v := VMIClaims{ResourceClaims: []VMIResourceClaim{{Name: claim, ResourceClaimTemplateName: s.TemplateName()}}}
+// KubeVirt is the stanza claiming one unit of shape s under the claim name claim: from
+// the shape's template, or with degraded from the one that also takes a degraded unit.
+func KubeVirt(s Shape, claim string, degraded bool) VMIClaims {
+	tmpl := s.TemplateName()
+	if degraded {
+		tmpl = s.DegradedTemplateName()
+	}
+	v := VMIClaims{ResourceClaims: []VMIResourceClaim{{Name: claim, ResourceClaimTemplateName: tmpl}}}
 	for _, r := range s.RequestNames() {
 		v.Domain.Devices.HostDevices = append(v.Domain.Devices.HostDevices, VMIHostDevice{Name: claim + "-" + r, ClaimName: claim, RequestName: r})
 	}

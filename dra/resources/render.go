@@ -69,6 +69,10 @@ type Objects struct {
 	Slices    []*resourceapi.ResourceSlice
 	Class     *resourceapi.DeviceClass
 	Templates []*resourceapi.ResourceClaimTemplate
+	// DegradedTemplates are, only when Options.Degraded publishes degraded units, a
+	// template per shape that takes a ready or a degraded unit (Shape.DegradedTemplateName):
+	// a tenant gets a degraded unit only by claiming from one of these.
+	DegradedTemplates []*resourceapi.ResourceClaimTemplate
 	// Shapes are the templates' unit shapes, in the same order.
 	Shapes []Shape
 }
@@ -83,6 +87,10 @@ func (s Shape) String() string { return strings.Join(s, "+") }
 // TemplateName names the shape's ResourceClaimTemplate: "unit-" and the roles as DNS
 // labels (unit-gpu.gpu-nic.gpu-nic.gpu-nvme).
 func (s Shape) TemplateName() string { return "unit-" + strings.Join(s, ".") }
+
+// DegradedTemplateName names the shape's template that also takes a degraded unit
+// (unit-gpu.gpu-nic.gpu-nic.gpu-nvme-or-degraded).
+func (s Shape) DegradedTemplateName() string { return s.TemplateName() + "-or-degraded" }
 
 // RequestNames are the template's request names, one per function: the role, with an
 // index when the shape has the role more than once (gpu, gpu-nic-0, gpu-nic-1, gpu-nvme).
@@ -164,7 +172,10 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 	o.Class = deviceClass()
 	sort.Slice(o.Shapes, func(i, j int) bool { return o.Shapes[i].String() < o.Shapes[j].String() })
 	for _, s := range o.Shapes {
-		o.Templates = append(o.Templates, Template(s))
+		o.Templates = append(o.Templates, Template(s, false))
+		if opts.Degraded {
+			o.DegradedTemplates = append(o.DegradedTemplates, Template(s, true))
+		}
 	}
 	return o, nil
 }
@@ -186,8 +197,10 @@ func checkShape(unit string, s Shape) error {
 			return fmt.Errorf("%s: role %q is not a request name: %s", name, manifest.Printable(r), strings.Join(errs, "; "))
 		}
 	}
-	if errs := validation.IsDNS1123Subdomain(s.TemplateName()); len(errs) > 0 {
-		return fmt.Errorf("%s: template name %q: %s", name, manifest.Printable(s.TemplateName()), strings.Join(errs, "; "))
+	for _, t := range []string{s.TemplateName(), s.DegradedTemplateName()} {
+		if errs := validation.IsDNS1123Subdomain(t); len(errs) > 0 {
+			return fmt.Errorf("%s: template name %q: %s", name, manifest.Printable(t), strings.Join(errs, "; "))
+		}
 	}
 	return nil
 }
@@ -270,13 +283,21 @@ func deviceClass() *resourceapi.DeviceClass {
 }
 
 // ClaimSpec is the claim of one whole unit of the shape: one request per function,
-// each selecting its role within the shape, all constrained to one unit.
-func ClaimSpec(s Shape) resourceapi.ResourceClaimSpec {
+// each selecting its role within the shape and the unit's status, all constrained to
+// one unit. Every request selects status == "ready" unless degraded: then "ready" or
+// "degraded". A degraded unit is thus allocated only when the operator publishes it
+// (Options.Degraded, --degraded) and the tenant's claim asks for it (the
+// -or-degraded template); a failed unit is never published.
+func ClaimSpec(s Shape, degraded bool) resourceapi.ResourceClaimSpec {
 	names := s.RequestNames()
+	status := fmt.Sprintf("device.attributes[%q].%s == %q", DriverName, AttrStatus, manifest.StatusReady)
+	if degraded {
+		status = fmt.Sprintf("device.attributes[%q].%s in [%q, %q]", DriverName, AttrStatus, manifest.StatusReady, manifest.StatusDegraded)
+	}
 	var reqs []resourceapi.DeviceRequest
 	for i, role := range s {
-		expr := fmt.Sprintf("device.attributes[%q].%s == %q && device.attributes[%q].%s == %q",
-			DriverName, AttrRole, role, DriverName, AttrShape, s.String())
+		expr := fmt.Sprintf("device.attributes[%q].%s == %q && device.attributes[%q].%s == %q && %s",
+			DriverName, AttrRole, role, DriverName, AttrShape, s.String(), status)
 		reqs = append(reqs, resourceapi.DeviceRequest{Name: names[i], Exactly: &resourceapi.ExactDeviceRequest{
 			DeviceClassName: ClassName,
 			Selectors:       []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: expr}}},
@@ -292,11 +313,16 @@ func ClaimSpec(s Shape) resourceapi.ResourceClaimSpec {
 	}}
 }
 
-// Template is the ResourceClaimTemplate of a unit shape.
-func Template(s Shape) *resourceapi.ResourceClaimTemplate {
+// Template is the ResourceClaimTemplate of a unit shape: of a ready unit, or with
+// degraded, of a ready or degraded one (ClaimSpec).
+func Template(s Shape, degraded bool) *resourceapi.ResourceClaimTemplate {
+	name := s.TemplateName()
+	if degraded {
+		name = s.DegradedTemplateName()
+	}
 	return &resourceapi.ResourceClaimTemplate{
 		TypeMeta:   metav1.TypeMeta{APIVersion: resourceapi.SchemeGroupVersion.String(), Kind: "ResourceClaimTemplate"},
-		ObjectMeta: metav1.ObjectMeta{Name: s.TemplateName()},
-		Spec:       resourceapi.ResourceClaimTemplateSpec{Spec: ClaimSpec(s)},
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec:       resourceapi.ResourceClaimTemplateSpec{Spec: ClaimSpec(s, degraded)},
 	}
 }

@@ -15,6 +15,9 @@ func (o *Objects) List() []runtime.Object {
 	for _, t := range o.Templates {
 		out = append(out, t)
 	}
+	for _, t := range o.DegradedTemplates {
+		out = append(out, t)
+	}
 	for _, s := range o.Slices {
 		out = append(out, s)
 	}

@@ -21,7 +21,9 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -55,18 +57,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cmd, args := args[0], args[1:]
 	fs := flag.NewFlagSet("passage-dra "+cmd, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var src sourceFlags
-	src.register(fs)
-	var opts resources.Options
-	fs.StringVar(&opts.NodeName, "node-name", "", "Kubernetes node name (default: the manifest's hostname)")
-	fs.BoolVar(&opts.Degraded, "degraded", false, "offer degraded units too (their devices say status degraded)")
+	// One options value every command's flags parse into, read only after fs.Parse: a
+	// copy taken before the parse would keep the flags' defaults (--node-name ignored,
+	// slices published for a node that does not exist).
+	o := &options{}
+	o.register(fs)
 	switch cmd {
 	case "slices":
-		return cmdSlices(fs, args, &src, opts, stdout, stderr)
+		return cmdSlices(fs, args, o, stdout, stderr)
 	case "kubevirt", "nccl-xml":
-		return cmdUnit(cmd, fs, args, &src, opts, stdout, stderr)
+		return cmdUnit(cmd, fs, args, o, stdout, stderr)
 	case "plugin":
-		return cmdPlugin(ctx, fs, args, &src, opts, stderr)
+		return cmdPlugin(ctx, fs, args, o, stderr)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return 0
@@ -75,9 +77,36 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 2
 }
 
+// options are the flags every command has: the manifest's source and the rendering.
+type options struct {
+	src sourceFlags
+	res resources.Options
+}
+
+func (o *options) register(fs *flag.FlagSet) {
+	o.src.register(fs)
+	fs.StringVar(&o.res.NodeName, "node-name", "", "Kubernetes node name (default: the manifest's hostname)")
+	fs.BoolVar(&o.res.Degraded, "degraded", false, "offer degraded units too (their devices say status degraded; a claim takes one only from a unit-<shape>-or-degraded template)")
+}
+
 // sourceFlags are passage verify's flags for the keys and expectations.
 type sourceFlags struct {
 	pub, tpmPub, minGen, bootID, nodeUUID string
+}
+
+// unitList is --unit: repeatable, each value one unit or a comma-separated list.
+type unitList []string
+
+func (u *unitList) String() string { return strings.Join(*u, ",") }
+
+func (u *unitList) Set(v string) error {
+	for _, s := range strings.Split(v, ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			return fmt.Errorf("empty unit in %q", v)
+		}
+		*u = append(*u, s)
+	}
+	return nil
 }
 
 func (f *sourceFlags) register(fs *flag.FlagSet) {
@@ -127,12 +156,13 @@ func verified(fs *flag.FlagSet, args []string, src *sourceFlags, stderr io.Write
 	return v, 0
 }
 
-func cmdSlices(fs *flag.FlagSet, args []string, src *sourceFlags, opts resources.Options, stdout, stderr io.Writer) int {
+func cmdSlices(fs *flag.FlagSet, args []string, o *options, stdout, stderr io.Writer) int {
 	sysRoot := fs.String("sysfs-root", "", "read each function's pcieRoot from this sysfs (the node's /sys); without, the attribute is left out")
-	v, code := verified(fs, args, src, stderr)
+	v, code := verified(fs, args, &o.src, stderr)
 	if v == nil {
 		return code
 	}
+	opts := o.res
 	if *sysRoot != "" {
 		opts.PCIeRoot = plugin.PCIeRoot(*sysRoot)
 	}
@@ -148,39 +178,69 @@ func cmdSlices(fs *flag.FlagSet, args []string, src *sourceFlags, opts resources
 	return 0
 }
 
-func cmdUnit(cmd string, fs *flag.FlagSet, args []string, src *sourceFlags, opts resources.Options, stdout, stderr io.Writer) int {
-	unit := fs.String("unit", "", "the unit (gpu3)")
-	claim := fs.String("claim", "unit", "kubevirt: the claim's name in the VMI")
+func cmdUnit(cmd string, fs *flag.FlagSet, args []string, o *options, stdout, stderr io.Writer) int {
+	var units unitList
+	fs.Var(&units, "unit", "the units (gpu3): repeat the flag or separate them with commas")
+	claim := fs.String("claim", "unit", "kubevirt: the claim's name in the VMI (with several units: NAME-0, NAME-1...)")
 	numa := fs.Bool("numa", false, "nccl-xml: the guest has the host's NUMA nodes (passage render --numa)")
-	v, code := verified(fs, args, src, stderr)
+	v, code := verified(fs, args, &o.src, stderr)
 	if v == nil {
 		return code
 	}
-	var u *manifest.Unit
-	for i := range v.Manifest.Units {
-		if v.Manifest.Units[i].ID == *unit {
-			u = &v.Manifest.Units[i]
-		}
-	}
-	if u == nil {
-		fmt.Fprintf(stderr, "%s: --unit %q: not a unit of the manifest\n", fs.Name(), manifest.Printable(*unit))
+	if len(units) == 0 {
+		fmt.Fprintf(stderr, "%s: give --unit\n", fs.Name())
 		return 2
 	}
-	if u.Status != manifest.StatusReady && !(opts.Degraded && u.Status == manifest.StatusDegraded) {
-		fmt.Fprintf(stderr, "%s: REFUSED: unit %s is %s\n", fs.Name(), manifest.Printable(u.ID), manifest.Printable(u.Status))
-		return 1
+	degraded := o.res.Degraded
+	var picked []*manifest.Unit
+	for _, id := range units {
+		var u *manifest.Unit
+		for i := range v.Manifest.Units {
+			if v.Manifest.Units[i].ID == id {
+				u = &v.Manifest.Units[i]
+			}
+		}
+		if u == nil {
+			fmt.Fprintf(stderr, "%s: --unit %q: not a unit of the manifest\n", fs.Name(), manifest.Printable(id))
+			return 2
+		}
+		if slices.Contains(picked, u) {
+			fmt.Fprintf(stderr, "%s: --unit %s: given twice\n", fs.Name(), manifest.Printable(id))
+			return 2
+		}
+		if u.Status != manifest.StatusReady && !(degraded && u.Status == manifest.StatusDegraded) {
+			fmt.Fprintf(stderr, "%s: REFUSED: unit %s is %s\n", fs.Name(), manifest.Printable(u.ID), manifest.Printable(u.Status))
+			return 1
+		}
+		picked = append(picked, u)
 	}
 	var out []byte
 	var err error
 	switch cmd {
 	case "kubevirt":
-		shape := make(resources.Shape, len(u.Functions))
-		for i, f := range u.Functions {
-			shape[i] = f.Role
+		var spec resources.VMIClaims
+		for i, u := range picked {
+			shape := make(resources.Shape, len(u.Functions))
+			for j, f := range u.Functions {
+				shape[j] = f.Role
+			}
+			name := *claim
+			if len(picked) > 1 {
+				name = fmt.Sprintf("%s-%d", *claim, i)
+			}
+			// With --degraded the tenant asks for a ready or a degraded unit: the claim
+			// comes from the shape's -or-degraded template.
+			s := resources.KubeVirt(shape, name, degraded)
+			spec.ResourceClaims = append(spec.ResourceClaims, s.ResourceClaims...)
+			spec.Domain.Devices.HostDevices = append(spec.Domain.Devices.HostDevices, s.Domain.Devices.HostDevices...)
 		}
-		out, err = yaml.Marshal(map[string]any{"spec": resources.KubeVirt(shape, *claim)})
+		out, err = yaml.Marshal(map[string]any{"spec": spec})
 	case "nccl-xml":
-		out, err = ncclXML(v.Manifest, u.ID, *numa, opts.Degraded)
+		ids := make([]string, len(picked))
+		for i, u := range picked {
+			ids[i] = u.ID
+		}
+		out, err = ncclXML(v.Manifest, ids, *numa, degraded)
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
@@ -192,10 +252,12 @@ func cmdUnit(cmd string, fs *flag.FlagSet, args []string, src *sourceFlags, opts
 
 // ncclXML is passage render --format nccl-xml of the one unit, from the verified
 // manifest alone.
-func ncclXML(m *manifest.Manifest, unit string, numa, degraded bool) ([]byte, error) {
-	var id topology.UnitID
-	if err := id.UnmarshalText([]byte(unit)); err != nil {
-		return nil, err
+func ncclXML(m *manifest.Manifest, units []string, numa, degraded bool) ([]byte, error) {
+	ids := make([]topology.UnitID, len(units))
+	for i, u := range units {
+		if err := ids[i].UnmarshalText([]byte(u)); err != nil {
+			return nil, err
+		}
 	}
 	sources, err := hypervisor.Sources(m)
 	if err != nil {
@@ -205,7 +267,7 @@ func ncclXML(m *manifest.Manifest, unit string, numa, degraded bool) ([]byte, er
 	if err != nil {
 		return nil, err
 	}
-	r, err := hypervisor.Render(hypervisor.Input{Sources: sources, Units: []topology.UnitID{id}, NUMA: numa, AllowDegraded: degraded, HostCPUs: cpus},
+	r, err := hypervisor.Render(hypervisor.Input{Sources: sources, Units: ids, NUMA: numa, AllowDegraded: degraded, HostCPUs: cpus},
 		"nccl-xml", topology.DomainOptions{})
 	if err != nil {
 		return nil, err
@@ -213,30 +275,15 @@ func ncclXML(m *manifest.Manifest, unit string, numa, degraded bool) ([]byte, er
 	return r.Out, nil
 }
 
-func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, src *sourceFlags, opts resources.Options, stderr io.Writer) int {
-	var cfg plugin.Config
-	fs.StringVar(&cfg.Manifest, "manifest", "", "the node's manifest envelope (manifest.dsse.json), verified again at every prepare and reload")
-	fs.StringVar(&cfg.Root, "root", "/", "where the node's sys/ and dev/vfio are (read only)")
-	fs.StringVar(&cfg.CDIDir, "cdi-dir", "/var/run/cdi", "where the CDI specs go")
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file (default: the pod's in-cluster config)")
-	registry := fs.String("registry-dir", kubeletplugin.KubeletRegistryDir, "the kubelet's plugin registration directory")
-	dataDir := fs.String("plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")
-	reload := fs.Duration("reload", 30*time.Second, "verify the manifest again this often (a recycled unit returns with a newer generation)")
-	if err := fs.Parse(args); err != nil {
-		return 2
+func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options, stderr io.Writer) int {
+	cfg, p, code := pluginConfig(fs, args, o, stderr)
+	if code != 0 {
+		return code
 	}
-	s, err := src.source()
-	if err == nil && (cfg.Manifest == "" || fs.NArg() != 0) {
-		err = errors.New("give --manifest and no arguments")
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
-		return 2
-	}
-	cfg.Source, cfg.Options, cfg.StateDir = s, opts, *dataDir
 	var rc *rest.Config
-	if *kubeconfig != "" {
-		rc, err = clientcmd.BuildConfigFromFlags("", *kubeconfig)
+	var err error
+	if p.kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", p.kubeconfig)
 	} else {
 		rc, err = rest.InClusterConfig()
 	}
@@ -251,22 +298,23 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, src *source
 	}
 	d, err := plugin.New(cfg)
 	if err != nil {
-		fmt.Fprintf(stderr, "%s: REFUSED: %v\n", fs.Name(), err)
+		fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
 		return 1
 	}
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	if err := os.MkdirAll(*dataDir, 0o750); err != nil {
+	if err := os.MkdirAll(p.dataDir, 0o750); err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 1
 	}
-	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(*registry),
-		kubeletplugin.PluginDataDirectoryPath(*dataDir)); err != nil {
+	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(p.registry),
+		kubeletplugin.PluginDataDirectoryPath(p.dataDir)); err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 1
 	}
 	defer d.Stop()
-	tick := time.NewTicker(*reload)
+	fmt.Fprintf(stderr, "%s: node %s: publishing %d devices of manifest generation %d\n", fs.Name(), d.Objects().Node, len(d.Objects().Devices), d.Objects().Generation)
+	tick := time.NewTicker(p.reload)
 	defer tick.Stop()
 	for {
 		select {
@@ -285,4 +333,40 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, src *source
 			}
 		}
 	}
+}
+
+// pluginFlags are the plugin's own flags besides its Config.
+type pluginFlags struct {
+	kubeconfig, registry, dataDir string
+	reload                        time.Duration
+}
+
+// pluginConfig parses the plugin's flags into its Config (the options read after the
+// parse); code is 2 when the command is misused.
+func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer) (plugin.Config, pluginFlags, int) {
+	var cfg plugin.Config
+	var p pluginFlags
+	fs.StringVar(&cfg.Manifest, "manifest", "", "the node's manifest envelope (manifest.dsse.json), verified again at every prepare and reload")
+	fs.StringVar(&cfg.Root, "root", "/", "where the node's sys/ and dev/vfio are (read only)")
+	fs.StringVar(&cfg.CDIDir, "cdi-dir", "/var/run/cdi", "where the CDI specs go")
+	fs.StringVar(&p.kubeconfig, "kubeconfig", "", "kubeconfig file (default: the pod's in-cluster config)")
+	fs.StringVar(&p.registry, "registry-dir", kubeletplugin.KubeletRegistryDir, "the kubelet's plugin registration directory")
+	fs.StringVar(&p.dataDir, "plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")
+	fs.DurationVar(&p.reload, "reload", 30*time.Second, "verify the manifest again this often (a recycled unit returns with a newer generation)")
+	if err := fs.Parse(args); err != nil {
+		return cfg, p, 2
+	}
+	s, err := o.src.source()
+	if err == nil && (cfg.Manifest == "" || fs.NArg() != 0) {
+		err = errors.New("give --manifest and no arguments")
+	}
+	if err == nil && p.reload <= 0 {
+		err = fmt.Errorf("--reload %v: not a period", p.reload)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return cfg, p, 2
+	}
+	cfg.Source, cfg.Options, cfg.StateDir = s, o.res, p.dataDir
+	return cfg, p, 0
 }

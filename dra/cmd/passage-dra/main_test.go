@@ -21,7 +21,9 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	"sigs.k8s.io/yaml"
 
+	"github.com/passage-boot/passage/dra/internal/noderig"
 	"github.com/passage-boot/passage/dra/internal/signedtest"
+	"github.com/passage-boot/passage/dra/plugin"
 	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
@@ -186,5 +188,82 @@ func TestDeployDecodesStrictly(t *testing.T) {
 	}
 	if strings.Join(kinds, " ") != "Namespace ServiceAccount ClusterRole ClusterRoleBinding DaemonSet" {
 		t.Fatalf("kinds %v", kinds)
+	}
+}
+
+// TestFlagsReachEveryCommand sets --node-name, --degraded and --unit on each command's
+// command line and looks for their effect: the slices of the named node, the degraded
+// unit offered (and its -or-degraded template) or refused, several units in one --unit
+// or repeated, the plugin's Config. (The flags were registered on a copy of the options
+// taken before the parse, and ignored.)
+func TestFlagsReachEveryCommand(t *testing.T) {
+	keys := filepath.Join(t.TempDir(), "keys")
+	r := noderig.New(t, manifesttest.NodeUUID(9), "b300-host", 3, keys)
+	r.M.Units[2].Status, r.M.Units[2].Reasons = manifest.StatusDegraded, []string{"erase: auto: nvme not erased"}
+	r.Sign(t)
+	base := []string{"--pub", keys, "--node-uuid", manifesttest.NodeUUID(9)}
+	cmd := func(name string, args ...string) []string {
+		return append(append([]string{name}, base...), append(args, r.Path)...)
+	}
+
+	code, out, errs := runCmd(cmd("slices", "--node-name", "worker-7")...)
+	if code != 0 || !strings.Contains(out, "nodeName: worker-7") || strings.Contains(out, "b300-host") {
+		t.Fatalf("slices --node-name: exit %d %s\n%s", code, errs, out)
+	}
+	if code, out, _ := runCmd(cmd("slices")...); code != 0 || !strings.Contains(out, "nodeName: b300-host") || strings.Contains(out, "gpu2-") || strings.Contains(out, "-or-degraded") {
+		t.Fatalf("slices: exit %d\n%s", code, out)
+	}
+	code, out, errs = runCmd(cmd("slices", "--degraded")...)
+	if code != 0 || !strings.Contains(out, "name: gpu2-") || !strings.Contains(out, "name: unit-gpu.gpu-nic.gpu-nic.gpu-nvme-or-degraded") {
+		t.Fatalf("slices --degraded: exit %d %s\n%s", code, errs, out)
+	}
+
+	for _, c := range []string{"kubevirt", "nccl-xml"} {
+		if code, _, errs := runCmd(cmd(c, "--unit", "gpu2")...); code != 1 || !strings.Contains(errs, "unit gpu2 is degraded") {
+			t.Errorf("%s --unit gpu2: exit %d %s", c, code, errs)
+		}
+		if code, _, errs := runCmd(cmd(c, "--unit", "gpu2", "--degraded")...); code != 0 {
+			t.Errorf("%s --unit gpu2 --degraded: exit %d %s", c, code, errs)
+		}
+	}
+	_, out, _ = runCmd(cmd("kubevirt", "--unit", "gpu2", "--degraded")...)
+	if !strings.Contains(out, "resourceClaimTemplateName: unit-gpu.gpu-nic.gpu-nic.gpu-nvme-or-degraded") {
+		t.Errorf("kubevirt --degraded claims from\n%s", out)
+	}
+
+	// --unit: comma-separated or repeated, the same units.
+	_, comma, _ := runCmd(cmd("kubevirt", "--unit", "gpu0,gpu1")...)
+	code, repeated, errs := runCmd(cmd("kubevirt", "--unit", "gpu0", "--unit", "gpu1")...)
+	if code != 0 || comma != repeated || !strings.Contains(comma, "name: unit-0") || !strings.Contains(comma, "name: unit-1") {
+		t.Fatalf("kubevirt with two units: exit %d %s\n%s\n%s", code, errs, comma, repeated)
+	}
+	_, one, _ := runCmd(cmd("nccl-xml", "--unit", "gpu0")...)
+	code, two, errs := runCmd(cmd("nccl-xml", "--unit", "gpu0,gpu1")...)
+	if code != 0 || strings.Count(two, `class="0x030200"`) != 2*strings.Count(one, `class="0x030200"`) || strings.Count(one, `class="0x030200"`) == 0 {
+		t.Fatalf("nccl-xml of two units: exit %d %s\n%s", code, errs, two)
+	}
+	for _, bad := range [][]string{{"--unit", "gpu0,"}, {"--unit", "gpu0", "--unit", "gpu0"}, {}} {
+		if code, _, _ := runCmd(cmd("nccl-xml", bad...)...); code != 2 {
+			t.Errorf("nccl-xml %v: exit %d, want 2", bad, code)
+		}
+	}
+
+	// The plugin: the Config its flags parse into publishes worker-7's slices with gpu2.
+	fs := flag.NewFlagSet("passage-dra plugin", flag.ContinueOnError)
+	o := &options{}
+	o.register(fs)
+	var stderr bytes.Buffer
+	cfg, _, code := pluginConfig(fs, []string{"--pub", keys, "--manifest", r.Path, "--root", r.Root,
+		"--plugin-dir", t.TempDir(), "--cdi-dir", t.TempDir(), "--node-name", "worker-7", "--degraded"}, o, &stderr)
+	if code != 0 {
+		t.Fatalf("plugin flags: exit %d %s", code, stderr.String())
+	}
+	d, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs := d.Objects()
+	if objs.Node != "worker-7" || len(objs.Devices) != 32 || len(objs.DegradedTemplates) != 1 {
+		t.Fatalf("plugin --node-name worker-7 --degraded: node %s, %d devices, %d degraded templates", objs.Node, len(objs.Devices), len(objs.DegradedTemplates))
 	}
 }

@@ -1,0 +1,339 @@
+// Package cluster runs a real Kubernetes control plane on loopback for the driver's
+// end-to-end test: etcd, kube-apiserver, kube-scheduler and kube-controller-manager
+// (only the resourceclaim and garbage-collector controllers), the pinned binaries
+// build.sh builds, with throw-away certificates and tokens made here. There is no
+// kubelet: the test plays its part (NodePrepareResources over the plugin's socket).
+package cluster
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"fmt"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+)
+
+// Cluster is a running control plane.
+type Cluster struct {
+	Dir       string // certificates, kubeconfigs, data and logs
+	Server    string // the API server's URL
+	Admin     string // the admin's kubeconfig (system:masters)
+	Client    *kubernetes.Clientset
+	Started   time.Time // when etcd was started
+	procs     []*proc
+	caPEM     []byte
+	adminTokn string
+}
+
+type proc struct {
+	name, log string
+	cmd       *exec.Cmd
+	done      chan struct{}
+}
+
+// Start starts the control plane from the binaries in bin (kube-apiserver,
+// kube-scheduler, kube-controller-manager, etcd) with its files in dir. Each wait is
+// bounded, and its error carries the component's log tail. On error what was started
+// is stopped.
+func Start(ctx context.Context, bin, dir string) (*Cluster, error) {
+	c := &Cluster{Dir: dir, Started: time.Now()}
+	if err := c.start0(ctx, bin, dir); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
+	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"} {
+		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
+			return fmt.Errorf("control plane %s: %w (make cluster-bin builds it)", bin, err)
+		}
+	}
+	if err := c.secrets(); err != nil {
+		return err
+	}
+	ports, err := freePorts(5)
+	if err != nil {
+		return err
+	}
+	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
+	c.Started = time.Now()
+	etcd, err := c.start(bin, "etcd", "--name=e2e", "--data-dir="+filepath.Join(dir, "etcd"),
+		"--listen-client-urls="+etcdURL, "--advertise-client-urls="+etcdURL,
+		"--listen-peer-urls="+peerURL, "--initial-advertise-peer-urls="+peerURL,
+		"--initial-cluster=e2e="+peerURL, "--unsafe-no-fsync", "--log-level=warn")
+	if err != nil {
+		return err
+	}
+	if err := c.wait(ctx, etcd, 30*time.Second, func() error { return get(http.DefaultClient, etcdURL+"/health", "") }); err != nil {
+		return err
+	}
+	c.Server = fmt.Sprintf("https://127.0.0.1:%d", ports[2])
+	f := func(n string) string { return filepath.Join(dir, n) }
+	api, err := c.start(bin, "kube-apiserver", "--etcd-servers="+etcdURL,
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[2]),
+		// Otherwise it advertises the machine's other address for the kubernetes service.
+		"--endpoint-reconciler-type=none",
+		"--tls-cert-file="+f("serving.crt"), "--tls-private-key-file="+f("serving.key"),
+		"--service-account-key-file="+f("sa.pub"), "--service-account-signing-key-file="+f("sa.key"),
+		"--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.96.0.0/16",
+		"--token-auth-file="+f("tokens.csv"), "--authorization-mode=Node,RBAC", "--cert-dir="+f("apiserver-certs"))
+	if err != nil {
+		return err
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(c.caPEM)
+	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+	if err := c.wait(ctx, api, 60*time.Second, func() error { return get(hc, c.Server+"/readyz", c.adminTokn) }); err != nil {
+		return err
+	}
+	for _, u := range []struct{ name, token string }{{"admin", c.adminTokn}, {"scheduler", "scheduler-" + c.adminTokn}, {"controller-manager", "cm-" + c.adminTokn}} {
+		if err := c.kubeconfig(f(u.name+".kubeconfig"), u.token); err != nil {
+			return err
+		}
+	}
+	c.Admin = f("admin.kubeconfig")
+	rc, err := clientcmd.BuildConfigFromFlags("", c.Admin)
+	if err != nil {
+		return err
+	}
+	rc.QPS, rc.Burst = 100, 200
+	if c.Client, err = kubernetes.NewForConfig(rc); err != nil {
+		return err
+	}
+	sched, err := c.start(bin, "kube-scheduler", "--kubeconfig="+f("scheduler.kubeconfig"), "--leader-elect=false",
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[3]), "--cert-dir="+f("scheduler-certs"))
+	if err != nil {
+		return err
+	}
+	// The controller-manager runs its controllers as its own user (no service-account
+	// credentials: no token controller runs), whose built-in role does not cover what
+	// these two do: they get their controllers' built-in roles.
+	for _, role := range []string{"system:controller:resource-claim-controller", "system:controller:generic-garbage-collector"} {
+		b := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "e2e:" + role},
+			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
+			Subjects: []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: "system:kube-controller-manager"}}}
+		if _, err := c.Client.RbacV1().ClusterRoleBindings().Create(ctx, b, metav1.CreateOptions{}); err != nil {
+			return fmt.Errorf("controller-manager role %s: %w", role, err)
+		}
+	}
+	// The node controller is left out: with no kubelet it marks the nodes NotReady.
+	cm, err := c.start(bin, "kube-controller-manager", "--kubeconfig="+f("controller-manager.kubeconfig"), "--leader-elect=false",
+		"--controllers=resourceclaim-controller,garbage-collector-controller",
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[4]), "--cert-dir="+f("cm-certs"))
+	if err != nil {
+		return err
+	}
+	// Both serve /healthz on their secure port once started (self-signed).
+	insecure := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+	for i, p := range []*proc{sched, cm} {
+		url := fmt.Sprintf("https://127.0.0.1:%d/healthz", ports[3+i])
+		if err := c.wait(ctx, p, 60*time.Second, func() error { return get(insecure, url, "") }); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func get(hc *http.Client, url, token string) error {
+	req, err := http.NewRequest("GET", url, nil)
+	if err != nil {
+		return err
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return err
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s", url, resp.Status)
+	}
+	return nil
+}
+
+// wait polls ready until it succeeds, the process exits, or d passes; the error names
+// the component and ends with its log tail.
+func (c *Cluster) wait(ctx context.Context, p *proc, d time.Duration, ready func() error) error {
+	deadline := time.Now().Add(d)
+	for {
+		err := ready()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-p.done:
+			return fmt.Errorf("%s exited (%v) before it was ready: %s", p.name, p.cmd.ProcessState, Tail(p.log, 2048))
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not ready after %v (%v): %s", p.name, d, err, Tail(p.log, 2048))
+		}
+	}
+}
+
+// Tail is the last n bytes of a log file.
+func Tail(path string, n int64) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	if int64(len(b)) > n {
+		b = b[int64(len(b))-n:]
+	}
+	return path + ":\n" + string(b)
+}
+
+func (c *Cluster) start(bin, name string, args ...string) (*proc, error) {
+	p := &proc{name: name, log: filepath.Join(c.Dir, name+".log"), done: make(chan struct{})}
+	out, err := os.Create(p.log)
+	if err != nil {
+		return nil, err
+	}
+	p.cmd = exec.Command(filepath.Join(bin, name), args...)
+	p.cmd.Stdout, p.cmd.Stderr = out, out
+	if err := p.cmd.Start(); err != nil {
+		out.Close()
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	go func() { p.cmd.Wait(); out.Close(); close(p.done) }()
+	c.procs = append(c.procs, p)
+	return p, nil
+}
+
+// Stop stops the components by their pids, the last started first: SIGTERM, then
+// SIGKILL after 10 s.
+func (c *Cluster) Stop() {
+	for i := len(c.procs) - 1; i >= 0; i-- {
+		p := c.procs[i]
+		p.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-time.After(10 * time.Second):
+			p.cmd.Process.Kill()
+			<-p.done
+		}
+	}
+	c.procs = nil
+}
+
+// Logs names the components' log files.
+func (c *Cluster) Logs() []string {
+	var out []string
+	for _, p := range c.procs {
+		out = append(out, p.log)
+	}
+	return out
+}
+
+// secrets makes the throw-away serving certificate (self-signed, for 127.0.0.1), the
+// service-account key pair and the static tokens: admin in system:masters, and the
+// scheduler's and controller-manager's users, which get their built-in roles.
+func (c *Cluster) secrets() error {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "passage-e2e"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		IsCA: true, BasicConstraintsValid: true,
+		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"localhost"},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		return err
+	}
+	c.caPEM = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+	kb, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		return err
+	}
+	sa, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return err
+	}
+	sab, err := x509.MarshalECPrivateKey(sa)
+	if err != nil {
+		return err
+	}
+	sapub, err := x509.MarshalPKIXPublicKey(sa.Public())
+	if err != nil {
+		return err
+	}
+	tok := make([]byte, 16)
+	rand.Read(tok)
+	c.adminTokn = fmt.Sprintf("%x", tok)
+	tokens := fmt.Sprintf("%s,admin,admin,system:masters\nscheduler-%s,system:kube-scheduler,kube-scheduler\ncm-%s,system:kube-controller-manager,kube-controller-manager\n",
+		c.adminTokn, c.adminTokn, c.adminTokn)
+	for name, b := range map[string][]byte{
+		"serving.crt": c.caPEM,
+		"serving.key": pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}),
+		"sa.key":      pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: sab}),
+		"sa.pub":      pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: sapub}),
+		"tokens.csv":  []byte(tokens),
+	} {
+		if err := os.WriteFile(filepath.Join(c.Dir, name), b, 0o600); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *Cluster) kubeconfig(path, token string) error {
+	ca := filepath.Join(c.Dir, "serving.crt")
+	cfg := fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters: [{name: e2e, cluster: {server: %q, certificate-authority: %q}}]
+users: [{name: u, user: {token: %q}}]
+contexts: [{name: e2e, context: {cluster: e2e, user: u}}]
+current-context: e2e
+`, c.Server, ca, token)
+	return os.WriteFile(path, []byte(cfg), 0o600)
+}
+
+// freePorts are n loopback ports free now (the kernel's choice).
+func freePorts(n int) ([]int, error) {
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			l.Close()
+		}
+	}()
+	var out []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		ls = append(ls, l)
+		out = append(out, l.Addr().(*net.TCPAddr).Port)
+	}
+	return out, nil
+}
