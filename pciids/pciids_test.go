@@ -35,6 +35,12 @@ func lspciNames(t *testing.T, n *pcitest.Node, ids string, hwdb bool) map[string
 	if err != nil {
 		t.Fatalf("lspci: %v", err)
 	}
+	return parseLspciMM(t, out)
+}
+
+// parseLspciMM reads lspci -D -mm output: each function's vendor and device words.
+func parseLspciMM(t *testing.T, out []byte) map[string][2]string {
+	t.Helper()
 	field := regexp.MustCompile(`"([^"]*)"`)
 	names := map[string][2]string{}
 	sc := bufio.NewScanner(bytes.NewReader(out))
