@@ -11,6 +11,7 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
+	"github.com/passage-boot/passage/attest/verifiertest"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/recycle"
@@ -65,22 +66,7 @@ func TestRecycleAttests(t *testing.T) {
 	if a.NonceSource != attest.NoncePayloadDigest {
 		t.Errorf("nonce source %q", a.NonceSource)
 	}
-	pool, err := attest.CAPool(ca.PEM(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ch, pending, err := attest.Enrol(a, pool)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ans, err := attest.Activate(tpm, ch)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec, err := attest.Complete(pending, ans)
-	if err != nil {
-		t.Fatal(err)
-	}
+	rec, pool := verifiertest.Enrol(t, tpm, ca, a)
 	env, err := manifest.ReadEnvelope(filepath.Join(n.dir, recycle.EnvelopeName))
 	if err != nil {
 		t.Fatal(err)

@@ -25,6 +25,7 @@ import (
 	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
+	"github.com/passage-boot/passage/attest/verifiertest"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
@@ -767,22 +768,7 @@ func TestManifestAttestation(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%v (findings %v)", err, rs[2].Findings)
 	}
-	pool, err := attest.CAPool(ca.PEM(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ch, pending, err := attest.Enrol(a, pool)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ans, err := attest.Activate(tpm, ch)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec, err := attest.Complete(pending, ans)
-	if err != nil {
-		t.Fatal(err)
-	}
+	rec, pool := verifiertest.Enrol(t, tpm, ca, a)
 	k, err := tpmkey.New(noClose{tpm})
 	if err != nil {
 		t.Fatal(err)
@@ -976,22 +962,7 @@ func TestPublishFreshAttestation(t *testing.T) {
 		t.Fatalf("posted attestation: nonce %x from %q, want the control plane's", fresh.Nonce, fresh.NonceSource)
 	}
 
-	pool, err := attest.CAPool(ca.PEM(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ch, pending, err := attest.Enrol(fresh, pool)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ans, err := attest.Activate(tpm, ch)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec, err := attest.Complete(pending, ans)
-	if err != nil {
-		t.Fatal(err)
-	}
+	rec, pool := verifiertest.Enrol(t, tpm, ca, fresh)
 	k, err := tpmkey.New(noClose{tpm})
 	if err != nil {
 		t.Fatal(err)
