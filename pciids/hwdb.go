@@ -280,20 +280,10 @@ func (l *lookup) searchTrie() error {
 		}
 		i += len(prefix)
 		for _, g := range []byte("*?[") {
-			c, ok := n.child(g)
-			if !ok {
-				continue
-			}
-			cn, err := l.visit(c.off)
-			if err != nil {
-				return err
-			}
-			prefix, err := l.h.str(cn.prefix)
-			if err != nil {
-				return err
-			}
-			if err := l.globFrom(cn, []byte{g}, prefix, l.search[i:]); err != nil {
-				return err
+			if c, ok := n.child(g); ok {
+				if err := l.globChild(c.off, []byte{g}, l.search[i:]); err != nil {
+					return err
+				}
 			}
 		}
 		if i == len(l.search) {
@@ -316,6 +306,19 @@ func (n *node) child(c byte) (child, bool) {
 	return child{}, false
 }
 
+// globChild is globFrom on the node at off, whose key from the glob is key.
+func (l *lookup) globChild(off uint64, key []byte, rest string) error {
+	n, err := l.visit(off)
+	if err != nil {
+		return err
+	}
+	prefix, err := l.h.str(n.prefix)
+	if err != nil {
+		return err
+	}
+	return l.globFrom(n, key, prefix, rest)
+}
+
 // globFrom matches the subtree of n against rest, the search from where the glob starts
 // (sd-hwdb's trie_fnmatch_f): key is the key from the glob down to n, tail n's own prefix
 // still to add. The part of a key before its glob equals the search already.
@@ -325,15 +328,7 @@ func (l *lookup) globFrom(n *node, key []byte, tail, rest string) error {
 		return fmt.Errorf("a key longer than %d bytes", maxKey)
 	}
 	for _, c := range n.children {
-		cn, err := l.visit(c.off)
-		if err != nil {
-			return err
-		}
-		prefix, err := l.h.str(cn.prefix)
-		if err != nil {
-			return err
-		}
-		if err := l.globFrom(cn, append(key, c.c), prefix, rest); err != nil {
+		if err := l.globChild(c.off, append(key, c.c), rest); err != nil {
 			return err
 		}
 	}
