@@ -218,6 +218,7 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, src *source
 	fs.StringVar(&cfg.Manifest, "manifest", "", "the node's manifest envelope (manifest.dsse.json), verified again at every prepare and reload")
 	fs.StringVar(&cfg.Root, "root", "/", "where the node's sys/ and dev/vfio are (read only)")
 	fs.StringVar(&cfg.CDIDir, "cdi-dir", "/var/run/cdi", "where the CDI specs go")
+	fs.StringVar(&cfg.HookDir, "hook-dir", "", "write the verified manifest, its public key and the node's DMI UUID here for passage-hook (KubeVirt's sidecar)")
 	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file (default: the pod's in-cluster config)")
 	registry := fs.String("registry-dir", kubeletplugin.KubeletRegistryDir, "the kubelet's plugin registration directory")
 	dataDir := fs.String("plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")
