@@ -31,13 +31,19 @@ import (
 // v1alpha3 Callbacks.
 type launcher struct{ socket string }
 
+// ncclDiskDir is the hook's --nccl-dir as the compute container sees it (the first
+// sidecar's); libvirt defines a domain without opening its disks.
+const ncclDiskDir = "/var/run/kubevirt-hooks/hook-sidecar-0/passage"
+
 func startHook(t *testing.T, c Config) *launcher {
 	t.Helper()
 	// virt-launcher finds sockets one directory below /var/run/kubevirt-hooks.
 	sock := filepath.Join(t.TempDir(), "passage", "passage.sock")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, sock, &Server{Config: c, NCCLDir: filepath.Dir(sock)}) }()
+	go func() {
+		done <- Serve(ctx, sock, &Server{Config: c, NCCLDir: filepath.Dir(sock), NCCLDiskDir: ncclDiskDir})
+	}()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
@@ -209,6 +215,14 @@ func defineAndRead(t *testing.T, uri string, dom []byte) []byte {
 func otherDevices(t *testing.T, dom []byte) string {
 	t.Helper()
 	d := mustParse(t, dom)
+	// The hook's NCCL disk is its own addition (checkNCCLDisk), the domain's disks stay.
+	var disks []libvirtxml.DomainDisk
+	for _, k := range d.Devices.Disks {
+		if k.Alias == nil || k.Alias.Name != NCCLDiskAlias {
+			disks = append(disks, k)
+		}
+	}
+	d.Devices.Disks = disks
 	b, err := json.Marshal(struct {
 		Disks []libvirtxml.DomainDisk
 		Ball  *libvirtxml.DomainMemBalloon
@@ -340,6 +354,7 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 				t.Fatal(err)
 			}
 			checkNCCL(t, m, final, nccl)
+			checkNCCLDisk(t, final, nccl, filepath.Join(filepath.Dir(l.socket), "tenant_vm.nccl-topo.img"))
 			// What qemu-tests boots (TestKubeVirtHookGuest): the final domain as libvirt
 			// keeps it and the NCCL file, held here to what the hook gives now.
 			golden(t, tc.name+".final.xml", final)
@@ -606,4 +621,47 @@ func mustParse(t *testing.T, b []byte) libvirtxml.Domain {
 		t.Fatal(err)
 	}
 	return d
+}
+
+// checkNCCLDisk: the final domain (through api.DomainSpec and libvirt) carries one
+// read-only SATA CD-ROM of the hook, on the image the hook wrote, and that image read
+// whole is the NCCL file, still one well-formed XML document.
+func checkNCCLDisk(t *testing.T, dom, nccl []byte, image string) {
+	t.Helper()
+	d := mustParse(t, dom)
+	var disks []libvirtxml.DomainDisk
+	for _, k := range d.Devices.Disks {
+		if k.Alias != nil && k.Alias.Name == NCCLDiskAlias {
+			disks = append(disks, k)
+		}
+	}
+	if len(disks) != 1 {
+		t.Fatalf("%d NCCL disks in the final domain, want 1", len(disks))
+	}
+	k := disks[0]
+	want := filepath.Join(ncclDiskDir, "tenant_vm.nccl-topo.img")
+	if k.Device != "cdrom" || k.ReadOnly == nil || k.Target == nil || k.Target.Bus != "sata" || k.Serial != NCCLDiskSerial ||
+		k.Source == nil || k.Source.File == nil || k.Source.File.File != want {
+		b, _ := xml.Marshal(k)
+		t.Fatalf("NCCL disk %s: want a read-only sata cdrom on %s, serial %s", b, want, NCCLDiskSerial)
+	}
+	if k.Address == nil || k.Address.Drive == nil || k.Address.PCI != nil {
+		t.Errorf("NCCL disk address %+v: want a drive address on the AHCI, no PCI device", k.Address)
+	}
+	img, err := os.ReadFile(image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(img)%NCCLDiskSector != 0 || !bytes.Equal(bytes.TrimRight(img, "\n"), bytes.TrimRight(nccl, "\n")) {
+		t.Fatalf("image %s: %d bytes, not the NCCL file padded to a %d-byte sector", image, len(img), NCCLDiskSector)
+	}
+	dec := xml.NewDecoder(bytes.NewReader(img))
+	for {
+		if _, err := dec.Token(); err != nil {
+			if err.Error() != "EOF" {
+				t.Fatalf("image %s read whole is not well-formed XML: %v", image, err)
+			}
+			break
+		}
+	}
 }
