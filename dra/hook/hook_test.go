@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strings"
 	"testing"
@@ -355,6 +356,7 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 			}
 			checkNCCL(t, m, final, nccl)
 			checkNCCLDisk(t, final, nccl, filepath.Join(filepath.Dir(l.socket), "tenant_vm.nccl-topo.img"))
+			checkNCCLDrive(t, uri, final)
 			// What qemu-tests boots (TestKubeVirtHookGuest): the final domain as libvirt
 			// keeps it and the NCCL file, held here to what the hook gives now.
 			golden(t, tc.name+".final.xml", final)
@@ -663,5 +665,54 @@ func checkNCCLDisk(t *testing.T, dom, nccl []byte, image string) {
 			}
 			break
 		}
+	}
+}
+
+// checkNCCLDrive: libvirt's own QEMU command line for the final domain gives the guest
+// the image as a read-only ide-cd on the q35 AHCI with the disk's serial. What this
+// host cannot give is taken out first, nothing of the disk: the host NUMA binding (one
+// node here), KVM, and the hostdevs' backend probing (no vfio here).
+func checkNCCLDrive(t *testing.T, uri string, dom []byte) {
+	t.Helper()
+	d := mustParse(t, dom)
+	d.NUMATune = nil
+	d.Type = libvirttest.DefinedType(d.Type)
+	for i := range d.Devices.Hostdevs {
+		if p := d.Devices.Hostdevs[i].SubsysPCI; p != nil {
+			p.Driver = &libvirtxml.DomainHostdevSubsysPCIDriver{Name: "vfio"}
+		}
+	}
+	s, err := d.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := filepath.Join(t.TempDir(), "native.xml")
+	if err := os.WriteFile(f, []byte(s), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	argv := libvirttest.Virsh(t, uri, "domxml-to-native", "--format", "qemu-argv", "--xml", f)
+	var cd map[string]any
+	nodes := map[any]map[string]any{}
+	for _, m := range regexp.MustCompile(`-(device|blockdev) '(\{[^']*\})'`).FindAllStringSubmatch(argv, -1) {
+		var o map[string]any
+		if err := json.Unmarshal([]byte(m[2]), &o); err != nil {
+			t.Fatalf("%s %s: %v", m[1], m[2], err)
+		}
+		if m[1] == "device" && o["serial"] == NCCLDiskSerial {
+			cd = o
+		}
+		if m[1] == "blockdev" {
+			nodes[o["node-name"]] = o
+		}
+	}
+	if cd == nil {
+		t.Fatalf("no NCCL drive in libvirt's command line:\n%s", argv)
+	}
+	// The device's drive is the raw format node over the file node.
+	format := nodes[cd["drive"]]
+	file := nodes[format["file"]]
+	if cd["driver"] != "ide-cd" || !strings.HasPrefix(fmt.Sprint(cd["bus"]), "ide.") || format["driver"] != "raw" || format["read-only"] != true ||
+		file["filename"] != filepath.Join(ncclDiskDir, "tenant_vm.nccl-topo.img") {
+		t.Errorf("NCCL drive: device %v, format %v, file %v: want a read-only raw ide-cd on the AHCI on the image", cd, format, file)
 	}
 }

@@ -100,3 +100,21 @@ func otherKey(t *testing.T) []byte {
 	}
 	return b
 }
+
+// TestNCCLImage: whole sectors, the file first, at least one newline after it (a file
+// of whole sectors is not left unterminated), and a file over the bound refused.
+func TestNCCLImage(t *testing.T) {
+	for _, n := range []int{1, NCCLDiskSector - 1, NCCLDiskSector, 3*NCCLDiskSector + 5} {
+		f := bytes.Repeat([]byte{'x'}, n)
+		img, err := NCCLImage(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(img)%NCCLDiskSector != 0 || len(img) <= n || !bytes.HasPrefix(img, f) || len(bytes.TrimRight(img[n:], "\n")) != 0 {
+			t.Errorf("%d bytes: image of %d bytes", n, len(img))
+		}
+	}
+	if _, err := NCCLImage(make([]byte, MaxNCCLDisk)); err == nil || !strings.Contains(err.Error(), "nccl topology file") {
+		t.Errorf("an oversized file: %v", err)
+	}
+}
