@@ -355,12 +355,18 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 				t.Fatal(err)
 			}
 			checkNCCL(t, m, final, nccl)
-			checkNCCLDisk(t, final, nccl, filepath.Join(filepath.Dir(l.socket), "tenant_vm.nccl-topo.img"))
+			img := filepath.Join(filepath.Dir(l.socket), "tenant_vm.nccl-topo.img")
+			checkNCCLDisk(t, final, nccl, img)
 			checkNCCLDrive(t, uri, final)
 			// What qemu-tests boots (TestKubeVirtHookGuest): the final domain as libvirt
 			// keeps it and the NCCL file, held here to what the hook gives now.
 			golden(t, tc.name+".final.xml", final)
 			golden(t, tc.name+".nccl-topo.xml", nccl)
+			b, err := os.ReadFile(img)
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden(t, tc.name+".nccl-topo.img", b)
 			libvirttest.Virsh(t, uri, "undefine", "tenant_vm")
 		})
 	}
