@@ -155,6 +155,16 @@ func (kr *Keyring) VerifyFile(path string, opts VerifyOptions) (*Verified, *Ring
 	if err != nil {
 		return nil, nil, err
 	}
+	return kr.Verify(env, opts)
+}
+
+// Verify is VerifyFile of envelope bytes already read: for a reader that passes on
+// exactly the bytes it verified (passage-dra's export for the KubeVirt hook), where
+// reading the file twice could verify one version and pass on another.
+func (kr *Keyring) Verify(env []byte, opts VerifyOptions) (*Verified, *RingKey, error) {
+	if len(env) > MaxEnvelopeSize {
+		return nil, nil, verr(ErrMalformed, "envelope is %d bytes, over the %s limit", len(env), sizeLimit)
+	}
 	k, err := kr.key(env)
 	if err != nil {
 		return nil, nil, err

@@ -107,7 +107,18 @@ func TestKubeVirtHookGuest(t *testing.T) {
 				}
 			}
 			t.Logf("devices from libvirt's command line: %s", strings.Join(devices, " "))
-			got := bootHookGuest(t, devices, c.name)
+			img, err := os.ReadFile(filepath.Join(hookTestdata, c.name+".nccl-topo.img"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, read := bootHookGuest(t, devices, c.name, img)
+			// The hook's NCCL disk image, read whole from a block device in the guest,
+			// is the NCCL file. The guest initramfs has no AHCI/CD-ROM drivers, so the
+			// image is attached as virtio-blk here (an endpoint on pcie.0: no bus number
+			// moves); the domain's SATA CD-ROM itself is dra/hook's checkNCCLDrive.
+			if !bytes.Equal(read, img) || !bytes.Equal(bytes.TrimRight(read, "\n"), bytes.TrimRight(nccl, "\n")) {
+				t.Errorf("the NCCL disk read in the guest (%d bytes) is not the hook's image (%d bytes) of the NCCL file", len(read), len(img))
+			}
 
 			// Each unit's functions in the guest, by the guest's own labelling.
 			var buses []string
@@ -252,8 +263,13 @@ func ncclLeaves(t *testing.T, nccl []byte) []string {
 
 // bootHookGuest boots the image with devices and runs `passage plan --json` inside with
 // the qemu-guest profile, as scenario 6 does.
-func bootHookGuest(t *testing.T, devices []string, name string) measuredPlan {
+func bootHookGuest(t *testing.T, devices []string, name string, disk []byte) (measuredPlan, []byte) {
 	t.Helper()
+	// A copy: the harness attaches its disk writable.
+	diskFile := filepath.Join(t.TempDir(), "nccl.img")
+	if err := os.WriteFile(diskFile, disk, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	prof, err := os.ReadFile(guestProfile)
 	if err != nil {
 		t.Fatalf("guest profile: %v", err)
@@ -264,8 +280,11 @@ func bootHookGuest(t *testing.T, devices []string, name string) measuredPlan {
 		Name:  "kubevirt-hook-" + name,
 		Overlay: []OverlayFile{fakeUinit(t),
 			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
-			{Name: "etc/fakeuinit/run", Data: []byte(cmd + "\n")}},
+			{Name: "etc/fakeuinit/run", Data: []byte(cmd + "\ncat /dev/vda\n")}},
 		Devices: devices,
+		Disk:    diskFile,
+		// fakeuinit's modules and virtio_blk for the disk.
+		Append:  []string{"fake.modules=vfio,vfio_iommu_type1,vfio-pci,nvme,virtio_pci,virtio_net,e1000e,virtio_blk"},
 		WorkDir: filepath.Join(t.TempDir(), "work"),
 		Timeout: 4 * time.Minute,
 	})
@@ -287,5 +306,5 @@ func bootHookGuest(t *testing.T, devices []string, name string) measuredPlan {
 	if got.Profile != "qemu-guest" {
 		t.Fatalf("guest plan profile %q", got.Profile)
 	}
-	return got
+	return got, run.Files["run-2.out"]
 }

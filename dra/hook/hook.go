@@ -30,6 +30,10 @@ type Config struct {
 	// even when a fleet key directory verifies it.
 	NodeUUID      string
 	MinGeneration uint64
+	// NCCLDisk, when set, is the path (as QEMU opens it) of the guest's NCCL disk
+	// image: the returned domain carries a read-only CD-ROM on it (attachNCCLDisk), and
+	// the caller writes NCCLImage(Result.NCCL) there before handing the domain back.
+	NCCLDisk string
 }
 
 // verify reads the manifest through manifest.Keyring.VerifyFile, the path passage
@@ -183,6 +187,11 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 		for _, f := range u.Functions {
 			h := &d.Devices.Hostdevs[mine[f.HostID]]
 			h.Address = f.LibvirtAddress()
+		}
+	}
+	if c.NCCLDisk != "" {
+		if err := attachNCCLDisk(d.Devices, c.NCCLDisk); err != nil {
+			return nil, err
 		}
 	}
 	out, err := d.Marshal()

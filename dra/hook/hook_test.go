@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strings"
 	"testing"
@@ -31,13 +32,19 @@ import (
 // v1alpha3 Callbacks.
 type launcher struct{ socket string }
 
+// ncclDiskDir is the hook's --nccl-dir as the compute container sees it (the first
+// sidecar's); libvirt defines a domain without opening its disks.
+const ncclDiskDir = "/var/run/kubevirt-hooks/hook-sidecar-0/passage"
+
 func startHook(t *testing.T, c Config) *launcher {
 	t.Helper()
 	// virt-launcher finds sockets one directory below /var/run/kubevirt-hooks.
 	sock := filepath.Join(t.TempDir(), "passage", "passage.sock")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, sock, &Server{Config: c, NCCLDir: filepath.Dir(sock)}) }()
+	go func() {
+		done <- Serve(ctx, sock, &Server{Config: c, NCCLDir: filepath.Dir(sock), NCCLDiskDir: ncclDiskDir})
+	}()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
@@ -209,6 +216,14 @@ func defineAndRead(t *testing.T, uri string, dom []byte) []byte {
 func otherDevices(t *testing.T, dom []byte) string {
 	t.Helper()
 	d := mustParse(t, dom)
+	// The hook's NCCL disk is its own addition (checkNCCLDisk), the domain's disks stay.
+	var disks []libvirtxml.DomainDisk
+	for _, k := range d.Devices.Disks {
+		if k.Alias == nil || k.Alias.Name != NCCLDiskAlias {
+			disks = append(disks, k)
+		}
+	}
+	d.Devices.Disks = disks
 	b, err := json.Marshal(struct {
 		Disks []libvirtxml.DomainDisk
 		Ball  *libvirtxml.DomainMemBalloon
@@ -340,10 +355,18 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 				t.Fatal(err)
 			}
 			checkNCCL(t, m, final, nccl)
+			img := filepath.Join(filepath.Dir(l.socket), "tenant_vm.nccl-topo.img")
+			checkNCCLDisk(t, final, nccl, img)
+			checkNCCLDrive(t, uri, final)
 			// What qemu-tests boots (TestKubeVirtHookGuest): the final domain as libvirt
 			// keeps it and the NCCL file, held here to what the hook gives now.
 			golden(t, tc.name+".final.xml", final)
 			golden(t, tc.name+".nccl-topo.xml", nccl)
+			b, err := os.ReadFile(img)
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden(t, tc.name+".nccl-topo.img", b)
 			libvirttest.Virsh(t, uri, "undefine", "tenant_vm")
 		})
 	}
@@ -606,4 +629,96 @@ func mustParse(t *testing.T, b []byte) libvirtxml.Domain {
 		t.Fatal(err)
 	}
 	return d
+}
+
+// checkNCCLDisk: the final domain (through api.DomainSpec and libvirt) carries one
+// read-only SATA CD-ROM of the hook, on the image the hook wrote, and that image read
+// whole is the NCCL file, still one well-formed XML document.
+func checkNCCLDisk(t *testing.T, dom, nccl []byte, image string) {
+	t.Helper()
+	d := mustParse(t, dom)
+	var disks []libvirtxml.DomainDisk
+	for _, k := range d.Devices.Disks {
+		if k.Alias != nil && k.Alias.Name == NCCLDiskAlias {
+			disks = append(disks, k)
+		}
+	}
+	if len(disks) != 1 {
+		t.Fatalf("%d NCCL disks in the final domain, want 1", len(disks))
+	}
+	k := disks[0]
+	want := filepath.Join(ncclDiskDir, "tenant_vm.nccl-topo.img")
+	if k.Device != "cdrom" || k.ReadOnly == nil || k.Target == nil || k.Target.Bus != "sata" || k.Serial != NCCLDiskSerial ||
+		k.Source == nil || k.Source.File == nil || k.Source.File.File != want {
+		b, _ := xml.Marshal(k)
+		t.Fatalf("NCCL disk %s: want a read-only sata cdrom on %s, serial %s", b, want, NCCLDiskSerial)
+	}
+	if k.Address == nil || k.Address.Drive == nil || k.Address.PCI != nil {
+		t.Errorf("NCCL disk address %+v: want a drive address on the AHCI, no PCI device", k.Address)
+	}
+	img, err := os.ReadFile(image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(img)%NCCLDiskSector != 0 || !bytes.Equal(bytes.TrimRight(img, "\n"), bytes.TrimRight(nccl, "\n")) {
+		t.Fatalf("image %s: %d bytes, not the NCCL file padded to a %d-byte sector", image, len(img), NCCLDiskSector)
+	}
+	dec := xml.NewDecoder(bytes.NewReader(img))
+	for {
+		if _, err := dec.Token(); err != nil {
+			if err.Error() != "EOF" {
+				t.Fatalf("image %s read whole is not well-formed XML: %v", image, err)
+			}
+			break
+		}
+	}
+}
+
+// checkNCCLDrive: libvirt's own QEMU command line for the final domain gives the guest
+// the image as a read-only ide-cd on the q35 AHCI with the disk's serial. What this
+// host cannot give is taken out first, nothing of the disk: the host NUMA binding (one
+// node here), KVM, and the hostdevs' backend probing (no vfio here).
+func checkNCCLDrive(t *testing.T, uri string, dom []byte) {
+	t.Helper()
+	d := mustParse(t, dom)
+	d.NUMATune = nil
+	d.Type = libvirttest.DefinedType(d.Type)
+	for i := range d.Devices.Hostdevs {
+		if p := d.Devices.Hostdevs[i].SubsysPCI; p != nil {
+			p.Driver = &libvirtxml.DomainHostdevSubsysPCIDriver{Name: "vfio"}
+		}
+	}
+	s, err := d.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := filepath.Join(t.TempDir(), "native.xml")
+	if err := os.WriteFile(f, []byte(s), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	argv := libvirttest.Virsh(t, uri, "domxml-to-native", "--format", "qemu-argv", "--xml", f)
+	var cd map[string]any
+	nodes := map[any]map[string]any{}
+	for _, m := range regexp.MustCompile(`-(device|blockdev) '(\{[^']*\})'`).FindAllStringSubmatch(argv, -1) {
+		var o map[string]any
+		if err := json.Unmarshal([]byte(m[2]), &o); err != nil {
+			t.Fatalf("%s %s: %v", m[1], m[2], err)
+		}
+		if m[1] == "device" && o["serial"] == NCCLDiskSerial {
+			cd = o
+		}
+		if m[1] == "blockdev" {
+			nodes[o["node-name"]] = o
+		}
+	}
+	if cd == nil {
+		t.Fatalf("no NCCL drive in libvirt's command line:\n%s", argv)
+	}
+	// The device's drive is the raw format node over the file node.
+	format := nodes[cd["drive"]]
+	file := nodes[format["file"]]
+	if cd["driver"] != "ide-cd" || !strings.HasPrefix(fmt.Sprint(cd["bus"]), "ide.") || format["driver"] != "raw" || format["read-only"] != true ||
+		file["filename"] != filepath.Join(ncclDiskDir, "tenant_vm.nccl-topo.img") {
+		t.Errorf("NCCL drive: device %v, format %v, file %v: want a read-only raw ide-cd on the AHCI on the image", cd, format, file)
+	}
 }

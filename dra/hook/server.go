@@ -30,7 +30,12 @@ type Server struct {
 	// with passage units, <namespace>_<name>.nccl-topo.xml, rewritten at each call so
 	// it is the one of the domain last handed back.
 	NCCLDir string
-	Log     *log.Logger
+	// NCCLDiskDir is NCCLDir as virt-launcher's compute container (libvirt, QEMU) sees
+	// it: KubeVirt mounts the Nth sidecar's /var/run/kubevirt-hooks there at
+	// /var/run/kubevirt-hooks/hook-sidecar-N. When set (with NCCLDir), the guest gets
+	// the NCCL file as a CD-ROM, <namespace>_<name>.nccl-topo.img.
+	NCCLDiskDir string
+	Log         *log.Logger
 }
 
 // Info subscribes to OnDefineDomain at v1alpha3, the version v1.9's virt-launcher tries
@@ -44,7 +49,11 @@ func (s *Server) Info(context.Context, *hooksinfo.InfoParams) (*hooksinfo.InfoRe
 // error, which virt-launcher turns into a failed VMI start.
 func (s *Server) OnDefineDomain(_ context.Context, p *hooksv1alpha3.OnDefineDomainParams) (*hooksv1alpha3.OnDefineDomainResult, error) {
 	vmi := vmiName(p.GetVmi())
-	r, err := s.Config.DefineDomain(p.GetDomainXML())
+	c := s.Config
+	if s.NCCLDir != "" && s.NCCLDiskDir != "" {
+		c.NCCLDisk = filepath.Join(s.NCCLDiskDir, vmi+".nccl-topo.img")
+	}
+	r, err := c.DefineDomain(p.GetDomainXML())
 	if err != nil {
 		s.logf("%s: refused: %v", vmi, err)
 		return nil, status.Errorf(codes.FailedPrecondition, "passage: VMI %s: %v", vmi, err)
@@ -58,6 +67,16 @@ func (s *Server) OnDefineDomain(_ context.Context, p *hooksv1alpha3.OnDefineDoma
 		name := vmi + ".nccl-topo.xml"
 		if err := manifest.WriteAtomic(s.NCCLDir, name, r.NCCL); err != nil {
 			return nil, status.Errorf(codes.Internal, "passage: VMI %s: nccl topology: %v", vmi, err)
+		}
+		if c.NCCLDisk != "" {
+			// Written before the domain is handed back: libvirt opens it at start.
+			img, err := NCCLImage(r.NCCL)
+			if err == nil {
+				err = manifest.WriteAtomic(s.NCCLDir, filepath.Base(c.NCCLDisk), img)
+			}
+			if err != nil {
+				return nil, status.Errorf(codes.Internal, "passage: VMI %s: nccl disk: %v", vmi, err)
+			}
 		}
 	}
 	return &hooksv1alpha3.OnDefineDomainResult{DomainXML: r.Domain}, nil

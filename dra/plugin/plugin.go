@@ -72,6 +72,9 @@ type Config struct {
 	// a unit released before a restart stays withheld until a newer generation. "": in
 	// memory only.
 	StateDir string
+	// HookDir, when set, receives the verified manifest, its key and the node's UUID
+	// for the KubeVirt hook (exportHook) at every successful verification.
+	HookDir string
 }
 
 // withheldFile is the withheld units in StateDir: unit -> the generation it was released
@@ -145,6 +148,9 @@ func PCIeRoot(sys string) func(bdf string) (string, error) {
 func (d *Driver) load() error {
 	v, err := resources.Verify(d.cfg.Manifest, d.cfg.Source)
 	if err != nil {
+		return err
+	}
+	if err := d.exportHook(v); err != nil {
 		return err
 	}
 	opts := d.cfg.Options

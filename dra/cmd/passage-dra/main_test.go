@@ -178,7 +178,7 @@ func TestDeployDecodesStrictly(t *testing.T) {
 			var src sourceFlags
 			src.register(fs)
 			fs.String("node-name", "", "")
-			for _, f := range []string{"manifest", "root", "cdi-dir", "kubeconfig", "registry-dir", "plugin-dir"} {
+			for _, f := range []string{"manifest", "root", "cdi-dir", "kubeconfig", "registry-dir", "plugin-dir", "hook-dir"} {
 				fs.String(f, "", "")
 			}
 			if args[0] != "plugin" || fs.Parse(args[1:]) != nil {

@@ -17,8 +17,8 @@ import (
 )
 
 type options struct {
-	c                         hook.Config
-	uuidFile, socket, ncclDir string
+	c                                      hook.Config
+	uuidFile, socket, ncclDir, ncclDiskDir string
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -30,8 +30,14 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.c.TPM, "tpm-pub", false, "the keys are TPM keys")
 	fs.Uint64Var(&o.c.MinGeneration, "min-generation", 0, "refuse manifests of a lower generation")
 	fs.StringVar(&o.uuidFile, "node-uuid-file", "/sys/class/dmi/id/product_uuid", "this node's DMI product UUID")
-	fs.StringVar(&o.socket, "socket", "/var/run/kubevirt-hooks/passage/passage.sock", "the hook socket (one directory below /var/run/kubevirt-hooks)")
-	fs.StringVar(&o.ncclDir, "nccl-dir", "/var/run/kubevirt-hooks/passage", "where each VMI's NCCL topology file is written (empty: not written)")
+	// KubeVirt mounts the Nth sidecar's /var/run/kubevirt-hooks at the compute
+	// container's /var/run/kubevirt-hooks/hook-sidecar-N, where virt-launcher dials
+	// every plain file as a socket and skips directories: the socket sits at the top,
+	// the NCCL files one directory below.
+	fs.StringVar(&o.socket, "socket", "/var/run/kubevirt-hooks/passage.sock", "the hook socket (in /var/run/kubevirt-hooks itself)")
+	fs.StringVar(&o.ncclDir, "nccl-dir", "/var/run/kubevirt-hooks/passage", "where each VMI's NCCL topology file and disk image are written (empty: not written)")
+	fs.StringVar(&o.ncclDiskDir, "nccl-disk-dir", "/var/run/kubevirt-hooks/hook-sidecar-0/passage",
+		"--nccl-dir as the compute container sees it (hook-sidecar-N for the Nth sidecar of the VMI's annotation); empty: no NCCL disk in the guest")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -54,7 +60,7 @@ func main() {
 	o.c.NodeUUID = strings.TrimSpace(string(b))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	s := &hook.Server{Config: o.c, NCCLDir: o.ncclDir, Log: log.New(os.Stderr, "passage-hook: ", 0)}
+	s := &hook.Server{Config: o.c, NCCLDir: o.ncclDir, NCCLDiskDir: o.ncclDiskDir, Log: log.New(os.Stderr, "passage-hook: ", 0)}
 	if err := hook.Serve(ctx, o.socket, s); err != nil {
 		fmt.Fprintf(os.Stderr, "passage-hook: %v\n", err)
 		os.Exit(1)
