@@ -63,12 +63,6 @@ func (m measuredMatrix) at(a, b string) string {
 // PIX, other units PHB). NUMA: one pxb-pcie per unit on guest NUMA nodes standing for
 // the host's (other units NODE on one node, SYS across).
 func TestGuestPlanRoundTrip(t *testing.T) {
-	build := buildDir(t)
-	prof, err := os.ReadFile(guestProfile)
-	if err != nil {
-		t.Fatalf("guest profile: %v", err)
-	}
-	uinit := fakeUinit(t)
 	node := pcitest.New(t, pcitest.B300())
 	tree, err := pci.Scan(node.Root)
 	if err != nil {
@@ -110,41 +104,9 @@ func TestGuestPlanRoundTrip(t *testing.T) {
 				}
 			}
 			devices = append(devices, g.QEMUArgs(topology.EmulatedDevice)...)
-			cmd := "passage plan --profile /etc/passage/qemu-guest.yaml --json"
-			run, err := Boot(context.Background(), Options{
-				Build: build,
-				Overlay: []OverlayFile{uinit,
-					{Name: "etc/passage/qemu-guest.yaml", Data: prof},
-					{Name: "etc/fakeuinit/run", Data: []byte(cmd + "\n")}},
-				Devices: devices,
-				WorkDir: filepath.Join(t.TempDir(), "work"),
-				Timeout: 4 * time.Minute,
-			})
-			if run != nil {
-				t.Logf("console: %s; wall %v, to PASSAGE-DONE %v\n%s", run.Console, run.Wall, run.WallDone, run.Timeline())
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			if run.Done != "ok" {
-				t.Fatalf("PASSAGE-DONE %q, want ok; kmod-error: %s", run.Done, run.Files["kmod-error"])
-			}
-			t.Logf("guest PCI tree:\n%s", run.Files["pci.txt"])
-			out := run.Files["run-1.out"]
-			var got measuredPlan
-			dec := json.NewDecoder(bytes.NewReader(out))
-			if err := dec.Decode(&got); err != nil {
-				t.Fatalf("%s: %v\n%s", cmd, err, out)
-			}
-			// After the JSON: plan's verdict. The guest's switch ports are
-			// xio3130-downstream, which has no ACS, so the guest's own ACS plan fails
-			// its units; the distances do not depend on that.
-			t.Logf("passage plan in the guest, after the JSON: %s", bytes.TrimSpace(out[dec.InputOffset():]))
+			_, got := measureGuest(t, guestBoot{Name: "guestplan-" + c.name, Devices: devices})
 			for _, u := range got.Units {
 				t.Logf("guest unit %s: %s %v", u.ID, u.Status, u.Reasons)
-			}
-			if got.Profile != "qemu-guest" {
-				t.Errorf("guest plan profile %q", got.Profile)
 			}
 			for _, f := range got.Funcs {
 				if f.Role == string(topology.RoleUnlabeled) {
@@ -263,4 +225,61 @@ func textOf(m measuredMatrix) string {
 		}
 	}
 	return b.String()
+}
+
+// guestBoot is a guest that measures itself: the image booted with Devices (a plan's
+// emulated stand-ins), `passage plan --json` run inside with the qemu-guest profile, then
+// the commands of Then (their output in run-2.out, run-3.out, ...).
+type guestBoot struct {
+	Name    string
+	Devices []string
+	Then    []string
+	Disk    string   // a disk image for the guest (Options.Disk)
+	Append  []string // more of the kernel command line
+}
+
+// measureGuest boots gb and returns the run and what plan measured in the guest.
+func measureGuest(t *testing.T, gb guestBoot) (*Run, measuredPlan) {
+	t.Helper()
+	prof, err := os.ReadFile(guestProfile)
+	if err != nil {
+		t.Fatalf("guest profile: %v", err)
+	}
+	cmd := "passage plan --profile /etc/passage/qemu-guest.yaml --json"
+	run, err := Boot(context.Background(), Options{
+		Build: buildDir(t),
+		Name:  gb.Name,
+		Overlay: []OverlayFile{fakeUinit(t),
+			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
+			{Name: "etc/fakeuinit/run", Data: []byte(strings.Join(append([]string{cmd}, gb.Then...), "\n") + "\n")}},
+		Devices: gb.Devices,
+		Disk:    gb.Disk,
+		Append:  gb.Append,
+		WorkDir: filepath.Join(t.TempDir(), "work"),
+		Timeout: 4 * time.Minute,
+	})
+	if run != nil {
+		t.Logf("console: %s; wall %v, to PASSAGE-DONE %v\n%s", run.Console, run.Wall, run.WallDone, run.Timeline())
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if run.Done != "ok" {
+		t.Fatalf("PASSAGE-DONE %q, want ok; kmod-error: %s", run.Done, run.Files["kmod-error"])
+	}
+	t.Logf("guest PCI tree:\n%s", run.Files["pci.txt"])
+	out := run.Files["run-1.out"]
+	var got measuredPlan
+	dec := json.NewDecoder(bytes.NewReader(out))
+	if err := dec.Decode(&got); err != nil {
+		t.Fatalf("%s: %v\n%s", cmd, err, out)
+	}
+	// After the JSON: plan's verdict. The guest's switch ports are xio3130-downstream,
+	// which has no ACS, so the guest's own ACS plan fails its units; the distances do
+	// not depend on that.
+	t.Logf("passage plan in the guest, after the JSON: %s", bytes.TrimSpace(out[dec.InputOffset():]))
+	if got.Profile != "qemu-guest" {
+		t.Fatalf("guest plan profile %q, want qemu-guest", got.Profile)
+	}
+	return run, got
 }

@@ -4,7 +4,6 @@ package qemutest
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"encoding/xml"
 	"fmt"
@@ -14,7 +13,6 @@ import (
 	"sort"
 	"strings"
 	"testing"
-	"time"
 
 	"libvirt.org/go/libvirtxml"
 
@@ -270,41 +268,8 @@ func bootHookGuest(t *testing.T, devices []string, name string, disk []byte) (me
 	if err := os.WriteFile(diskFile, disk, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	prof, err := os.ReadFile(guestProfile)
-	if err != nil {
-		t.Fatalf("guest profile: %v", err)
-	}
-	cmd := "passage plan --profile /etc/passage/qemu-guest.yaml --json"
-	run, err := Boot(context.Background(), Options{
-		Build: buildDir(t),
-		Name:  "kubevirt-hook-" + name,
-		Overlay: []OverlayFile{fakeUinit(t),
-			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
-			{Name: "etc/fakeuinit/run", Data: []byte(cmd + "\ncat /dev/vda\n")}},
-		Devices: devices,
-		Disk:    diskFile,
+	run, got := measureGuest(t, guestBoot{Name: "kubevirt-hook-" + name, Devices: devices, Then: []string{"cat /dev/vda"}, Disk: diskFile,
 		// fakeuinit's modules and virtio_blk for the disk.
-		Append:  []string{"fake.modules=vfio,vfio_iommu_type1,vfio-pci,nvme,virtio_pci,virtio_net,e1000e,virtio_blk"},
-		WorkDir: filepath.Join(t.TempDir(), "work"),
-		Timeout: 4 * time.Minute,
-	})
-	if run != nil {
-		t.Logf("console: %s; wall %v", run.Console, run.Wall)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	if run.Done != "ok" {
-		t.Fatalf("PASSAGE-DONE %q, want ok", run.Done)
-	}
-	t.Logf("guest PCI tree:\n%s", run.Files["pci.txt"])
-	out := run.Files["run-1.out"]
-	var got measuredPlan
-	if err := json.NewDecoder(bytes.NewReader(out)).Decode(&got); err != nil {
-		t.Fatalf("%s: %v\n%s", cmd, err, out)
-	}
-	if got.Profile != "qemu-guest" {
-		t.Fatalf("guest plan profile %q", got.Profile)
-	}
+		Append: []string{"fake.modules=vfio,vfio_iommu_type1,vfio-pci,nvme,virtio_pci,virtio_net,e1000e,virtio_blk"}})
 	return got, run.Files["run-2.out"]
 }

@@ -4,15 +4,12 @@ package qemutest
 
 import (
 	"bytes"
-	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/hypervisor/libvirttest"
@@ -105,37 +102,9 @@ func guestFromManifest(t *testing.T, run *Run, tpmPub string) {
 // `passage plan --json` inside with the qemu-guest profile and returns what it measured.
 func bootGuestCheck(t *testing.T, g *topology.Guest, name string) measuredPlan {
 	t.Helper()
-	prof, err := os.ReadFile(guestProfile)
-	if err != nil {
-		t.Fatalf("guest profile: %v", err)
-	}
-	cmd := "passage plan --profile /etc/passage/qemu-guest.yaml --json"
-	run, err := Boot(context.Background(), Options{
-		Build: buildDir(t),
-		Name:  name,
-		Overlay: []OverlayFile{fakeUinit(t),
-			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
-			{Name: "etc/fakeuinit/run", Data: []byte(cmd + "\n")}},
-		Devices: g.QEMUArgs(topology.EmulatedDevice),
-		WorkDir: filepath.Join(t.TempDir(), "work"),
-		Timeout: 4 * time.Minute,
-	})
-	if run != nil {
-		t.Logf("guest check console: %s; wall %v", run.Console, run.Wall)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	if run.Done != "ok" {
-		t.Fatalf("guest check: PASSAGE-DONE %q, want ok", run.Done)
-	}
-	out := run.Files["run-1.out"]
-	var got measuredPlan
-	if err := json.NewDecoder(bytes.NewReader(out)).Decode(&got); err != nil {
-		t.Fatalf("%s: %v\n%s", cmd, err, out)
-	}
-	if got.Profile != "qemu-guest" || len(got.Units) != len(g.Units) {
-		t.Fatalf("guest plan: profile %q, %d units, want qemu-guest and %d", got.Profile, len(got.Units), len(g.Units))
+	_, got := measureGuest(t, guestBoot{Name: name, Devices: g.QEMUArgs(topology.EmulatedDevice)})
+	if len(got.Units) != len(g.Units) {
+		t.Fatalf("guest plan: %d units, want %d", len(got.Units), len(g.Units))
 	}
 	return got
 }
