@@ -7,19 +7,16 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"io"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
+	"github.com/passage-boot/passage/attest/verifiertest"
 	"github.com/passage-boot/passage/manifest"
 )
 
@@ -143,20 +140,7 @@ func TestScenario9Attest(t *testing.T) {
 	// keeping what the boot POSTs.
 	v := t.TempDir()
 	store := filepath.Join(v, "nonces.json")
-	nonces := attest.NonceHandler(&attest.NonceStore{Path: store})
-	var mu sync.Mutex
-	posted := map[string][]byte{}
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet {
-			nonces.ServeHTTP(w, r)
-			return
-		}
-		b, _ := io.ReadAll(r.Body)
-		mu.Lock()
-		posted[r.Header.Get("Content-Type")] = b
-		mu.Unlock()
-	}))
-	defer srv.Close()
+	srv := verifiertest.NewControlPlane(t, store)
 
 	work := filepath.Join(dir, "secureboot")
 	run, _ := bootPassage(t, Options{NetBoot: &NetBoot{ControlPlane: srv.Listener.Addr().String()}, TPMState: state, WorkDir: work})
@@ -170,9 +154,7 @@ func TestScenario9Attest(t *testing.T) {
 	}
 	// The boot fetched a nonce before it quoted: the attestation it posted and kept is
 	// over the control plane's nonce, not the payload digest.
-	mu.Lock()
-	sent := posted["application/vnd.passage.attestation+json"]
-	mu.Unlock()
+	sent := srv.Posted("application/vnd.passage.attestation+json")
 	if a.NonceSource != attest.NonceControlPlane || len(a.Nonce) != attest.NonceSize || string(sent) != string(run.Files["manifest.dsse.json"+attest.Suffix]) {
 		t.Fatalf("attestation nonce %x from %q (posted %d bytes), want the control plane's, posted; console end:\n%s", a.Nonce, a.NonceSource, len(sent), consoleTail(run.Console, 40))
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
+	"github.com/passage-boot/passage/attest/verifiertest"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
 )
@@ -247,29 +248,14 @@ func TestRecycleRunningHost(t *testing.T) {
 	// The verifier: enrol the node from the attestation beside the newest manifest (the
 	// credential round against the TPM's state once QEMU is gone), then verify --attest.
 	a, _ := attestationOf(t, run, nil)
-	pool, err := attest.CAPool(ca.PEM(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ch, pending, err := attest.Enrol(a, pool)
-	if err != nil {
-		t.Fatalf("enrol: %v", err)
-	}
 	sock, stop := attesttest.Serve(t, state)
 	tpm, err := tpmkey.Open(sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ans, err := attest.Activate(tpm.Transport(), ch)
+	rec, _ := verifiertest.Enrol(t, tpm.Transport(), ca, a)
 	tpm.Close()
 	stop()
-	if err != nil {
-		t.Fatalf("activate: %v", err)
-	}
-	rec, err := attest.Complete(pending, ans)
-	if err != nil {
-		t.Fatal(err)
-	}
 	v := t.TempDir()
 	write := func(name string, b []byte) string {
 		t.Helper()

@@ -5,6 +5,10 @@ package verifiertest
 
 import (
 	"crypto/x509"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"sync"
 	"testing"
 
 	"github.com/google/go-tpm/tpm2/transport"
@@ -35,4 +39,39 @@ func Enrol(t testing.TB, tpm transport.TPM, ca *attesttest.CA, a *attest.Attesta
 		t.Fatalf("complete: %v", err)
 	}
 	return rec, pool
+}
+
+// ControlPlane is a control plane on loopback as passage.url sees it: a GET is answered
+// with a nonce from the verifier's store at path (attest.NonceHandler), and what a boot
+// POSTs is kept by its content type. It stops when the test ends.
+type ControlPlane struct {
+	*httptest.Server
+	mu     sync.Mutex
+	posted map[string][]byte
+}
+
+// NewControlPlane starts the control plane, its nonce store at path.
+func NewControlPlane(t testing.TB, path string) *ControlPlane {
+	t.Helper()
+	cp := &ControlPlane{posted: map[string][]byte{}}
+	nonces := attest.NonceHandler(&attest.NonceStore{Path: path})
+	cp.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			nonces.ServeHTTP(w, r)
+			return
+		}
+		b, _ := io.ReadAll(io.LimitReader(r.Body, 64<<20))
+		cp.mu.Lock()
+		cp.posted[r.Header.Get("Content-Type")] = b
+		cp.mu.Unlock()
+	}))
+	t.Cleanup(cp.Close)
+	return cp
+}
+
+// Posted is the last body POSTed with the content type (nil for none).
+func (cp *ControlPlane) Posted(contentType string) []byte {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	return cp.posted[contentType]
 }

@@ -901,20 +901,7 @@ func TestPublishFreshAttestation(t *testing.T) {
 		return k, k, nil
 	}
 	store := &attest.NonceStore{Path: filepath.Join(t.TempDir(), "nonces.json")}
-	nonces := attest.NonceHandler(store)
-	var mu sync.Mutex
-	posted := map[string][]byte{}
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet {
-			nonces.ServeHTTP(w, r)
-			return
-		}
-		b, _ := io.ReadAll(r.Body)
-		mu.Lock()
-		posted[r.Header.Get("Content-Type")] = b
-		mu.Unlock()
-	}))
-	defer srv.Close()
+	srv := verifiertest.NewControlPlane(t, store.Path)
 
 	root, _ := signingNode(t)
 	b := &Boot{Root: root, OpenTPM: open,
@@ -954,9 +941,7 @@ func TestPublishFreshAttestation(t *testing.T) {
 		}
 		return a
 	}
-	mu.Lock()
-	fresh := readAtt(posted["application/vnd.passage.attestation+json"])
-	mu.Unlock()
+	fresh := readAtt(srv.Posted("application/vnd.passage.attestation+json"))
 	sum := sha256.Sum256(b.Signed.Payload)
 	if fresh.NonceSource != attest.NonceControlPlane || bytes.Equal(fresh.Nonce, sum[:]) || len(fresh.Nonce) != attest.NonceSize {
 		t.Fatalf("posted attestation: nonce %x from %q, want the control plane's", fresh.Nonce, fresh.NonceSource)
