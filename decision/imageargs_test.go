@@ -5,6 +5,11 @@ import (
 	"encoding/json"
 	"strings"
 	"testing"
+
+	"github.com/passage-boot/passage/erase"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/topology"
 )
 
 // configACSEntries is the plan's targets as pci=config_acs= entries, written out here
@@ -14,7 +19,7 @@ import (
 func configACSEntries(s *Saved) string {
 	var es []string
 	for _, p := range s.ACS {
-		if p.Offset == 0 || p.Mask == 0 {
+		if p.Offset == 0 || p.Mask == 0 || p.Skip != "" {
 			continue
 		}
 		var b strings.Builder
@@ -46,6 +51,51 @@ func savedB300(t testing.TB) []byte {
 		t.Fatal(err)
 	}
 	return buf.Bytes()
+}
+
+// TestImageArgsFailedUnit: a plan of a node one of whose units fails (its NIC without
+// ATS under passage.ats=require) leaves that unit's ports out of its kernel_arg, and
+// ImageArgs rebuilds the same argument, without them: the image of a node planned with a
+// failed unit is not refused as edited (QEMU scenario 8's other-topology boot).
+func TestImageArgsFailedUnit(t *testing.T) {
+	spec := pcitest.B300()
+	spec.Fn("nic3.0").ATS = nil
+	tree, err := pci.Scan(pcitest.New(t, spec).Root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := topology.Builtin("b300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := Decide(Input{Tree: tree, Profile: p, ATS: "require", Erase: erase.PolicyOff})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := d.Save()
+	if err != nil {
+		t.Fatal(err)
+	}
+	skipped := 0
+	for _, p := range s.ACS {
+		if p.Skip != "" && p.Offset != 0 {
+			skipped++
+		}
+	}
+	if skipped == 0 {
+		t.Fatal("the failed unit skipped no port: the test shows nothing")
+	}
+	var buf bytes.Buffer
+	if err := s.Write(&buf); err != nil {
+		t.Fatal(err)
+	}
+	out, err := ImageArgs(buf.Bytes())
+	if err != nil {
+		t.Fatalf("a plan with a failed unit: %v", err)
+	}
+	if want := s.KernelArg + " " + PlanArg + "=" + PlanDigest(buf.Bytes()); out != want || !strings.Contains(out, configACSEntries(s)) {
+		t.Errorf("printed %q, want %q", out, want)
+	}
 }
 
 // FuzzImageArgs: whatever a plan file holds, ImageArgs either refuses it or prints

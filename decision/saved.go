@@ -219,7 +219,9 @@ func ImageArgs(b []byte) (string, error) {
 	}
 	ports := make([]topology.ACSPort, 0, len(s.ACS))
 	for _, p := range s.ACS {
-		if p.Offset == 0 {
+		// Decide writes no port a failed unit alone holds (Skip), and leaves it out of
+		// the argument: so does the rebuild.
+		if p.Offset == 0 || p.Skip != "" {
 			continue
 		}
 		if p.Mask&^configACSBits != 0 || p.Flags&^p.Mask != 0 {
