@@ -253,8 +253,9 @@ func TestFlagsReachEveryCommand(t *testing.T) {
 	o := &options{}
 	o.register(fs)
 	var stderr bytes.Buffer
+	hookDir := filepath.Join(t.TempDir(), "hook")
 	cfg, _, code := pluginConfig(fs, []string{"--pub", keys, "--manifest", r.Path, "--root", r.Root,
-		"--plugin-dir", t.TempDir(), "--cdi-dir", t.TempDir(), "--node-name", "worker-7", "--degraded"}, o, &stderr)
+		"--plugin-dir", t.TempDir(), "--cdi-dir", t.TempDir(), "--node-name", "worker-7", "--degraded", "--hook-dir", hookDir}, o, &stderr)
 	if code != 0 {
 		t.Fatalf("plugin flags: exit %d %s", code, stderr.String())
 	}
@@ -266,4 +267,17 @@ func TestFlagsReachEveryCommand(t *testing.T) {
 	if objs.Node != "worker-7" || len(objs.Devices) != 32 || len(objs.DegradedTemplates) != 1 {
 		t.Fatalf("plugin --node-name worker-7 --degraded: node %s, %d devices, %d degraded templates", objs.Node, len(objs.Devices), len(objs.DegradedTemplates))
 	}
+	// --hook-dir: the verified envelope exported for passage-hook, byte for byte.
+	if got, err := os.ReadFile(filepath.Join(hookDir, plugin.HookManifest)); err != nil || !bytes.Equal(got, mustRead(t, r.Path)) {
+		t.Errorf("plugin --hook-dir %s: the manifest not exported (%v)", hookDir, err)
+	}
+}
+
+func mustRead(t *testing.T, p string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }

@@ -48,21 +48,36 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 }
 
 func main() {
-	o, err := parse(os.Args[1:], os.Stderr)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stderr))
+}
+
+// run serves the hook until ctx ends: exit status 2 for bad usage, 1 when it cannot
+// serve.
+func run(ctx context.Context, args []string, stderr io.Writer) int {
+	o, err := parse(args, stderr)
 	if err != nil {
-		os.Exit(2)
+		return 2
 	}
 	b, err := os.ReadFile(o.uuidFile)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "passage-hook: node uuid: %v\n", err)
-		os.Exit(1)
+		fmt.Fprintf(stderr, "passage-hook: node uuid: %v\n", err)
+		return 1
 	}
 	o.c.NodeUUID = strings.TrimSpace(string(b))
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	s := &hook.Server{Config: o.c, NCCLDir: o.ncclDir, NCCLDiskDir: o.ncclDiskDir, Log: log.New(os.Stderr, "passage-hook: ", 0)}
-	if err := hook.Serve(ctx, o.socket, s); err != nil {
-		fmt.Fprintf(os.Stderr, "passage-hook: %v\n", err)
-		os.Exit(1)
+	// The sidecar's /var/run/kubevirt-hooks is a fresh emptyDir: nothing else makes the
+	// NCCL directory below it, and a VMI whose file cannot be written does not start.
+	if o.ncclDir != "" {
+		if err := os.MkdirAll(o.ncclDir, 0o755); err != nil {
+			fmt.Fprintf(stderr, "passage-hook: --nccl-dir: %v\n", err)
+			return 1
+		}
 	}
+	s := &hook.Server{Config: o.c, NCCLDir: o.ncclDir, NCCLDiskDir: o.ncclDiskDir, Log: log.New(stderr, "passage-hook: ", 0)}
+	if err := hook.Serve(ctx, o.socket, s); err != nil {
+		fmt.Fprintf(stderr, "passage-hook: %v\n", err)
+		return 1
+	}
+	return 0
 }

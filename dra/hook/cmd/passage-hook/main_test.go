@@ -2,15 +2,26 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"encoding/base64"
 	"encoding/json"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"kubevirt.io/kubevirt/pkg/hooks"
+	hooksinfo "kubevirt.io/kubevirt/pkg/hooks/info"
+	hooksv1alpha3 "kubevirt.io/kubevirt/pkg/hooks/v1alpha3"
 	"sigs.k8s.io/yaml"
+
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/pci"
 )
 
 // TestDeployAnnotation: the VMI annotation in deploy/kubevirt-hook.yaml decodes strictly
@@ -143,4 +154,99 @@ func pluginHookDir(t *testing.T) string {
 	}
 	t.Fatal("the DaemonSet's plugin has no --hook-dir")
 	return ""
+}
+
+// TestFlags: passage-hook serves what its flags name. Over the plugin's export
+// (../../testdata/hookdir: --manifest, --pub, --node-uuid-file) and on --socket, it
+// answers Info and lays out unit 0 of a domain holding that unit's hostdevs, writing the
+// NCCL file and image into --nccl-dir and pointing the guest's disk at --nccl-disk-dir;
+// a missing --node-uuid-file exits 1 naming it, an unknown flag 2.
+func TestFlags(t *testing.T) {
+	const dir = "../../testdata/hookdir"
+	env, err := manifest.ReadEnvelope(filepath.Join(dir, "manifest.dsse.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e manifest.Envelope
+	if err := json.Unmarshal(env, &e); err != nil {
+		t.Fatal(err)
+	}
+	payload, err := base64.StdEncoding.DecodeString(e.Payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := manifest.Unmarshal(payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var hostdevs strings.Builder
+	for i, f := range m.Units[0].Functions {
+		a, err := pci.ParseAddress(f.BDF)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(&hostdevs, `<hostdev mode="subsystem" type="pci" managed="no"><source><address domain="0x%04x" bus="0x%02x" slot="0x%02x" function="0x%x"/></source><alias name="ua-dra-hostdevice-f%d"/></hostdev>`,
+			a.Domain, a.Bus, a.Device, a.Function, i)
+	}
+	dom := `<domain type="kvm"><name>tenant_vm</name><memory unit="KiB">1048576</memory><os><type arch="x86_64" machine="q35">hvm</type></os>` +
+		`<devices><controller type="pci" index="0" model="pcie-root"/>` + hostdevs.String() + `</devices></domain>`
+
+	tmp := t.TempDir()
+	sock, ncclDir := filepath.Join(tmp, "passage.sock"), filepath.Join(tmp, "nccl")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan int)
+	var errb bytes.Buffer
+	go func() {
+		done <- run(ctx, []string{"--manifest", filepath.Join(dir, "manifest.dsse.json"), "--pub", filepath.Join(dir, "node.pub"),
+			"--node-uuid-file", filepath.Join(dir, "product_uuid"), "--socket", sock, "--nccl-dir", ncclDir,
+			"--nccl-disk-dir", "/compute/hook-sidecar-3/passage"}, &errb)
+	}()
+	defer func() {
+		cancel()
+		if rc := <-done; rc != 0 {
+			t.Errorf("run: exit %d: %s", rc, errb.String())
+		}
+	}()
+	var c *grpc.ClientConn
+	for i := 0; ; i++ {
+		if _, err := os.Stat(sock); err == nil {
+			if c, err = grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials())); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		if i == 200 {
+			t.Fatalf("no socket at --socket %s after 4 s: %s", sock, errb.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	defer c.Close()
+	rctx, rcancel := context.WithTimeout(context.Background(), time.Minute)
+	defer rcancel()
+	info, err := hooksinfo.NewInfoClient(c).Info(rctx, &hooksinfo.InfoParams{})
+	if err != nil || info.GetName() == "" {
+		t.Fatalf("Info: %v %v", info, err)
+	}
+	vmi, _ := json.Marshal(map[string]any{"metadata": map[string]string{"name": "vm", "namespace": "tenant"}})
+	r, err := hooksv1alpha3.NewCallbacksClient(c).OnDefineDomain(rctx, &hooksv1alpha3.OnDefineDomainParams{DomainXML: []byte(dom), Vmi: vmi})
+	if err != nil {
+		t.Fatalf("OnDefineDomain: %v", err)
+	}
+	out := string(r.GetDomainXML())
+	if !strings.Contains(out, "pcie-switch-upstream-port") || !strings.Contains(out, "/compute/hook-sidecar-3/passage/tenant_vm.nccl-topo.img") {
+		t.Errorf("the domain has no unit switch, or no disk under --nccl-disk-dir:\n%s", out)
+	}
+	for _, f := range []string{"tenant_vm.nccl-topo.xml", "tenant_vm.nccl-topo.img"} {
+		if _, err := os.Stat(filepath.Join(ncclDir, f)); err != nil {
+			t.Errorf("--nccl-dir: %v", err)
+		}
+	}
+
+	var e2 bytes.Buffer
+	if rc := run(context.Background(), []string{"--node-uuid-file", filepath.Join(tmp, "none")}, &e2); rc != 1 || !strings.Contains(e2.String(), filepath.Join(tmp, "none")) {
+		t.Errorf("a missing --node-uuid-file: exit %d, %q", rc, e2.String())
+	}
+	if rc := run(context.Background(), []string{"--bogus"}, io.Discard); rc != 2 {
+		t.Errorf("--bogus: exit %d, want 2", rc)
+	}
 }
