@@ -25,6 +25,7 @@ import (
 	"syscall"
 	"time"
 
+	authnv1 "k8s.io/api/authentication/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -304,6 +305,20 @@ func (c *Cluster) secrets() error {
 		}
 	}
 	return nil
+}
+
+// ServiceAccountKubeconfig writes a kubeconfig at path that authenticates as the service
+// account namespace/name with a token the API server issues for it (TokenRequest, an
+// hour), so that what a client may do is what RBAC grants that account: a DaemonSet's
+// pod, without a kubelet to mount its token.
+func (c *Cluster) ServiceAccountKubeconfig(ctx context.Context, namespace, name, path string) error {
+	exp := int64(3600)
+	tr, err := c.Client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, name,
+		&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("token for service account %s/%s: %w", namespace, name, err)
+	}
+	return c.kubeconfig(path, tr.Status.Token)
 }
 
 func (c *Cluster) kubeconfig(path, token string) error {

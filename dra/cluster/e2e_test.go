@@ -17,11 +17,16 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/clientcmd"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
@@ -87,6 +92,11 @@ func TestCluster(t *testing.T) {
 		return err
 	})
 
+	// The plugins run as the DaemonSet's service account with what deploy/'s ClusterRole
+	// grants it, so the real authorizer judges the RBAC an operator applies.
+	pluginConfig := filepath.Join(work, "passage-dra.kubeconfig")
+	deployRBAC(t, ctx, c, pluginConfig)
+
 	keys := filepath.Join(work, "keys")
 	start := func(name, host string, k int, degraded bool, edit func(*noderig.Rig)) *node {
 		n := &node{name: name, rig: noderig.New(t, manifesttest.NodeUUID(k), host, byte(k), keys), dir: filepath.Join(work, name)}
@@ -95,7 +105,7 @@ func TestCluster(t *testing.T) {
 		}
 		addNode(t, ctx, api, name)
 		args := []string{"plugin", "--pub", keys, "--manifest", n.rig.Path, "--root", n.rig.Root, "--cdi-dir", n.cdi(),
-			"--registry-dir", filepath.Join(n.dir, "registry"), "--plugin-dir", n.plugin(), "--kubeconfig", c.Admin, "--reload", "1s"}
+			"--registry-dir", filepath.Join(n.dir, "registry"), "--plugin-dir", n.plugin(), "--kubeconfig", pluginConfig, "--reload", "1s"}
 		if name != host {
 			args = append(args, "--node-name", name)
 		}
@@ -672,5 +682,60 @@ func tamper(t *testing.T, path string) {
 	b, _ = json.Marshal(env)
 	if err := os.WriteFile(path, b, 0o644); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// deployRBAC creates deploy/daemonset.yaml's namespace, service account, ClusterRole and
+// binding through the API (its validation and admission), and writes at kubeconfig a
+// credential of the service account the DaemonSet's pods run as. The DaemonSet itself is
+// not created: no kubelet runs its pods; the test starts the plugins.
+func deployRBAC(t *testing.T, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "deploy", "daemonset.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	api := c.Client
+	var ds *appsv1.DaemonSet
+	for i, doc := range strings.Split(string(b), "\n---\n") {
+		obj, gvk, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
+			t.Fatalf("deploy/daemonset.yaml document %d: %v", i+1, err)
+		}
+		switch o := obj.(type) {
+		case *corev1.Namespace:
+			_, err = api.CoreV1().Namespaces().Create(ctx, o, metav1.CreateOptions{})
+		case *corev1.ServiceAccount:
+			_, err = api.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRole:
+			_, err = api.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRoleBinding:
+			_, err = api.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *appsv1.DaemonSet:
+			ds = o
+		default:
+			t.Fatalf("deploy/daemonset.yaml document %d: a %s, which the test does not create", i+1, gvk.Kind)
+		}
+		if err != nil {
+			t.Fatalf("deploy/daemonset.yaml document %d (%s): %v", i+1, gvk.Kind, err)
+		}
+	}
+	if ds == nil || ds.Spec.Template.Spec.ServiceAccountName == "" {
+		t.Fatal("deploy/daemonset.yaml: no DaemonSet naming its service account")
+	}
+	if err := c.ServiceAccountKubeconfig(ctx, ds.Namespace, ds.Spec.Template.Spec.ServiceAccountName, kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	// The credential is the account's and no more: what its role does not grant is refused.
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	as, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := as.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Fatalf("the plugin's service account listing secrets: %v, want forbidden (the test would not judge its role)", err)
 	}
 }
