@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/hex"
 	"flag"
 	"fmt"
 	"io"
@@ -16,7 +17,7 @@ import (
 // recordFlags say how recycle and unbind sign the manifest generations they write: the
 // key, the manifest's directory, the counters.
 type recordFlags struct {
-	key, dir, genFile, tpm string
+	key, dir, genFile, tpm, nonce string
 }
 
 func (f *recordFlags) register(fs *flag.FlagSet) {
@@ -25,6 +26,7 @@ func (f *recordFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.dir, "dir", initramfs.RunDir, "directory of the manifest to replace, under --root")
 	fs.StringVar(&f.genFile, "generation-file", "", "file generation counter, when the node has no TPM (without a TPM counter or this, nothing is signed)")
 	fs.StringVar(&f.tpm, "tpm", "auto", "on, off or auto: sign with and count generations in the TPM")
+	fs.StringVar(&f.nonce, "nonce", "", "the verifier's nonce `HEX` (passage attest nonce; 1 to 64 bytes): each generation's attestation is quoted over it, for a verifier that accepts only nonces it issued (verify --attest --nonces); without it, over the generation's payload digest")
 }
 
 // apply fills o's signers, verifier, measurer and counters, all read under root. done
@@ -38,6 +40,17 @@ func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writ
 		return done, 2
 	}
 	o.Dir = dir
+	var nonce []byte
+	if f.nonce != "" {
+		if nonce, err = hex.DecodeString(f.nonce); err != nil || len(nonce) == 0 || len(nonce) > 64 {
+			fmt.Fprintf(stderr, "passage %s: --nonce %q: want 1 to 64 bytes of hex\n", cmd, f.nonce)
+			return done, 2
+		}
+		if f.tpm == "off" {
+			fmt.Fprintf(stderr, "passage %s: --nonce with --tpm off: only the TPM quotes over a nonce\n", cmd)
+			return done, 2
+		}
+	}
 	data, err := boot.ReadBeneath(root, f.key, manifest.MaxKeyFileSize)
 	if err != nil {
 		err = fmt.Errorf("--signing-key %s: %w", filepath.Join(root, f.key), err)
@@ -64,10 +77,11 @@ func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writ
 			o.Signers = append([]manifest.Signer{ts}, o.Signers...)
 			o.Measurer = meas
 			if k, ok := ts.(*tpmkey.TPM); ok {
-				// Each generation is attested as the boot attests its manifest: over its
-				// payload digest (offline; recycle has no control plane to ask).
+				// Each generation is attested as the boot attests its manifest: over the
+				// verifier's nonce when the operator brought one, else over its payload
+				// digest (offline: the attestation says which).
 				o.Attest = func(dir string, signed *manifest.Signed) error {
-					return boot.WriteAttestation(root, k, dir, signed.Payload, nil)
+					return boot.WriteAttestation(root, k, dir, signed.Payload, nonce)
 				}
 			}
 			if c, ok := ts.(manifest.Counter); ok {
@@ -75,6 +89,9 @@ func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writ
 			}
 		case f.tpm == "on":
 			fmt.Fprintf(stderr, "passage %s: --tpm on: %v\n", cmd, err)
+			return done, 1
+		case nonce != nil:
+			fmt.Fprintf(stderr, "passage %s: --nonce: no TPM to quote with: %v\n", cmd, err)
 			return done, 1
 		}
 	}

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"encoding/hex"
+	"encoding/json"
 	"io"
 	"os"
 	"path/filepath"
@@ -9,7 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/passage-boot/passage/attest"
+	"github.com/passage-boot/passage/attest/attesttest"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/topology"
@@ -130,4 +135,82 @@ func TestUnbindWithdrawsTheUnit(t *testing.T) {
 func runCmdEnv(t *testing.T, env unbindEnv, args ...string) (int, string, string) {
 	t.Helper()
 	return runCmd(t, func(a []string, o, e io.Writer) int { return runUnbind(a, o, e, env) }, args...)
+}
+
+// TestUnbindAttestsOverNonce: with the TPM, unbind attests the generation it signs; with
+// --nonce, over the verifier's nonce (passage attest nonce), which verify --attest
+// --nonces accepts once and then refuses as used. Bad --nonce values are usage errors.
+func TestUnbindAttestsOverNonce(t *testing.T) {
+	root, gen, k, _ := withdrawNode(t)
+	env := unbindEnv{sysfs: func(string) vfiobind.Sysfs { return k }}
+	ca := attesttest.NewCA(t)
+	sock := attesttest.StartSocket(t, ca)
+	os.MkdirAll(filepath.Join(root, "dev"), 0o755)
+	if err := os.Symlink(sock, filepath.Join(root, tpmkey.DefaultDevice)); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--root", root, "--unit", "gpu3", "--generation-file", gen}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--nonce", "zz"}, `--nonce "zz": want 1 to 64 bytes of hex`},
+		{[]string{"--nonce", strings.Repeat("00", 65)}, "want 1 to 64 bytes of hex"},
+		{[]string{"--nonce", "0011", "--tpm", "off"}, "--nonce with --tpm off"},
+	} {
+		if code, _, errs := runCmdEnv(t, env, append(base, c.args...)...); code != 2 || !strings.Contains(errs, c.want) {
+			t.Errorf("unbind %v: exit %d, stderr %q; want 2 and %q", c.args, code, errs, c.want)
+		}
+	}
+
+	v := t.TempDir()
+	store := filepath.Join(v, "nonces.json")
+	_, out, _ := runCmd(t, run, "attest", "nonce", "--nonces", store)
+	issued := strings.TrimSpace(out)
+	code, out, errs := runCmdEnv(t, env, append(base, "--nonce", issued)...)
+	if code != 0 || !strings.Contains(out, "gpu3=failed") {
+		t.Fatalf("unbind --nonce: exit %d\nstdout %q\nstderr %q", code, out, errs)
+	}
+	dir := filepath.Join(root, "run/passage")
+	env2 := filepath.Join(dir, "manifest.dsse.json")
+	att := env2 + attest.Suffix
+	a, err := attest.ReadAttestation(att)
+	if err != nil {
+		t.Fatalf("unbind wrote no attestation: %v", err)
+	}
+	if a.NonceSource != attest.NonceControlPlane || hex.EncodeToString(a.Nonce) != issued {
+		t.Fatalf("attestation over nonce %x (%s), want %s", a.Nonce, a.NonceSource, issued)
+	}
+
+	// The verifier enrols the node and checks the attestation over its own store: the
+	// TPM's checks pass (the empty firmware log is what refuses here), the nonce is used.
+	mustRun := func(want int, args ...string) string {
+		t.Helper()
+		code, out, errs := runCmd(t, run, args...)
+		if code != want {
+			t.Fatalf("%v: exit %d, want %d\n%s%s", args, code, want, out, errs)
+		}
+		return errs
+	}
+	caFile := filepath.Join(v, "ek-ca.pem")
+	os.WriteFile(caFile, ca.PEM(t), 0o600)
+	ch, pend, ans := filepath.Join(v, "challenge.json"), filepath.Join(v, "pending.json"), filepath.Join(v, "answer")
+	node, pub := filepath.Join(v, "node.json"), filepath.Join(v, "node.pub")
+	mustRun(0, "attest", "enroll", "--ek-ca", caFile, "--challenge", ch, "--pending", pend, att)
+	mustRun(0, "attest", "activate", "--tpm-device", sock, "-o", ans, ch)
+	mustRun(0, "attest", "enroll", "--pending", pend, "--answer", ans, "-o", node, "--tpm-pub-out", pub)
+	approved := filepath.Join(v, "approved.json")
+	ap, _ := json.Marshal(attest.Approved{Format: attest.ApprovedFormat,
+		Authenticode: []attest.HexBytes{make([]byte, 32)}, PCR11: []attest.HexBytes{make([]byte, 32)},
+		DBCertificates: []string{string(ca.PEM(t))}})
+	os.WriteFile(approved, ap, 0o600)
+	verify := func() string {
+		return mustRun(1, "verify", "--tpm-pub", pub, "--attest", att, "--node", node, "--ek-ca", caFile, "--approved", approved, "--nonces", store, env2)
+	}
+	if errs := verify(); !strings.Contains(errs, "firmware event log: empty") {
+		t.Errorf("verify --nonces of unbind's generation: %s, want past the nonce to the firmware log", errs)
+	}
+	if errs := verify(); !strings.Contains(errs, "nonce: "+issued+" was already used") {
+		t.Errorf("the same attestation again: %s, want refused naming the nonce", errs)
+	}
 }
