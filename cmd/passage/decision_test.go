@@ -48,7 +48,7 @@ type variant struct {
 // its pci=config_acs= and passage.plan= on the command line, and a 6.12 kernel that set
 // the listed ports and logged it before passage ran.
 type imageKernel struct {
-	drop    int  // a unit whose ports the image's plan lacks (planned for another topology); -1 none
+	drop    int  // a unit failed on the node the image was planned on (its ports left out: another topology); -1 none
 	unset   int  // a unit whose ports the kernel did not set; -1 none
 	refused bool // the kernel's log says it could not parse the argument
 }
@@ -123,12 +123,33 @@ var lockedDown612 = map[string]string{
 	"proc/sys/kernel/osrelease":    "6.12.117+deb13-amd64\n",
 }
 
-// bootImage plays the image's kernel on the tree under root: the reference node's plan
-// as the image carries it, the ports the kernel set, and its log. It returns the command
-// line words the image adds and the kernel log.
+// bootImage plays the image's kernel on the tree under root: the image built as make uki
+// PLAN=F builds it, from a reference node's saved plan (passage plan -o) through
+// decision.ImageArgs, then the ports the kernel set and its log. It returns the command
+// line words the image adds and the kernel log. With drop, the reference node's unit
+// drop failed when it was planned (its GPU port without ACS): the image lacks the ports
+// that unit alone holds.
 func bootImage(t *testing.T, root string, im *imageKernel) (cmdline, kmsg string) {
 	t.Helper()
-	ref, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
+	spec := pcitest.B300
+	if im.drop >= 0 {
+		spec = b300With(func(s *pcitest.Spec) { s.Fn(fmt.Sprintf("gpu-dsp%d", im.drop)).ACS = nil })
+	}
+	refRoot := pcitest.New(t, spec()).Root
+	saved := filepath.Join(t.TempDir(), "reference.plan.json")
+	var out, errb bytes.Buffer
+	if code := cmdPlan([]string{"--root", refRoot, "--profile", "b300", "-o", saved}, &out, &errb); code == 2 {
+		t.Fatalf("passage plan -o of the reference node: exit 2: %s", errb.String())
+	}
+	b, err := os.ReadFile(saved)
+	if err != nil {
+		t.Fatal(err)
+	}
+	words, err := decision.ImageArgs(b)
+	if err != nil {
+		t.Fatalf("the image's arguments from the reference node's plan: %v", err)
+	}
+	ref, err := pci.Scan(refRoot)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,15 +161,15 @@ func bootImage(t *testing.T, root string, im *imageKernel) (cmdline, kmsg string
 	if err != nil {
 		t.Fatal(err)
 	}
-	var planned, set []topology.ACSPort
+	var set []topology.ACSPort
 	for _, port := range d.ACS {
-		if port.Skip != "" || slices.Contains(port.Units(), topology.UnitID(im.drop)) {
+		if port.Skip != "" || slices.Contains(port.Units(), topology.UnitID(im.unset)) {
 			continue
 		}
-		planned = append(planned, port)
-		if !slices.Contains(port.Units(), topology.UnitID(im.unset)) {
-			set = append(set, port)
+		if im.drop >= 0 && port.Unit == topology.UnitID(im.drop) {
+			t.Fatalf("the reference node's failed unit %d still has port %s to set", im.drop, port.Addr)
 		}
+		set = append(set, port)
 	}
 	log, err := applytest.KernelSets(pci.SysfsConfig{Root: root}, set)
 	if err != nil {
@@ -157,7 +178,7 @@ func bootImage(t *testing.T, root string, im *imageKernel) (cmdline, kmsg string
 	if im.refused {
 		log = append(log, "6,399,900000,-;PCI: Can't parse ACS command line parameter")
 	}
-	return topology.KernelArg(planned) + " passage.plan=sha256:" + strings.Repeat("5a", 32), strings.Join(log, "\n") + "\n"
+	return words, strings.Join(log, "\n") + "\n"
 }
 
 // erasePolicies are the erase policies every variant runs under.
