@@ -35,5 +35,20 @@ trap 'rm -rf "$tmp"' EXIT
 # Static, as make build and the image build it (CGO_ENABLED=0): the binary an operator runs.
 CGO_ENABLED=0 go build -o "$tmp/passage" ./cmd/passage
 go build -o "$tmp/benchtable" ./bench/cmd/benchtable
+# Row O3's start-up floors: a static Go program that does nothing, and one that links every
+# package cmd/passage imports and runs only their initialisation. Built from a directory
+# in the module (its "_" keeps it out of ./...), removed at once.
+fl=$(mktemp -d "$PWD/_startfloor.XXXXXX")
+trap 'rm -rf "$tmp" "$fl"' EXIT
+mkdir -p "$fl/empty" "$fl/deps"
+printf 'package main\n\nfunc main() {}\n' >"$fl/empty/main.go"
+{
+	printf 'package main\n\nimport (\n'
+	go list -f '{{range .Imports}}{{printf "\t_ %q\n" .}}{{end}}' ./cmd/passage
+	printf ')\n\nfunc main() {}\n'
+} >"$fl/deps/main.go"
+CGO_ENABLED=0 go build -o "$tmp/floor-empty" "./${fl#"$PWD"/}/empty"
+CGO_ENABLED=0 go build -o "$tmp/floor-deps" "./${fl#"$PWD"/}/deps"
+rm -rf "$fl"
 mkdir -p "$build"
-"$tmp/benchtable" -passage "$tmp/passage" -build "$image" -out "$build/bench.md" "$@"
+"$tmp/benchtable" -passage "$tmp/passage" -floor "$tmp/floor-empty,$tmp/floor-deps" -build "$image" -out "$build/bench.md" "$@"

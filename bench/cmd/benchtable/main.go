@@ -28,8 +28,9 @@ func main() {
 
 // env is what every row needs.
 type env struct {
-	passage string // the passage binary the process sides run
-	script  string // acs-plan.sh
+	passage string   // the passage binary the process sides run
+	floor   []string // row O3: a static Go program doing nothing, and one linking passage's imports (bench/run.sh builds both)
+	script  string   // acs-plan.sh
 	rounds  int
 	build   string // build dir holding initramfs.cpio.gz, kernel/ (image and boot rows)
 	scratch string // trees live here (tmpfs when there is one)
@@ -42,6 +43,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	passage := fs.String("passage", "", "passage binary for the process sides (required)")
 	script := fs.String("script", bench.ScriptPath(), "the lspci/setpci baseline script")
 	rounds := fs.Int("rounds", 11, "timed runs per side (alternating); the median is reported")
+	floor := fs.String("floor", "", "row O3's start-up floors, `EMPTY,DEPS`: a static Go program doing nothing, and one linking every package cmd/passage imports (bench/run.sh builds both)")
 	build := fs.String("build", "build", "build dir with initramfs.cpio.gz and kernel/ for the image and boot rows")
 	boot := fs.Bool("boot", true, "boot the image under QEMU 3 times for the boot row (about 15 s a boot)")
 	boots := fs.Int("boots", 3, "boots for the boot row")
@@ -72,6 +74,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	defer os.RemoveAll(scratch)
 	e := &env{passage: abs, script: *script, rounds: *rounds, build: *build, scratch: scratch, log: stderr}
+	if *floor != "" {
+		if e.floor = strings.Split(*floor, ","); len(e.floor) != 2 {
+			fmt.Fprintf(stderr, "benchtable: -floor %q: want EMPTY,DEPS\n", *floor)
+			return 2
+		}
+	}
 
 	var t table
 	var details bytes.Buffer

@@ -151,13 +151,20 @@ func rowOracle(e *env, t *table, w io.Writer) error {
 	if got, err := lspciFunctions(n.Root); err != nil || got != b300Fns {
 		return fmt.Errorf("lspci sees %d functions (%v), want %d", got, err, b300Fns)
 	}
-	cpu := make([][]time.Duration, 4)
-	s, err := bench.Measure(e.rounds,
-		bench.Side{Name: "passage plan, names", Run: procCPU(&cpu[0], e.passage, "plan", "--root", n.Root, "--pci-ids", ids)},
-		bench.Side{Name: "lspci -vvv", Run: procCPU(&cpu[1], "lspci", lspciArgs(n.Root, "-vvv", "-i", ids)...)},
-		bench.Side{Name: "passage help", Run: procCPU(&cpu[2], e.passage, "help")},
-		bench.Side{Name: "lspci --version", Run: procCPU(&cpu[3], "lspci", "--version")},
-	)
+	cpu := make([][]time.Duration, 4, 6)
+	sides := []bench.Side{
+		{Name: "passage plan, names", Run: procCPU(&cpu[0], e.passage, "plan", "--root", n.Root, "--pci-ids", ids)},
+		{Name: "lspci -vvv", Run: procCPU(&cpu[1], "lspci", lspciArgs(n.Root, "-vvv", "-i", ids)...)},
+		{Name: "passage help", Run: procCPU(&cpu[2], e.passage, "help")},
+		{Name: "lspci --version", Run: procCPU(&cpu[3], "lspci", "--version")},
+	}
+	if e.floor != nil {
+		cpu = cpu[:6]
+		sides = append(sides,
+			bench.Side{Name: "static Go, empty main", Run: procCPU(&cpu[4], e.floor[0])},
+			bench.Side{Name: "static Go, passage's imports only", Run: procCPU(&cpu[5], e.floor[1])})
+	}
+	s, err := bench.Measure(e.rounds, sides...)
 	if err != nil {
 		return err
 	}
@@ -175,9 +182,17 @@ func rowOracle(e *env, t *table, w io.Writer) error {
 	t.add(row{id: "O2", what: "process start: `passage help` vs `lspci --version` (CPU)", input: "no tree", passage: dur(c[2]),
 		base: dur(c[3]) + " lspci --version", ratio: fmt.Sprintf("%.1fx", 1/startCPU),
 		note: fmt.Sprintf("passage/lspci: CPU %.2fx, wall %.2fx (%s vs %s)", startCPU, startWall, dur(s[2].Median), dur(s[3].Median))})
+	if e.floor != nil {
+		// What start-up cannot go below while passage links what it links: a process
+		// that runs no code of its own, only the runtime's and its imports' set-up.
+		t.add(row{id: "O3", what: "start-up floor: static Go linking passage's imports, running nothing (CPU)", input: "no tree",
+			passage: dur(c[5]), base: dur(c[3]) + " lspci --version", ratio: fmt.Sprintf("%.1fx", float64(c[3])/float64(c[5])),
+			note: fmt.Sprintf("/lspci %.2fx; an empty static Go program %s (%.2fx); passage help %.2fx of this floor",
+				float64(c[5])/float64(c[3]), dur(c[4]), float64(c[4])/float64(c[3]), float64(c[2])/float64(c[5]))})
+	}
 	t.target(planCPU >= 3, "plan with names >= 3x faster than lspci -vvv in CPU: %.1fx (%s vs %s)", planCPU, dur(c[0]), dur(c[1]))
 	t.target(startCPU <= 1.5, "passage help <= 1.5x lspci --version: CPU %.2fx (%s vs %s), wall %.2fx", startCPU, dur(c[2]), dur(c[3]), startWall)
-	fmt.Fprintf(w, "## passage against lspci (rows O1, O2)\n\nOne measurement, %d alternating runs of four sides, medians: "+
+	fmt.Fprintf(w, "## passage against lspci (rows O1, O2, O3)\n\nOne measurement, %d alternating runs of four sides (six with the start-up floors), medians: "+
 		"`passage plan --root ROOT --pci-ids %s` against `lspci -vvv -A linux-sysfs -O sysfs.path=ROOT/sys/bus/pci -i %s`, "+
 		"and `passage help` against `lspci --version`. CPU is the child's user+sys time.\n\n"+
 		"| side | wall | CPU (user+sys) |\n|---|---|---|\n", e.rounds, ids, ids)
