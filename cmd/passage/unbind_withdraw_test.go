@@ -139,7 +139,8 @@ func runCmdEnv(t *testing.T, env unbindEnv, args ...string) (int, string, string
 
 // TestUnbindAttestsOverNonce: with the TPM, unbind attests the generation it signs; with
 // --nonce, over the verifier's nonce (passage attest nonce), which verify --attest
-// --nonces accepts once and then refuses as used. Bad --nonce values are usage errors.
+// --nonces accepts once and then refuses as used. Bad --nonce values are usage errors, in
+// recycle too (the same flags; recycle's own run is QEMU's TestRecycleRunningHost).
 func TestUnbindAttestsOverNonce(t *testing.T) {
 	root, gen, k, _ := withdrawNode(t)
 	env := unbindEnv{sysfs: func(string) vfiobind.Sysfs { return k }}
@@ -160,6 +161,9 @@ func TestUnbindAttestsOverNonce(t *testing.T) {
 	} {
 		if code, _, errs := runCmdEnv(t, env, append(base, c.args...)...); code != 2 || !strings.Contains(errs, c.want) {
 			t.Errorf("unbind %v: exit %d, stderr %q; want 2 and %q", c.args, code, errs, c.want)
+		}
+		if code, _, errs := runCmd(t, run, append(append([]string{"recycle"}, base...), c.args...)...); code != 2 || !strings.HasPrefix(errs, "passage recycle: ") || !strings.Contains(errs, c.want) {
+			t.Errorf("recycle %v: exit %d, stderr %q; want 2 and %q", c.args, code, errs, c.want)
 		}
 	}
 
