@@ -234,8 +234,9 @@ type guestBoot struct {
 	Name    string
 	Devices []string
 	Then    []string
-	Disk    string   // a disk image for the guest (Options.Disk)
-	Append  []string // more of the kernel command line
+	Disk    string        // a disk image for the guest (Options.Disk)
+	Append  []string      // more of the kernel command line
+	Overlay []OverlayFile // more files in the initramfs
 }
 
 // measureGuest boots gb and returns the run and what plan measured in the guest.
@@ -249,9 +250,9 @@ func measureGuest(t *testing.T, gb guestBoot) (*Run, measuredPlan) {
 	run, err := Boot(context.Background(), Options{
 		Build: buildDir(t),
 		Name:  gb.Name,
-		Overlay: []OverlayFile{fakeUinit(t),
+		Overlay: append([]OverlayFile{fakeUinit(t),
 			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
-			{Name: "etc/fakeuinit/run", Data: []byte(strings.Join(append([]string{cmd}, gb.Then...), "\n") + "\n")}},
+			{Name: "etc/fakeuinit/run", Data: []byte(strings.Join(append([]string{cmd}, gb.Then...), "\n") + "\n")}}, gb.Overlay...),
 		Devices: gb.Devices,
 		Disk:    gb.Disk,
 		Append:  gb.Append,

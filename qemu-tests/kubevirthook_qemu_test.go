@@ -7,7 +7,9 @@ import (
 	"encoding/json"
 	"encoding/xml"
 	"fmt"
+	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"sort"
@@ -68,6 +70,7 @@ func TestKubeVirtHookGuest(t *testing.T) {
 			}
 			argv := libvirttest.Virsh(t, uri, "domxml-to-native", "--format", "qemu-argv", "--xml", domFile)
 			var devices []string
+			var cdrom map[string]any // the hook's SATA CD-ROM, as libvirt attaches it
 			kept := 0
 			for _, mm := range jsonDevice.FindAllStringSubmatch(argv, -1) {
 				var d map[string]any
@@ -77,6 +80,8 @@ func TestKubeVirtHookGuest(t *testing.T) {
 				switch d["driver"] {
 				case "pxb-pcie", "pcie-root-port", "x3130-upstream", "xio3130-downstream":
 					devices = append(devices, "-device", keyval(d))
+				case "ide-cd":
+					cdrom = d
 				case "vfio-pci":
 					host, err := pci.ParseAddress(fmt.Sprint(d["host"]))
 					if err != nil {
@@ -109,13 +114,15 @@ func TestKubeVirtHookGuest(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			got, read := bootHookGuest(t, devices, c.name, img)
-			// The hook's NCCL disk image, read whole from a block device in the guest,
-			// is the NCCL file. The guest initramfs has no AHCI/CD-ROM drivers, so the
-			// image is attached as virtio-blk here (an endpoint on pcie.0: no bus number
-			// moves); the domain's SATA CD-ROM itself is dra/hook's checkNCCLDrive.
+			if cdrom == nil || cdrom["serial"] != "passage-nccl" {
+				t.Fatalf("libvirt's command line has no ide-cd with serial passage-nccl (the hook's NCCL disk): %v\n%s", cdrom, argv)
+			}
+			got, read := bootHookGuest(t, devices, cdrom, c.name, img)
+			// The hook's NCCL disk image, read whole from the guest's SATA CD-ROM
+			// (/dev/sr0: the ide-cd libvirt attaches on q35's built-in AHCI, its bus and
+			// serial as libvirt wrote them), is the NCCL file.
 			if !bytes.Equal(read, img) || !bytes.Equal(bytes.TrimRight(read, "\n"), bytes.TrimRight(nccl, "\n")) {
-				t.Errorf("the NCCL disk read in the guest (%d bytes) is not the hook's image (%d bytes) of the NCCL file", len(read), len(img))
+				t.Errorf("the NCCL CD-ROM read in the guest (%d bytes) is not the hook's image (%d bytes) of the NCCL file", len(read), len(img))
 			}
 
 			// Each unit's functions in the guest, by the guest's own labelling.
@@ -259,17 +266,54 @@ func ncclLeaves(t *testing.T, nccl []byte) []string {
 	return out
 }
 
-// bootHookGuest boots the image with devices and runs `passage plan --json` inside with
-// the qemu-guest profile, as scenario 6 does.
-func bootHookGuest(t *testing.T, devices []string, name string, disk []byte) (measuredPlan, []byte) {
+// bootHookGuest boots the image with devices and the hook's CD-ROM (cdrom, libvirt's
+// ide-cd, holding disk) and runs `passage plan --json` inside with the qemu-guest
+// profile, as scenario 6 does; then it reads the CD-ROM whole. The production image has
+// no AHCI or CD-ROM drivers (a node needs none): the test adds them, the kernel
+// package's own, as modsel selects them for the image (with their closure and a
+// modules.dep), under /lib/modules-extra.
+func bootHookGuest(t *testing.T, devices []string, cdrom map[string]any, name string, disk []byte) (measuredPlan, []byte) {
 	t.Helper()
-	// A copy: the harness attaches its disk writable.
-	diskFile := filepath.Join(t.TempDir(), "nccl.img")
-	if err := os.WriteFile(diskFile, disk, 0o644); err != nil {
+	img := filepath.Join(t.TempDir(), "nccl.img")
+	if err := os.WriteFile(img, disk, 0o444); err != nil {
 		t.Fatal(err)
 	}
-	run, got := measureGuest(t, guestBoot{Name: "kubevirt-hook-" + name, Devices: devices, Then: []string{"cat /dev/vda"}, Disk: diskFile,
-		// fakeuinit's modules and virtio_blk for the disk.
-		Append: []string{"fake.modules=vfio,vfio_iommu_type1,vfio-pci,nvme,virtio_pci,virtio_net,e1000e,virtio_blk"}})
+	devices = append(append([]string{}, devices...),
+		"-drive", fmt.Sprintf("file=%s,if=none,id=ncclcd,format=raw,readonly=on,media=cdrom", img),
+		"-device", fmt.Sprintf("ide-cd,bus=%v,drive=ncclcd,serial=%v", cdrom["bus"], cdrom["serial"]))
+	run, got := measureGuest(t, guestBoot{Name: "kubevirt-hook-" + name, Devices: devices, Then: []string{"cat /dev/sr0"},
+		Overlay: extraModules(t, "ahci", "sr_mod"),
+		// fakeuinit's modules, then the CD-ROM's.
+		Append: []string{"fake.modules=vfio,vfio_iommu_type1,vfio-pci,nvme,virtio_pci,virtio_net,e1000e", "fake.extra-modules=ahci,sr_mod"}})
 	return got, run.Files["run-2.out"]
+}
+
+// extraModules are the suite kernel's modules names (and their dependency closure), as
+// image/modsel stages them for the image, as overlay files under lib/modules-extra.
+func extraModules(t *testing.T, names ...string) []OverlayFile {
+	t.Helper()
+	stage := t.TempDir()
+	cmd := exec.Command("go", append([]string{"run", "./image/modsel", "-kernel", filepath.Join(buildDir(t), "kernel"), "-out", stage}, names...)...)
+	cmd.Dir = ".."
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("modsel %v: %v\n%s", names, err, out)
+	}
+	var files []OverlayFile
+	root := filepath.Join(stage, "lib", "modules")
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		files = append(files, OverlayFile{Name: filepath.ToSlash(filepath.Join("lib", "modules-extra", rel)), Data: b})
+		return nil
+	})
+	if err != nil || len(files) == 0 {
+		t.Fatalf("modsel %v staged %d files: %v", names, len(files), err)
+	}
+	return files
 }

@@ -222,12 +222,14 @@ func main() {
 	}
 	var mods []modResult
 	start := time.Now()
-	ix, err := kmod.Open(filepath.Join("/lib/modules", release))
-	if err != nil {
-		out["kmod-error"] = []byte(err.Error())
-		summary = "failed"
-	} else {
-		res, err := ix.Load(want...)
+	load := func(dir string, names []string) {
+		ix, err := kmod.Open(dir)
+		if err != nil {
+			out["kmod-error"] = []byte(err.Error())
+			summary = "failed"
+			return
+		}
+		res, err := ix.Load(names...)
 		if err != nil {
 			out["kmod-error"] = []byte(err.Error())
 			summary = "failed"
@@ -240,6 +242,16 @@ func main() {
 			_, serr := os.Stat("/sys/module/" + r.Name)
 			m.Sysfs = serr == nil
 			mods = append(mods, m)
+		}
+	}
+	load(filepath.Join("/lib/modules", release), want)
+	// Modules a test adds beside the image's (fake.extra-modules=a,b): its overlay puts
+	// them, with their own modules.dep, under /lib/modules-extra/<release>.
+	if b, err := os.ReadFile("/proc/cmdline"); err == nil {
+		for _, a := range strings.Fields(string(b)) {
+			if v, ok := strings.CutPrefix(a, "fake.extra-modules="); ok {
+				load(filepath.Join("/lib/modules-extra", release), strings.Split(v, ","))
+			}
 		}
 	}
 	out["kmod.json"], _ = json.MarshalIndent(map[string]any{"modules": mods, "total_ms": time.Since(start).Milliseconds()}, "", " ")
