@@ -234,7 +234,6 @@ type guestBoot struct {
 	Name    string
 	Devices []string
 	Then    []string
-	Disk    string        // a disk image for the guest (Options.Disk)
 	Append  []string      // more of the kernel command line
 	Overlay []OverlayFile // more files in the initramfs
 }
@@ -254,7 +253,6 @@ func measureGuest(t *testing.T, gb guestBoot) (*Run, measuredPlan) {
 			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
 			{Name: "etc/fakeuinit/run", Data: []byte(strings.Join(append([]string{cmd}, gb.Then...), "\n") + "\n")}}, gb.Overlay...),
 		Devices: gb.Devices,
-		Disk:    gb.Disk,
 		Append:  gb.Append,
 		WorkDir: filepath.Join(t.TempDir(), "work"),
 		Timeout: 4 * time.Minute,

@@ -212,11 +212,17 @@ func main() {
 	out["uname"] = []byte(release + "\n")
 
 	want := strings.Fields("vfio vfio_iommu_type1 vfio-pci nvme virtio_pci virtio_net e1000e")
+	var extra []string
 	if b, err := os.ReadFile("/proc/cmdline"); err == nil {
 		out["cmdline"] = b
 		for _, a := range strings.Fields(string(b)) {
 			if v, ok := strings.CutPrefix(a, "fake.modules="); ok {
 				want = strings.Split(v, ",")
+			}
+			// Modules a test adds beside the image's: its overlay puts them, with
+			// their own modules.dep, under /lib/modules-extra/<release>.
+			if v, ok := strings.CutPrefix(a, "fake.extra-modules="); ok {
+				extra = strings.Split(v, ",")
 			}
 		}
 	}
@@ -245,14 +251,8 @@ func main() {
 		}
 	}
 	load(filepath.Join("/lib/modules", release), want)
-	// Modules a test adds beside the image's (fake.extra-modules=a,b): its overlay puts
-	// them, with their own modules.dep, under /lib/modules-extra/<release>.
-	if b, err := os.ReadFile("/proc/cmdline"); err == nil {
-		for _, a := range strings.Fields(string(b)) {
-			if v, ok := strings.CutPrefix(a, "fake.extra-modules="); ok {
-				load(filepath.Join("/lib/modules-extra", release), strings.Split(v, ","))
-			}
-		}
+	if extra != nil {
+		load(filepath.Join("/lib/modules-extra", release), extra)
 	}
 	out["kmod.json"], _ = json.MarshalIndent(map[string]any{"modules": mods, "total_ms": time.Since(start).Milliseconds()}, "", " ")
 	// Give drivers a moment to bind after the module loads (probing is asynchronous
