@@ -64,6 +64,10 @@ func TestDeployAnnotation(t *testing.T) {
 	if len(list) != 1 || list[0].PVC == nil || list[0].PVC.Name != pvc || pvc == "" {
 		t.Fatalf("sidecars %+v, PVC %q", list, pvc)
 	}
+	// virt-controller names the annotation's Nth sidecar container hook-sidecar-N and
+	// says so in its CONTAINER_NAME (KubeVirt v1.9.0 template.go, sidecarContainerName):
+	// the hook is the annotation's only entry.
+	t.Setenv(hooks.ContainerNameEnvVar, "hook-sidecar-0")
 	o, err := parse(list[0].Args, io.Discard)
 	if err != nil {
 		t.Fatalf("args %q: %v", list[0].Args, err)
@@ -96,6 +100,56 @@ func TestDeployAnnotation(t *testing.T) {
 	var stderr bytes.Buffer
 	if _, err := parse([]string{"--bogus"}, &stderr); err == nil {
 		t.Error("an unknown flag was accepted")
+	}
+}
+
+// TestNCCLDiskDir: unless --nccl-disk-dir names it, the guest's NCCL disk is --nccl-dir
+// as the compute container sees it, under the sidecar's own CONTAINER_NAME, so a VMI may
+// list the hook in any place of its annotation; without a container name, or with an
+// --nccl-dir the compute container cannot see, the hook refuses to start (exit 2)
+// rather than point QEMU at a path that is not there.
+func TestNCCLDiskDir(t *testing.T) {
+	for _, c := range []struct {
+		name, container string
+		args            []string
+		want            string // "" with err set: refused
+		err             string
+	}{
+		{"second sidecar", "hook-sidecar-1", nil, "/var/run/kubevirt-hooks/hook-sidecar-1/passage", ""},
+		{"deeper dir", "hook-sidecar-4", []string{"--nccl-dir", "/var/run/kubevirt-hooks/a/b"}, "/var/run/kubevirt-hooks/hook-sidecar-4/a/b", ""},
+		{"named", "hook-sidecar-1", []string{"--nccl-disk-dir", "/compute/x"}, "/compute/x", ""},
+		{"named outside KubeVirt", "", []string{"--nccl-disk-dir", "/compute/x"}, "/compute/x", ""},
+		{"no disk", "hook-sidecar-1", []string{"--nccl-disk-dir="}, "", ""},
+		{"no NCCL files", "", []string{"--nccl-dir="}, "", ""},
+		{"no container name", "", nil, "", "CONTAINER_NAME is not set"},
+		{"container name with a slash", "../hook-sidecar-0", nil, "", `CONTAINER_NAME="../hook-sidecar-0" is not a container name`},
+		{"container name dot-dot", "..", nil, "", "is not a container name"},
+		{"nccl dir outside the shared dir", "hook-sidecar-0", []string{"--nccl-dir", "/run/nccl"}, "", "--nccl-dir /run/nccl is not below /var/run/kubevirt-hooks"},
+		{"nccl dir the shared dir itself", "hook-sidecar-0", []string{"--nccl-dir", "/var/run/kubevirt-hooks"}, "", "is not below"},
+		{"nccl dir climbing out", "hook-sidecar-0", []string{"--nccl-dir", "/var/run/kubevirt-hooks/../x"}, "", "is not below"},
+		{"relative nccl dir", "hook-sidecar-0", []string{"--nccl-dir", "passage"}, "", "is not below"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv(hooks.ContainerNameEnvVar, c.container)
+			var stderr bytes.Buffer
+			o, err := parse(c.args, &stderr)
+			if c.err != "" {
+				if err == nil || !strings.Contains(err.Error(), c.err) || !strings.Contains(stderr.String(), c.err) {
+					t.Fatalf("err %v, stderr %q: want refused with %q", err, stderr.String(), c.err)
+				}
+				// run refuses it before it reads anything or opens the socket.
+				if rc := run(context.Background(), c.args, io.Discard); rc != 2 {
+					t.Errorf("run: exit %d, want 2", rc)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("%v (%s)", err, stderr.String())
+			}
+			if o.ncclDiskDir != c.want {
+				t.Errorf("nccl disk dir %q, want %q", o.ncclDiskDir, c.want)
+			}
+		})
 	}
 }
 
