@@ -6,6 +6,7 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -122,8 +123,10 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 	if c.Client, err = kubernetes.NewForConfig(rc); err != nil {
 		return err
 	}
+	// -v=2: the scheduler logs each attempt that finds no fit, naming the pod
+	// (SchedulingAttempts reads it).
 	sched, err := c.start(bin, "kube-scheduler", "--kubeconfig="+f("scheduler.kubeconfig"), "--leader-elect=false",
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[3]), "--cert-dir="+f("scheduler-certs"))
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[3]), "--cert-dir="+f("scheduler-certs"), "-v=2")
 	if err != nil {
 		return err
 	}
@@ -240,6 +243,19 @@ func (c *Cluster) Stop() {
 		}
 	}
 	c.procs = nil
+}
+
+// SchedulingAttempts counts the kube-scheduler's attempts to place the pod
+// namespace/name that found no node: the line its handleSchedulingFailure logs at -v=2
+// for each (k8s.io/kubernetes v1.37 pkg/scheduler/schedule_one.go). A test that must see
+// a pod still Pending after a change waits for one more attempt than before it, not for
+// a guessed time.
+func (c *Cluster) SchedulingAttempts(namespace, name string) (int, error) {
+	b, err := os.ReadFile(filepath.Join(c.Dir, "kube-scheduler.log"))
+	if err != nil {
+		return 0, err
+	}
+	return bytes.Count(b, []byte(`"Unable to schedule pod; no fit; waiting" pod="`+namespace+"/"+name+`"`)), nil
 }
 
 // Logs names the components' log files.

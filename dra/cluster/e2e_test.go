@@ -275,9 +275,9 @@ func TestCluster(t *testing.T) {
 		}
 	}
 	waitFor(t, ctx, 30*time.Second, "b300-a's slices without "+hUnit, lacks(hUnit))
+	tried := attempts(t, c, "pod-16")
 	forceDelete(t, ctx, api, onA[0])
-	time.Sleep(3 * time.Second) // the scheduler has seen the freed claim by now
-	waitUnschedulable(t, ctx, api, "pod-16", "cannot allocate all claims")
+	waitRejudged(t, ctx, c, api, "pod-16", tried, "cannot allocate all claims")
 	// A manifest of a newer generation (after passage recycle) brings it back, and the
 	// waiting pod gets it.
 	a.rig.M.Generation = 8
@@ -369,6 +369,7 @@ func TestCluster(t *testing.T) {
 	waitUnschedulable(t, ctx, api, "degraded-ok-2", "cannot allocate all claims")
 	// Node e's degraded gpu0 is not published (no --degraded; its other units failed):
 	// the claim that would take it stays Pending.
+	tried = attempts(t, c, "degraded-ok-2")
 	start("b300-e", "b300-e", 5, false, func(r *noderig.Rig) {
 		r.M.Units[0].Status, r.M.Units[0].Reasons = manifest.StatusDegraded, []string{"erase: auto: nvme not erased"}
 		for i := 1; i < len(r.M.Units); i++ {
@@ -391,8 +392,7 @@ func TestCluster(t *testing.T) {
 		}
 		return false, "no slice"
 	})
-	time.Sleep(2 * time.Second) // the scheduler has seen the new node and its pool
-	waitUnschedulable(t, ctx, api, "degraded-ok-2", "cannot allocate all claims")
+	waitRejudged(t, ctx, c, api, "degraded-ok-2", tried, "cannot allocate all claims")
 	t.Logf("TIMING e2e wall time: %v", time.Since(began).Round(100*time.Millisecond))
 }
 
@@ -545,6 +545,29 @@ func waitUnschedulable(t *testing.T, ctx context.Context, api *kubernetes.Client
 		}
 		return false, "not yet judged"
 	})
+}
+
+// attempts is how many times the scheduler has found no node for pod so far.
+func attempts(t *testing.T, c *cluster.Cluster, pod string) int {
+	t.Helper()
+	n, err := c.SchedulingAttempts(ns, pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// waitRejudged: the scheduler has tried pod again since its first tried attempts (after
+// the change the caller made in between), and it is still Pending for reason. Without
+// the new attempt a Pending pod would prove nothing: its condition may be the verdict of
+// before the change.
+func waitRejudged(t *testing.T, ctx context.Context, c *cluster.Cluster, api *kubernetes.Clientset, pod string, tried int, reason string) {
+	t.Helper()
+	waitFor(t, ctx, 60*time.Second, pod+" tried again by the scheduler", func() (bool, string) {
+		n := attempts(t, c, pod)
+		return n > tried, fmt.Sprintf("%d attempts, %d before the change", n, tried)
+	})
+	waitUnschedulable(t, ctx, api, pod, reason)
 }
 
 // waitFor polls cond until it holds or d passes; the error says what was awaited and
