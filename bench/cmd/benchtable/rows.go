@@ -151,26 +151,27 @@ func rowOracle(e *env, t *table, w io.Writer) error {
 	if got, err := lspciFunctions(n.Root); err != nil || got != b300Fns {
 		return fmt.Errorf("lspci sees %d functions (%v), want %d", got, err, b300Fns)
 	}
-	cpu := make([][]time.Duration, 4, 6)
+	u := make([]usage, 6)
 	sides := []bench.Side{
-		{Name: "passage plan, names", Run: procCPU(&cpu[0], e.passage, "plan", "--root", n.Root, "--pci-ids", ids)},
-		{Name: "lspci -vvv", Run: procCPU(&cpu[1], "lspci", lspciArgs(n.Root, "-vvv", "-i", ids)...)},
-		{Name: "passage help", Run: procCPU(&cpu[2], e.passage, "help")},
-		{Name: "lspci --version", Run: procCPU(&cpu[3], "lspci", "--version")},
+		{Name: "passage plan, names", Run: procUsage(&u[0], e.passage, "plan", "--root", n.Root, "--pci-ids", ids)},
+		{Name: "lspci -vvv", Run: procUsage(&u[1], "lspci", lspciArgs(n.Root, "-vvv", "-i", ids)...)},
+		{Name: "passage help", Run: procUsage(&u[2], e.passage, "help")},
+		{Name: "lspci --version", Run: procUsage(&u[3], "lspci", "--version")},
 	}
 	if e.floor != nil {
-		cpu = cpu[:6]
 		sides = append(sides,
-			bench.Side{Name: "static Go, empty main", Run: procCPU(&cpu[4], e.floor[0])},
-			bench.Side{Name: "static Go, passage's imports only", Run: procCPU(&cpu[5], e.floor[1])})
+			bench.Side{Name: "static Go, empty main", Run: procUsage(&u[4], e.floor[0])},
+			bench.Side{Name: "static Go, passage's imports only", Run: procUsage(&u[5], e.floor[1])})
 	}
+	u = u[:len(sides)]
 	s, err := bench.Measure(e.rounds, sides...)
 	if err != nil {
 		return err
 	}
-	c := make([]time.Duration, len(cpu))
-	for i := range cpu {
-		c[i] = bench.Median(cpu[i][1:]) // the first run is Measure's warm-up
+	c := make([]time.Duration, len(u))
+	f := make([]int64, len(u))
+	for i := range u {
+		c[i], f[i] = u[i].medians()
 	}
 	planCPU := float64(c[1]) / float64(c[0])
 	startCPU := float64(c[2]) / float64(c[3])
@@ -178,26 +179,38 @@ func rowOracle(e *env, t *table, w io.Writer) error {
 	in := fmt.Sprintf("B300 tree, %d fns, %s", b300Fns, ids)
 	t.add(row{id: "O1", what: "plan with names vs `lspci -vvv` (CPU)", input: in, passage: dur(c[0]),
 		base: dur(c[1]) + " lspci -vvv", ratio: fmt.Sprintf("%.1fx", planCPU),
-		note: fmt.Sprintf("wall %s vs %s", dur(s[0].Median), dur(s[1].Median))})
+		note: fmt.Sprintf("wall %s vs %s; page faults %d vs %d", dur(s[0].Median), dur(s[1].Median), f[0], f[1])})
 	t.add(row{id: "O2", what: "process start: `passage help` vs `lspci --version` (CPU)", input: "no tree", passage: dur(c[2]),
 		base: dur(c[3]) + " lspci --version", ratio: fmt.Sprintf("%.1fx", 1/startCPU),
-		note: fmt.Sprintf("passage/lspci: CPU %.2fx, wall %.2fx (%s vs %s)", startCPU, startWall, dur(s[2].Median), dur(s[3].Median))})
+		note: fmt.Sprintf("passage/lspci: CPU %.2fx, wall %.2fx (%s vs %s); page faults %d vs %d", startCPU, startWall, dur(s[2].Median), dur(s[3].Median), f[2], f[3])})
 	if e.floor != nil {
 		// What start-up cannot go below while passage links what it links: a process
 		// that runs no code of its own, only the runtime's and its imports' set-up.
 		t.add(row{id: "O3", what: "start-up floor: static Go linking passage's imports, running nothing (CPU)", input: "no tree",
 			passage: dur(c[5]), base: dur(c[3]) + " lspci --version", ratio: fmt.Sprintf("%.1fx", float64(c[3])/float64(c[5])),
-			note: fmt.Sprintf("/lspci %.2fx; an empty static Go program %s (%.2fx); passage help %.2fx of this floor",
-				float64(c[5])/float64(c[3]), dur(c[4]), float64(c[4])/float64(c[3]), float64(c[2])/float64(c[5]))})
+			note: fmt.Sprintf("/lspci %.2fx, %d page faults; an empty static Go program %s (%.2fx), %d page faults; passage help %.2fx of this floor",
+				float64(c[5])/float64(c[3]), f[5], dur(c[4]), float64(c[4])/float64(c[3]), f[4], float64(c[2])/float64(c[5]))})
 	}
+	// What the faults above cost here: on a virtual machine a first touch of a page can
+	// cost tens of times what bare metal pays, and start-up is mostly first touches.
+	const pages = 4096
+	per, counted, err := faultCost(pages, 5)
+	if err != nil {
+		return fmt.Errorf("fault cost: %w", err)
+	}
+	t.add(row{id: "O4", what: "a page fault on this machine: first write to a fresh anonymous page", input: fmt.Sprintf("%d pages, best of 5", pages),
+		passage: dur(per), base: "-", ratio: "-",
+		note: fmt.Sprintf("%d faults counted; at this cost passage help's %d faults are %s, lspci --version's %d %s",
+			counted, f[2], dur(per*time.Duration(f[2])), f[3], dur(per*time.Duration(f[3])))})
 	t.target(planCPU >= 3, "plan with names >= 3x faster than lspci -vvv in CPU: %.1fx (%s vs %s)", planCPU, dur(c[0]), dur(c[1]))
 	t.target(startCPU <= 1.5, "passage help <= 1.5x lspci --version: CPU %.2fx (%s vs %s), wall %.2fx", startCPU, dur(c[2]), dur(c[3]), startWall)
-	fmt.Fprintf(w, "## passage against lspci (rows O1, O2, O3)\n\nOne measurement, %d alternating runs of four sides (six with the start-up floors), medians: "+
+	fmt.Fprintf(w, "## passage against lspci (rows O1-O4)\n\nOne measurement, %d alternating runs of four sides (six with the start-up floors), medians: "+
 		"`passage plan --root ROOT --pci-ids %s` against `lspci -vvv -A linux-sysfs -O sysfs.path=ROOT/sys/bus/pci -i %s`, "+
-		"and `passage help` against `lspci --version`. CPU is the child's user+sys time.\n\n"+
-		"| side | wall | CPU (user+sys) |\n|---|---|---|\n", e.rounds, ids, ids)
+		"and `passage help` against `lspci --version`. CPU is the child's user+sys time, page faults its minor faults (ru_minflt); "+
+		"row O4 is what one costs on this machine.\n\n"+
+		"| side | wall | CPU (user+sys) | page faults |\n|---|---|---|---|\n", e.rounds, ids, ids)
 	for i := range s {
-		fmt.Fprintf(w, "| %s | %s | %s |\n", s[i].Name, dur(s[i].Median), dur(c[i]))
+		fmt.Fprintf(w, "| %s | %s | %s | %d |\n", s[i].Name, dur(s[i].Median), dur(c[i]), f[i])
 	}
 	fmt.Fprintln(w)
 	return nil
