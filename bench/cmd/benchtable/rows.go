@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 
 	"fmt"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
+	"github.com/passage-boot/passage/pciids"
 	"github.com/passage-boot/passage/topology"
 	"github.com/passage-boot/passage/vfiobind"
 	"github.com/passage-boot/passage/vfiobind/vfiotest"
@@ -416,15 +416,14 @@ func rowScaling(e *env, t *table, w io.Writer) error {
 // is not nil: on two shared cores a wall-clock figure carries the other engineers' load,
 // CPU time much less.
 func procCPU(cpu *[]time.Duration, name string, args ...string) func() error {
+	var u usage
+	run := procUsage(&u, name, args...)
 	return func() error {
-		cmd := exec.Command(name, args...)
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("%s %s: %w: %s", filepath.Base(name), strings.Join(args, " "), err, firstLine(stderr.String()))
+		if err := run(); err != nil {
+			return err
 		}
 		if cpu != nil {
-			*cpu = append(*cpu, cmd.ProcessState.UserTime()+cmd.ProcessState.SystemTime())
+			*cpu = append(*cpu, u.cpu[len(u.cpu)-1])
 		}
 		return nil
 	}
@@ -447,23 +446,26 @@ func rowNames(e *env, t *table, w io.Writer) error {
 	if err := os.WriteFile(none, []byte("# names nothing\n"), 0o644); err != nil {
 		return err
 	}
-	// The named side must name (the row would time nothing otherwise), the other not.
+	// The named side must name (the row would time nothing otherwise), the other not:
+	// it reads no hwdb either, where udev's would name what the empty pci.ids does not.
+	named := []string{"plan", "--root", n.Root, "--pci-ids", full}
+	unnamed := []string{"plan", "--root", n.Root, "--pci-ids", none, "--hwdb", pciids.NoHwdb}
 	for _, c := range []struct {
-		ids   string
+		args  []string
 		named bool
-	}{{full, true}, {none, false}} {
-		out, err := exec.Command(e.passage, "plan", "--root", n.Root, "--pci-ids", c.ids).Output()
+	}{{named, true}, {unnamed, false}} {
+		out, err := exec.Command(e.passage, c.args...).Output()
 		if err != nil {
-			return fmt.Errorf("passage plan --pci-ids %s: %w", c.ids, err)
+			return fmt.Errorf("passage %s: %w", strings.Join(c.args, " "), err)
 		}
 		if strings.Contains(string(out), "Mellanox Technologies") != c.named {
-			return fmt.Errorf("passage plan --pci-ids %s: names shown %v, want %v", c.ids, !c.named, c.named)
+			return fmt.Errorf("passage %s: names shown %v, want %v", strings.Join(c.args, " "), !c.named, c.named)
 		}
 	}
 	cpu := make([][]time.Duration, 3)
 	s, err := bench.Measure(e.rounds,
-		bench.Side{Name: "plan, names", Run: procCPU(&cpu[0], e.passage, "plan", "--root", n.Root, "--pci-ids", full)},
-		bench.Side{Name: "plan, no names", Run: procCPU(&cpu[1], e.passage, "plan", "--root", n.Root, "--pci-ids", none)},
+		bench.Side{Name: "plan, names", Run: procCPU(&cpu[0], e.passage, named...)},
+		bench.Side{Name: "plan, no names", Run: procCPU(&cpu[1], e.passage, unnamed...)},
 		bench.Side{Name: "lspci -vvv", Run: procCPU(&cpu[2], "lspci", lspciArgs(n.Root, "-vvv", "-i", full)...)},
 	)
 	if err != nil {
