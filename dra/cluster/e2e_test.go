@@ -560,7 +560,8 @@ func attempts(t *testing.T, c *cluster.Cluster, pod string) int {
 // waitRejudged: the scheduler has tried pod again since its first tried attempts (after
 // the change the caller made in between), and it is still Pending for reason. Without
 // the new attempt a Pending pod would prove nothing: its condition may be the verdict of
-// before the change.
+// before the change. What it cannot rule out: an attempt another event set off just
+// before the change, logged after the count was taken.
 func waitRejudged(t *testing.T, ctx context.Context, c *cluster.Cluster, api *kubernetes.Clientset, pod string, tried int, reason string) {
 	t.Helper()
 	waitFor(t, ctx, 60*time.Second, pod+" tried again by the scheduler", func() (bool, string) {

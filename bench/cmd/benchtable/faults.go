@@ -44,12 +44,11 @@ func procUsage(u *usage, name string, args ...string) func() error {
 
 // medians are u's medians, the first run (bench.Measure's warm-up) left out.
 func (u *usage) medians() (time.Duration, int64) {
-	f := append([]int64(nil), u.faults[1:]...)
-	d := make([]time.Duration, len(f))
-	for i := range f {
-		d[i] = time.Duration(f[i])
+	f := make([]time.Duration, 0, len(u.faults))
+	for _, n := range u.faults[1:] {
+		f = append(f, time.Duration(n)) // bench.Median orders durations; a count is one too
 	}
-	return bench.Median(u.cpu[1:]), int64(bench.Median(d))
+	return bench.Median(u.cpu[1:]), int64(bench.Median(f))
 }
 
 // faultCost is what a first touch of an anonymous page costs this machine: pages pages
