@@ -731,6 +731,9 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	}
 	p := b.publishPolicy(r)
 	hc := b.publishClient()
+	if hc != nil {
+		defer hc.CloseIdleConnections()
+	}
 	att, err := netboot.Publish(ctx, hc, b.Config.URL, signed.Envelope, p)
 	for i, a := range att {
 		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)
