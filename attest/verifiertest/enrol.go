@@ -45,6 +45,9 @@ type EnrolOptions struct {
 	// WrongSecret keeps another credential's digest than the one sealed: the node's true
 	// answer is then refused by attest.Complete, as a wrong answer is.
 	WrongSecret bool
+	// Forget accepts the answer (204) but keeps no record: the attestation posted again
+	// is challenged again, which a boot must not answer twice.
+	Forget bool
 }
 
 // Request is one request the control plane answered.
@@ -310,7 +313,9 @@ func (cp *Enrolling) activation(w http.ResponseWriter, body []byte) {
 	}
 	cp.mu.Lock()
 	delete(cp.pending, ans.Record)
-	cp.records[ans.Record] = rec
+	if !cp.opts.Forget {
+		cp.records[ans.Record] = rec
+	}
 	cp.mu.Unlock()
 	w.WriteHeader(http.StatusNoContent)
 }

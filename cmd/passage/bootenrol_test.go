@@ -159,7 +159,8 @@ func TestBootEnrols(t *testing.T) {
 // findings with its status and reason, and the stage is degraded, the boot otherwise
 // unharmed: an EK not chained to the control plane's CA (no challenge), a wrong answer
 // (the activation refused, the attestation not posted again), a challenge over 16 KiB
-// (refused unread: no activation), and a 503 on the activation, retried.
+// (refused unread: no activation), a second challenge after enrolment (not answered: one
+// round per publish), and a 503 on the activation, retried.
 func TestBootEnrolRefused(t *testing.T) {
 	nodeCA, otherCA := attesttest.NewCA(t), attesttest.NewCA(t)
 	// swtpm_localca makes a CA's certificates when it first issues.
@@ -181,6 +182,9 @@ func TestBootEnrolRefused(t *testing.T) {
 		{"challenge over the bound", verifiertest.EnrolOptions{EKCA: nodeCA.PEM(t), PadChallenge: 16 << 10}, stages.Degraded,
 			[]string{envPost + "204", nonceGet + "200", attPost + "428"},
 			[]string{"challenge over 16384 bytes: refused unread"}},
+		{"challenged again after enrolment", verifiertest.EnrolOptions{EKCA: nodeCA.PEM(t), Forget: true}, stages.Degraded,
+			[]string{envPost + "204", nonceGet + "200", attPost + "428", actPost + "204", attPost + "428"},
+			[]string{"challenged again after enrolment as record node-", "one enrolment round per publish"}},
 		{"a 503 on the activation", verifiertest.EnrolOptions{EKCA: nodeCA.PEM(t),
 			Unavailable: map[string]int{"application/vnd.passage.activation+json": 1}}, stages.OK,
 			[]string{envPost + "204", nonceGet + "200", attPost + "428", actPost + "503", actPost + "204", attPost + "200"},
