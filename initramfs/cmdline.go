@@ -4,6 +4,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"sort"
@@ -529,4 +531,30 @@ func (c Config) ErrorStrings() []string {
 		out[i] = e.Error()
 	}
 	return out
+}
+
+// LoopbackURL says why passage.url cannot be published to with passage.net=off, or nil
+// when it can: its host is an address the kernel keeps on the loopback device (an IP
+// literal in 127.0.0.0/8 or ::1, IPv4-mapped included) or the name "localhost". A boot
+// with passage.net=off brings up no network, so any other host is reached, if at all,
+// through a network someone else configured (the workstation a `boot --root` runs on):
+// the boot would publish where its command line said it would not. Other names are
+// refused, "*.localhost" too: the name would depend on a resolver. The publish stage's
+// dialer holds "localhost" to loopback addresses (stages/boot).
+func LoopbackURL(raw string) error {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return fmt.Errorf("passage.url %q: %w", raw, err)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("passage.url %q: scheme %q, want http or https", raw, u.Scheme)
+	}
+	host := u.Hostname()
+	if strings.EqualFold(host, "localhost") {
+		return nil
+	}
+	if ip := net.ParseIP(host); ip != nil && ip.IsLoopback() {
+		return nil
+	}
+	return fmt.Errorf("passage.url host %q is not loopback (127.0.0.0/8, ::1 or localhost) and passage.net=off brings up no network to reach it", host)
 }

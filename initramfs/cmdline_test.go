@@ -194,3 +194,37 @@ func FuzzParseCmdline(f *testing.F) {
 		}
 	})
 }
+
+// TestLoopbackURL: with passage.net=off the boot publishes only to a host the loopback
+// device answers for: an address in 127.0.0.0/8 or ::1 (IPv4-mapped included), or the
+// name localhost; anything else is refused naming the host and why.
+func TestLoopbackURL(t *testing.T) {
+	for _, tc := range []struct {
+		url string
+		ok  bool
+	}{
+		{"http://127.0.0.1:8080/passage", true},
+		{"https://127.3.4.5/", true},
+		{"http://[::1]:9/x", true},
+		{"http://[::ffff:127.0.0.1]/", true},
+		{"http://localhost:8443/p", true},
+		{"http://LocalHost/", true},
+		{"http://10.0.2.2/passage", false},
+		{"http://[::2]/", false},
+		{"http://0.0.0.0/", false},
+		{"http://control.example/", false},
+		{"http://a.localhost/", false},
+		{"http://localhost.example/", false},
+		{"http://127.0.0.1.nip.io/", false},
+		{"http://[fe80::1%25lo]/", false},
+		{"ftp://127.0.0.1/", false},
+	} {
+		err := LoopbackURL(tc.url)
+		if (err == nil) != tc.ok {
+			t.Errorf("%s: %v, want ok %v", tc.url, err, tc.ok)
+		}
+		if err != nil && tc.ok == false && !strings.Contains(tc.url, "ftp") && !strings.Contains(err.Error(), "is not loopback (127.0.0.0/8, ::1 or localhost) and passage.net=off brings up no network") {
+			t.Errorf("%s: %v does not say why", tc.url, err)
+		}
+	}
+}

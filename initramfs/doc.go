@@ -22,7 +22,7 @@
 //	passage.erase_overwrite=on|off off           allow Sanitize overwrite after every other method (hours on a large drive)
 //	passage.net=IFACE|auto|off auto              management NIC to bring up with DHCPv4; auto tries every link that stays on a host driver
 //	passage.net_timeout=DUR   30s                bound on link-up plus DHCP for the network stage
-//	passage.url=URL           (none)             http(s) endpoint the signed envelope is POSTed to; none skips publish
+//	passage.url=URL           (none)             http(s) control plane: GET a nonce, POST the envelope and the attestation, answer its enrolment challenge (428); none skips publish; with passage.net=off only a loopback host (127.0.0.0/8, ::1, localhost)
 //	passage.push=URL          (none)             Prometheus Pushgateway the manifest's metrics are PUT to, after the manifest; none skips push
 //	passage.out=/run|DEV:PATH /run               also copy /run/passage/* into PATH on block device DEV (e.g. /dev/vda1:/passage); the generation counter lives there
 //	passage.handoff=MODE      hold               switch_root, poweroff, shell or hold, once the manifest is written

@@ -4,12 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/passage-boot/passage/entropy"
 )
@@ -97,9 +98,19 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 	return send(ctx, hc, "publish", http.MethodPost, url, EnvelopeType, body, p)
 }
 
-// PublishAttestation POSTs an attestation to url, bounded and retried as Publish is.
-func PublishAttestation(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, error) {
-	return send(ctx, hc, "publish", http.MethodPost, url, AttestationType, body, p)
+// PublishAttestation POSTs an attestation to url, bounded and retried as Publish is. A
+// control plane that has not enrolled the node's TPM answers 428 with a challenge
+// (ChallengeType, at most MaxChallenge bytes): its body is returned, with a nil error,
+// for the publish stage to answer (PostActivation) before it POSTs the attestation
+// again. Any other answer is the attestation's delivery (a 2xx: nil body) or its
+// refusal (the error, with the status and the server's reason: a *StatusError).
+func PublishAttestation(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, []byte, error) {
+	att, rep, err := exchangeAnswer(ctx, hc, "publish", http.MethodPost, url, AttestationType, body, p,
+		&answer{status: http.StatusPreconditionRequired, ctype: ChallengeType, max: MaxChallenge, what: "challenge"})
+	if err != nil || rep.status != http.StatusPreconditionRequired {
+		return att, nil, err
+	}
+	return att, rep.body, nil
 }
 
 // Put PUTs body, of media type ctype, to url (a Pushgateway group: the node's last boot
@@ -112,7 +123,7 @@ func Put(ctx context.Context, hc *http.Client, url, ctype string, body []byte, p
 // kernel's random pool within ctx; then at most p.Tries requests, backing off between
 // them, no retry of a status the server will answer again.
 func send(ctx context.Context, hc *http.Client, verb, method, url, ctype string, body []byte, p PublishPolicy) ([]Attempt, error) {
-	att, _, err := exchange(ctx, hc, verb, method, url, ctype, body, p)
+	att, _, err := exchangeAnswer(ctx, hc, verb, method, url, ctype, body, p, nil)
 	return att, err
 }
 
@@ -134,8 +145,55 @@ func FetchNonce(ctx context.Context, hc *http.Client, url string, p PublishPolic
 // NonceType is the media type of a nonce from the control plane (attest.NonceType).
 const NonceType = "application/vnd.passage.nonce"
 
-// exchange is send returning the body of the successful response (at most 512 bytes).
+// exchange is send returning the body of the successful response (at most MaxBody bytes).
 func exchange(ctx context.Context, hc *http.Client, verb, method, url, ctype string, body []byte, p PublishPolicy) ([]Attempt, []byte, error) {
+	att, rep, err := exchangeAnswer(ctx, hc, verb, method, url, ctype, body, p, nil)
+	return att, rep.body, err
+}
+
+// MaxBody bounds what is read of a 2xx answer (a nonce, a verdict): nothing the boot
+// needs from one is longer.
+const MaxBody = 512
+
+// MaxReason bounds what is read of a refusal's body: the control plane names its reason
+// in text/plain within 1 KiB (the enrolment exchange, README), and the reason goes to the
+// console and the log, not a page of HTML.
+const MaxReason = 1 << 10
+
+// answer is a status other than 2xx that ends the exchange as an answer, not a refusal:
+// the control plane's 428 with a challenge. Its content type must be ctype and its body
+// at most max bytes; otherwise it is a refusal, not retried (a 4xx).
+type answer struct {
+	status int
+	ctype  string
+	max    int64
+	what   string // names the body in errors
+}
+
+// reply is the response that ended an exchange.
+type reply struct {
+	status int
+	body   []byte
+}
+
+// StatusError is a response that was neither 2xx nor an answer the exchange expected:
+// the server refused, and Reason is what its body said (text/plain, at most MaxReason
+// bytes read, control characters replaced so it stays one line on the console).
+type StatusError struct {
+	Code   int    // HTTP status code
+	Status string // "403 Forbidden"
+	Reason string
+}
+
+func (e *StatusError) Error() string {
+	if e.Reason == "" {
+		return e.Status
+	}
+	return e.Status + ": " + e.Reason
+}
+
+// exchangeAnswer is exchange that also ends, without an error, on the status ans names.
+func exchangeAnswer(ctx context.Context, hc *http.Client, verb, method, url, ctype string, body []byte, p PublishPolicy, ans *answer) ([]Attempt, reply, error) {
 	if hc == nil {
 		hc = http.DefaultClient
 	}
@@ -158,7 +216,7 @@ func exchange(ctx context.Context, hc *http.Client, verb, method, url, ctype str
 		err := entropy.Wait(ctx, p.Pool, verb+" "+url+": TLS", p.Note)
 		done()
 		if err != nil {
-			return nil, nil, err
+			return nil, reply{}, err
 		}
 	}
 	waits := p.Waits()
@@ -169,16 +227,16 @@ func exchange(ctx context.Context, hc *http.Client, verb, method, url, ctype str
 		if i > 0 {
 			a.Wait = waits[i-1].String()
 			if err := sleep(ctx, waits[i-1]); err != nil {
-				return attempts, nil, fmt.Errorf("%s %s: %w (after %d tries: %v)", verb, url, err, i, last)
+				return attempts, reply{}, fmt.Errorf("%s %s: %w (after %d tries: %v)", verb, url, err, i, last)
 			}
 		}
 		done := p.wait("a response from " + url)
-		code, got, err := request(ctx, hc, method, url, ctype, body, p.PerTry)
+		code, got, err := request(ctx, hc, method, url, ctype, body, p.PerTry, ans)
 		done()
 		a.Status = code
 		if err == nil {
 			attempts = append(attempts, a)
-			return attempts, got, nil
+			return attempts, reply{status: code, body: got}, nil
 		}
 		a.Err = err.Error()
 		attempts = append(attempts, a)
@@ -187,10 +245,10 @@ func exchange(ctx context.Context, hc *http.Client, verb, method, url, ctype str
 			break
 		}
 	}
-	return attempts, nil, fmt.Errorf("%s %s: %d tries: %w", verb, url, len(attempts), last)
+	return attempts, reply{}, fmt.Errorf("%s %s: %d tries: %w", verb, url, len(attempts), last)
 }
 
-func request(ctx context.Context, hc *http.Client, method, url, ctype string, body []byte, perTry time.Duration) (int, []byte, error) {
+func request(ctx context.Context, hc *http.Client, method, url, ctype string, body []byte, perTry time.Duration, ans *answer) (int, []byte, error) {
 	if perTry > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, perTry)
@@ -214,12 +272,48 @@ func request(ctx context.Context, hc *http.Client, method, url, ctype string, bo
 		return 0, nil, err
 	}
 	defer resp.Body.Close()
-	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-	if resp.StatusCode/100 == 3 {
-		return resp.StatusCode, nil, fmt.Errorf("%s: redirect to %q not followed (the body goes only to the URL given)", resp.Status, resp.Header.Get("Location"))
+	code := resp.StatusCode
+	if ans != nil && code == ans.status {
+		if mt, _, err := mime.ParseMediaType(resp.Header.Get("Content-Type")); err != nil || mt != ans.ctype {
+			return code, nil, fmt.Errorf("%s: %s of type %q, want %s", resp.Status, ans.what, resp.Header.Get("Content-Type"), ans.ctype)
+		}
+		got, err := io.ReadAll(io.LimitReader(resp.Body, ans.max+1))
+		if err != nil {
+			return code, nil, fmt.Errorf("%s: %s: %w", resp.Status, ans.what, err)
+		}
+		if int64(len(got)) > ans.max {
+			return code, nil, fmt.Errorf("%s: %s over %d bytes: refused unread", resp.Status, ans.what, ans.max)
+		}
+		return code, got, nil
 	}
-	if resp.StatusCode/100 != 2 {
-		return resp.StatusCode, nil, errors.New(resp.Status + ": " + string(bytes.TrimSpace(msg)))
+	if code/100 == 3 {
+		return code, nil, fmt.Errorf("%s: redirect to %q not followed (the body goes only to the URL given)", resp.Status, resp.Header.Get("Location"))
 	}
-	return resp.StatusCode, msg, nil
+	if code/100 != 2 {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, MaxReason+1))
+		return code, nil, &StatusError{Code: code, Status: resp.Status, Reason: reason(msg)}
+	}
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+	return code, msg, nil
+}
+
+// reason is a refusal's body as one console line: at most MaxReason bytes (longer is
+// cut and says so), invalid UTF-8 and control characters (a newline, an escape sequence)
+// replaced, surrounding space trimmed.
+func reason(msg []byte) string {
+	cut := len(msg) > MaxReason
+	if cut {
+		msg = msg[:MaxReason]
+	}
+	s := strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, strings.ToValidUTF8(string(msg), "?"))
+	s = strings.TrimSpace(s)
+	if cut {
+		s += fmt.Sprintf(" ... (cut at %d bytes)", MaxReason)
+	}
+	return s
 }

@@ -6,14 +6,18 @@ package boot
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/passage-boot/passage/apply"
@@ -60,6 +64,10 @@ type Boot struct {
 	// OpenNVMe opens an NVMe controller for the erase stage; nil is the kernel's
 	// (erase.DeviceOpener). Tests put simulated controllers here.
 	OpenNVMe erase.Opener
+	// PublishPolicy bounds each request of the publish stage (the envelope, the nonce,
+	// the attestation, the enrolment's answer); nil is netboot.DefaultPublish. Tests
+	// record its waits here.
+	PublishPolicy *netboot.PublishPolicy
 
 	earlyLinks chan []string // the host stage's background link-up; see joinEarlyLinks
 	tpmReady   chan tpmPrep  // the TPM opened ahead of the manifest stage; see StartTPM
@@ -196,7 +204,7 @@ func (b *Boot) Stages() []stages.Stage {
 		{Name: "host", Run: b.host},
 		{Name: "manifest", Always: true, Run: b.manifest},
 		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
-		{Name: "publish", Needs: []string{"network", "manifest"}, Run: b.publish},
+		{Name: "publish", Needs: b.publishNeeds(), Run: b.publish},
 		{Name: "push", Needs: []string{"network", "manifest"}, Timeout: c.NetTimeout, Run: b.push},
 	}
 }
@@ -665,18 +673,68 @@ func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) e
 	return nil
 }
 
+// publishNeeds is what the publish stage waits for: the manifest, and the network
+// unless passage.net=off, in which case the boot brings up none and publishes only to a
+// loopback passage.url (publish refuses any other, initramfs.LoopbackURL), so tests, a
+// load generator and anyone checking a control plane run the boot's own publish and
+// enrolment without a VM.
+func (b *Boot) publishNeeds() []string {
+	if b.Config.Net == initramfs.NetOff {
+		return []string{"manifest"}
+	}
+	return []string{"network", "manifest"}
+}
+
+// publishClient is the publish stage's HTTP client: nil (http.DefaultClient) after a
+// network stage; with passage.net=off one whose dialer connects only to loopback
+// addresses, so "localhost" cannot resolve its way off the machine, and which takes no
+// proxy from the environment.
+func (b *Boot) publishClient() *http.Client {
+	if b.Config.Net != initramfs.NetOff {
+		return nil
+	}
+	d := &net.Dialer{Control: func(network, address string, _ syscall.RawConn) error {
+		host, _, err := net.SplitHostPort(address)
+		if err != nil {
+			return fmt.Errorf("publish: dial %s: %w", address, err)
+		}
+		if ip := net.ParseIP(host); ip == nil || !ip.IsLoopback() {
+			return fmt.Errorf("publish: dial %s: not a loopback address (passage.net=off)", address)
+		}
+		return nil
+	}}
+	return &http.Client{Transport: &http.Transport{DialContext: d.DialContext, TLSHandshakeTimeout: 10 * time.Second}}
+}
+
+func (b *Boot) publishPolicy(r *stages.Result) netboot.PublishPolicy {
+	p := netboot.DefaultPublish
+	if b.PublishPolicy != nil {
+		p = *b.PublishPolicy
+	}
+	p.Waiting = r.Wait
+	p.Note = func(s string) { r.Findingf("%s", s) }
+	return p
+}
+
 func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) error {
 	if b.Config.URL == "" {
 		return stages.Skip("passage.url not set")
+	}
+	if b.Config.Net == initramfs.NetOff {
+		if err := initramfs.LoopbackURL(b.Config.URL); err != nil {
+			return stages.Skip("%v", err)
+		}
 	}
 	signed := b.signed()
 	if signed == nil {
 		return stages.Skip("no signed envelope to publish")
 	}
-	p := netboot.DefaultPublish
-	p.Waiting = r.Wait
-	p.Note = func(s string) { r.Findingf("%s", s) }
-	att, err := netboot.Publish(ctx, nil, b.Config.URL, signed.Envelope, p)
+	p := b.publishPolicy(r)
+	hc := b.publishClient()
+	if hc != nil {
+		defer hc.CloseIdleConnections()
+	}
+	att, err := netboot.Publish(ctx, hc, b.Config.URL, signed.Envelope, p)
 	for i, a := range att {
 		r.Findingf("try %d: status %d %s", i+1, a.Status, a.Err)
 	}
@@ -692,7 +750,13 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	if _, err := ReadBeneath(b.Root, path, attest.MaxFile); errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
-	if err := b.attestOnline(ctx, r, signed, p); err != nil {
+	// The TPM stays open from the quote to the enrolment's activation: the AK that
+	// answers the challenge is the one that quoted (the same template in the same TPM).
+	tpm := b.openTPM(r)
+	if tpm.closer != nil {
+		defer tpm.closer.Close()
+	}
+	if err := b.attestOnline(ctx, r, hc, tpm, signed, p); err != nil {
 		// Not a degraded boot: the attestation says its nonce is the payload digest, and a
 		// verifier that wants its own nonce refuses it, naming the nonce.
 		r.Findingf("%s: no nonce from the control plane, the offline attestation (nonce: the payload digest) is posted: %v", name, err)
@@ -700,36 +764,94 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 		r.Changef("%s: quoted again over the control plane's nonce", name)
 	}
 	body, err := ReadBeneath(b.Root, path, attest.MaxFile)
-	if err == nil {
-		att, perr := netboot.PublishAttestation(ctx, nil, b.Config.URL, body, p)
-		for i, a := range att {
-			r.Findingf("%s try %d: status %d %s", name, i+1, a.Status, a.Err)
-		}
-		err = perr
-	}
 	if err != nil {
 		r.Degrade("%s not posted: %v", name, err)
 		return nil
 	}
-	r.Changef("%s posted to %s", name, b.Config.URL)
+	challenge, err := b.postAttestation(ctx, r, hc, name, body, p)
+	if err != nil {
+		r.Degrade("%s not posted: %v", name, err)
+		return nil
+	}
+	if challenge == nil {
+		r.Changef("%s posted to %s", name, b.Config.URL)
+		return nil
+	}
+	// At most one enrolment round per publish: the answer, then the same attestation
+	// again (its nonce was not used up by the 428). A second challenge is refused.
+	record, err := b.enrol(ctx, r, hc, tpm, challenge, p)
+	if err != nil {
+		r.Degrade("enrolment: %v", err)
+		return nil
+	}
+	again, err := b.postAttestation(ctx, r, hc, name, body, p)
+	switch {
+	case err != nil:
+		r.Degrade("%s not posted after enrolment as record %s: %v", name, record, err)
+	case again != nil:
+		r.Degrade("%s: challenged again after enrolment as record %s: one enrolment round per publish, none more", name, record)
+	default:
+		r.Changef("%s posted to %s after enrolment as record %s", name, b.Config.URL, record)
+	}
 	return nil
+}
+
+// postAttestation POSTs the attestation and records every try; a 428 returns the
+// control plane's challenge.
+func (b *Boot) postAttestation(ctx context.Context, r *stages.Result, hc *http.Client, name string, body []byte, p netboot.PublishPolicy) ([]byte, error) {
+	att, challenge, err := netboot.PublishAttestation(ctx, hc, b.Config.URL, body, p)
+	for i, a := range att {
+		r.Findingf("%s try %d: status %d %s", name, i+1, a.Status, a.Err)
+	}
+	return challenge, err
+}
+
+// enrol answers the control plane's challenge (the 428's body) with the node's TPM
+// (attest.Activate: TPM2_ActivateCredential, the AK activated under the EK) and POSTs
+// the answer; it returns the record the control plane enrolled the node as.
+func (b *Boot) enrol(ctx context.Context, r *stages.Result, hc *http.Client, tpm bootTPM, body []byte, p netboot.PublishPolicy) (string, error) {
+	ec, err := netboot.ParseChallenge(body)
+	if err != nil {
+		return "", err
+	}
+	var c attest.Challenge
+	if err := json.Unmarshal(ec.Challenge, &c); err != nil {
+		return "", fmt.Errorf("record %s: challenge: %w", ec.Record, err)
+	}
+	if c.Format != attest.ChallengeFormat {
+		return "", fmt.Errorf("record %s: challenge format %q, want %q", ec.Record, c.Format, attest.ChallengeFormat)
+	}
+	r.Findingf("enrolment: the control plane challenges this TPM for record %s (AK name %x)", ec.Record, []byte(c.AKName))
+	k, ok := tpm.signer.(*tpmkey.TPM)
+	if !ok {
+		return "", fmt.Errorf("record %s: no TPM to activate the credential with (%v)", ec.Record, tpm.err)
+	}
+	secret, err := attest.Activate(k.Transport(), &c)
+	if err != nil {
+		return "", fmt.Errorf("record %s: %w", ec.Record, err)
+	}
+	atts, err := netboot.PostActivation(ctx, hc, b.Config.URL, netboot.NewAnswer(ec, c.AKName, secret), p)
+	for i, a := range atts {
+		r.Findingf("activation try %d: status %d %s", i+1, a.Status, a.Err)
+	}
+	if err != nil {
+		return "", fmt.Errorf("record %s: answer refused: %w", ec.Record, err)
+	}
+	r.Changef("enrolled: credential activated in the TPM, record %s", ec.Record)
+	return ec.Record, nil
 }
 
 // attestOnline fetches a nonce from passage.url (bounded and retried as the publish is)
 // and replaces the manifest stage's attestation with one quoted over it: a verifier that
 // issued the nonce knows the quote is newer than its request, which a quote over the
 // payload digest cannot show (it can be shown again later).
-func (b *Boot) attestOnline(ctx context.Context, r *stages.Result, signed *manifest.Signed, p netboot.PublishPolicy) error {
-	nonce, atts, err := netboot.FetchNonce(ctx, nil, b.Config.URL, p)
+func (b *Boot) attestOnline(ctx context.Context, r *stages.Result, hc *http.Client, tpm bootTPM, signed *manifest.Signed, p netboot.PublishPolicy) error {
+	nonce, atts, err := netboot.FetchNonce(ctx, hc, b.Config.URL, p)
 	for i, a := range atts {
 		r.Findingf("nonce try %d: status %d %s", i+1, a.Status, a.Err)
 	}
 	if err != nil {
 		return err
-	}
-	tpm := b.openTPM(r)
-	if tpm.closer != nil {
-		defer tpm.closer.Close()
 	}
 	k, ok := tpm.signer.(*tpmkey.TPM)
 	if !ok {

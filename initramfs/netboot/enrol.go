@@ -1,0 +1,157 @@
+package netboot
+
+import (
+	"bytes"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"unicode"
+)
+
+// The enrolment exchange at passage.url (README, "Enrolment with no human step"): a
+// control plane that has not enrolled the node's TPM answers the attestation POST with
+// 428 Precondition Required and a challenge; the boot activates it with its TPM, POSTs
+// the answer, then POSTs the same attestation again. The nonce is not used up by the 428.
+const (
+	// ChallengeType is the media type of the 428's body (EnrolChallenge).
+	ChallengeType = "application/vnd.passage.challenge+json"
+	// ActivationType is the media type of the boot's answer (EnrolAnswer).
+	ActivationType = "application/vnd.passage.activation+json"
+	// ChallengeFormat and AnswerFormat name the two bodies' shapes.
+	ChallengeFormat = "passage-enrol-challenge/1"
+	AnswerFormat    = "passage-enrol-answer/1"
+	// MaxChallenge bounds the challenge body: a credential blob and an encrypted secret
+	// for an RSA-2048 EK are under 1 KiB; anything past 16 KiB is not a challenge and is
+	// refused without being read.
+	MaxChallenge = 16 << 10
+	// MaxRecordName bounds the record's name: a Kubernetes object name (a DNS subdomain,
+	// RFC 1123) is at most 253 characters.
+	MaxRecordName = 253
+)
+
+// EnrolChallenge is the body of the control plane's 428.
+type EnrolChallenge struct {
+	Format string `json:"format"`
+	// Record names the node record the control plane keeps the enrolment in; the answer
+	// names it back.
+	Record string `json:"record"`
+	// Challenge is an attest.Challenge (its JSON): package attest parses it, the TPM
+	// answers it.
+	Challenge json.RawMessage `json:"challenge"`
+}
+
+// ParseChallenge reads a 428's body (no key given twice in an object: parsers disagree
+// on which of two the document means, as for the manifest): the format, a record name of printable characters
+// within MaxRecordName, and a challenge object. The body comes from the network: any
+// other shape is refused naming what is wrong, and nothing in it is trusted beyond its
+// shape (the TPM refuses a challenge not sealed to its EK).
+func ParseChallenge(body []byte) (*EnrolChallenge, error) {
+	if len(body) > MaxChallenge {
+		return nil, fmt.Errorf("challenge: %d bytes, over %d", len(body), MaxChallenge)
+	}
+	if err := uniqueKeys(body); err != nil {
+		return nil, fmt.Errorf("challenge: %w", err)
+	}
+	var c EnrolChallenge
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if err := dec.Decode(&c); err != nil {
+		return nil, fmt.Errorf("challenge: %w", err)
+	}
+	if dec.More() {
+		return nil, errors.New("challenge: trailing data after the object")
+	}
+	if c.Format != ChallengeFormat {
+		return nil, fmt.Errorf("challenge: format %q, want %q", c.Format, ChallengeFormat)
+	}
+	if err := checkRecordName(c.Record); err != nil {
+		return nil, fmt.Errorf("challenge: %w", err)
+	}
+	if t := bytes.TrimSpace(c.Challenge); len(t) == 0 || t[0] != '{' {
+		return nil, errors.New("challenge: no challenge object")
+	}
+	return &c, nil
+}
+
+func checkRecordName(s string) error {
+	if s == "" {
+		return errors.New("no record name")
+	}
+	if len(s) > MaxRecordName {
+		return fmt.Errorf("record name of %d bytes, over %d", len(s), MaxRecordName)
+	}
+	for _, r := range s {
+		if !unicode.IsPrint(r) || r == ' ' {
+			return fmt.Errorf("record name %q: not printable", s)
+		}
+	}
+	return nil
+}
+
+// EnrolAnswer is the boot's answer to a challenge.
+type EnrolAnswer struct {
+	Format string `json:"format"` // AnswerFormat
+	Record string `json:"record"` // the challenge's
+	AKName string `json:"ak_name"`
+	// Answer is the credential TPM2_ActivateCredential recovered (base64 in JSON).
+	Answer []byte `json:"answer"`
+}
+
+// NewAnswer is the answer to c: its record, the AK name the challenge was sealed for (hex)
+// and the secret the TPM recovered.
+func NewAnswer(c *EnrolChallenge, akName, secret []byte) EnrolAnswer {
+	return EnrolAnswer{Format: AnswerFormat, Record: c.Record, AKName: hex.EncodeToString(akName), Answer: secret}
+}
+
+// PostActivation POSTs the answer to url (ActivationType), bounded and retried as Publish
+// is: any 2xx means enrolled; a refusal is the error (a *StatusError with the reason).
+func PostActivation(ctx context.Context, hc *http.Client, url string, a EnrolAnswer, p PublishPolicy) ([]Attempt, error) {
+	body, err := json.Marshal(a)
+	if err != nil {
+		return nil, fmt.Errorf("activation %s: %w", a.Record, err)
+	}
+	return send(ctx, hc, "activation", http.MethodPost, url, ActivationType, body, p)
+}
+
+// maxDepth bounds the nesting uniqueKeys walks: a challenge is three objects deep.
+const maxDepth = 32
+
+// uniqueKeys refuses a JSON document in which an object gives a key twice.
+func uniqueKeys(b []byte) error {
+	return uniqueValue(json.NewDecoder(bytes.NewReader(b)), 0)
+}
+
+func uniqueValue(dec *json.Decoder, depth int) error {
+	tok, err := dec.Token()
+	if err != nil {
+		return err
+	}
+	d, ok := tok.(json.Delim)
+	if !ok {
+		return nil
+	}
+	if depth >= maxDepth {
+		return fmt.Errorf("nested over %d deep", maxDepth)
+	}
+	seen := map[string]bool{}
+	for dec.More() {
+		if d == '{' {
+			kt, err := dec.Token()
+			if err != nil {
+				return err
+			}
+			k, _ := kt.(string)
+			if seen[k] {
+				return fmt.Errorf("key %q given twice in one object", k)
+			}
+			seen[k] = true
+		}
+		if err := uniqueValue(dec, depth+1); err != nil {
+			return err
+		}
+	}
+	_, err = dec.Token()
+	return err
+}
