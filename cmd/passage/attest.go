@@ -318,8 +318,12 @@ func (f *attestFlags) check(path string, v *manifest.Verified, tpmPub string, st
 		return fail(1, "%s: REFUSED: attestation %s: %s", path, f.att, oneLine(err))
 	}
 	if f.update {
-		rec.Seen = res.Seen
-		if err := writeJSON(f.node, &rec); err != nil {
+		// Read again and written under the record's lock: another verify of this node
+		// may have recorded a newer generation since this one read the record.
+		if err := attest.RecordSeen(f.node, res.Seen); err != nil {
+			if attest.CheckOf(err) != "" {
+				return fail(1, "%s: REFUSED: --update-node %s: %s", path, f.node, oneLine(err))
+			}
 			return fail(2, "--update-node: %v", err)
 		}
 	}
