@@ -117,6 +117,7 @@ type nonceCache struct {
 	id        string
 	off       int64 // bytes of the file applied
 	lines     int   // entry lines in the file
+	pruned    int   // lines when last pruned
 	issued    map[string]time.Time
 	used      map[string]time.Time
 	fullUntil time.Time // full (after pruning) until the oldest outstanding expires
@@ -217,6 +218,12 @@ func (s *NonceStore) do(priority bool, op func(c *nonceCache, now time.Time) (st
 		return err
 	}
 	s.c.off += int64(len(line))
+	if s.c.lines-s.c.pruned > compactSlack {
+		// Expired entries stay in memory until pruned: prune every compactSlack lines,
+		// else a steady issue-and-use never looks dead enough to compact.
+		s.prune(now)
+		s.c.pruned = s.c.lines
+	}
 	if s.c.lines > 2*(len(s.c.issued)+len(s.c.used))+compactSlack {
 		s.prune(now)
 		// The line is on disk already: a failed compaction leaves a longer file, no
@@ -445,6 +452,7 @@ func (s *NonceStore) compact() error {
 	st := fi.Sys().(*syscall.Stat_t)
 	s.c.ok, s.c.dev, s.c.ino, s.c.id = true, uint64(st.Dev), st.Ino, hex.EncodeToString(id)
 	s.c.off, s.c.lines, s.c.fullUntil, s.c.dirty = int64(b.Len()), len(s.c.issued)+len(s.c.used), time.Time{}, false
+	s.c.pruned = s.c.lines
 	return nil
 }
 

@@ -313,6 +313,46 @@ func TestNonceHandlerHeals(t *testing.T) {
 	})
 }
 
+// TestNonceStoreStaysSmall: a verifier's steady work (a nonce issued and used every
+// second, nonces living a minute, for 2,500 s: over 40 lives) keeps the file bounded by
+// the nonces alive and the compaction's slack, however long it runs; and another store
+// reading the file across its rewrites still refuses a used nonce.
+func TestNonceStoreStaysSmall(t *testing.T) {
+	now := time.Date(2026, 12, 3, 12, 0, 0, 0, time.UTC)
+	clock := func() time.Time { return now }
+	s := &NonceStore{Path: filepath.Join(t.TempDir(), "nonces.json"), Now: clock, TTL: time.Minute}
+	other := &NonceStore{Path: s.Path, Now: clock, TTL: time.Minute}
+	// Alive: 60 used; pruned every compactSlack lines, rewritten past twice the entries
+	// in memory and the slack.
+	line := len(fmt.Sprintf("u %x %d\n", make([]byte, NonceSize), now.UnixNano()))
+	bound := int64((2*(60+compactSlack) + compactSlack + 2) * line)
+	var biggest int64
+	for i := 0; i < 2500; i++ {
+		now = now.Add(time.Second)
+		n, err := s.Issue()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Use(n); err != nil {
+			t.Fatal(err)
+		}
+		if i%250 == 0 {
+			if err := other.Use(n); CheckOf(err) != "nonce" {
+				t.Fatalf("op %d: used, then read by another store: %v", i, err)
+			}
+		}
+		if fi, err := os.Stat(s.Path); err != nil {
+			t.Fatal(err)
+		} else {
+			biggest = max(biggest, fi.Size())
+		}
+	}
+	if biggest > bound {
+		t.Errorf("the file grew to %d bytes, over %d", biggest, bound)
+	}
+	t.Logf("largest file: %d bytes (bound %d, 5,000 lines written: %d)", biggest, bound, 5000*line)
+}
+
 // TestQueueLockPriority: a Use waiting for the lock is served before an Issue that
 // waited longer; an Issue past MaxWaiting, or past its wait, is refused ErrBusy.
 func TestQueueLockPriority(t *testing.T) {
