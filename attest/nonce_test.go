@@ -43,7 +43,8 @@ func (l *logTo) String() string {
 func TestNonceStore(t *testing.T) {
 	now := time.Date(2026, 12, 3, 12, 0, 0, 0, time.UTC)
 	clock := func() time.Time { return now }
-	s := &NonceStore{Path: filepath.Join(t.TempDir(), "nonces.json"), Now: clock}
+	// Waits as long as a loaded machine needs: 32 issues at once on one file.
+	s := &NonceStore{Path: filepath.Join(t.TempDir(), "nonces.json"), Now: clock, IssueWait: time.Minute}
 	a, err := s.Issue()
 	if err != nil || len(a) != NonceSize {
 		t.Fatalf("issue: %x %v", a, err)
@@ -73,7 +74,7 @@ func TestNonceStore(t *testing.T) {
 	}
 
 	// Another process's store on the same file: each reads what the other appended.
-	other := &NonceStore{Path: s.Path, Now: clock}
+	other := &NonceStore{Path: s.Path, Now: clock, IssueWait: time.Minute}
 	var wg sync.WaitGroup
 	got := make(chan []byte, 32)
 	for i := 0; i < 32; i++ {
