@@ -78,7 +78,7 @@ func cmdAttest(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintln(stderr, "passage attest nonce: give --nonces FILE, no argument")
 			return 2
 		}
-		n, err := (&attest.NonceStore{Path: *nonces}).Issue()
+		n, err := (&attest.NonceStore{Path: *nonces, Logf: a.logf}).Issue()
 		if err != nil {
 			return a.fail(2, "%v", err)
 		}
@@ -90,6 +90,11 @@ func cmdAttest(args []string, stdout, stderr io.Writer) int {
 }
 
 type attestCmd struct{ stdout, stderr io.Writer }
+
+// logf is a nonce store's log (what it repaired): the command's stderr.
+func (a attestCmd) logf(format string, args ...any) {
+	fmt.Fprintf(a.stderr, "passage attest: "+format+"\n", args...)
+}
 
 func (a attestCmd) fail(code int, format string, args ...any) int {
 	fmt.Fprintf(a.stderr, "passage attest: "+format+"\n", args...)
@@ -286,7 +291,9 @@ func (f *attestFlags) check(path string, v *manifest.Verified, tpmPub string, st
 		if nonce != nil {
 			return fail(2, "--nonce and --nonces: give one")
 		}
-		store = &attest.NonceStore{Path: f.nonces}
+		store = &attest.NonceStore{Path: f.nonces, Logf: func(format string, args ...any) {
+			fmt.Fprintf(stderr, "passage verify: "+format+"\n", args...)
+		}}
 	}
 	var rec attest.NodeRecord
 	if err := attest.ReadJSON(f.node, attest.NodeFormat, &rec); err != nil {
@@ -318,8 +325,12 @@ func (f *attestFlags) check(path string, v *manifest.Verified, tpmPub string, st
 		return fail(1, "%s: REFUSED: attestation %s: %s", path, f.att, oneLine(err))
 	}
 	if f.update {
-		rec.Seen = res.Seen
-		if err := writeJSON(f.node, &rec); err != nil {
+		// Read again and written under the record's lock: another verify of this node
+		// may have recorded a newer generation since this one read the record.
+		if err := attest.RecordSeen(f.node, res.Seen); err != nil {
+			if attest.CheckOf(err) != "" {
+				return fail(1, "%s: REFUSED: --update-node %s: %s", path, f.node, oneLine(err))
+			}
 			return fail(2, "--update-node: %v", err)
 		}
 	}
