@@ -143,6 +143,8 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 
 	// Prepare: a CDI spec with the four groups' nodes, and the metadata KubeVirt reads.
 	vm0 := claim(t, client, d, "vm0", "gpu0")
+	// A second claim given gpu0 (an allocation gone wrong), made while gpu0 is offered.
+	dup := claim(t, client, d, "dup", "gpu0")
 	got := prepare(t, k, vm0)
 	if got.Error != "" || len(got.Devices) != 4 {
 		t.Fatalf("prepare vm0: %+v", got)
@@ -178,8 +180,8 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 		checkMetadata(t, data, vm0, dev.RequestNames[0], f.BDF)
 	}
 
-	// A second claim given gpu0 (an allocation gone wrong) is refused while vm0 holds it.
-	dup := claim(t, client, d, "dup", "gpu0")
+	// Prepared, gpu0 is not offered; dup is refused while vm0 holds it.
+	publishedDevices(t, client, without("gpu0", 28))
 	got = prepare(t, k, dup)
 	if !strings.Contains(got.Error, "is prepared for claim uid-vm0") || len(got.Devices) != 0 {
 		t.Fatalf("prepare of a claim on vm0's devices: %+v", got)

@@ -75,6 +75,11 @@ func TestUnprepareRecordsBeforeRelease(t *testing.T) {
 	// A prepared unit is not offered.
 	publishedDevices(t, client, without("gpu0", 28))
 
+	// The claim's CDI specs: the unit's and the helper's metadata ones.
+	specs, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-vm0*"))
+	if len(specs) != 5 {
+		t.Fatalf("CDI specs of vm0: %v, want the unit's and four of metadata", specs)
+	}
 	heldFile := filepath.Join(data, "withheld.json")
 	if err := os.MkdirAll(filepath.Join(heldFile, "planted"), 0o755); err != nil {
 		t.Fatal(err)
@@ -85,8 +90,8 @@ func TestUnprepareRecordsBeforeRelease(t *testing.T) {
 		if !strings.Contains(got, heldFile) || !strings.Contains(got, "stays prepared") {
 			t.Fatalf("%s with %s a directory: %q, want a refusal naming it", call, heldFile, got)
 		}
-		if m, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-vm0*")); len(m) != 1 {
-			t.Fatalf("%s that could not record gpu0 withheld let go of the CDI spec: %v", call, m)
+		if m, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-vm0*")); !slices.Equal(m, specs) {
+			t.Fatalf("%s that could not record gpu0 withheld left the CDI specs %v of %v", call, m, specs)
 		}
 		if _, err := os.Stat(metadata); err != nil {
 			t.Fatalf("%s that could not record gpu0 withheld let go of the metadata: %v", call, err)
@@ -169,6 +174,20 @@ func TestReleaseUnderNewestGeneration(t *testing.T) {
 	}
 	if got := unprepare(t, k, vm0); got != "" {
 		t.Fatalf("unprepare vm0: %q", got)
+	}
+	// Verified again (a reload, a restart), generation 8 does not let it go.
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := offers(d); !without("gpu0", 28)(got) {
+		t.Fatalf("after a reload of generation 8 the plugin offers %v", got)
+	}
+	restarted, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := offers(restarted); !without("gpu0", 28)(got) {
+		t.Fatalf("a restarted plugin offers %v", got)
 	}
 	publishedDevices(t, client, without("gpu0", 28))
 	r.M.Generation = 9
