@@ -72,8 +72,11 @@ func TestUnprepareRecordsBeforeRelease(t *testing.T) {
 	if got := prepare(t, k, vm0); got.Error != "" || len(got.Devices) != 4 {
 		t.Fatalf("prepare vm0: %+v", got)
 	}
-	// A prepared unit is not offered.
+	// A prepared unit is not offered, and the kubelet may still ask for the claim again.
 	publishedDevices(t, client, without("gpu0", 28))
+	if got := prepare(t, k, vm0); got.Error != "" || len(got.Devices) != 4 {
+		t.Fatalf("prepare vm0 again: %+v", got)
+	}
 
 	// The claim's CDI specs: the unit's and the helper's metadata ones.
 	specs, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-vm0*"))
