@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log"
 	"maps"
 	"path"
 	"path/filepath"
@@ -21,6 +22,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -75,6 +77,12 @@ type Config struct {
 	// HookDir, when set, receives the verified manifest, its key and the node's UUID
 	// for the KubeVirt hook (exportHook) at every successful verification.
 	HookDir string
+	// MetricsFile, when set, is kept holding the plugin's counters for node_exporter's
+	// textfile collector (a *.prom file in its directory).
+	MetricsFile string
+	// Logf reports what the plugin carries on through (an export to HookDir that
+	// failed, withheld.json not pruned); nil: the standard logger.
+	Logf func(format string, args ...any)
 }
 
 // withheldFile is the withheld units in StateDir: unit -> the generation it was released
@@ -88,14 +96,20 @@ const MaxFile = 1 << 20
 
 // Driver is the plugin's state: the verified manifest's objects and the withheld units.
 type Driver struct {
-	cfg    Config
-	mu     sync.Mutex
-	v      *manifest.Verified
-	objs   *resources.Objects
+	cfg  Config
+	mu   sync.Mutex
+	v    *manifest.Verified
+	objs *resources.Objects // published: the ready units no claim holds and none withheld
+	// devs are the devices a claim may be prepared with, by name: the published ones and
+	// those of units prepared claims hold (prepare is idempotent: the kubelet may ask
+	// again for a claim it prepared).
+	devs   map[string]resourceapi.Device
 	held   map[string]uint64 // unit -> the generation it was released under
 	helper *kubeletplugin.Helper
 	cdi    *cdi.Cache
 	errs   chan error
+	// exportFailures counts the hook-dir exports that failed (HookExportFailures).
+	exportFailures atomic.Uint64
 }
 
 // New verifies the manifest and renders its objects; nothing is published yet.
@@ -127,6 +141,7 @@ func New(cfg Config) (*Driver, error) {
 	if err := d.load(); err != nil {
 		return nil, err
 	}
+	d.writeMetrics()
 	return d, nil
 }
 
@@ -142,40 +157,90 @@ func PCIeRoot(sys string) func(bdf string) (string, error) {
 	}
 }
 
-// load verifies the manifest again and renders it without the withheld units; a unit
-// withheld under a generation older than the manifest's is offered again (the node was
-// recycled and signed it ready).
+// load verifies the manifest again and renders it without the withheld units and
+// without the units prepared claims hold; a unit withheld under a generation older than
+// the manifest's is offered again (the node was recycled and signed it ready).
 func (d *Driver) load() error {
 	v, err := resources.Verify(d.cfg.Manifest, d.cfg.Source)
 	if err != nil {
 		return err
 	}
+	// The hook verifies what it is given on its own (and refuses a VM without it): an
+	// export that cannot be written (a full disk, a directory planted in a file's
+	// place) is the hook's loss, reported and counted, and must not refuse every claim
+	// on the node.
 	if err := d.exportHook(v); err != nil {
+		n := d.exportFailures.Add(1)
+		d.logf("hook dir %s: export of manifest generation %d failed (%d failures so far): %v", d.cfg.HookDir, v.Manifest.Generation, n, err)
+		d.writeMetrics()
+	}
+	held := maps.Clone(d.held)
+	released := false
+	for u, gen := range held {
+		if v.Manifest.Generation > gen {
+			delete(held, u)
+			released = true
+		}
+	}
+	if released {
+		// Pruning is not a record anything depends on: an entry left in the file is
+		// older than the manifest, so a restart lets it go again. A failed write is
+		// reported, not a refused verification.
+		if err := d.writeHeld(held); err != nil {
+			d.logf("%v: not pruned of the units manifest generation %d offered again", err, v.Manifest.Generation)
+		}
+	}
+	d.held = held
+	return d.render(v)
+}
+
+// render sets the objects of v: its units without the released ones (d.held) are what a
+// claim may be prepared with, and without those prepared claims hold (their CDI specs)
+// what is published. A prepared unit is not offered: whoever holds it has not let it go,
+// and a unit whose unprepare has not completed (its withheld record not yet written)
+// must not reach the next tenant, even from a restarted plugin.
+func (d *Driver) render(v *manifest.Verified) error {
+	specs, err := d.specs()
+	if err != nil {
 		return err
 	}
 	opts := d.cfg.Options
 	opts.Withhold = map[string]bool{}
-	released := false
-	for u, gen := range d.held {
-		if v.Manifest.Generation > gen {
-			delete(d.held, u)
-			released = true
-			continue
-		}
+	for u := range d.held {
 		opts.Withhold[u] = true
 	}
-	if released {
-		if err := d.writeHeld(); err != nil {
-			return err
+	all, err := resources.Render(v, opts)
+	if err != nil {
+		return err
+	}
+	for _, s := range specs {
+		for _, u := range s.units {
+			opts.Withhold[u] = true
 		}
 	}
 	objs, err := resources.Render(v, opts)
 	if err != nil {
 		return err
 	}
+	d.devs = map[string]resourceapi.Device{}
+	for _, dev := range all.Devices {
+		d.devs[dev.Name] = dev
+	}
 	d.v, d.objs = v, objs
 	return nil
 }
+
+func (d *Driver) logf(format string, args ...any) {
+	if d.cfg.Logf != nil {
+		d.cfg.Logf(format, args...)
+		return
+	}
+	log.Printf(format, args...)
+}
+
+// HookExportFailures is how many exports to Config.HookDir have failed since the
+// plugin started.
+func (d *Driver) HookExportFailures() uint64 { return d.exportFailures.Load() }
 
 // Objects are what the plugin publishes now.
 func (d *Driver) Objects() *resources.Objects {
@@ -246,22 +311,39 @@ func (d *Driver) Reload(ctx context.Context) error {
 // exposed through a CDI spec; a claim that fails a check is refused with the reason.
 func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	out := map[types.UID]kubeletplugin.PrepareResult{}
 	// The manifest is read and verified again: prepare holds a claim to what is signed
 	// now, not to what was signed when the slices were published.
 	if err := d.load(); err != nil {
+		d.mu.Unlock()
 		for _, c := range claims {
 			out[c.UID] = kubeletplugin.PrepareResult{Err: fmt.Errorf("claim %s/%s: %w", c.Namespace, c.Name, err)}
 		}
 		return out, nil
 	}
+	prepared := false
 	for _, c := range claims {
 		devs, err := d.prepare(c)
 		if err != nil {
 			err = fmt.Errorf("claim %s/%s: %w", c.Namespace, c.Name, err)
+		} else {
+			prepared = true
 		}
 		out[c.UID] = kubeletplugin.PrepareResult{Devices: devs, Err: err}
+	}
+	// The prepared units leave the slices once their specs are written. A failure here
+	// leaves them published a while longer, which offers nothing: prepare refuses a
+	// device another claim's spec holds, and the next reload publishes again.
+	var err error
+	if prepared {
+		err = d.render(d.v)
+	}
+	d.mu.Unlock()
+	if prepared && err == nil {
+		err = d.publish(ctx)
+	}
+	if err != nil {
+		d.logf("slices after prepare: %v", err)
 	}
 	return out, nil
 }
@@ -270,10 +352,7 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 	if c.Status.Allocation == nil {
 		return nil, errors.New("not allocated")
 	}
-	byName := map[string]resourceapi.Device{}
-	for _, dev := range d.objs.Devices {
-		byName[dev.Name] = dev
-	}
+	byName := d.devs
 	// The last line of defence against one function in two claims (kubeletplugin's
 	// DRAPlugin contract): the devices other claims' CDI specs hold.
 	inUse, err := d.inUse(c.UID)
@@ -430,35 +509,65 @@ func (d *Driver) checkFunction(bdf string, group int) error {
 	return nil
 }
 
-// UnprepareResourceClaims implements kubeletplugin.DRAPlugin: the claim's CDI spec goes,
-// and its units are withheld from the slices until a newer generation (idempotent: a
-// claim with no spec is done).
+// UnprepareResourceClaims implements kubeletplugin.DRAPlugin: the claim's units are
+// recorded as withheld until a newer generation, and only then does its CDI spec go
+// (idempotent: a claim with no spec is done). A record that cannot be written lets go of
+// nothing: the claim stays prepared, its units out of the slices, and the kubelet's
+// retry records them again.
 func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
 	d.mu.Lock()
 	out := map[types.UID]error{}
+	held := maps.Clone(d.held)
 	changed := false
+	var release []kubeletplugin.NamespacedObject
 	for _, c := range claims {
-		units, gen, err := d.specUnits(c.UID)
+		s, err := d.spec(c.UID)
 		if err != nil {
 			out[c.UID] = fmt.Errorf("claim %s: %w", c.NamespacedName, err)
 			continue
 		}
-		for _, u := range units {
-			if cur, ok := d.held[u]; !ok || gen > cur {
-				d.held[u] = gen
+		out[c.UID] = nil
+		if s == nil {
+			continue
+		}
+		// Withheld under the newest generation the plugin knows, not only the one the
+		// claim was prepared under: a generation signed while the tenant held the unit
+		// (another unit's recycle) says nothing of this one.
+		gen := s.gen
+		if d.v != nil && d.v.Manifest.Generation > gen {
+			gen = d.v.Manifest.Generation
+		}
+		for _, u := range s.units {
+			if cur, ok := held[u]; !ok || gen > cur {
+				held[u] = gen
 				changed = true
 			}
 		}
-		out[c.UID] = d.cdi.RemoveSpec(specName(c.UID))
+		release = append(release, c)
 	}
-	var err error
 	if changed {
-		if err = d.writeHeld(); err == nil {
-			err = d.load()
+		if err := d.writeHeld(held); err != nil {
+			for _, c := range release {
+				out[c.UID] = fmt.Errorf("claim %s: %w: the claim stays prepared until its units are recorded withheld", c.NamespacedName, err)
+			}
+			d.mu.Unlock()
+			return out, nil
+		}
+		d.held = held
+	}
+	for _, c := range release {
+		if err := d.cdi.RemoveSpec(specName(c.UID)); err != nil {
+			out[c.UID] = fmt.Errorf("claim %s: %w", c.NamespacedName, err)
 		}
 	}
+	// The slices from the manifest verified last: a released unit stays out whether or
+	// not the manifest verifies now.
+	var err error
+	if len(release) > 0 && d.v != nil {
+		err = d.render(d.v)
+	}
 	d.mu.Unlock()
-	if err == nil && changed {
+	if err == nil && len(release) > 0 {
 		err = d.publish(ctx)
 	}
 	return out, err
@@ -501,13 +610,13 @@ func decodeHeld(b []byte) (map[string]uint64, error) {
 	return held, nil
 }
 
-// writeHeld records the withheld units before they are published without them: a
+// writeHeld records held as the withheld units, before anything is let go of: a
 // restart must not offer a released unit again.
-func (d *Driver) writeHeld() error {
+func (d *Driver) writeHeld(held map[string]uint64) error {
 	if d.cfg.StateDir == "" {
 		return nil
 	}
-	b, err := json.Marshal(d.held)
+	b, err := json.Marshal(held)
 	if err == nil && len(b) > MaxFile {
 		err = fmt.Errorf("%d bytes, more than the %d the plugin reads back", len(b), MaxFile)
 	}
@@ -515,37 +624,70 @@ func (d *Driver) writeHeld() error {
 		err = manifest.WriteAtomic(d.cfg.StateDir, withheldFile, b)
 	}
 	if err != nil {
-		return fmt.Errorf("withheld units: %w", err)
+		return fmt.Errorf("withheld units %s: %w", filepath.Join(d.cfg.StateDir, withheldFile), err)
 	}
 	return nil
 }
 
+// claimSpec is what a claim's CDI spec records for the plugin: the units it holds, the
+// generation it was prepared under and its devices.
+type claimSpec struct {
+	uid            types.UID
+	units, devices []string
+	gen            uint64
+}
+
+// specs are the claims prepared on the node: the plugin's CDI specs in CDIDir. One that
+// cannot be read is an error naming it: the units it holds are unknown, and guessing
+// none would offer them.
+func (d *Driver) specs() ([]*claimSpec, error) {
+	paths, err := filepath.Glob(filepath.Join(d.cfg.CDIDir, specPrefix+"*.json"))
+	if err != nil {
+		return nil, err
+	}
+	var out []*claimSpec
+	for _, p := range paths {
+		uid := types.UID(strings.TrimSuffix(strings.TrimPrefix(filepath.Base(p), specPrefix), ".json"))
+		s, err := readClaimSpec(p, uid)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // unprepared since the glob
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// spec is the claim's CDI spec; nil when there is none.
+func (d *Driver) spec(uid types.UID) (*claimSpec, error) {
+	s, err := readClaimSpec(filepath.Join(d.cfg.CDIDir, specName(uid)), uid)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	return s, err
+}
+
 // inUse are the devices the CDI specs of claims other than uid hold, by device name.
 func (d *Driver) inUse(uid types.UID) (map[string]string, error) {
-	specs, err := filepath.Glob(filepath.Join(d.cfg.CDIDir, specPrefix+"*.json"))
+	specs, err := d.specs()
 	if err != nil {
 		return nil, err
 	}
 	out := map[string]string{}
-	for _, p := range specs {
-		other := types.UID(strings.TrimSuffix(strings.TrimPrefix(filepath.Base(p), specPrefix), ".json"))
-		if other == uid {
+	for _, s := range specs {
+		if s.uid == uid {
 			continue
 		}
-		s, err := readSpec(p)
-		if err != nil {
-			return nil, err
-		}
-		for _, dev := range strings.Split(s.Annotations[annotationDevices], ",") {
-			if dev != "" {
-				out[dev] = string(other)
-			}
+		for _, dev := range s.devices {
+			out[dev] = string(s.uid)
 		}
 	}
 	return out, nil
 }
 
-func readSpec(p string) (*cdispec.Spec, error) {
+func readClaimSpec(p string, uid types.UID) (*claimSpec, error) {
 	b, err := manifest.ReadRegular(p, MaxFile)
 	if err != nil {
 		return nil, err
@@ -554,28 +696,18 @@ func readSpec(p string) (*cdispec.Spec, error) {
 	if err := json.Unmarshal(b, &s); err != nil {
 		return nil, fmt.Errorf("%s: %w", p, err)
 	}
-	return &s, nil
-}
-
-// specUnits reads the units a claim's CDI spec names; none when there is no spec.
-func (d *Driver) specUnits(uid types.UID) ([]string, uint64, error) {
-	p := filepath.Join(d.cfg.CDIDir, specName(uid))
-	s, err := readSpec(p)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, 0, nil
-	}
-	if err != nil {
-		return nil, 0, err
-	}
 	gen, err := strconv.ParseUint(s.Annotations[annotationGeneration], 10, 64)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%s: annotation %s: %w", p, annotationGeneration, err)
+		return nil, fmt.Errorf("%s: annotation %s: %w", p, annotationGeneration, err)
 	}
-	var units []string
-	if u := s.Annotations[annotationUnits]; u != "" {
-		units = strings.Split(u, ",")
+	return &claimSpec{uid: uid, units: split(s.Annotations[annotationUnits]), devices: split(s.Annotations[annotationDevices]), gen: gen}, nil
+}
+
+func split(list string) []string {
+	if list == "" {
+		return nil
 	}
-	return units, gen, nil
+	return strings.Split(list, ",")
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: background errors are reported on

@@ -143,6 +143,8 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 
 	// Prepare: a CDI spec with the four groups' nodes, and the metadata KubeVirt reads.
 	vm0 := claim(t, client, d, "vm0", "gpu0")
+	// A second claim given gpu0 (an allocation gone wrong), made while gpu0 is offered.
+	dup := claim(t, client, d, "dup", "gpu0")
 	got := prepare(t, k, vm0)
 	if got.Error != "" || len(got.Devices) != 4 {
 		t.Fatalf("prepare vm0: %+v", got)
@@ -178,8 +180,8 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 		checkMetadata(t, data, vm0, dev.RequestNames[0], f.BDF)
 	}
 
-	// A second claim given gpu0 (an allocation gone wrong) is refused while vm0 holds it.
-	dup := claim(t, client, d, "dup", "gpu0")
+	// Prepared, gpu0 is not offered; dup is refused while vm0 holds it.
+	publishedDevices(t, client, without("gpu0", 28))
 	got = prepare(t, k, dup)
 	if !strings.Contains(got.Error, "is prepared for claim uid-vm0") || len(got.Devices) != 0 {
 		t.Fatalf("prepare of a claim on vm0's devices: %+v", got)
@@ -267,19 +269,18 @@ func TestPluginThroughKubeletGRPC(t *testing.T) {
 // registers it as the kubelet's plugin watcher does; the kubelet's side is returned.
 func start(t *testing.T, cfg plugin.Config, reg string) (*plugin.Driver, *fake.Clientset, *kubelet, context.Context) {
 	t.Helper()
-	data := cfg.StateDir
 	d, err := plugin.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The kubelet makes these directories (its plugins and plugins_registry).
-	for _, dir := range []string{reg, data} {
-		if err := os.MkdirAll(dir, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// The API's Node object owns the node's slices.
-	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: d.Objects().Node, UID: "node-uid"}})
+	client := fakeAPI(d.Objects().Node)
+	k, ctx := startOn(t, d, cfg, reg, client)
+	return d, client, k, ctx
+}
+
+// fakeAPI is client-go's fake API holding the Node object, which owns the node's slices.
+func fakeAPI(node string) *fake.Clientset {
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node, UID: "node-uid"}})
 	// The fake API does not generate names as the API server does for the slice
 	// controller's generateName: this reactor does, then lets the create through.
 	var generated atomic.Int32
@@ -290,6 +291,20 @@ func start(t *testing.T, cfg plugin.Config, reg string) (*plugin.Driver, *fake.C
 		}
 		return false, nil, nil
 	})
+	return client
+}
+
+// startOn starts d, made from cfg, publishing through client (a restarted plugin keeps
+// the API of the one before), and registers it as the kubelet's plugin watcher does.
+func startOn(t *testing.T, d *plugin.Driver, cfg plugin.Config, reg string, client *fake.Clientset) (*kubelet, context.Context) {
+	t.Helper()
+	data := cfg.StateDir
+	// The kubelet makes these directories (its plugins and plugins_registry).
+	for _, dir := range []string{reg, data} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(reg),
@@ -311,8 +326,7 @@ func start(t *testing.T, cfg plugin.Config, reg string) (*plugin.Driver, *fake.C
 		t.Fatal(err)
 	}
 	k.dra = drapb.NewDRAPluginClient(dial(t, info.Endpoint))
-
-	return d, client, k, ctx
+	return k, ctx
 }
 
 // checkMetadata reads the request's KEP-5304 metadata file the helper wrote: a JSON

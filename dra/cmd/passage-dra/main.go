@@ -24,6 +24,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -296,6 +297,14 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 2
 	}
+	// What the plugin carries on through (an export to --hook-dir that failed, with
+	// the count of failures so far) goes to the log beside the reloads' errors.
+	var logMu sync.Mutex
+	cfg.Logf = func(format string, args ...any) {
+		logMu.Lock()
+		defer logMu.Unlock()
+		fmt.Fprintf(stderr, "%s: %s\n", fs.Name(), manifest.Printable(fmt.Sprintf(format, args...)))
+	}
 	d, err := plugin.New(cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
@@ -349,7 +358,8 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 	fs.StringVar(&cfg.Manifest, "manifest", "", "the node's manifest envelope (manifest.dsse.json), verified again at every prepare and reload")
 	fs.StringVar(&cfg.Root, "root", "/", "where the node's sys/ and dev/vfio are (read only)")
 	fs.StringVar(&cfg.CDIDir, "cdi-dir", "/var/run/cdi", "where the CDI specs go")
-	fs.StringVar(&cfg.HookDir, "hook-dir", "", "write the verified manifest, its public key and the node's DMI UUID here for passage-hook (KubeVirt's sidecar)")
+	fs.StringVar(&cfg.HookDir, "hook-dir", "", "write the verified manifest, its public key and the node's DMI UUID here for passage-hook (KubeVirt's sidecar); a failed export is logged and counted, never a refused claim")
+	fs.StringVar(&cfg.MetricsFile, "metrics-file", "", "keep the plugin's counters (passage_dra_hook_export_failures_total) in this `FILE` for node_exporter's textfile collector (a .prom file in its directory)")
 	fs.StringVar(&p.kubeconfig, "kubeconfig", "", "kubeconfig file (default: the pod's in-cluster config)")
 	fs.StringVar(&p.registry, "registry-dir", kubeletplugin.KubeletRegistryDir, "the kubelet's plugin registration directory")
 	fs.StringVar(&p.dataDir, "plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")

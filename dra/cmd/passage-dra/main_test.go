@@ -254,8 +254,10 @@ func TestFlagsReachEveryCommand(t *testing.T) {
 	o.register(fs)
 	var stderr bytes.Buffer
 	hookDir := filepath.Join(t.TempDir(), "hook")
+	prom := filepath.Join(t.TempDir(), "passage-dra.prom")
 	cfg, _, code := pluginConfig(fs, []string{"--pub", keys, "--manifest", r.Path, "--root", r.Root,
-		"--plugin-dir", t.TempDir(), "--cdi-dir", t.TempDir(), "--node-name", "worker-7", "--degraded", "--hook-dir", hookDir}, o, &stderr)
+		"--plugin-dir", t.TempDir(), "--cdi-dir", t.TempDir(), "--node-name", "worker-7", "--degraded", "--hook-dir", hookDir,
+		"--metrics-file", prom}, o, &stderr)
 	if code != 0 {
 		t.Fatalf("plugin flags: exit %d %s", code, stderr.String())
 	}
@@ -270,6 +272,10 @@ func TestFlagsReachEveryCommand(t *testing.T) {
 	// --hook-dir: the verified envelope exported for passage-hook, byte for byte.
 	if got, err := os.ReadFile(filepath.Join(hookDir, plugin.HookManifest)); err != nil || !bytes.Equal(got, mustRead(t, r.Path)) {
 		t.Errorf("plugin --hook-dir %s: the manifest not exported (%v)", hookDir, err)
+	}
+	// --metrics-file: the export counter, none failed.
+	if got, err := os.ReadFile(prom); err != nil || !bytes.Contains(got, []byte("\npassage_dra_hook_export_failures_total 0\n")) {
+		t.Errorf("plugin --metrics-file %s: %q %v, want the export failures counted (0)", prom, got, err)
 	}
 }
 
