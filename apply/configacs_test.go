@@ -109,13 +109,13 @@ func TestConfigACSMatchesFunctions(t *testing.T) {
 		{"0000000@pci:10de:2901junk;" + planned, ""},
 		{"0000000@" + rp.String() + "/0g.0;" + planned, ""},
 	} {
-		got := ParseConfigACS("pci=config_acs=" + tc.arg).For(tree, nic)
+		got := ParseConfigACS("pci=config_acs="+tc.arg).For(tree, nic)
 		if got.Unsure || got.Set != (tc.entry != "") || got.Setting.Entry != tc.entry {
 			t.Errorf("%s: %+v, want entry %q", tc.arg, got, tc.entry)
 		}
 	}
 	// The root port itself: a path of one hop is its own address.
-	if got := ParseConfigACS("pci=config_acs=0000000@pci:15b3:197c;1x111x1@" + rp.String()).For(tree, rp); !got.Set || got.Setting.Mask != isoDT {
+	if got := ParseConfigACS("pci=config_acs=0000000@pci:15b3:197c;1x111x1@"+rp.String()).For(tree, rp); !got.Set || got.Setting.Mask != isoDT {
 		t.Errorf("root port: %+v", got)
 	}
 }
