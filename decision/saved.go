@@ -267,8 +267,12 @@ func ImageCmdline(b []byte, base string) (string, error) {
 		line = base + " " + args
 	}
 	if len(line) > MaxCmdline {
-		return "", fmt.Errorf("the image's command line would be %d bytes (its other arguments %d, the plan's %d, a space between): the kernel keeps %d (x86 COMMAND_LINE_SIZE %d, its NUL included) and would cut off the rest, %s= first: refused",
-			len(line), len(base), len(args), MaxCmdline, CommandLineSize, PlanArg)
+		parts := fmt.Sprintf("its other arguments %d, the plan's %d, a space between", len(base), len(args))
+		if base == "" {
+			parts = "the plan's arguments alone"
+		}
+		return "", fmt.Errorf("the image's command line would be %d bytes (%s): the kernel keeps %d (x86 COMMAND_LINE_SIZE %d, its NUL included) and would cut off the rest, %s= first: refused",
+			len(line), parts, MaxCmdline, CommandLineSize, PlanArg)
 	}
 	return args, nil
 }
