@@ -5,8 +5,10 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -285,4 +287,33 @@ func TestCmdlineBoundsTheLine(t *testing.T) {
 		t.Errorf("150 ports: exit %d, printed %q, stderr %q; want 2, nothing, the length named", code, got, errs)
 	}
 	t.Logf("150 ports: %s", strings.TrimSpace(errs))
+}
+
+// TestUKIRefusesLineThatDoesNotFit: image/uki.sh, which signs whatever line it is given
+// (make uki without PLAN= too), refuses one longer than the kernel keeps before it
+// signs or writes anything; a line of exactly 2047 bytes goes on to its other checks.
+func TestUKIRefusesLineThatDoesNotFit(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "netboot")
+	run := func(line string) (int, string) {
+		cmd := exec.Command("bash", filepath.Join("..", "..", "image", "uki.sh"), out, "/nonexistent/vmlinuz", "/nonexistent/initrd", line, "/nonexistent/key", "/nonexistent/cert")
+		b, err := cmd.CombinedOutput()
+		var ee *exec.ExitError
+		if err != nil && !errors.As(err, &ee) {
+			t.Fatal(err)
+		}
+		return cmd.ProcessState.ExitCode(), string(b)
+	}
+	// 1,024 two-byte characters: the bound is in bytes, as the kernel counts.
+	for _, line := range []string{strings.Repeat("a", 2048), strings.Repeat("é", 1024)} {
+		code, msg := run(line)
+		if code != 1 || !strings.Contains(msg, "uki: the command line is 2048 bytes, the kernel keeps 2047") {
+			t.Errorf("a line of 2048 bytes: exit %d: %s", code, msg)
+		}
+	}
+	if _, err := os.Stat(out); !os.IsNotExist(err) {
+		t.Errorf("uki.sh made %s for a line it refused: %v", out, err)
+	}
+	if code, msg := run(strings.Repeat("a", 2047)); code != 1 || !strings.Contains(msg, "/nonexistent/vmlinuz: missing or empty") {
+		t.Errorf("a line of 2047 bytes: exit %d: %s, want past the length to the missing kernel", code, msg)
+	}
 }
