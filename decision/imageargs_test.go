@@ -3,10 +3,10 @@ package decision
 import (
 	"bytes"
 	"encoding/json"
-	"github.com/passage-boot/passage/apply"
 	"strings"
 	"testing"
 
+	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
