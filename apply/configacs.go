@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 )
@@ -297,14 +298,15 @@ func (c *ConfigACS) Named() map[pci.Address]string {
 }
 
 // configACSValue is the value of the last config_acs= among the line's pci= options.
+// The line is split as the kernel's parse_args splits it (next_arg: a quoted stretch is
+// one argument, nothing after "--" is a parameter), so a pci= inside another argument's
+// quoted value is not taken for one; pci_setup then splits the option list on ','.
 func configACSValue(cmdline string) (value string, found bool) {
-	for _, arg := range strings.Fields(cmdline) {
-		arg = strings.Trim(arg, `"`)
-		v, ok := strings.CutPrefix(arg, "pci=")
-		if !ok {
+	for _, arg := range initramfs.SplitCmdline(cmdline) {
+		if arg.Key != "pci" || !arg.HasValue {
 			continue
 		}
-		for _, opt := range strings.Split(v, ",") {
+		for _, opt := range strings.Split(arg.Value, ",") {
 			if acs, ok := strings.CutPrefix(opt, "config_acs="); ok {
 				value, found = acs, true
 			}

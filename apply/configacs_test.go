@@ -47,6 +47,11 @@ func TestParseConfigACS(t *testing.T) {
 		// The last config_acs= wins, as in pci_setup.
 		{"pci=config_acs=1x111x1@0000:ec:00.0 pci=config_acs=xx111x1@0000:ec:00.0", iso, iso, true},
 		{"pci=config_acs=1x111x1@0000:ec:00.0 pci=config_acs=xx111x1@01:00.0", 0, 0, false},
+		// The line splits as next_arg splits it: a pci= inside another argument's quoted
+		// value is that argument's, and what follows "--" is init's.
+		{`pci=config_acs=0000000@0000:ec:00.0 foo="a pci=config_acs=1x111x1@0000:ec:00.0"`, 0x7f, 0, true},
+		{"pci=config_acs=1x111x1@0000:ec:00.0 -- pci=config_acs=0000000@0000:ec:00.0", isoDT, isoDT, true},
+		{`pci="config_acs=1x111x1@0000:ec:00.0"`, isoDT, isoDT, true},
 		// Within the argument the first entry that matches wins (__pci_config_acs stops
 		// there), however the port is spelled.
 		{"pci=config_acs=0000000@0000:ec:00.0;1x111x1@0000:ec:00.0", 0x7f, 0, true},

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 )
@@ -52,12 +53,13 @@ func (ip *ImagePlan) reading(a pci.Address) apply.Reading {
 }
 
 // parsePlanDigest returns the last passage.plan= value on the line (the kernel's own
-// rule for a repeated argument), and whether it is a well-formed sha256 digest.
+// rule for a repeated argument), and whether it is a well-formed sha256 digest. The line
+// is split as the kernel splits it (initramfs.SplitCmdline, next_arg).
 func parsePlanDigest(cmdline string) (string, bool) {
 	v := ""
-	for _, a := range strings.Fields(cmdline) {
-		if x, ok := strings.CutPrefix(strings.Trim(a, `"`), PlanArg+"="); ok {
-			v = x
+	for _, a := range initramfs.SplitCmdline(cmdline) {
+		if a.Key == PlanArg && a.HasValue {
+			v = a.Value
 		}
 	}
 	h, ok := strings.CutPrefix(v, "sha256:")
