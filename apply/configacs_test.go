@@ -150,9 +150,24 @@ func FuzzParseConfigACS(f *testing.F) {
 	f.Add("pci=config_acs=0000000@0:ec:20.8;1x111x1@0000:ec:00.0")
 	f.Add("pci=config_acs=0000000@pci:0:0;1x111x1@0000:ec:00.0")
 	f.Add("pci=config_acs=0000000@0000:00:02.0/00.0;1x111x1@0000:ec:00.0")
+	f.Add("pci=config_acs=0000000@pci:15b3:197c:0:0;1x111x1@0000:15:02.0/00.0")
+	f.Add("pci=config_acs=1@0x0:0x15:0x22.0x8;xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx1@15:2.0")
 	a := pci.MustParseAddress("0000:ec:00.0")
+	n := pcitest.New(f, pcitest.B300())
+	tree, err := pci.Scan(n.Root)
+	if err != nil {
+		f.Fatal(err)
+	}
+	ports := []pci.Address{n.Addr("rp0"), n.Addr("cx-dsp-nic0"), n.Addr("gpu-dsp0"), n.Addr("nvme0")}
 	f.Fuzz(func(t *testing.T, s string) {
 		c := ParseConfigACS(s)
+		// Against the scanned tree, whatever the entries name, a reading is never unsure
+		// and what it applies is within the seven controls.
+		for _, p := range ports {
+			if r := c.For(tree, p); r.Set && (r.Setting.Flags&^r.Setting.Mask != 0 || r.Setting.Mask&^0x7f != 0) || r.Unsure && len(s) < maxFlagChars {
+				t.Fatalf("%s: %+v", p, r)
+			}
+		}
 		r := c.For(nil, a)
 		set := r.Setting
 		if r.Set && (set.Flags&^set.Mask != 0 || set.Mask&^0x7f != 0 || r.Unsure) {
