@@ -43,12 +43,14 @@ ipxe: initramfs
 # UKI_KEY/UKI_CERT: the operator's db signing key (never one shipped in an image).
 # PLAN: a saved plan (passage plan -o) of a reference node of the SKU: its
 # pci=config_acs= and passage.plan=sha256:<digest> go into the signed command line, so a
-# locked-down kernel (6.11+) programs the ACS itself and passage verifies it.
+# locked-down kernel (6.11+) programs the ACS itself and passage verifies it. The whole
+# line must fit the kernel's (2047 bytes on x86): passage cmdline --base and uki.sh refuse
+# a longer one before anything is signed.
 UKI_CMDLINE ?= console=ttyS0,115200 intel_iommu=on panic=-1 rdinit=/bbin/passage passage.profile=b300 passage.handoff=switch_root passage.root=LABEL=root
 uki: initramfs build
 	@test -n "$(UKI_KEY)" -a -n "$(UKI_CERT)" || { echo "make uki: set UKI_KEY= and UKI_CERT= (the db key that signs the image)"; exit 2; }
 	@cmdline="$(UKI_CMDLINE)"; \
-	if [ -n "$(PLAN)" ]; then plan=$$($(BUILD)/passage cmdline --plan "$(PLAN)") || exit 1; cmdline="$$cmdline $$plan"; echo "uki: plan $(PLAN): $$plan"; fi; \
+	if [ -n "$(PLAN)" ]; then plan=$$($(BUILD)/passage cmdline --plan "$(PLAN)" --base "$$cmdline") || exit 1; cmdline="$${cmdline:+$$cmdline }$$plan"; echo "uki: plan $(PLAN): $$plan"; fi; \
 	bash image/uki.sh $(IMAGE)/netboot $(IMAGE)/kernel/vmlinuz $(IMAGE)/initramfs.cpio.gz "$$cmdline" "$(UKI_KEY)" "$(UKI_CERT)"
 
 # unit checks formatting, runs vet, staticcheck and the race-enabled unit tests (synthetic

@@ -112,6 +112,10 @@ type Options struct {
 	// pci=config_acs= setting is read back: verified when the kernel set the target; when
 	// it did not, written (with a note), or under lockdown a mismatch.
 	Cmdline string
+	// Tree is the scanned tree the ports were planned from: the kernel matches an entry
+	// naming functions by IDs or by a path against the function itself (ConfigACS.For).
+	// Without it such an entry, read before a port's own, leaves the port unverified.
+	Tree *pci.Tree
 	// KernelRelease ("6.1.0-57-amd64") goes into the lockdown advice.
 	KernelRelease string
 	DryRun        bool
@@ -136,7 +140,7 @@ const (
 type executor struct {
 	opt     Options
 	ctx     context.Context
-	cmdline map[pci.Address]ACSSetting
+	cmdline *ConfigACS
 	stopped map[topology.UnitID]string // unit -> the port whose failure stopped it
 }
 
@@ -244,8 +248,10 @@ func (x *executor) port(p topology.ACSPort) Change {
 	p.Current = cur
 	c.Before, c.Target, c.After, c.Read = cur, p.Target(), cur, true
 
-	set, inCmdline := x.cmdline[p.Addr]
-	inCmdline = inCmdline && set.Plans(p)
+	// The entry the kernel applied to the port: the first that matches it.
+	r := x.cmdline.For(x.opt.Tree, p.Addr)
+	set := r.Setting
+	inCmdline := r.Set && set.Plans(p)
 	switch {
 	case cur == c.Target && inCmdline:
 		c.Result = ResultVerified

@@ -5,13 +5,10 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 )
-
-// acsFlagBits is how many flag positions pci=config_acs= has (SV..DT, bits 0..6). The
-// argument itself is topology.KernelArg's.
-const acsFlagBits = 7
 
 // ACSSetting is one entry of a pci=config_acs= argument.
 type ACSSetting struct {
@@ -25,31 +22,77 @@ func (s ACSSetting) Plans(p topology.ACSPort) bool {
 	return s.Mask == p.Mask && s.Flags == p.Flags&p.Mask
 }
 
-// ParseConfigACS finds the pci=config_acs= settings on a kernel command line, keyed by
-// the address they name; nil when the line has none. The kernel keeps the last
-// config_acs= it sees (pci_setup), so a later one replaces an earlier one. Entries
-// naming devices by ID or by path, and malformed entries, are left out: they can never
-// match a planned port by address.
-func ParseConfigACS(cmdline string) map[pci.Address]ACSSetting {
-	value, found := configACSValue(cmdline)
-	if !found {
+// ConfigACS is a line's pci=config_acs= argument as the kernel reads it. The kernel
+// keeps the last config_acs= it sees (pci_setup); for each function with an ACS
+// capability, __pci_config_acs (drivers/pci/pci.c, Linux 6.11 and newer) then reads
+// the entries in order and applies the first one that matches the function, ending
+// the reading there: a later entry naming the same function, however spelled (by
+// address, by a path of device.function hops from a root bus, by IDs), is never read.
+type ConfigACS struct {
+	Value string // after config_acs=
+}
+
+// ParseConfigACS finds the pci=config_acs= argument on a kernel command line; nil when
+// the line has none.
+func ParseConfigACS(cmdline string) *ConfigACS {
+	v, ok := configACSValue(cmdline)
+	if !ok {
 		return nil
 	}
-	out := map[pci.Address]ACSSetting{}
-	for _, e := range strings.Split(value, ";") {
-		flags, dev, ok := strings.Cut(e, "@")
-		if !ok || len(flags) == 0 || len(flags) > acsFlagBits {
-			continue
+	return &ConfigACS{Value: v}
+}
+
+// Reading is what the kernel does with the argument for one function.
+type Reading struct {
+	// Setting is the entry the kernel applies, when Set.
+	Setting ACSSetting
+	Set     bool
+	// Why says, when no entry applies, where the kernel stopped reading (an entry it
+	// could not parse, flags it refused) or why passage cannot tell (Unsure); "" when the
+	// kernel read every entry and none names the function.
+	Why    string
+	Unsure bool
+}
+
+// maxFlagChars bounds the flag string passage models: __pci_config_acs shifts a C int
+// by each character's position, which past 31 is undefined behaviour.
+const maxFlagChars = 31
+
+// For reads the argument for the function at a as __pci_config_acs does, matching
+// entries as pci_dev_str_match does against the function t holds at a: its address,
+// IDs and the bridges above it. Without the function (t nil, or a not in t), an entry
+// naming functions by IDs or by a path reached before a match leaves the reading Unsure.
+func (c *ConfigACS) For(t *pci.Tree, a pci.Address) Reading {
+	if c == nil {
+		return Reading{}
+	}
+	var d *pci.Device
+	if t != nil {
+		d = t.Lookup(a)
+	}
+	known := d != nil
+	if !known {
+		d = &pci.Device{Addr: a}
+	}
+	p := c.Value
+	for p != "" {
+		// The flags are what precedes the first '@' left in the argument (strstr),
+		// read right to left: the rightmost character is bit 0.
+		at := strings.IndexByte(p, '@')
+		if at < 0 {
+			return Reading{Why: fmt.Sprintf("the kernel stops at %q: no '@' (\"ACS Flags missing\")", p)}
 		}
-		a, err := pci.ParseAddress(dev)
-		if err != nil {
-			continue
+		flags := p[:at]
+		if len(flags) > maxFlagChars {
+			return Reading{Unsure: true, Why: fmt.Sprintf("the kernel's reading of %q is undefined: more than %d flag characters", flags, maxFlagChars)}
 		}
 		var s ACSSetting
-		valid := true
-		// The rightmost character is bit 0, as __pci_config_acs reads it.
-		for i := 0; i < len(flags); i++ {
-			bit := pci.ACSBits(1) << (len(flags) - 1 - i)
+		for i := len(flags) - 1; i >= 0; i-- {
+			// Bits past 15 fall out of the kernel's u16 mask and flags.
+			bit := pci.ACSBits(0)
+			if shift := len(flags) - 1 - i; shift < 16 {
+				bit = 1 << shift
+			}
 			switch flags[i] {
 			case '1':
 				s.Mask |= bit
@@ -58,26 +101,212 @@ func ParseConfigACS(cmdline string) map[pci.Address]ACSSetting {
 				s.Mask |= bit
 			case 'x', 'X':
 			default:
-				valid = false
+				return Reading{Why: fmt.Sprintf("the kernel stops at flags %q (\"Invalid ACS flags... Ignoring\")", flags)}
 			}
 		}
-		if valid {
-			s.Entry = e
-			out[a] = s
+		if s.Mask&^configACSMask != 0 {
+			return Reading{Why: fmt.Sprintf("the kernel stops at flags %q: a bit above DT (\"Invalid ACS flags specified\")", flags)}
+		}
+		spec := p[at+1:]
+		m, rest := strMatch(d, known, spec)
+		switch m {
+		case matchUnsure:
+			return Reading{Unsure: true, Why: fmt.Sprintf("entry %q names functions by IDs or by path, and %s is not a function of the scanned tree", p[:len(p)-len(rest)], a)}
+		case matchInvalid:
+			return Reading{Why: fmt.Sprintf("the kernel stops at %q (\"PCI: %s\")", p[:len(p)-len(rest)], logCantParse)}
+		case matched:
+			s.Entry = p[:len(p)-len(rest)]
+			return Reading{Setting: s, Set: true}
+		}
+		if rest == "" || rest[0] != ';' && rest[0] != ',' {
+			if rest != "" {
+				return Reading{Why: fmt.Sprintf("the kernel stops at %q: not an entry separator", rest)}
+			}
+			break
+		}
+		p = rest[1:]
+	}
+	return Reading{}
+}
+
+// configACSMask are the controls pci=config_acs= may name (PCI_ACS_SV..PCI_ACS_DT).
+const configACSMask = pci.ACSSV | pci.ACSTB | pci.ACSRR | pci.ACSCR | pci.ACSUF | pci.ACSEC | pci.ACSDT
+
+type match int
+
+const (
+	noMatch match = iota
+	matched
+	matchInvalid // pci_dev_str_match's -EINVAL
+	matchUnsure  // needs what passage was not given about the function
+)
+
+// strMatch is pci_dev_str_match (drivers/pci/pci.c): "pci:VVVV:DDDD[:SSSS:ssss]" names
+// functions by IDs (0 matches any), anything else is pci_dev_str_match_path's
+// "[DDDD:]BB:DD.F[/DD.F]..." up to the next ';'. rest is where the kernel goes on.
+func strMatch(d *pci.Device, known bool, p string) (match, string) {
+	if ids, ok := strings.CutPrefix(p, "pci:"); ok {
+		v, n, count := kscanf(ids, "%hx:%hx:%hx:%hx%n")
+		if n != 4 {
+			if v, n, count = kscanf(ids, "%hx:%hx%n"); n != 2 {
+				return matchInvalid, ""
+			}
+			v = append(v[:2], 0, 0)
+		}
+		rest := ids[count:]
+		if !known {
+			return matchUnsure, rest
+		}
+		want := []uint16{d.VendorID, d.DeviceID, d.SubsystemVendor, d.SubsystemDevice}
+		for i, id := range v {
+			if uint16(id) != 0 && uint16(id) != want[i] {
+				return noMatch, rest
+			}
+		}
+		return matched, rest
+	}
+	end := strings.IndexByte(p, ';')
+	if end < 0 {
+		end = len(p)
+	}
+	path, rest := p[:end], p[end:]
+	dev := d
+	for {
+		i := strings.LastIndexByte(path, '/')
+		if i < 0 {
+			break
+		}
+		v, n, _ := kscanf(path[i:], "/%x.%x%c")
+		if n != 2 {
+			return matchInvalid, rest
+		}
+		if !known {
+			return matchUnsure, rest
+		}
+		if devfn(dev.Addr) != kernelDevfn(v[0], v[1]) {
+			return noMatch, rest
+		}
+		if dev = dev.Parent; dev == nil {
+			return noMatch, rest
+		}
+		path = path[:i]
+	}
+	v, n, _ := kscanf(path, "%x:%x:%x.%x%c")
+	if n != 4 {
+		if v, n, _ = kscanf(path, "%x:%x.%x%c"); n != 3 {
+			return matchInvalid, rest
+		}
+		v = append([]uint64{0}, v[:3]...)
+	}
+	if uint32(v[0]) == uint32(dev.Addr.Domain) && uint32(v[1]) == uint32(dev.Addr.Bus) && devfn(dev.Addr) == kernelDevfn(v[2], v[3]) {
+		return matched, rest
+	}
+	return noMatch, rest
+}
+
+func devfn(a pci.Address) uint8 { return a.Device<<3 | a.Function }
+
+// kernelDevfn is PCI_DEVFN (include/uapi/linux/pci.h): the slot and function as the
+// kernel masks them, so "20.8" is 00.0.
+func kernelDevfn(slot, fn uint64) uint8 { return uint8(slot&0x1f)<<3 | uint8(fn&0x07) }
+
+// kscanf is the kernel's vsscanf (lib/vsprintf.c) for what these formats use: literal
+// characters, which must match; %x and %hx (white space skipped, a hex digit first, an
+// optional 0x, digits without bound: simple_strntoull, kept to 32 or 16 bits as the C
+// assignment keeps them); %c; and %n, which assigns the count read so far without
+// counting as a conversion. It returns the values in order (%c's character, %n's count
+// as count), how many conversions were assigned, and the %n count.
+func kscanf(s, format string) (vals []uint64, n, count int) {
+	i := 0
+	for f := 0; f < len(format); {
+		if format[f] != '%' {
+			if i >= len(s) || s[i] != format[f] {
+				return vals, n, count
+			}
+			i, f = i+1, f+1
+			continue
+		}
+		f++
+		bits := 32
+		if format[f] == 'h' {
+			bits, f = 16, f+1
+		}
+		conv := format[f]
+		f++
+		if conv == 'n' {
+			count = i
+			continue
+		}
+		if i >= len(s) {
+			return vals, n, count
+		}
+		if conv == 'c' {
+			vals = append(vals, uint64(s[i]))
+			i, n = i+1, n+1
+			continue
+		}
+		for i < len(s) && isKernelSpace(s[i]) {
+			i++
+		}
+		if i >= len(s) || !isHex(s[i]) {
+			return vals, n, count
+		}
+		if s[i] == '0' && i+1 < len(s) && (s[i+1] == 'x' || s[i+1] == 'X') {
+			i += 2
+		}
+		var v uint64
+		for ; i < len(s) && isHex(s[i]); i++ {
+			v = v<<4 | uint64(hexVal(s[i]))
+		}
+		vals = append(vals, v&(1<<bits-1))
+		n++
+	}
+	return vals, n, count
+}
+
+func isKernelSpace(c byte) bool { return c == ' ' || c >= '\t' && c <= '\r' }
+
+func isHex(c byte) bool { return c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F' }
+
+func hexVal(c byte) byte {
+	switch {
+	case c >= 'a':
+		return c - 'a' + 10
+	case c >= 'A':
+		return c - 'A' + 10
+	}
+	return c - '0'
+}
+
+// Named are the entries that name one function by its address ("DDDD:BB:DD.F" or
+// "BB:DD.F", as pci.ParseAddress reads it), each address with its first entry: the
+// functions an image built for another topology names that this node may lack.
+func (c *ConfigACS) Named() map[pci.Address]string {
+	out := map[pci.Address]string{}
+	if c == nil {
+		return out
+	}
+	for _, e := range strings.Split(c.Value, ";") {
+		_, dev, ok := strings.Cut(e, "@")
+		if a, err := pci.ParseAddress(dev); ok && err == nil {
+			if _, seen := out[a]; !seen {
+				out[a] = e
+			}
 		}
 	}
 	return out
 }
 
 // configACSValue is the value of the last config_acs= among the line's pci= options.
+// The line is split as the kernel's parse_args splits it (next_arg: a quoted stretch is
+// one argument, nothing after "--" is a parameter), so a pci= inside another argument's
+// quoted value is not taken for one; pci_setup then splits the option list on ','.
 func configACSValue(cmdline string) (value string, found bool) {
-	for _, arg := range strings.Fields(cmdline) {
-		arg = strings.Trim(arg, `"`)
-		v, ok := strings.CutPrefix(arg, "pci=")
-		if !ok {
+	for _, arg := range initramfs.SplitCmdline(cmdline) {
+		if arg.Key != "pci" || !arg.HasValue {
 			continue
 		}
-		for _, opt := range strings.Split(v, ",") {
+		for _, opt := range strings.Split(arg.Value, ",") {
 			if acs, ok := strings.CutPrefix(opt, "config_acs="); ok {
 				value, found = acs, true
 			}

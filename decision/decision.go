@@ -245,7 +245,7 @@ func Decide(in Input) (*Decision, error) {
 
 	// The plan the signed image's command line carries, which the kernel programs
 	// itself: a port it set is only read back.
-	d.Image = imagePlan(in.Live, ports)
+	d.Image = imagePlan(in.Live, in.Tree, ports)
 
 	// A locked-down kernel refuses every config write: the ports keep what they hold. A
 	// port the image's argument plans as this node does, and which the kernel did not
@@ -557,6 +557,6 @@ func (d *Decision) UnitsJSON(vs []Verdict) []topology.UnitJSON {
 // ExecuteACS writes the decision's ACS plan through cfg (read only with dryRun) and
 // reports port by port. The ports of failed units are not touched.
 func (d *Decision) ExecuteACS(ctx context.Context, cfg pci.ConfigIO, dryRun bool) (apply.Report, error) {
-	return apply.ACS(ctx, d.ACS, apply.Options{IO: cfg, Cmdline: d.Live.Cmdline, KernelRelease: d.Live.Release,
+	return apply.ACS(ctx, d.ACS, apply.Options{IO: cfg, Cmdline: d.Live.Cmdline, Tree: d.Input.Tree, KernelRelease: d.Live.Release,
 		DryRun: dryRun, LockedDown: d.Live.LockedDown()})
 }

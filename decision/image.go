@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/apply"
+	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/topology"
 )
@@ -32,17 +33,33 @@ type ImagePlan struct {
 	// ports", "refused", "no port configured", or "" without a log.
 	Kernel string `json:"kernel,omitempty"`
 
-	entries map[pci.Address]apply.ACSSetting
-	log     apply.KernelACSLog
+	acs  *apply.ConfigACS
+	tree *pci.Tree
+	log  apply.KernelACSLog
+}
+
+// CommandLineSize is the x86 kernel's COMMAND_LINE_SIZE (arch/x86/include/asm/setup.h),
+// the terminating NUL included: the kernel keeps at most CommandLineSize-1 bytes of the
+// line the loader gives it (the boot protocol's cmdline_size, arch/x86/boot/header.S,
+// is COMMAND_LINE_SIZE-1) and drops the rest without a word.
+const CommandLineSize = 2048
+
+// MaxCmdline is the longest command line the kernel keeps whole.
+const MaxCmdline = CommandLineSize - 1
+
+// reading is the kernel's reading of the argument for the port at a.
+func (ip *ImagePlan) reading(a pci.Address) apply.Reading {
+	return ip.acs.For(ip.tree, a)
 }
 
 // parsePlanDigest returns the last passage.plan= value on the line (the kernel's own
-// rule for a repeated argument), and whether it is a well-formed sha256 digest.
+// rule for a repeated argument), and whether it is a well-formed sha256 digest. The line
+// is split as the kernel splits it (initramfs.SplitCmdline, next_arg).
 func parsePlanDigest(cmdline string) (string, bool) {
 	v := ""
-	for _, a := range strings.Fields(cmdline) {
-		if x, ok := strings.CutPrefix(strings.Trim(a, `"`), PlanArg+"="); ok {
-			v = x
+	for _, a := range initramfs.SplitCmdline(cmdline) {
+		if a.Key == PlanArg && a.HasValue {
+			v = a.Value
 		}
 	}
 	h, ok := strings.CutPrefix(v, "sha256:")
@@ -53,18 +70,24 @@ func parsePlanDigest(cmdline string) (string, bool) {
 }
 
 // imagePlan reads the argument and the plan digest off the command line and compares the
-// argument with ports, this node's plan; nil when the line carries neither.
-func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
-	entries := apply.ParseConfigACS(live.Cmdline)
+// argument, as the kernel reads it for each port of tree, with ports, this node's plan;
+// nil when the line carries neither.
+func imagePlan(live Live, tree *pci.Tree, ports []topology.ACSPort) *ImagePlan {
+	acs := apply.ParseConfigACS(live.Cmdline)
 	digest, ok := parsePlanDigest(live.Cmdline)
-	if entries == nil && digest == "" {
+	if acs == nil && digest == "" {
 		return nil
 	}
-	ip := &ImagePlan{Digest: digest, entries: entries, log: apply.ParseKernelACSLog(live.KernelLog)}
+	ip := &ImagePlan{Digest: digest, acs: acs, tree: tree, log: apply.ParseKernelACSLog(live.KernelLog)}
+	if len(live.Cmdline) >= MaxCmdline {
+		// A line at the limit may be what is left of a longer one: the arguments past it
+		// (passage.plan= comes last in every image make uki builds) are gone.
+		ip.Differences = append(ip.Differences, fmt.Sprintf("the command line is %d bytes, as long as the kernel keeps (%d, COMMAND_LINE_SIZE %d): it may have been cut off", len(live.Cmdline), MaxCmdline, CommandLineSize))
+	}
 	if !ok && digest != "" {
 		ip.Differences = append(ip.Differences, fmt.Sprintf("%s=%q is not a sha256:<hex> digest", PlanArg, digest))
 	}
-	if entries == nil {
+	if acs == nil {
 		ip.Differences = append(ip.Differences, "the command line carries "+PlanArg+"= but no pci=config_acs=")
 	}
 	seen := map[pci.Address]bool{}
@@ -73,21 +96,34 @@ func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
 			continue
 		}
 		seen[p.Addr] = true
-		e, ok := entries[p.Addr]
-		switch {
-		case !ok:
+		switch r := ip.reading(p.Addr); {
+		case !r.Set && r.Why != "":
+			ip.Differences = append(ip.Differences, fmt.Sprintf("acs %s (%s): this node plans %s, the image nothing: %s",
+				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags), r.Why))
+		case !r.Set:
 			ip.Differences = append(ip.Differences, fmt.Sprintf("acs %s (%s): this node plans %s, the image nothing",
 				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags)))
-		case !e.Plans(p):
-			ip.Differences = append(ip.Differences, fmt.Sprintf("acs %s (%s): this node plans %s, the image %s",
-				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags), e.Entry))
+		case !r.Setting.Plans(p):
+			ip.Differences = append(ip.Differences, fmt.Sprintf("acs %s (%s): this node plans %s, the image %s (the kernel applies the first entry that matches a port)",
+				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags), r.Setting.Entry))
 		}
 	}
 	ip.ConfigACS = apply.ConfigACSArg(live.Cmdline)
 	var extra []string
-	for a, e := range entries {
-		if !seen[a] {
-			extra = append(extra, fmt.Sprintf("acs %s: the image plans %s, which this node's plan does not hold", a, e.Entry))
+	if tree != nil {
+		for _, d := range tree.Devices {
+			if seen[d.Addr] || d.ACS == nil {
+				continue
+			}
+			if r := ip.reading(d.Addr); r.Set {
+				seen[d.Addr] = true
+				extra = append(extra, fmt.Sprintf("acs %s: the image sets %s, which this node's plan does not hold", d.Addr, r.Setting.Entry))
+			}
+		}
+	}
+	for a, e := range acs.Named() {
+		if !seen[a] && (tree == nil || tree.Lookup(a) == nil || tree.Lookup(a).ACS == nil) {
+			extra = append(extra, fmt.Sprintf("acs %s: the image plans %s, which this node's plan does not hold", a, e))
 		}
 	}
 	slices.Sort(extra)
@@ -109,14 +145,18 @@ func imagePlan(live Live, ports []topology.ACSPort) *ImagePlan {
 // although the plan wants another value: the port stays at p.Current. ok is false when
 // the line carries no argument (the caller gives the lockdown advice instead).
 func (ip *ImagePlan) lockedPort(p topology.ACSPort, release string) (s topology.Status, why string, ok bool) {
-	if ip == nil || ip.entries == nil {
+	if ip == nil || ip.acs == nil {
 		return "", "", false
 	}
-	e, listed := ip.entries[p.Addr]
-	if !listed || !e.Plans(p) {
+	r := ip.reading(p.Addr)
+	e := r.Setting
+	if !r.Set || !e.Plans(p) {
 		image := "has no entry for it"
-		if listed {
-			image = "sets " + e.Entry
+		switch {
+		case r.Set:
+			image = "sets " + e.Entry + " (the first entry that matches it, the one the kernel applies)"
+		case r.Why != "":
+			image = "has no entry the kernel applies to it (" + r.Why + ")"
 		}
 		return topology.StatusFailed, fmt.Sprintf("acs %s (%s): the image's pci=config_acs= %s, this node plans %s@%s and a locked-down kernel takes no other (ACSCtl reads 0x%04x): the image was planned for another topology",
 			p.Addr, p.Position, image, topology.ConfigACSFlags(p.Mask, p.Flags), p.Addr, uint16(p.Current)), true

@@ -2,6 +2,7 @@ package decision
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -257,6 +258,88 @@ func TestReadKernelLog(t *testing.T) {
 	if os.Geteuid() == 0 {
 		if _, err := ReadKernelLog("/"); err != nil {
 			t.Errorf("/dev/kmsg: %v", err)
+		}
+	}
+}
+
+// TestImagePlanPortListedTwice: the image's argument lists a port twice, every control
+// off first and the plan's entry second, spelled as the kernel may read it (the address,
+// the address without its domain, a slot and function the kernel masks, a path from the
+// root port). The kernel applied the first entry and stopped (__pci_config_acs): the
+// decision judges the port by that entry, so the unit fails naming it and the node is
+// not matched, although the plan's own entry is on the line too.
+func TestImagePlanPortListedTwice(t *testing.T) {
+	node := pcitest.New(t, pcitest.B300())
+	ref := b300Decision(t, Live{})
+	port := node.Addr("cx-dsp-nic3")
+	for name, spelled := range map[string]string{
+		"address":         port.String(),
+		"no domain":       fmt.Sprintf("%02x:%02x.%x", port.Bus, port.Device, port.Function),
+		"masked devfn":    fmt.Sprintf("0:%x:%x.%x", port.Bus, port.Device+0x20, port.Function+8),
+		"path from rp3":   node.Addr("rp3").String() + "/00.0/00.0/00.0/00.0",
+		"hex with prefix": fmt.Sprintf("0x0:0x%x:0x%x.0x%x", port.Bus, port.Device, port.Function),
+	} {
+		t.Run(name, func(t *testing.T) {
+			root := pcitest.New(t, pcitest.B300()).Root
+			var planned, set []topology.ACSPort
+			for _, p := range ref.ACS {
+				if p.Skip != "" || p.Offset == 0 {
+					continue
+				}
+				planned = append(planned, p)
+				if p.Addr == port {
+					p.Mask, p.Flags = 0x7f, 0 // what the kernel applied: the first entry
+				}
+				set = append(set, p)
+			}
+			log, err := applytest.KernelSets(pci.SysfsConfig{Root: root}, set)
+			if err != nil {
+				t.Fatal(err)
+			}
+			weak := "0000000@" + spelled
+			arg := strings.Replace(topology.KernelArg(planned), "pci=config_acs=", "pci=config_acs="+weak+";", 1)
+			live := Live{Cmdline: "console=ttyS0 " + arg + " " + PlanArg + "=" + testPlanDigest,
+				Release: "6.12.117+deb13-amd64", Lockdown: "integrity", KernelLog: log}
+			d, _, vs := decideAndRun(t, root, live)
+			for _, v := range vs {
+				why := strings.Join(v.Reasons, "; ")
+				switch {
+				case v.Unit == 3:
+					if v.Status != topology.StatusFailed || !strings.Contains(why, "acs "+port.String()) || !strings.Contains(why, weak) {
+						t.Errorf("unit 3: %s %q, want failed naming %s and the entry the kernel applied (%s)", v.Status, why, port, weak)
+					}
+				case v.Status != topology.StatusReady:
+					t.Errorf("unit %s: %s %q, want ready", v.Unit, v.Status, why)
+				}
+			}
+			if d.Image == nil || d.Image.Matched || len(d.Image.Differences) != 1 || !strings.Contains(d.Image.Differences[0], weak) {
+				t.Errorf("image plan %+v, want unmatched at %s only, naming %s", d.Image, port, weak)
+			}
+		})
+	}
+}
+
+// TestImagePlanCutOff: a command line as long as the kernel keeps (COMMAND_LINE_SIZE - 1
+// bytes) may be what is left of a longer one: it is not matched, even when what is left
+// reads whole. One byte shorter, the same plan matches.
+func TestImagePlanCutOff(t *testing.T) {
+	root, _, live := kernelBoot(t, nil, nil)
+	for _, tc := range []struct {
+		length  int
+		matched bool
+	}{{MaxCmdline, false}, {MaxCmdline - 1, true}} {
+		l := live
+		pad := tc.length - len(l.Cmdline) - len(" pad=")
+		l.Cmdline = "pad=" + strings.Repeat("x", pad) + " " + l.Cmdline
+		if len(l.Cmdline) != tc.length {
+			t.Fatalf("line of %d bytes, want %d", len(l.Cmdline), tc.length)
+		}
+		d := b300DecisionAt(t, root, l)
+		if d.Image == nil || d.Image.Matched != tc.matched {
+			t.Fatalf("%d bytes: image plan %+v, want matched %v", tc.length, d.Image, tc.matched)
+		}
+		if !tc.matched && !strings.Contains(strings.Join(d.Image.Differences, "; "), "may have been cut off") {
+			t.Errorf("%d bytes: differences %q, want the line named as possibly cut off", tc.length, d.Image.Differences)
 		}
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/passage-boot/passage/apply"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
@@ -110,6 +111,9 @@ func FuzzImageArgs(f *testing.F) {
 	// A small plan, so the fuzzer's mutations reach the fields rather than the profile.
 	f.Add([]byte(`{"version":4,"profile":{},"acs":[{"addr":"0000:00:01.0","offset":256,"mask":"0x005d","flags":"0x001d"},` +
 		`{"addr":"0000:01:00.0","offset":0}],"kernel_arg":"pci=config_acs=0x111x1@0000:00:01.0"}`))
+	// A port listed twice, every control off first: the kernel would apply that entry.
+	f.Add([]byte(`{"version":4,"profile":{},"acs":[{"addr":"0000:00:01.0","offset":256,"mask":"0x007f","flags":"0x0000"},` +
+		`{"addr":"0000:00:01.0","offset":256,"mask":"0x005d","flags":"0x001d"}],"kernel_arg":"pci=config_acs=0000000@0000:00:01.0;0x111x1@0000:00:01.0"}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		out, err := ImageArgs(b)
 		if err != nil {
@@ -125,6 +129,17 @@ func FuzzImageArgs(f *testing.F) {
 		want := "pci=config_acs=" + configACSEntries(s) + " " + PlanArg + "=" + PlanDigest(b)
 		if out != want {
 			t.Fatalf("ImageArgs printed\n %q\nwant\n %q", out, want)
+		}
+		// What the image carries is what the kernel applies: for each port, the entry
+		// __pci_config_acs reads first for it is the port's own.
+		acs := apply.ParseConfigACS(out)
+		for _, p := range s.ACS {
+			if p.Offset == 0 || p.Skip != "" || p.Mask == 0 {
+				continue
+			}
+			if r := acs.For(nil, p.Addr); !r.Set || r.Setting.Mask != p.Mask || r.Setting.Flags != p.Flags {
+				t.Fatalf("acs %s: the kernel reads %+v from %q, the plan has mask %s flags %s", p.Addr, r, out, p.Mask, p.Flags)
+			}
 		}
 	})
 }

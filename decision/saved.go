@@ -109,6 +109,18 @@ func ReadSaved(r io.Reader) (*Saved, error) {
 	if len(s.Profile) == 0 {
 		return nil, errors.New("saved plan: no profile")
 	}
+	// One entry a port: Decide plans each port once (a port on several units' paths is
+	// one port with Shared units), and the kernel applies only the first pci=config_acs=
+	// entry that matches a port (__pci_config_acs), so a second entry for it, rebuilt
+	// into an image, would say one thing to the kernel and another to whoever reads the
+	// plan.
+	at := map[pci.Address]int{}
+	for i, p := range s.ACS {
+		if j, ok := at[p.Addr]; ok {
+			return nil, fmt.Errorf("saved plan: acs %s listed twice (acs[%d] and acs[%d]): a plan holds one entry a port, and the kernel would apply only the first: refused, the plan was edited", p.Addr, j, i)
+		}
+		at[p.Addr] = i
+	}
 	return &s, nil
 }
 
@@ -237,4 +249,30 @@ func ImageArgs(b []byte) (string, error) {
 		return "", fmt.Errorf("saved plan: kernel_arg %q is not the argument its acs ports make (%q): refused, the plan was edited", s.KernelArg, arg)
 	}
 	return arg + " " + PlanArg + "=" + PlanDigest(b), nil
+}
+
+// ImageCmdline is the whole command line a signed boot image carries for the saved plan
+// in b: base, the image's other arguments (make uki's UKI_CMDLINE), then ImageArgs, last
+// so that theirs are the values the kernel and the boot keep. It returns ImageArgs' part.
+// A line longer than the kernel keeps (MaxCmdline) is refused: the kernel would drop its
+// tail, the plan's passage.plan= first and then pci=config_acs= entries, without a
+// word, and the node would boot with less isolation than the image says it carries.
+func ImageCmdline(b []byte, base string) (string, error) {
+	args, err := ImageArgs(b)
+	if err != nil {
+		return "", err
+	}
+	line := args
+	if base != "" {
+		line = base + " " + args
+	}
+	if len(line) > MaxCmdline {
+		parts := fmt.Sprintf("its other arguments %d, the plan's %d, a space between", len(base), len(args))
+		if base == "" {
+			parts = "the plan's arguments alone"
+		}
+		return "", fmt.Errorf("the image's command line would be %d bytes (%s): the kernel keeps %d (x86 COMMAND_LINE_SIZE %d, its NUL included) and would cut off the rest, %s= first: refused",
+			len(line), parts, MaxCmdline, CommandLineSize, PlanArg)
+	}
+	return args, nil
 }

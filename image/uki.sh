@@ -9,6 +9,15 @@
 set -euo pipefail
 (($# == 6)) || { echo "usage: uki.sh OUTDIR KERNEL INITRD CMDLINE KEY CERT" >&2; exit 2; }
 out=$1 kernel=$2 initrd=$3 cmdline=$4 key=$5 cert=$6
+# The kernel keeps 2047 bytes of its command line (x86 COMMAND_LINE_SIZE 2048, its NUL
+# included: arch/x86/include/asm/setup.h; the boot protocol's cmdline_size) and drops the
+# rest without a word, passage.plan= and pci=config_acs= entries first (make uki puts
+# them last): a longer line is refused before anything is signed.
+bytes=$(printf '%s' "$cmdline" | LC_ALL=C wc -c)
+((bytes <= 2047)) || {
+	echo "uki: the command line is $bytes bytes, the kernel keeps 2047 (x86 COMMAND_LINE_SIZE 2048): refused, nothing signed" >&2
+	exit 1
+}
 stub=/usr/lib/systemd/boot/efi/linuxx64.efi.stub
 for f in "$kernel" "$initrd" "$key" "$cert" "$stub"; do
 	[[ -s $f ]] || { echo "uki: $f: missing or empty" >&2; exit 1; }

@@ -116,6 +116,9 @@ type Result struct {
 	Refusal   []Holder
 	Decision  *decision.Decision
 	Completed bool
+	// Unattested says why the final generation has no attestation beside it although one
+	// was asked for (Options.Attest): nil when it has, or when none was asked for.
+	Unattested error
 }
 
 // ErrHeld is returned when a unit's group or device cdev is open: nothing was written.
@@ -190,7 +193,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	for _, v := range d.Unvouched(o.Units, "recycle: in progress: released for erase and reset; not ready until a later generation says so") {
 		pending[v.Unit] = v
 	}
-	m, _, err := o.write(ctx, d, prev, pending, nil, nil, nil)
+	m, _, _, err := o.write(ctx, d, prev, pending, nil, nil, nil)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the not-ready generation: %w", err)
 	}
@@ -258,11 +261,12 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			res.Verdicts = append(res.Verdicts, v)
 		}
 	}
-	m, signed, err := o.write(ctx, d, prev, final, res.Erase, acs, bind)
+	m, signed, unattested, err := o.write(ctx, d, prev, final, res.Erase, acs, bind)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the final generation: %w", err)
 	}
 	res.Final, res.Signed, res.Manifest, res.Completed = m.Generation, signed, m, true
+	res.Unattested = unattested
 	o.logf("generation %d: %s", m.Generation, verdictLine(res.Verdicts))
 	return res, nil
 }
@@ -327,7 +331,7 @@ func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string
 	for _, v := range d.Unvouched(ids, reason) {
 		pending[v.Unit] = v
 	}
-	m, _, err := o.write(ctx, d, o.previous(), pending, nil, nil, nil)
+	m, _, _, err := o.write(ctx, d, o.previous(), pending, nil, nil, nil)
 	return m, err
 }
 
@@ -399,12 +403,13 @@ func (o *Options) previous() *manifest.Manifest {
 
 // write builds, signs and writes one generation: the given units with their verdicts
 // and what was done to them; every other unit as the previous manifest had it (or
-// failed, when there is none to carry it from).
+// failed, when there is none to carry it from). unattested says why the generation has
+// no attestation although one was asked for (attest).
 func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifest.Manifest, vs map[topology.UnitID]decision.Verdict,
-	er *erase.Report, acs *apply.Report, bind *vfiobind.Report) (*manifest.Manifest, *manifest.Signed, error) {
-	m, err := manifest.Build(o.Root, time.Now())
+	er *erase.Report, acs *apply.Report, bind *vfiobind.Report) (m *manifest.Manifest, signed *manifest.Signed, unattested, err error) {
+	m, err = manifest.Build(o.Root, time.Now())
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	m.Profile = manifest.Profile{Name: d.Profile.Name}
 	if prev != nil {
@@ -437,21 +442,20 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifes
 	gen, src, gerr := manifest.NextGeneration(o.Counters...)
 	if gerr != nil || src == manifest.GenerationNone {
 		// Not signed at all rather than signed as generation 0 (ErrNoCounter).
-		return m, nil, fmt.Errorf("%w: %v", ErrNoCounter, gerr)
+		return m, nil, nil, fmt.Errorf("%w: %v", ErrNoCounter, gerr)
 	}
 	m.Generation, m.GenerationSource = gen, src
 	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	signed, err := manifest.WriteSigned(ctx, m, o.Dir, EnvelopeName, o.Measurer, o.Signers...)
+	signed, err = manifest.WriteSigned(ctx, m, o.Dir, EnvelopeName, o.Measurer, o.Signers...)
 	if signed == nil {
-		return m, nil, err
+		return m, nil, nil, err
 	}
 	if err != nil {
 		o.logf("manifest generation %d: %v", gen, err)
 	}
-	o.attest(gen, signed, err == nil)
-	return m, signed, nil
+	return m, signed, o.attest(gen, signed, err == nil), nil
 }
 
 // AttestationSuffix names a manifest's attestation beside it (attest.Suffix; repeated so
@@ -460,20 +464,28 @@ const AttestationSuffix = ".attest.json"
 
 // attest writes generation gen's attestation when it was measured, and otherwise removes
 // the one beside the manifest: an attestation of the previous generation would say
-// nothing true of this one.
-func (o *Options) attest(gen uint64, signed *manifest.Signed, measured bool) {
+// nothing true of this one. It returns why the generation is not attested when an
+// attestation was asked for (Attest set), nil when it is or none was.
+func (o *Options) attest(gen uint64, signed *manifest.Signed, measured bool) error {
 	stale := filepath.Join(o.Dir, EnvelopeName+AttestationSuffix)
-	if o.Attest != nil && measured && o.Measurer != nil {
+	var why error
+	switch {
+	case o.Attest == nil:
+	case !measured || o.Measurer == nil:
+		why = fmt.Errorf("manifest generation %d: not measured into PCR 13, so not attested", gen)
+	default:
 		err := o.Attest(o.Dir, signed)
 		if err == nil {
 			o.logf("manifest generation %d attested (%s)", gen, EnvelopeName+AttestationSuffix)
-			return
+			return nil
 		}
-		o.logf("manifest generation %d: attestation: %v", gen, err)
+		why = fmt.Errorf("manifest generation %d: attestation: %w", gen, err)
+		o.logf("%v", why)
 	}
 	if err := os.Remove(stale); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		o.logf("manifest generation %d: %s: %v", gen, stale, err)
 	}
+	return why
 }
 
 func prevUnit(prev *manifest.Manifest, id topology.UnitID) *manifest.Unit {

@@ -9,10 +9,13 @@ import (
 )
 
 // cmdCmdline prints the kernel arguments a signed boot image carries for a saved plan:
-// `make uki PLAN=F` appends them to the image's command line.
+// `make uki PLAN=F` appends them to the image's command line, whose other arguments
+// --base names, so that a line the kernel would cut short is refused before anything
+// is signed.
 func cmdCmdline(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("cmdline", stderr)
 	plan := fs.String("plan", "", "saved plan `FILE` (passage plan -o)")
+	base := fs.String("base", "", "the image's other kernel `ARGUMENTS` (make uki's UKI_CMDLINE): with the plan's they must fit the kernel's command line (2047 bytes on x86)")
 	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
 	}
@@ -26,7 +29,7 @@ func cmdCmdline(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "cmdline: %v\n", err)
 		return 2
 	}
-	a, err := decision.ImageArgs(b)
+	a, err := decision.ImageCmdline(b, *base)
 	if err != nil {
 		fmt.Fprintf(stderr, "cmdline: %s: %v\n", *plan, err)
 		return 2

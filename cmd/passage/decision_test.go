@@ -51,6 +51,10 @@ type imageKernel struct {
 	drop    int  // a unit failed on the node the image was planned on (its ports left out: another topology); -1 none
 	unset   int  // a unit whose ports the kernel did not set; -1 none
 	refused bool // the kernel's log says it could not parse the argument
+	// twice is a unit whose NIC port the line lists twice, DT off first and the plan's
+	// entry second (an image not made by passage cmdline, which refuses such a plan): the
+	// kernel applies the first entry and stops (__pci_config_acs); -1 none.
+	twice int
 }
 
 func b300With(edit func(s *pcitest.Spec)) func() pcitest.Spec {
@@ -109,11 +113,15 @@ func variants() []variant {
 		{name: "unit-missing-nvme", spec: b300With(func(s *pcitest.Spec) { s.Fn("bcm-dsp-nvme5").Below = nil }), unit: 5, want: "ready"},
 		{name: "lockdown-integrity", spec: pcitest.B300,
 			files: map[string]string{"sys/kernel/security/lockdown": "none [integrity] confidentiality\n"}, unit: 6, want: "degraded"},
-		{name: "lockdown-image-plan", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: -1}, unit: 6, want: "ready"},
-		{name: "lockdown-image-plan-not-set", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: 6}, unit: 6, want: "degraded"},
-		{name: "lockdown-image-plan-refused", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: 6, refused: true}, unit: 6, want: "degraded"},
-		{name: "lockdown-image-other-topology", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: 6, unset: -1}, unit: 6, want: "failed"},
-		{name: "image-plan-unlocked", spec: pcitest.B300, image: &imageKernel{drop: 2, unset: 3}, unit: 3, want: "ready"},
+		{name: "lockdown-image-plan", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: -1, twice: -1}, unit: 6, want: "ready"},
+		{name: "lockdown-image-plan-not-set", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: 6, twice: -1}, unit: 6, want: "degraded"},
+		{name: "lockdown-image-plan-refused", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: 6, refused: true, twice: -1}, unit: 6, want: "degraded"},
+		{name: "lockdown-image-other-topology", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: 6, unset: -1, twice: -1}, unit: 6, want: "failed"},
+		// The port's isolation holds, DT does not: judged by the plan's own (second) entry
+		// the unit would be degraded; the kernel applied the first, so the image does not
+		// carry this node's plan for it.
+		{name: "lockdown-image-port-twice", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: -1, twice: 4}, unit: 4, want: "failed"},
+		{name: "image-plan-unlocked", spec: pcitest.B300, image: &imageKernel{drop: 2, unset: 3, twice: -1}, unit: 3, want: "ready"},
 	}
 }
 
@@ -165,6 +173,11 @@ func bootImage(t *testing.T, root string, im *imageKernel) (cmdline, kmsg string
 	for _, port := range d.ACS {
 		if port.Skip != "" || slices.Contains(port.Units(), topology.UnitID(im.unset)) {
 			continue
+		}
+		if im.twice >= 0 && port.Unit == topology.UnitID(im.twice) && port.Position == "nic-port" {
+			port.Flags &^= pci.ACSDT
+			weak := topology.KernelArg([]topology.ACSPort{port})
+			words = strings.Replace(words, "pci=config_acs=", weak+";", 1)
 		}
 		if im.drop >= 0 && port.Unit == topology.UnitID(im.drop) {
 			t.Fatalf("the reference node's failed unit %d still has port %s to set", im.drop, port.Addr)

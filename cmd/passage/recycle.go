@@ -12,10 +12,22 @@ import (
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/recycle"
 	"github.com/passage-boot/passage/topology"
+	"github.com/passage-boot/passage/vfiobind"
 )
+
+// recycleEnv is what recycle writes through and erases with; nil fields are the kernel
+// under --root. Tests put a simulated kernel and NVMe controllers here.
+type recycleEnv struct {
+	sysfs vfiobind.Sysfs
+	open  erase.Opener
+}
 
 // cmdRecycle hands units to the next tenant on a running host (package recycle).
 func cmdRecycle(args []string, stdout, stderr io.Writer) int {
+	return runRecycle(args, stdout, stderr, recycleEnv{})
+}
+
+func runRecycle(args []string, stdout, stderr io.Writer, env recycleEnv) int {
 	fs := newFlags("recycle", stderr)
 	root := fs.String("root", "/", "root of the node (/proc, /sys, /dev, /run)")
 	var units unitList
@@ -41,7 +53,7 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 			*profile = initramfs.ParseCmdline(string(b)).Profile
 		}
 	}
-	o := recycle.Options{Root: *root, Profile: *profile, Units: ids, Policy: p, Log: stdout}
+	o := recycle.Options{Root: *root, Profile: *profile, Units: ids, Policy: p, Log: stdout, Sysfs: env.sysfs, Open: env.open}
 	o.Erase.Erase.Overwrite = *overwrite
 	done, code := rf.apply("recycle", *root, &o, stderr)
 	defer done()
@@ -68,6 +80,14 @@ func cmdRecycle(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	fmt.Fprintf(stdout, "manifest generation %d (%s) %s\n", res.Final, res.Manifest.GenerationSource, res.Signed.Digest)
+	if res.Unattested != nil {
+		fmt.Fprintf(stderr, "passage recycle: %v\n", res.Unattested)
+		// The operator brought a verifier's nonce: the verifier waits for an attestation
+		// over it, and without one the recycle did not do what was asked.
+		if rf.nonce != "" {
+			return 1
+		}
+	}
 	for _, v := range res.Verdicts {
 		if v.Status == topology.StatusFailed {
 			return 1
