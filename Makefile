@@ -44,8 +44,8 @@ ipxe: initramfs
 # PLAN: a saved plan (passage plan -o) of a reference node of the SKU: its
 # pci=config_acs= and passage.plan=sha256:<digest> go into the signed command line, so a
 # locked-down kernel (6.11+) programs the ACS itself and passage verifies it. The whole
-# line must fit the kernel's (2047 bytes on x86): passage cmdline --base and uki.sh refuse
-# a longer one before anything is signed.
+# line must be shorter than the kernel keeps (2046 bytes on x86, so the boot can tell it
+# whole): passage cmdline --base and uki.sh refuse a longer one before anything is signed.
 UKI_CMDLINE ?= console=ttyS0,115200 intel_iommu=on panic=-1 rdinit=/bbin/passage passage.profile=b300 passage.handoff=switch_root passage.root=LABEL=root
 uki: initramfs build
 	@test -n "$(UKI_KEY)" -a -n "$(UKI_CERT)" || { echo "make uki: set UKI_KEY= and UKI_CERT= (the db key that signs the image)"; exit 2; }

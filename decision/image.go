@@ -44,8 +44,13 @@ type ImagePlan struct {
 // is COMMAND_LINE_SIZE-1) and drops the rest without a word.
 const CommandLineSize = 2048
 
-// MaxCmdline is the longest command line the kernel keeps whole.
-const MaxCmdline = CommandLineSize - 1
+// KernelKeeps is the longest command line the kernel keeps: a line of this length may be
+// what is left of a longer one, and the boot cannot tell which.
+const KernelKeeps = CommandLineSize - 1
+
+// MaxCmdline is the longest command line passage signs: one byte short of what the kernel
+// keeps, so that the line a node boots with is always one the boot can tell is whole.
+const MaxCmdline = KernelKeeps - 1
 
 // reading is the kernel's reading of the argument for the port at a.
 func (ip *ImagePlan) reading(a pci.Address) apply.Reading {
@@ -79,10 +84,10 @@ func imagePlan(live Live, tree *pci.Tree, ports []topology.ACSPort) *ImagePlan {
 		return nil
 	}
 	ip := &ImagePlan{Digest: digest, acs: acs, tree: tree, log: apply.ParseKernelACSLog(live.KernelLog)}
-	if len(live.Cmdline) >= MaxCmdline {
+	if len(live.Cmdline) >= KernelKeeps {
 		// A line at the limit may be what is left of a longer one: the arguments past it
 		// (passage.plan= comes last in every image make uki builds) are gone.
-		ip.Differences = append(ip.Differences, fmt.Sprintf("the command line is %d bytes, as long as the kernel keeps (%d, COMMAND_LINE_SIZE %d): it may have been cut off", len(live.Cmdline), MaxCmdline, CommandLineSize))
+		ip.Differences = append(ip.Differences, fmt.Sprintf("the command line is %d bytes, as long as the kernel keeps (%d, COMMAND_LINE_SIZE %d): it may have been cut off", len(live.Cmdline), KernelKeeps, CommandLineSize))
 	}
 	if !ok && digest != "" {
 		ip.Differences = append(ip.Differences, fmt.Sprintf("%s=%q is not a sha256:<hex> digest", PlanArg, digest))

@@ -327,7 +327,7 @@ func TestImagePlanCutOff(t *testing.T) {
 	for _, tc := range []struct {
 		length  int
 		matched bool
-	}{{MaxCmdline, false}, {MaxCmdline - 1, true}} {
+	}{{KernelKeeps, false}, {MaxCmdline, true}} {
 		l := live
 		pad := tc.length - len(l.Cmdline) - len(" pad=")
 		l.Cmdline = "pad=" + strings.Repeat("x", pad) + " " + l.Cmdline

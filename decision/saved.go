@@ -254,9 +254,10 @@ func ImageArgs(b []byte) (string, error) {
 // ImageCmdline is the whole command line a signed boot image carries for the saved plan
 // in b: base, the image's other arguments (make uki's UKI_CMDLINE), then ImageArgs, last
 // so that theirs are the values the kernel and the boot keep. It returns ImageArgs' part.
-// A line longer than the kernel keeps (MaxCmdline) is refused: the kernel would drop its
-// tail, the plan's passage.plan= first and then pci=config_acs= entries, without a
-// word, and the node would boot with less isolation than the image says it carries.
+// A line longer than MaxCmdline is refused: past KernelKeeps the kernel would drop its
+// tail, the plan's passage.plan= first and then pci=config_acs= entries, without a word,
+// and the node would boot with less isolation than the image says it carries; at exactly
+// KernelKeeps the boot cannot tell the line from a cut one and never matches it.
 func ImageCmdline(b []byte, base string) (string, error) {
 	args, err := ImageArgs(b)
 	if err != nil {
@@ -271,8 +272,8 @@ func ImageCmdline(b []byte, base string) (string, error) {
 		if base == "" {
 			parts = "the plan's arguments alone"
 		}
-		return "", fmt.Errorf("the image's command line would be %d bytes (%s): the kernel keeps %d (x86 COMMAND_LINE_SIZE %d, its NUL included) and would cut off the rest, %s= first: refused",
-			len(line), parts, MaxCmdline, CommandLineSize, PlanArg)
+		return "", fmt.Errorf("the image's command line would be %d bytes (%s): at most %d sign (the kernel keeps %d, x86 COMMAND_LINE_SIZE %d less its NUL, and a line that long cannot be told from a cut one, %s= lost first): refused",
+			len(line), parts, MaxCmdline, KernelKeeps, CommandLineSize, PlanArg)
 	}
 	return args, nil
 }

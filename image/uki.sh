@@ -12,10 +12,11 @@ out=$1 kernel=$2 initrd=$3 cmdline=$4 key=$5 cert=$6
 # The kernel keeps 2047 bytes of its command line (x86 COMMAND_LINE_SIZE 2048, its NUL
 # included: arch/x86/include/asm/setup.h; the boot protocol's cmdline_size) and drops the
 # rest without a word, passage.plan= and pci=config_acs= entries first (make uki puts
-# them last): a longer line is refused before anything is signed.
+# them last): a longer line is refused before anything is signed, and so is one of
+# exactly 2047 bytes, which the boot cannot tell from a cut one (decision.MaxCmdline).
 bytes=$(printf '%s' "$cmdline" | LC_ALL=C wc -c)
-((bytes <= 2047)) || {
-	echo "uki: the command line is $bytes bytes, the kernel keeps 2047 (x86 COMMAND_LINE_SIZE 2048): refused, nothing signed" >&2
+((bytes <= 2046)) || {
+	echo "uki: the command line is $bytes bytes, at most 2046 sign (the kernel keeps 2047, x86 COMMAND_LINE_SIZE 2048 less its NUL, and a line that long cannot be told from a cut one): refused, nothing signed" >&2
 	exit 1
 }
 stub=/usr/lib/systemd/boot/efi/linuxx64.efi.stub

@@ -15,7 +15,7 @@ import (
 func cmdCmdline(args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("cmdline", stderr)
 	plan := fs.String("plan", "", "saved plan `FILE` (passage plan -o)")
-	base := fs.String("base", "", "the image's other kernel `ARGUMENTS` (make uki's UKI_CMDLINE): with the plan's they must fit the kernel's command line (2047 bytes on x86)")
+	base := fs.String("base", "", "the image's other kernel `ARGUMENTS` (make uki's UKI_CMDLINE): with the plan's they must be shorter than the kernel keeps (at most 2046 bytes on x86)")
 	if code, ok := parseNoArgs(fs, args, stdout); !ok {
 		return code
 	}

@@ -230,7 +230,8 @@ func TestCmdlineRefusesPortListedTwice(t *testing.T) {
 // COMMAND_LINE_SIZE 2048, the NUL included) and drops the rest silently, passage.plan=
 // first. A plan of 150 ports makes an argument longer than that alone; a plan that fits
 // may not fit beside the image's other arguments (--base, make uki's UKI_CMDLINE). Both
-// are refused naming the lengths and the limit; a line of exactly 2047 bytes is not.
+// are refused naming the lengths and the limit, and so is one of exactly 2047 bytes (the
+// boot cannot tell it from a cut one); a line of 2046 bytes is not.
 func TestCmdlineBoundsTheLine(t *testing.T) {
 	dir := t.TempDir()
 	saved := filepath.Join(dir, "b300.plan.json")
@@ -258,9 +259,9 @@ func TestCmdlineBoundsTheLine(t *testing.T) {
 		t.Errorf("a line of exactly %d bytes: exit %d: %s", decision.MaxCmdline, code, errs)
 	}
 	code, got, errs := run("--plan", saved, "--base", fits+"a")
-	want := fmt.Sprintf("the image's command line would be 2048 bytes (its other arguments %d, the plan's %d, a space between): the kernel keeps 2047", len(fits)+1, len(args))
+	want := fmt.Sprintf("the image's command line would be 2047 bytes (its other arguments %d, the plan's %d, a space between): at most 2046 sign (the kernel keeps 2047", len(fits)+1, len(args))
 	if code != 2 || got != "" || !strings.Contains(errs, saved+": ") || !strings.Contains(errs, want) {
-		t.Errorf("a line of 2048 bytes: exit %d, printed %q, stderr %q; want 2, nothing, %q", code, got, errs, want)
+		t.Errorf("a line of 2047 bytes: exit %d, printed %q, stderr %q; want 2, nothing, %q", code, got, errs, want)
 	}
 
 	// 150 ports: the argument alone is past the limit.
@@ -283,7 +284,7 @@ func TestCmdlineBoundsTheLine(t *testing.T) {
 		s.ACS = ports
 	})
 	code, got, errs = run("--plan", big)
-	if code != 2 || got != "" || !regexp.MustCompile(`would be 3\d{3} bytes \(the plan's arguments alone\): the kernel keeps 2047`).MatchString(errs) {
+	if code != 2 || got != "" || !regexp.MustCompile(`would be 3\d{3} bytes \(the plan's arguments alone\): at most 2046 sign`).MatchString(errs) {
 		t.Errorf("150 ports: exit %d, printed %q, stderr %q; want 2, nothing, the length named", code, got, errs)
 	}
 	t.Logf("150 ports: %s", strings.TrimSpace(errs))
@@ -291,7 +292,8 @@ func TestCmdlineBoundsTheLine(t *testing.T) {
 
 // TestUKIRefusesLineThatDoesNotFit: image/uki.sh, which signs whatever line it is given
 // (make uki without PLAN= too), refuses one longer than the kernel keeps before it
-// signs or writes anything; a line of exactly 2047 bytes goes on to its other checks.
+// signs or writes anything (2047 bytes too: the boot cannot tell such a line from a cut
+// one); a line of 2046 bytes goes on to its other checks.
 func TestUKIRefusesLineThatDoesNotFit(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "netboot")
 	run := func(line string) (int, string) {
@@ -304,16 +306,17 @@ func TestUKIRefusesLineThatDoesNotFit(t *testing.T) {
 		return cmd.ProcessState.ExitCode(), string(b)
 	}
 	// 1,024 two-byte characters: the bound is in bytes, as the kernel counts.
-	for _, line := range []string{strings.Repeat("a", 2048), strings.Repeat("é", 1024)} {
+	for _, line := range []string{strings.Repeat("a", 2047), strings.Repeat("a", 2048), strings.Repeat("é", 1024)} {
 		code, msg := run(line)
-		if code != 1 || !strings.Contains(msg, "uki: the command line is 2048 bytes, the kernel keeps 2047") {
-			t.Errorf("a line of 2048 bytes: exit %d: %s", code, msg)
+		want := fmt.Sprintf("uki: the command line is %d bytes, at most 2046 sign (the kernel keeps 2047", len(line))
+		if code != 1 || !strings.Contains(msg, want) {
+			t.Errorf("a line of %d bytes: exit %d: %s", len(line), code, msg)
 		}
 	}
 	if _, err := os.Stat(out); !os.IsNotExist(err) {
 		t.Errorf("uki.sh made %s for a line it refused: %v", out, err)
 	}
-	if code, msg := run(strings.Repeat("a", 2047)); code != 1 || !strings.Contains(msg, "/nonexistent/vmlinuz: missing or empty") {
-		t.Errorf("a line of 2047 bytes: exit %d: %s, want past the length to the missing kernel", code, msg)
+	if code, msg := run(strings.Repeat("a", 2046)); code != 1 || !strings.Contains(msg, "/nonexistent/vmlinuz: missing or empty") {
+		t.Errorf("a line of 2046 bytes: exit %d: %s, want past the length to the missing kernel", code, msg)
 	}
 }
