@@ -142,7 +142,7 @@ func units(t *testing.T, m *manifest.Manifest, dom []byte) []string {
 	upOf := map[string]int{}
 	seenDS := map[int]bool{}
 	for _, h := range d.Devices.Hostdevs {
-		a := sourceOf(h)
+		a := srcOf(h)
 		o, ok := owner[a]
 		if !ok {
 			continue
@@ -541,7 +541,7 @@ func TestOnDefineDomainRefusals(t *testing.T) {
 	d := mustParse(t, out)
 	var nvme0, gpu1 int = -1, -1
 	for i, h := range d.Devices.Hostdevs {
-		switch sourceOf(h).String() {
+		switch srcOf(h).String() {
 		case "0000:24:00.0":
 			nvme0 = i
 		case "0000:42:00.0":
@@ -721,4 +721,24 @@ func checkNCCLDrive(t *testing.T, uri string, dom []byte) {
 		file["filename"] != filepath.Join(ncclDiskDir, "tenant_vm.nccl-topo.img") {
 		t.Errorf("NCCL drive: device %v, format %v, file %v: want a read-only raw ide-cd on the AHCI on the image", cd, format, file)
 	}
+}
+
+// srcOf is a PCI hostdev's host function (the zero address for any other hostdev).
+func srcOf(h libvirtxml.DomainHostdev) pci.Address {
+	a, _, _ := hostPCI(h)
+	return a
+}
+
+// pciBus is the guest bus an address plugs into (-1: no PCI address).
+func pciBus(a *libvirtxml.DomainAddress) int {
+	g, ok, _ := readGuest(a)
+	if !ok {
+		return -1
+	}
+	return g.bus
+}
+
+func pciSlot(a *libvirtxml.DomainAddress) (int, int) {
+	g, _, _ := readGuest(a)
+	return g.slot, g.fn
 }
