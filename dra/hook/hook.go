@@ -217,7 +217,13 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 		}
 		e.PCI.Target.BusNr = ptr(uint(x.BusNr))
 	}
-	d.Devices.Controllers = append(d.Devices.Controllers, g.LibvirtControllers()...)
+	added := g.LibvirtControllers()
+	for _, a := range added {
+		if a.Index != nil && *a.Index > maxPCIIndex {
+			return nil, fmt.Errorf("controller pci %d: the domain's controllers leave the plan no index within libvirt's %d", *a.Index, maxPCIIndex)
+		}
+	}
+	d.Devices.Controllers = append(d.Devices.Controllers, added...)
 	for _, u := range g.Units {
 		for _, f := range u.Functions {
 			h := &d.Devices.Hostdevs[mine[f.HostID]]
