@@ -86,7 +86,9 @@ func TestHostileDomains(t *testing.T) {
 		check  func(t *testing.T, out []byte)
 	}{
 		{"a USB hostdev beside the unit", func(s *api.DomainSpec) { s.Devices.HostDevices = append(s.Devices.HostDevices, usb) }, nil,
-			func(t *testing.T, out []byte) { kept(t, out, "usb-key", func(h libvirtxml.DomainHostdev) bool { return h.SubsysUSB != nil }) }},
+			func(t *testing.T, out []byte) {
+				kept(t, out, "usb-key", func(h libvirtxml.DomainHostdev) bool { return h.SubsysUSB != nil })
+			}},
 		{"an mdev hostdev on pcie.0 beside the unit", func(s *api.DomainSpec) { s.Devices.HostDevices = append(s.Devices.HostDevices, mdev) }, nil,
 			func(t *testing.T, out []byte) {
 				kept(t, out, "vgpu", func(h libvirtxml.DomainHostdev) bool {
