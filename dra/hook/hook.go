@@ -26,9 +26,11 @@ type Config struct {
 	Manifest string // the node's manifest (DSSE envelope)
 	Keys     string // public key file or enrolled key directory (passage verify --pub)
 	TPM      bool   // the keys are TPM keys
-	// NodeUUID is this node's DMI product UUID: a manifest of another node is refused
-	// even when a fleet key directory verifies it.
+	// NodeUUID is this node's DMI product UUID and BootID its kernel's boot ID: a
+	// manifest of another node or boot is refused even when a fleet key directory
+	// verifies it. At least one is set; each set one is checked.
 	NodeUUID      string
+	BootID        string
 	MinGeneration uint64
 	// NCCLDisk, when set, is the path (as QEMU opens it) of the guest's NCCL disk
 	// image: the returned domain carries a read-only CD-ROM on it (attachNCCLDisk), and
@@ -43,11 +45,14 @@ func (c Config) verify() (*manifest.Manifest, error) {
 	if err != nil {
 		return nil, err
 	}
-	v, _, err := kr.VerifyFile(c.Manifest, manifest.VerifyOptions{MinGeneration: c.MinGeneration})
+	if c.NodeUUID == "" && c.BootID == "" {
+		return nil, fmt.Errorf("manifest %s: %w: no node identity (node UUID, boot ID) to hold it to", c.Manifest, manifest.ErrWrongNode)
+	}
+	v, _, err := kr.VerifyFile(c.Manifest, manifest.VerifyOptions{MinGeneration: c.MinGeneration, BootID: c.BootID})
 	if err != nil {
 		return nil, fmt.Errorf("manifest %s: %w", c.Manifest, err)
 	}
-	if c.NodeUUID == "" || !strings.EqualFold(v.Manifest.Node.DMIUUID, c.NodeUUID) {
+	if c.NodeUUID != "" && !strings.EqualFold(v.Manifest.Node.DMIUUID, c.NodeUUID) {
 		return nil, fmt.Errorf("manifest %s: %w: this node is dmi_uuid %q, the manifest says %q", c.Manifest, manifest.ErrWrongNode,
 			manifest.Printable(c.NodeUUID), manifest.Printable(v.Manifest.Node.DMIUUID))
 	}
