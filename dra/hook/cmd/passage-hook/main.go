@@ -23,7 +23,7 @@ import (
 )
 
 type options struct {
-	c                                                         hook.Config
+	c                                                        hook.Config
 	uuidFile, bootIDFile, root, socket, ncclDir, ncclDiskDir string
 }
 
