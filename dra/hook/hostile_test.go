@@ -362,8 +362,12 @@ func FuzzOnDefineDomain(f *testing.F) {
 	dir := f.TempDir()
 	s := &Server{Config: Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID}, NCCLDir: dir, NCCLDiskDir: ncclDiskDir}
 	f.Fuzz(func(t *testing.T, in []byte) {
+		// A call that never returns fails too: the panic ends the worker, and the fuzzer
+		// keeps the input.
+		hung := time.AfterFunc(answerBound, func() { panic(fmt.Sprintf("no answer after %v to %q", answerBound, in)) })
 		start := time.Now()
 		r, err := s.OnDefineDomain(context.Background(), &hooksv1alpha3.OnDefineDomainParams{DomainXML: in})
+		hung.Stop()
 		if took := time.Since(start); took > answerBound {
 			t.Fatalf("answered in %v, over %v", took, answerBound)
 		}
