@@ -43,6 +43,7 @@ replace (
 
 require (
 	github.com/passage-boot/passage v0.0.0-00010101000000-000000000000
+	golang.org/x/sys v0.50.0
 	google.golang.org/grpc v1.79.3
 	k8s.io/api v0.34.3
 	k8s.io/apimachinery v0.34.3
@@ -70,7 +71,6 @@ require (
 	go.yaml.in/yaml/v2 v2.4.3 // indirect
 	golang.org/x/crypto v0.55.0 // indirect
 	golang.org/x/net v0.57.0 // indirect
-	golang.org/x/sys v0.50.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20251202230838-ff82c1b0f217 // indirect
 	google.golang.org/protobuf v1.36.11 // indirect

@@ -26,9 +26,11 @@ type Config struct {
 	Manifest string // the node's manifest (DSSE envelope)
 	Keys     string // public key file or enrolled key directory (passage verify --pub)
 	TPM      bool   // the keys are TPM keys
-	// NodeUUID is this node's DMI product UUID: a manifest of another node is refused
-	// even when a fleet key directory verifies it.
+	// NodeUUID is this node's DMI product UUID and BootID its kernel's boot ID: a
+	// manifest of another node or boot is refused even when a fleet key directory
+	// verifies it. At least one is set; each set one is checked.
 	NodeUUID      string
+	BootID        string
 	MinGeneration uint64
 	// NCCLDisk, when set, is the path (as QEMU opens it) of the guest's NCCL disk
 	// image: the returned domain carries a read-only CD-ROM on it (attachNCCLDisk), and
@@ -43,11 +45,14 @@ func (c Config) verify() (*manifest.Manifest, error) {
 	if err != nil {
 		return nil, err
 	}
-	v, _, err := kr.VerifyFile(c.Manifest, manifest.VerifyOptions{MinGeneration: c.MinGeneration})
+	if c.NodeUUID == "" && c.BootID == "" {
+		return nil, fmt.Errorf("manifest %s: %w: no node identity (node UUID, boot ID) to hold it to", c.Manifest, manifest.ErrWrongNode)
+	}
+	v, _, err := kr.VerifyFile(c.Manifest, manifest.VerifyOptions{MinGeneration: c.MinGeneration, BootID: c.BootID})
 	if err != nil {
 		return nil, fmt.Errorf("manifest %s: %w", c.Manifest, err)
 	}
-	if c.NodeUUID == "" || !strings.EqualFold(v.Manifest.Node.DMIUUID, c.NodeUUID) {
+	if c.NodeUUID != "" && !strings.EqualFold(v.Manifest.Node.DMIUUID, c.NodeUUID) {
 		return nil, fmt.Errorf("manifest %s: %w: this node is dmi_uuid %q, the manifest says %q", c.Manifest, manifest.ErrWrongNode,
 			manifest.Printable(c.NodeUUID), manifest.Printable(v.Manifest.Node.DMIUUID))
 	}
@@ -68,6 +73,9 @@ type Result struct {
 // refused, naming the function, when the manifest does not verify, names another node,
 // or the unit is not ready, or when the domain holds part of a unit only.
 func (c Config) DefineDomain(in []byte) (*Result, error) {
+	if len(in) > MaxDomain {
+		return nil, fmt.Errorf("domain xml: %d bytes, over the %d bytes virt-launcher sends", len(in), MaxDomain)
+	}
 	d, err := parseDomain(in)
 	if err != nil {
 		return nil, err
@@ -75,9 +83,17 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 	if d.Devices == nil {
 		return &Result{Domain: in}, nil
 	}
+	// The PCI functions among the hostdevs, by hostdev index; every other hostdev (USB,
+	// mdev, SCSI) is no unit's function and stays as it is.
+	hostAt := map[int]pci.Address{}
 	var pciHost []int
 	for i, h := range d.Devices.Hostdevs {
-		if h.SubsysPCI != nil && h.SubsysPCI.Source != nil && h.SubsysPCI.Source.Address != nil {
+		a, ok, err := hostPCI(h)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			hostAt[i] = a
 			pciHost = append(pciHost, i)
 		}
 	}
@@ -90,7 +106,7 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 		// function: every PCI host device is refused.
 		var names []string
 		for _, i := range pciHost {
-			names = append(names, sourceOf(d.Devices.Hostdevs[i]).String())
+			names = append(names, hostAt[i].String())
 		}
 		return nil, fmt.Errorf("hostdev %s: may be a passage unit function and the manifest does not verify: %w", strings.Join(names, ", "), err)
 	}
@@ -108,15 +124,23 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 			owners[f.Addr] = owner{s.ID, f.Role}
 		}
 	}
-	// The domain's passage hostdevs, by host address.
+	// The domain's passage hostdevs, by host address: each once, since a function
+	// passed through twice is not a unit's function twice over (the whole-unit check
+	// below counts functions, not entries).
 	mine := map[pci.Address]int{}
 	present := map[topology.UnitID]int{}
 	for _, i := range pciHost {
-		a := sourceOf(d.Devices.Hostdevs[i])
-		if o, ok := owners[a]; ok {
-			mine[a] = i
-			present[o.unit]++
+		a := hostAt[i]
+		o, ok := owners[a]
+		if !ok {
+			continue
 		}
+		if j, dup := mine[a]; dup {
+			return nil, fmt.Errorf("hostdev %s (%s %s): listed twice (%s and %s): a function goes into a guest once",
+				a, o.unit, o.role, hostdevName(d.Devices.Hostdevs[j]), hostdevName(d.Devices.Hostdevs[i]))
+		}
+		mine[a] = i
+		present[o.unit]++
 	}
 	if len(mine) == 0 {
 		return &Result{Domain: in}, nil
@@ -135,24 +159,36 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 			return nil, fmt.Errorf("hostdev %s (%s %s): %s is %s in the manifest: %s", s.Functions[0].Addr, s.ID, s.Functions[0].Role,
 				s.ID, s.Status, strings.Join(s.Reasons, "; "))
 		}
-		if n != len(s.Functions) {
-			for _, f := range s.Functions {
-				if _, ok := mine[f.Addr]; !ok {
-					return nil, fmt.Errorf("unit %s: the domain holds %d of its %d functions, not %s (%s): a unit goes into a guest whole",
-						s.ID, n, len(s.Functions), f.Addr, f.Role)
-				}
+		for _, f := range s.Functions {
+			if _, ok := mine[f.Addr]; !ok {
+				return nil, fmt.Errorf("unit %s: the domain holds %d of its %d functions, not %s (%s): a unit goes into a guest whole",
+					s.ID, n, len(s.Functions), f.Addr, f.Role)
 			}
 		}
 	}
-	t := newTree(d.Devices)
-	if err := t.checkSwitches(func(a pci.Address) (topology.UnitID, bool) {
+	t, err := newTree(d.Devices)
+	if err != nil {
+		return nil, err
+	}
+	if err := t.checkSwitches(func(i int) (topology.UnitID, pci.Address, bool) {
+		a, ok := hostAt[i]
+		if !ok {
+			return 0, a, false
+		}
 		o, ok := owners[a]
-		return o.unit, ok
+		return o.unit, a, ok
 	}); err != nil {
 		return nil, err
 	}
-	isMine := func(h libvirtxml.DomainHostdev) bool { _, ok := mine[sourceOf(h)]; return ok }
-	if err := t.strip(isMine); err != nil {
+	isMine := func(i int) bool {
+		a, ok := hostAt[i]
+		if !ok {
+			return false
+		}
+		j, ok := mine[a]
+		return ok && j == i
+	}
+	if t, err = t.strip(isMine); err != nil {
 		return nil, err
 	}
 	place, err := t.placement(d)
@@ -167,22 +203,32 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Apply: the plan's controllers, the kept expanders' new bus numbers, and each
-	// hostdev's address on its downstream port; nothing else of the domain changes.
-	d.Devices.Controllers = append(d.Devices.Controllers, g.LibvirtControllers()...)
+	// Apply: the kept expanders' new bus numbers (before the append below moves the
+	// controllers the tree points at), the plan's controllers, and each hostdev's
+	// address on its downstream port; nothing else of the domain changes.
 	for _, x := range g.Expanders {
 		if !x.Kept {
 			continue
 		}
-		c := t.pciController(x.Index)
-		if c.PCI == nil {
-			c.PCI = &libvirtxml.DomainControllerPCI{}
+		e := t.pciController(x.Index)
+		if e == nil {
+			return nil, fmt.Errorf("controller pci %d: the plan keeps an expander the domain does not have", x.Index)
 		}
-		if c.PCI.Target == nil {
-			c.PCI.Target = &libvirtxml.DomainControllerPCITarget{}
+		if e.PCI == nil {
+			e.PCI = &libvirtxml.DomainControllerPCI{}
 		}
-		c.PCI.Target.BusNr = ptr(uint(x.BusNr))
+		if e.PCI.Target == nil {
+			e.PCI.Target = &libvirtxml.DomainControllerPCITarget{}
+		}
+		e.PCI.Target.BusNr = ptr(uint(x.BusNr))
 	}
+	added := g.LibvirtControllers()
+	for _, a := range added {
+		if a.Index != nil && *a.Index > maxPCIIndex {
+			return nil, fmt.Errorf("controller pci %d: the domain's controllers leave the plan no index within libvirt's %d", *a.Index, maxPCIIndex)
+		}
+	}
+	d.Devices.Controllers = append(d.Devices.Controllers, added...)
 	for _, u := range g.Units {
 		for _, f := range u.Functions {
 			h := &d.Devices.Hostdevs[mine[f.HostID]]
@@ -198,7 +244,15 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 	if err != nil {
 		return nil, fmt.Errorf("domain xml: %w", err)
 	}
-	nccl, err := NCCL(g, []byte(out))
+	// The buses of the domain handed back, numbered from d itself rather than from out
+	// read again: every part GuestBuses reads (PCI controllers' index, model, address,
+	// busNr) is one virt-launcher's DomainSpec keeps (KUBEVIRT.md), and a third and
+	// fourth XML pass were a third of a large domain's time.
+	buses, err := guestBuses(d.Devices)
+	if err != nil {
+		return nil, err
+	}
+	nccl, err := ncclOf(g, buses)
 	if err != nil {
 		return nil, err
 	}
@@ -232,96 +286,234 @@ func parseDomain(in []byte) (libvirtxml.Domain, error) {
 	return d, nil
 }
 
-func sourceOf(h libvirtxml.DomainHostdev) pci.Address {
-	a := h.SubsysPCI.Source.Address
+// The bounds a domain's PCI tree is read within: libvirt's own
+// (src/conf/domain_validate.c, virDomainControllerDefValidate: "PCI controller index %d
+// too high, maximum is 255", busNr 1-254) and PCI's (an address is a 16-bit domain, an
+// 8-bit bus, a 5-bit device and a 3-bit function). libvirt refuses a domain outside
+// them; the hook refuses it first, so that no number it reads sizes a loop or a table.
+const (
+	maxPCIIndex = 255
+	maxBusNr    = 254
+	// maxNUMANode is Linux's MAX_NUMNODES at its largest (NODES_SHIFT 10).
+	maxNUMANode = 1<<10 - 1
+	// MaxDomain bounds the domain XML: virt-launcher's gRPC client sends at most gRPC's
+	// default 4 MiB message, and every walk of the domain is linear in its size.
+	MaxDomain = 4 << 20
+)
+
+// pciFields reads an address's domain, bus, slot and function within PCI's ranges.
+func pciFields(a *libvirtxml.DomainAddressPCI) (pci.Address, error) {
 	v := func(p *uint) uint {
 		if p == nil {
 			return 0
 		}
 		return *p
 	}
-	return pci.Address{Domain: uint16(v(a.Domain)), Bus: uint8(v(a.Bus)), Device: uint8(v(a.Slot)), Function: uint8(v(a.Function))}
+	d, b, s, f := v(a.Domain), v(a.Bus), v(a.Slot), v(a.Function)
+	switch {
+	case d > 0xffff:
+		return pci.Address{}, fmt.Errorf("domain %#x is above PCI's 0xffff", d)
+	case b > 0xff:
+		return pci.Address{}, fmt.Errorf("bus %#x is above PCI's 0xff", b)
+	case s > 0x1f:
+		return pci.Address{}, fmt.Errorf("slot %#x is above PCI's 0x1f", s)
+	case f > 7:
+		return pci.Address{}, fmt.Errorf("function %#x is above PCI's 7", f)
+	}
+	return pci.Address{Domain: uint16(d), Bus: uint8(b), Device: uint8(s), Function: uint8(f)}, nil
 }
 
-// tree is the domain's PCI controllers by index and what plugs into each bus.
+// hostPCI is the host function a hostdev passes through: ok is false for a device that
+// is not a PCI function (USB, mdev, SCSI, a PCI hostdev without a source address),
+// which the hook leaves as it is.
+func hostPCI(h libvirtxml.DomainHostdev) (a pci.Address, ok bool, err error) {
+	if h.SubsysPCI == nil || h.SubsysPCI.Source == nil || h.SubsysPCI.Source.Address == nil {
+		return pci.Address{}, false, nil
+	}
+	a, err = pciFields(h.SubsysPCI.Source.Address)
+	if err != nil {
+		return pci.Address{}, false, fmt.Errorf("hostdev %s: source address: %w", hostdevName(h), err)
+	}
+	return a, true, nil
+}
+
+// hostdevName names a hostdev in an error: its alias, else its source as written.
+func hostdevName(h libvirtxml.DomainHostdev) string {
+	if h.Alias != nil && h.Alias.Name != "" {
+		return h.Alias.Name
+	}
+	if h.SubsysPCI != nil && h.SubsysPCI.Source != nil && h.SubsysPCI.Source.Address != nil {
+		a := h.SubsysPCI.Source.Address
+		v := func(p *uint) uint {
+			if p == nil {
+				return 0
+			}
+			return *p
+		}
+		return fmt.Sprintf("%#x:%#x:%#x.%#x", v(a.Domain), v(a.Bus), v(a.Slot), v(a.Function))
+	}
+	return "(unnamed)"
+}
+
+// guestAddr is where a device plugs into the guest's PCI tree: ok is false without a
+// PCI address.
+type guestAddr struct {
+	bus, slot, fn int
+}
+
+func readGuest(a *libvirtxml.DomainAddress) (guestAddr, bool, error) {
+	if a == nil || a.PCI == nil || a.PCI.Bus == nil {
+		return guestAddr{}, false, nil
+	}
+	p, err := pciFields(a.PCI)
+	if err != nil {
+		return guestAddr{}, false, err
+	}
+	return guestAddr{int(p.Bus), int(p.Device), int(p.Function)}, true, nil
+}
+
+// tree is the domain's PCI controllers by index and what plugs into each bus, read once:
+// every walk below follows kids, so each is linear in the domain.
 type tree struct {
 	devs *libvirtxml.DomainDeviceList
-}
-
-func newTree(devs *libvirtxml.DomainDeviceList) *tree { return &tree{devs: devs} }
-
-func (t *tree) pciController(index int) *libvirtxml.DomainController {
-	for i := range t.devs.Controllers {
-		c := &t.devs.Controllers[i]
-		if c.Type == "pci" && c.Index != nil && int(*c.Index) == index {
-			return c
-		}
-	}
-	return nil
-}
-
-// pciBus is the bus an address plugs into (-1: no PCI address).
-func pciBus(a *libvirtxml.DomainAddress) int {
-	if a == nil || a.PCI == nil || a.PCI.Bus == nil {
-		return -1
-	}
-	return int(*a.PCI.Bus)
-}
-
-func pciSlot(a *libvirtxml.DomainAddress) (int, int) {
-	if a == nil || a.PCI == nil {
-		return 0, 0
-	}
-	s, f := 0, 0
-	if a.PCI.Slot != nil {
-		s = int(*a.PCI.Slot)
-	}
-	if a.PCI.Function != nil {
-		f = int(*a.PCI.Function)
-	}
-	return s, f
+	ctl  map[int]*libvirtxml.DomainController
+	kids map[int][]child
+	// post lists the controller indexes children first (a post-order of the forest the
+	// controllers form): a bottom-up pass is one loop over it, a top-down one over it
+	// backwards.
+	post []int
+	// parent of each controller plugged into another one's bus.
+	parent map[int]int
 }
 
 // child is one thing plugged into a bus: a controller (index >= 0) or another device.
 type child struct {
-	index      int // controller index, -1 for a device
-	hostdev    int // index into Hostdevs, -1 otherwise
-	slot, fn   int
-	controller *libvirtxml.DomainController
-	addr       **libvirtxml.DomainAddress // another device's address
+	index    int // controller index, -1 for a device
+	hostdev  int // index into Hostdevs, -1 otherwise
+	slot, fn int
+	addr     **libvirtxml.DomainAddress // another device's address
 }
 
-// children lists what plugs into bus, in slot/function order (firmware's order).
-func (t *tree) children(bus int) []child {
-	var out []child
-	for i := range t.devs.Controllers {
-		c := &t.devs.Controllers[i]
-		if c.Type == "pci" && c.Index != nil && pciBus(c.Address) == bus && !(bus == 0 && *c.Index == 0) {
-			s, f := pciSlot(c.Address)
-			out = append(out, child{index: int(*c.Index), hostdev: -1, slot: s, fn: f, controller: c})
+// newTree reads the PCI tree of devs, refusing what libvirt would refuse and what would
+// make a walk of it unbounded: an index or number outside libvirt's or PCI's ranges, two
+// PCI controllers with one index, a controller plugged into its own bus (directly or
+// through others).
+func newTree(devs *libvirtxml.DomainDeviceList) (*tree, error) {
+	t := &tree{devs: devs, ctl: map[int]*libvirtxml.DomainController{}, kids: map[int][]child{}, parent: map[int]int{}}
+	for i := range devs.Controllers {
+		c := &devs.Controllers[i]
+		if c.Type != "pci" || c.Index == nil {
+			continue
+		}
+		if *c.Index > maxPCIIndex {
+			return nil, fmt.Errorf("controller pci %d: index above libvirt's %d", *c.Index, maxPCIIndex)
+		}
+		idx := int(*c.Index)
+		if _, dup := t.ctl[idx]; dup {
+			return nil, fmt.Errorf("controller pci %d: listed twice", idx)
+		}
+		t.ctl[idx] = c
+		if c.PCI != nil && c.PCI.Target != nil {
+			if nr := c.PCI.Target.BusNr; nr != nil && (*nr < 1 || *nr > maxBusNr) {
+				return nil, fmt.Errorf("controller pci %d: busNr %d outside libvirt's 1-%d", idx, *nr, maxBusNr)
+			}
+			if n := c.PCI.Target.NUMANode; n != nil && *n > maxNUMANode {
+				return nil, fmt.Errorf("controller pci %d: numa node %d above Linux's %d", idx, *n, maxNUMANode)
+			}
+		}
+		g, ok, err := readGuest(c.Address)
+		if err != nil {
+			return nil, fmt.Errorf("controller pci %d: address: %w", idx, err)
+		}
+		// pcie-root (index 0) has no address; one that claims bus 0 is not its own child.
+		if ok && idx != 0 {
+			t.parent[idx] = g.bus
+			t.kids[g.bus] = append(t.kids[g.bus], child{index: idx, hostdev: -1, slot: g.slot, fn: g.fn})
 		}
 	}
-	for i, h := range t.devs.Hostdevs {
-		if pciBus(h.Address) == bus {
-			s, f := pciSlot(h.Address)
-			out = append(out, child{index: -1, hostdev: i, slot: s, fn: f})
+	for i, h := range devs.Hostdevs {
+		g, ok, err := readGuest(h.Address)
+		if err != nil {
+			return nil, fmt.Errorf("hostdev %s: guest address: %w", hostdevName(h), err)
+		}
+		if ok {
+			t.kids[g.bus] = append(t.kids[g.bus], child{index: -1, hostdev: i, slot: g.slot, fn: g.fn})
 		}
 	}
 	// Every other device with a PCI address counts as a device on its bus.
-	for _, a := range otherAddresses(t.devs) {
-		if pciBus(*a) == bus {
-			s, f := pciSlot(*a)
-			out = append(out, child{index: -1, hostdev: -1, slot: s, fn: f, addr: a})
+	for _, a := range otherAddresses(devs) {
+		g, ok, err := readGuest(*a)
+		if err != nil {
+			return nil, fmt.Errorf("device on guest bus: address: %w", err)
+		}
+		if ok {
+			t.kids[g.bus] = append(t.kids[g.bus], child{index: -1, hostdev: -1, slot: g.slot, fn: g.fn, addr: a})
 		}
 	}
-	sort.SliceStable(out, func(i, j int) bool {
-		if out[i].slot != out[j].slot {
-			return out[i].slot < out[j].slot
+	for bus := range t.kids {
+		k := t.kids[bus]
+		// Firmware's order; controllers before devices at one slot and function, as the
+		// lists were read.
+		sort.SliceStable(k, func(i, j int) bool {
+			if k[i].slot != k[j].slot {
+				return k[i].slot < k[j].slot
+			}
+			return k[i].fn < k[j].fn
+		})
+	}
+	// A controller whose chain of parents comes back to itself is no tree: refused,
+	// before any walk follows it. Each index is entered once (state 2: done).
+	state := map[int]int{}
+	for idx := range t.ctl {
+		var chain []int
+		for cur := idx; ; {
+			if state[cur] == 2 {
+				break
+			}
+			if state[cur] == 1 {
+				return nil, fmt.Errorf("controller pci %d: plugged into its own bus (through controllers %v)", cur, chain)
+			}
+			state[cur] = 1
+			chain = append(chain, cur)
+			p, ok := t.parent[cur]
+			if _, known := t.ctl[p]; !ok || !known {
+				break
+			}
+			cur = p
 		}
-		return out[i].fn < out[j].fn
-	})
-	return out
+		for _, c := range chain {
+			state[c] = 2
+		}
+	}
+	// Post-order from every root (a controller on no other controller's bus), in index
+	// order so that the result does not depend on map order.
+	var roots []int
+	for idx := range t.ctl {
+		if p, ok := t.parent[idx]; !ok || t.ctl[p] == nil {
+			roots = append(roots, idx)
+		}
+	}
+	sort.Ints(roots)
+	var visit func(idx int)
+	visit = func(idx int) {
+		// Depth is at most maxPCIIndex+1: each level is another controller.
+		for _, k := range t.kids[idx] {
+			if k.index >= 0 {
+				visit(k.index)
+			}
+		}
+		t.post = append(t.post, idx)
+	}
+	for _, r := range roots {
+		visit(r)
+	}
+	return t, nil
 }
+
+func (t *tree) pciController(index int) *libvirtxml.DomainController { return t.ctl[index] }
+
+// children lists what plugs into bus, in slot/function order (firmware's order).
+func (t *tree) children(bus int) []child { return t.kids[bus] }
 
 // otherAddresses are the PCI addresses of the devices that are neither controllers nor
 // host devices: they keep their places, and their buses are not the plan's to remove.
@@ -383,47 +575,54 @@ func isSwitchPort(model string) bool {
 }
 
 // checkSwitches refuses a switch that holds functions of two units: the plan never
-// writes one, and a tree that has one was not laid out by it.
-func (t *tree) checkSwitches(unitOf func(pci.Address) (topology.UnitID, bool)) error {
-	for _, c := range t.devs.Controllers {
+// writes one, and a tree that has one was not laid out by it. unitOf names the unit of a
+// hostdev (by index), ok false for a hostdev of none.
+func (t *tree) checkSwitches(unitOf func(hostdev int) (topology.UnitID, pci.Address, bool)) error {
+	// What each bus holds, bottom up: the first unit function met in firmware's order
+	// and the first function of another unit after it.
+	type seen struct {
+		ok, mixed    bool
+		first, other topology.UnitID
+		at, otherAt  pci.Address
+	}
+	sum := map[int]seen{}
+	add := func(s *seen, u topology.UnitID, a pci.Address) {
+		switch {
+		case !s.ok:
+			s.ok, s.first, s.at = true, u, a
+		case !s.mixed && u != s.first:
+			s.mixed, s.other, s.otherAt = true, u, a
+		}
+	}
+	for _, idx := range t.post {
+		var s seen
+		for _, k := range t.kids[idx] {
+			switch {
+			case k.index >= 0:
+				c := sum[k.index]
+				if c.ok {
+					add(&s, c.first, c.at)
+				}
+				if c.mixed {
+					add(&s, c.other, c.otherAt)
+				}
+			case k.hostdev >= 0:
+				if u, a, ok := unitOf(k.hostdev); ok {
+					add(&s, u, a)
+				}
+			}
+		}
+		sum[idx] = s
+	}
+	for i := range t.devs.Controllers {
+		c := t.devs.Controllers[i]
 		if c.Type != "pci" || c.Model != "pcie-switch-upstream-port" || c.Index == nil || own(c) {
 			// The hook's own switches are laid out again whatever libvirt put on them.
 			continue
 		}
-		first, firstAt := topology.UnitID(0), pci.Address{}
-		seen := false
-		var walk func(bus int) error
-		walk = func(bus int) error {
-			for _, ch := range t.children(bus) {
-				if ch.index >= 0 {
-					if err := walk(ch.index); err != nil {
-						return err
-					}
-					continue
-				}
-				if ch.hostdev < 0 {
-					continue
-				}
-				h := t.devs.Hostdevs[ch.hostdev]
-				if h.SubsysPCI == nil || h.SubsysPCI.Source == nil || h.SubsysPCI.Source.Address == nil {
-					continue
-				}
-				a := sourceOf(h)
-				u, ok := unitOf(a)
-				if !ok {
-					continue
-				}
-				if !seen {
-					first, firstAt, seen = u, a, true
-				} else if u != first {
-					return fmt.Errorf("hostdev %s (%s) is in the switch of controller %d with %s (%s): a switch holds one unit's functions",
-						a, u, *c.Index, firstAt, first)
-				}
-			}
-			return nil
-		}
-		if err := walk(int(*c.Index)); err != nil {
-			return err
+		if s := sum[int(*c.Index)]; s.mixed {
+			return fmt.Errorf("hostdev %s (%s) is in the switch of controller %d with %s (%s): a switch holds one unit's functions",
+				s.otherAt, s.other, *c.Index, s.at, s.first)
 		}
 	}
 	return nil
@@ -432,68 +631,68 @@ func (t *tree) checkSwitches(unitOf func(pci.Address) (topology.UnitID, bool)) e
 // strip removes what an earlier call of the hook, libvirt or KubeVirt built for the
 // passage hostdevs: the hook's own controllers (AliasPrefix) and every root port or
 // switch port whose subtree holds passage hostdevs and nothing else. Bare root ports
-// (hotplug slots) and expanders KubeVirt made stay. A device that is not the plan's
-// found below a controller to be removed is an error naming it.
-func (t *tree) strip(isMine func(libvirtxml.DomainHostdev) bool) error {
-	remove := map[int]bool{}
-	// holds: 1 = a passage hostdev below, 2 = anything else below.
-	var holds func(bus int) int
-	holds = func(bus int) int {
-		h := 0
-		for _, ch := range t.children(bus) {
+// (hotplug slots) and expanders KubeVirt made stay. It returns the domain's tree after.
+func (t *tree) strip(isMine func(hostdev int) bool) (*tree, error) {
+	// libvirt places devices without an address on any free port, the hook's empty
+	// earlier ones too: those devices lose that place and libvirt gives them another
+	// when the domain is defined. Top down, so a subtree is entered once.
+	below := map[int]bool{}
+	for i := len(t.post) - 1; i >= 0; i-- {
+		idx := t.post[i]
+		below[idx] = below[t.parentOf(idx)] || own(*t.ctl[idx])
+		if !below[idx] {
+			continue
+		}
+		for _, k := range t.kids[idx] {
 			switch {
-			case ch.index >= 0:
-				h |= holds(ch.index)
-			case ch.hostdev >= 0 && isMine(t.devs.Hostdevs[ch.hostdev]):
+			case k.hostdev >= 0 && !isMine(k.hostdev):
+				t.devs.Hostdevs[k.hostdev].Address = nil
+			case k.addr != nil:
+				*k.addr = nil
+			}
+		}
+	}
+	t, err := newTree(t.devs)
+	if err != nil {
+		return nil, err
+	}
+	remove := map[int]bool{}
+	// holds, bottom up: 1 = a passage hostdev below, 2 = anything else below.
+	holds := map[int]int{}
+	for _, idx := range t.post {
+		h := 0
+		for _, k := range t.kids[idx] {
+			switch {
+			case k.index >= 0:
+				h |= holds[k.index]
+			case k.hostdev >= 0 && isMine(k.hostdev):
 				h |= 1
 			default:
 				h |= 2
 			}
 		}
-		return h
-	}
-	for _, c := range t.devs.Controllers {
-		if c.Type != "pci" || c.Index == nil {
-			continue
-		}
-		ours := own(c)
-		h := holds(int(*c.Index))
+		holds[idx] = h
+		c := t.ctl[idx]
 		switch {
-		case ours:
-			// libvirt places devices without an address on any free port, the hook's
-			// empty earlier ones too: those devices lose that place and libvirt gives
-			// them another when the domain is defined.
-			t.unplace(int(*c.Index), isMine)
-			remove[int(*c.Index)] = true
+		case own(*c):
+			remove[idx] = true
 		case (c.Model == "pcie-root-port" || isSwitchPort(c.Model)) && h == 1:
-			remove[int(*c.Index)] = true
+			remove[idx] = true
 		case isSwitchPort(c.Model) && h == 0:
 			// An empty switch port is an earlier layout's: neither libvirt nor KubeVirt
 			// adds one.
-			remove[int(*c.Index)] = true
-		}
-	}
-	// A removed switch leaves its root port empty: that root port was the layout's too.
-	for changed := true; changed; {
-		changed = false
-		for _, c := range t.devs.Controllers {
-			if c.Type != "pci" || c.Index == nil || remove[int(*c.Index)] || c.Model != "pcie-root-port" {
-				continue
-			}
-			kids := t.children(int(*c.Index))
-			if len(kids) == 0 {
-				continue
-			}
+			remove[idx] = true
+		case c.Model == "pcie-root-port" && len(t.kids[idx]) > 0:
+			// A removed switch leaves its root port empty: that root port was the
+			// layout's too. Its children come first in post, so they are decided.
 			all := true
-			for _, k := range kids {
+			for _, k := range t.kids[idx] {
 				if k.index < 0 || !remove[k.index] {
 					all = false
+					break
 				}
 			}
-			if all {
-				remove[int(*c.Index)] = true
-				changed = true
-			}
+			remove[idx] = all
 		}
 	}
 	var keep []libvirtxml.DomainController
@@ -505,43 +704,33 @@ func (t *tree) strip(isMine func(libvirtxml.DomainHostdev) bool) error {
 	}
 	t.devs.Controllers = keep
 	for i := range t.devs.Hostdevs {
-		if isMine(t.devs.Hostdevs[i]) {
+		if isMine(i) {
 			t.devs.Hostdevs[i].Address = nil
 		}
 	}
-	return nil
+	return newTree(t.devs)
 }
 
-// unplace drops the guest address of every device below bus that is not a passage
-// unit function.
-func (t *tree) unplace(bus int, isMine func(libvirtxml.DomainHostdev) bool) {
-	for _, ch := range t.children(bus) {
-		switch {
-		case ch.index >= 0:
-			t.unplace(ch.index, isMine)
-		case ch.hostdev >= 0 && !isMine(t.devs.Hostdevs[ch.hostdev]):
-			t.devs.Hostdevs[ch.hostdev].Address = nil
-		case ch.addr != nil:
-			*ch.addr = nil
-		}
+// parentOf is the controller whose bus idx plugs into, -1 for none.
+func (t *tree) parentOf(idx int) int {
+	if p, ok := t.parent[idx]; ok && t.ctl[p] != nil {
+		return p
 	}
+	return -1
 }
 
 // placement reads what the domain leaves to the plan: the first free controller index,
 // its guest NUMA cells and the host nodes they are bound to, and its expanders.
 func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 	p := &topology.Placement{FirstIndex: 1}
-	used := map[int]bool{}
-	for _, c := range t.devs.Controllers {
-		if c.Type == "pci" && c.Index != nil {
-			used[int(*c.Index)] = true
-			if int(*c.Index)+1 > p.FirstIndex {
-				p.FirstIndex = int(*c.Index) + 1
-			}
+	for idx := range t.ctl {
+		if idx+1 > p.FirstIndex {
+			p.FirstIndex = idx + 1
 		}
 	}
+	// Bounded by maxPCIIndex: newTree refused any index above it.
 	for i := 1; i < p.FirstIndex; i++ {
-		if !used[i] {
+		if t.ctl[i] == nil {
 			p.Free = append(p.Free, i)
 		}
 	}
@@ -550,7 +739,7 @@ func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 		if d.NUMATune != nil {
 			for _, mn := range d.NUMATune.MemNodes {
 				h, err := strconv.Atoi(mn.Nodeset)
-				if err != nil {
+				if err != nil || h < 0 || h > maxNUMANode {
 					// A cell bound to several host nodes stands for none of them.
 					continue
 				}
@@ -560,15 +749,16 @@ func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 			}
 		}
 	}
-	var reserved func(bus int) int
-	reserved = func(bus int) int {
+	// The controllers below each bus, bottom up.
+	reserved := map[int]int{}
+	for _, idx := range t.post {
 		n := 0
-		for _, ch := range t.children(bus) {
-			if ch.index >= 0 {
-				n += 1 + reserved(ch.index)
+		for _, k := range t.kids[idx] {
+			if k.index >= 0 {
+				n += 1 + reserved[k.index]
 			}
 		}
-		return n
+		reserved[idx] = n
 	}
 	for _, c := range t.devs.Controllers {
 		if c.Type != "pci" || c.Index == nil || c.Model != "pcie-expander-bus" {
@@ -583,7 +773,7 @@ func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 				e.NextSlot = ch.slot + 1
 			}
 		}
-		e.Reserved = reserved(e.Index)
+		e.Reserved = reserved[e.Index]
 		p.Expanders = append(p.Expanders, e)
 	}
 	return p, nil
@@ -601,13 +791,21 @@ func GuestBuses(domain []byte) (map[int]int, error) {
 	if d.Devices == nil {
 		return nil, errors.New("domain xml: no devices")
 	}
-	t := newTree(d.Devices)
+	return guestBuses(d.Devices)
+}
+
+// guestBuses is GuestBuses of a domain's devices already read.
+func guestBuses(devs *libvirtxml.DomainDeviceList) (map[int]int, error) {
+	t, err := newTree(devs)
+	if err != nil {
+		return nil, err
+	}
 	buses := map[int]int{0: 0}
 	var walk func(index, bus int, next *int)
 	walk = func(index, bus int, next *int) {
 		buses[index] = bus
 		for _, ch := range t.children(index) {
-			if ch.index < 0 || ch.controller.Model == "pcie-expander-bus" {
+			if ch.index < 0 || t.ctl[ch.index].Model == "pcie-expander-bus" {
 				continue
 			}
 			n := *next
@@ -617,7 +815,7 @@ func GuestBuses(domain []byte) (map[int]int, error) {
 	}
 	next := 1
 	walk(0, 0, &next)
-	for _, c := range d.Devices.Controllers {
+	for _, c := range devs.Controllers {
 		if c.Type != "pci" || c.Index == nil || c.Model != "pcie-expander-bus" {
 			continue
 		}
@@ -639,6 +837,11 @@ func NCCL(g *topology.Guest, domain []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	return ncclOf(g, buses)
+}
+
+// ncclOf is NCCL with the domain's guest buses already numbered.
+func ncclOf(g *topology.Guest, buses map[int]int) ([]byte, error) {
 	for _, u := range g.Units {
 		for _, f := range u.Functions {
 			b, ok := buses[f.Port.Index]

@@ -24,6 +24,7 @@ import (
 
 	"github.com/passage-boot/passage/hypervisor/libvirttest"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/manifesttest"
 	"github.com/passage-boot/passage/pci"
 )
 
@@ -142,7 +143,7 @@ func units(t *testing.T, m *manifest.Manifest, dom []byte) []string {
 	upOf := map[string]int{}
 	seenDS := map[int]bool{}
 	for _, h := range d.Devices.Hostdevs {
-		a := sourceOf(h)
+		a := srcOf(h)
 		o, ok := owner[a]
 		if !ok {
 			continue
@@ -541,7 +542,7 @@ func TestOnDefineDomainRefusals(t *testing.T) {
 	d := mustParse(t, out)
 	var nvme0, gpu1 int = -1, -1
 	for i, h := range d.Devices.Hostdevs {
-		switch sourceOf(h).String() {
+		switch srcOf(h).String() {
 		case "0000:24:00.0":
 			nvme0 = i
 		case "0000:42:00.0":
@@ -570,6 +571,10 @@ func TestOnDefineDomainRefusals(t *testing.T) {
 	}{
 		{"tampered", Config{Manifest: tampered, Keys: keys, NodeUUID: m.Node.DMIUUID}, dom, []string{"0000:22:00.0", "does not verify", "signature"}},
 		{"another node", other, dom, []string{"0000:22:00.0", "does not verify", "this node is dmi_uuid"}},
+		// The kernel's boot ID alone is the node identity passage-hook uses by default.
+		{"another boot", Config{Manifest: path, Keys: keys, BootID: "0c6f7a52-95a4-4f0e-8b1d-3f2e9d7c4a10"}, dom,
+			[]string{"0000:22:00.0", "does not verify", "boot id mismatch"}},
+		{"no node identity", Config{Manifest: path, Keys: keys}, dom, []string{"0000:22:00.0", "no node identity"}},
 		{"degraded", degraded("degraded"), dom, []string{"hostdev 0000:22:00.0", "gpu0 is degraded", "link x8"}},
 		{"failed", degraded("failed"), dom, []string{"hostdev 0000:22:00.0", "gpu0 is failed"}},
 		{"two units in one switch", good, roundTrip(t, []byte(mixed)), []string{"0000:42:00.0 (gpu1)", "with 0000:22:00.0 (gpu0)", "one unit"}},
@@ -587,6 +592,12 @@ func TestOnDefineDomainRefusals(t *testing.T) {
 			}
 		})
 	}
+
+	t.Run("this boot", func(t *testing.T) {
+		if _, err := startHook(t, Config{Manifest: path, Keys: keys, BootID: manifesttest.BootID}).define(t, dom); err != nil {
+			t.Fatalf("the manifest of this boot: %v", err)
+		}
+	})
 
 	t.Run("part of a unit", func(t *testing.T) {
 		d := mustParse(t, dom)
@@ -721,4 +732,24 @@ func checkNCCLDrive(t *testing.T, uri string, dom []byte) {
 		file["filename"] != filepath.Join(ncclDiskDir, "tenant_vm.nccl-topo.img") {
 		t.Errorf("NCCL drive: device %v, format %v, file %v: want a read-only raw ide-cd on the AHCI on the image", cd, format, file)
 	}
+}
+
+// srcOf is a PCI hostdev's host function (the zero address for any other hostdev).
+func srcOf(h libvirtxml.DomainHostdev) pci.Address {
+	a, _, _ := hostPCI(h)
+	return a
+}
+
+// pciBus is the guest bus an address plugs into (-1: no PCI address).
+func pciBus(a *libvirtxml.DomainAddress) int {
+	g, ok, _ := readGuest(a)
+	if !ok {
+		return -1
+	}
+	return g.bus
+}
+
+func pciSlot(a *libvirtxml.DomainAddress) (int, int) {
+	g, _, _ := readGuest(a)
+	return g.slot, g.fn
 }

@@ -30,7 +30,7 @@ var requests = []string{"gpu", "gpu-nic-0", "gpu-nic-1", "gpu-nvme"}
 // (dra.CreateDRAHostDevices, what its converter calls for a VMI's hostDevices) on a VMI
 // claiming the units, each claim's KEP-5304 metadata written where virt-launcher reads
 // it, with each function's pciBusID from the manifest.
-func kubevirtHostdevs(t *testing.T, m *manifest.Manifest, units []string) ([]api.HostDevice, *v1.VirtualMachineInstance) {
+func kubevirtHostdevs(t testing.TB, m *manifest.Manifest, units []string) ([]api.HostDevice, *v1.VirtualMachineInstance) {
 	t.Helper()
 	base := t.TempDir()
 	vmi := &v1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "vm", Namespace: "tenant"}}
@@ -87,7 +87,7 @@ func kubevirtHostdevs(t *testing.T, m *manifest.Manifest, units []string) ([]api
 // them (converter/pci-placement.go: one pcie-expander-bus per guest node, indexes upward
 // from the highest, one pcie-root-port per device at slot = its place, busNr = 255 -
 // controllers so far + 1, the hostdev at bus "<decimal index>" slot 0x00).
-func kubevirtDomain(t *testing.T, m *manifest.Manifest, units []string, numa bool) []byte {
+func kubevirtDomain(t testing.TB, m *manifest.Manifest, units []string, numa bool) []byte {
 	t.Helper()
 	hds, _ := kubevirtHostdevs(t, m, units)
 	s := api.NewMinimalDomainSpec("tenant_vm")
@@ -124,7 +124,7 @@ func kubevirtDomain(t *testing.T, m *manifest.Manifest, units []string, numa boo
 // placeNUMA places the host devices as KubeVirt v1.9.0's expanderBusAssigner does
 // (pkg/virt-launcher/virtwrap/converter/pci-placement.go, buildTopology/assignBusNr):
 // the converter package itself cannot be built from the module proxy.
-func placeNUMA(t *testing.T, s *api.DomainSpec, m *manifest.Manifest) {
+func placeNUMA(t testing.TB, s *api.DomainSpec, m *manifest.Manifest) {
 	t.Helper()
 	node := map[string]uint32{}
 	for _, u := range m.Units {
@@ -189,7 +189,7 @@ func roundTrip(t *testing.T, b []byte) []byte {
 
 // signed writes the B300 manifest (changed by edit) signed by a node key enrolled for
 // its DMI UUID, and returns the manifest path and the key directory.
-func signed(t *testing.T, edit func(*manifest.Manifest)) (*manifest.Manifest, string, string) {
+func signed(t testing.TB, edit func(*manifest.Manifest)) (*manifest.Manifest, string, string) {
 	t.Helper()
 	dir := t.TempDir()
 	keys := filepath.Join(dir, "keys")

@@ -2,12 +2,15 @@ package hook
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"log"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -27,8 +30,9 @@ const Name = "passage-unit-switch"
 type Server struct {
 	Config Config
 	// NCCLDir, when set, receives the guest's NCCL topology file of each VMI defined
-	// with passage units, <namespace>_<name>.nccl-topo.xml, rewritten at each call so
-	// it is the one of the domain last handed back.
+	// with passage units, <namespace>_<name>.nccl-topo.xml (fileStem: a long name is
+	// cut and hashed), rewritten at each call so it is the one of the domain last
+	// handed back.
 	NCCLDir string
 	// NCCLDiskDir is NCCLDir as virt-launcher's compute container (libvirt, QEMU) sees
 	// it: KubeVirt mounts the Nth sidecar's /var/run/kubevirt-hooks there at
@@ -49,9 +53,10 @@ func (s *Server) Info(context.Context, *hooksinfo.InfoParams) (*hooksinfo.InfoRe
 // error, which virt-launcher turns into a failed VMI start.
 func (s *Server) OnDefineDomain(_ context.Context, p *hooksv1alpha3.OnDefineDomainParams) (*hooksv1alpha3.OnDefineDomainResult, error) {
 	vmi := vmiName(p.GetVmi())
+	stem := fileStem(vmi)
 	c := s.Config
 	if s.NCCLDir != "" && s.NCCLDiskDir != "" {
-		c.NCCLDisk = filepath.Join(s.NCCLDiskDir, vmi+".nccl-topo.img")
+		c.NCCLDisk = filepath.Join(s.NCCLDiskDir, stem+".nccl-topo.img")
 	}
 	r, err := c.DefineDomain(p.GetDomainXML())
 	if err != nil {
@@ -64,7 +69,7 @@ func (s *Server) OnDefineDomain(_ context.Context, p *hooksv1alpha3.OnDefineDoma
 	}
 	s.logf("%s: %d units behind their switches", vmi, len(r.Guest.Units))
 	if s.NCCLDir != "" {
-		name := vmi + ".nccl-topo.xml"
+		name := stem + ".nccl-topo.xml"
 		if err := manifest.WriteAtomic(s.NCCLDir, name, r.NCCL); err != nil {
 			return nil, status.Errorf(codes.Internal, "passage: VMI %s: nccl topology: %v", vmi, err)
 		}
@@ -109,6 +114,23 @@ func vmiName(b []byte) string {
 	return v.Metadata.Namespace + "_" + v.Metadata.Name
 }
 
+// maxStem bounds the part of a file name taken from a VMI's <namespace>_<name>: a
+// namespace is up to 63 characters and a name up to 253, and with the suffixes and
+// WriteAtomic's temporary ".<name>.tmp<digits>" the whole must stay within Linux's
+// NAME_MAX (255 bytes, include/uapi/linux/limits.h).
+const maxStem = 128
+
+// fileStem is vmi as a file name stem: itself when it fits maxStem, else its first 64
+// characters, "~" (never in a Kubernetes name, so no plain stem is one of these) and 128
+// bits of its SHA-256, which tells two long names apart.
+func fileStem(vmi string) string {
+	if len(vmi) <= maxStem {
+		return vmi
+	}
+	sum := sha256.Sum256([]byte(vmi))
+	return vmi[:64] + "~" + hex.EncodeToString(sum[:16])
+}
+
 // safe: a Kubernetes name (DNS label/subdomain characters), never a path.
 func safe(s string) bool {
 	for _, r := range s {
@@ -122,25 +144,48 @@ func safe(s string) bool {
 // Serve listens on the unix socket path (virt-launcher looks one directory below
 // /var/run/kubevirt-hooks) until ctx ends.
 func Serve(ctx context.Context, path string, s *Server) error {
+	return serve(ctx, path, s, s, s.Log)
+}
+
+// serve is Serve with the two services apart, so a test can stand a handler that
+// panics behind the same server.
+func serve(ctx context.Context, path string, info hooksinfo.InfoServer, cb hooksv1alpha3.CallbacksServer, l *log.Logger) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return err
 	}
 	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
 		return fmt.Errorf("socket %s: %w", path, err)
 	}
-	l, err := net.Listen("unix", path)
+	ln, err := net.Listen("unix", path)
 	if err != nil {
 		return fmt.Errorf("socket %s: %w", path, err)
 	}
-	g := grpc.NewServer()
-	hooksinfo.RegisterInfoServer(g, s)
-	hooksv1alpha3.RegisterCallbacksServer(g, s)
+	g := grpc.NewServer(grpc.ChainUnaryInterceptor(recoverPanic(l)))
+	hooksinfo.RegisterInfoServer(g, info)
+	hooksv1alpha3.RegisterCallbacksServer(g, cb)
 	go func() {
 		<-ctx.Done()
 		g.Stop()
 	}()
-	if err := g.Serve(l); err != nil && ctx.Err() == nil {
+	if err := g.Serve(ln); err != nil && ctx.Err() == nil {
 		return err
 	}
 	return nil
+}
+
+// recoverPanic turns a handler's panic into a refused call, its stack in the log: gRPC
+// runs each call on a goroutine of its own, where a panic would end the whole sidecar
+// and with it every VM start on the node, not the one call.
+func recoverPanic(l *log.Logger) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				if l != nil {
+					l.Printf("%s: panic (a bug; the call is refused): %v\n%s", info.FullMethod, r, debug.Stack())
+				}
+				resp, err = nil, status.Errorf(codes.Internal, "passage: %s: internal error, refused (the hook's log has its stack): %v", info.FullMethod, r)
+			}
+		}()
+		return handler(ctx, req)
+	}
 }

@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -14,14 +15,16 @@ import (
 	"strings"
 	"syscall"
 
+	"golang.org/x/sys/unix"
 	"kubevirt.io/kubevirt/pkg/hooks"
 
 	"github.com/passage-boot/passage/dra/hook"
+	"github.com/passage-boot/passage/manifest"
 )
 
 type options struct {
-	c                                      hook.Config
-	uuidFile, socket, ncclDir, ncclDiskDir string
+	c                                                        hook.Config
+	uuidFile, bootIDFile, root, socket, ncclDir, ncclDiskDir string
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -29,10 +32,13 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	var o options
 	fs.StringVar(&o.c.Manifest, "manifest", "/run/passage/manifest.dsse.json", "the node's manifest")
-	fs.StringVar(&o.c.Keys, "pub", "/etc/passage/keys", "enrolled public key file or directory")
+	fs.StringVar(&o.c.Keys, "pub", "/etc/passage/keys", "enrolled public key file or directory: on --image-root's filesystem or a read-only mount")
 	fs.BoolVar(&o.c.TPM, "tpm-pub", false, "the keys are TPM keys")
 	fs.Uint64Var(&o.c.MinGeneration, "min-generation", 0, "refuse manifests of a lower generation")
-	fs.StringVar(&o.uuidFile, "node-uuid-file", "/sys/class/dmi/id/product_uuid", "this node's DMI product UUID")
+	fs.StringVar(&o.uuidFile, "node-uuid-file", "", "this node's DMI product UUID, when the hook may read it: on --image-root's filesystem or a read-only mount (empty: not checked)")
+	fs.StringVar(&o.bootIDFile, "boot-id-file", "/proc/sys/kernel/random/boot_id",
+		"the kernel's boot ID, which the manifest must carry (procfs only; empty: not checked, --node-uuid-file then required)")
+	fs.StringVar(&o.root, "image-root", "/", "the sidecar image's root filesystem, where no other container writes")
 	// KubeVirt mounts the sidecar's /var/run/kubevirt-hooks at the compute container's
 	// /var/run/kubevirt-hooks/$CONTAINER_NAME, where virt-launcher dials every plain
 	// file as a socket and skips directories: the socket sits at the top, the NCCL files
@@ -98,12 +104,10 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	if err != nil {
 		return 2
 	}
-	b, err := os.ReadFile(o.uuidFile)
-	if err != nil {
-		fmt.Fprintf(stderr, "passage-hook: node uuid: %v\n", err)
+	if err := o.trustRoot(); err != nil {
+		fmt.Fprintf(stderr, "passage-hook: %v\n", err)
 		return 1
 	}
-	o.c.NodeUUID = strings.TrimSpace(string(b))
 	// The sidecar's /var/run/kubevirt-hooks is a fresh emptyDir: nothing else makes the
 	// NCCL directory below it, and a VMI whose file cannot be written does not start.
 	if o.ncclDir != "" {
@@ -121,4 +125,76 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// trustRoot reads the node identity and checks where the trust root comes from: the keys
+// (and their enrolments beside them) and the node UUID file must be on the sidecar
+// image's own filesystem or on a read-only mount, the boot ID the kernel's procfs.
+//
+// KubeVirt v1.9 mounts a sidecar's PVC read-write, in the compute container too when it
+// names a sharedComputePath, whatever the PV's access mode (pkg/virt-controller/services/
+// template.go: the PersistentVolumeClaimVolumeSource without ReadOnly, pvcVolumeMount
+// without ReadOnly), and any pod of a namespace can mount that namespace's PVC: a file
+// there is what every such pod may write. The image's root filesystem is the sidecar's
+// own (no other container writes it), and procfs's boot_id is the running kernel's
+// random 128-bit ID, the same in every container of the node and written by none.
+func (o *options) trustRoot() error {
+	if o.c.Keys == "" {
+		return errors.New("--pub: no keys named")
+	}
+	if err := trusted(o.c.Keys, o.root); err != nil {
+		return fmt.Errorf("--pub %w", err)
+	}
+	if o.uuidFile != "" {
+		if err := trusted(o.uuidFile, o.root); err != nil {
+			return fmt.Errorf("--node-uuid-file %w", err)
+		}
+		b, err := manifest.ReadRegular(o.uuidFile, 256)
+		if err != nil {
+			return fmt.Errorf("--node-uuid-file %s: %w", o.uuidFile, err)
+		}
+		o.c.NodeUUID = strings.TrimSpace(string(b))
+	}
+	if o.bootIDFile != "" {
+		var st unix.Statfs_t
+		if err := unix.Statfs(o.bootIDFile, &st); err != nil {
+			return fmt.Errorf("--boot-id-file %s: %w", o.bootIDFile, err)
+		}
+		if st.Type != unix.PROC_SUPER_MAGIC {
+			return fmt.Errorf("--boot-id-file %s: not on procfs: only the kernel's boot_id names this boot", o.bootIDFile)
+		}
+		b, err := os.ReadFile(o.bootIDFile)
+		if err != nil {
+			return fmt.Errorf("--boot-id-file %s: %w", o.bootIDFile, err)
+		}
+		o.c.BootID = strings.TrimSpace(string(b))
+	}
+	if o.c.BootID == "" && o.c.NodeUUID == "" {
+		return errors.New("no node identity: --boot-id-file and --node-uuid-file both empty")
+	}
+	return nil
+}
+
+// trusted: path is on the image's root filesystem (the device of root) or on a
+// read-only mount.
+func trusted(path, root string) error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if st.Flags&unix.ST_RDONLY != 0 {
+		return nil
+	}
+	var p, r unix.Stat_t
+	if err := unix.Stat(path, &p); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if err := unix.Stat(root, &r); err != nil {
+		return fmt.Errorf("%s: image root %s: %w", path, root, err)
+	}
+	if p.Dev != r.Dev {
+		return fmt.Errorf("%s: on a writable mount, not the image's root filesystem %s: whoever else mounts it can forge the trust root "+
+			"(build the keys into the hook's image, or mount them read-only)", path, root)
+	}
+	return nil
 }

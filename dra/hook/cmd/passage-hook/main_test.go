@@ -32,7 +32,7 @@ func TestDeployAnnotation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var pvc, pvPath string
+	var pvc, pvPath, pvName, pvClaim, pvcVolume string
 	var list hooks.HookSidecarList
 	for _, doc := range strings.Split(string(b), "\n---\n") {
 		var o struct {
@@ -42,7 +42,9 @@ func TestDeployAnnotation(t *testing.T) {
 				Annotations map[string]string
 			}
 			Spec struct {
-				HostPath struct{ Path string }
+				HostPath   struct{ Path string }
+				ClaimRef   struct{ Namespace, Name string } `json:"claimRef"`
+				VolumeName string                           `json:"volumeName"`
 			}
 		}
 		if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
@@ -50,9 +52,9 @@ func TestDeployAnnotation(t *testing.T) {
 		}
 		switch o.Kind {
 		case "PersistentVolume":
-			pvPath = o.Spec.HostPath.Path
+			pvPath, pvName, pvClaim = o.Spec.HostPath.Path, o.Metadata.Name, o.Spec.ClaimRef.Namespace+"/"+o.Spec.ClaimRef.Name
 		case "PersistentVolumeClaim":
-			pvc = o.Metadata.Name
+			pvc, pvcVolume = o.Metadata.Name, o.Spec.VolumeName
 		case "VirtualMachineInstance":
 			d := json.NewDecoder(strings.NewReader(o.Metadata.Annotations[hooks.HookSidecarListAnnotationName]))
 			d.DisallowUnknownFields()
@@ -72,13 +74,27 @@ func TestDeployAnnotation(t *testing.T) {
 	if err != nil {
 		t.Fatalf("args %q: %v", list[0].Args, err)
 	}
-	// The files passage-dra plugin --hook-dir writes (dra/plugin's HookManifest,
-	// HookKey, HookNodeUUID; TestHookDirFromPlugin verifies from them), on the PV over
-	// the DaemonSet's hook dir.
-	for p, name := range map[string]string{o.c.Manifest: "manifest.dsse.json", o.c.Keys: "node.pub", o.uuidFile: "product_uuid"} {
-		if p != list[0].PVC.VolumePath+"/"+name {
-			t.Errorf("%s: want the plugin's %s on the PVC's mount %s", p, name, list[0].PVC.VolumePath)
-		}
+	// The manifest passage-dra plugin --hook-dir writes (dra/plugin's HookManifest;
+	// TestHookDirFromPlugin verifies it), on the PV over the DaemonSet's hook dir; the
+	// trust root not on that read-write PVC but in the image (the default --pub), and
+	// the node identity the kernel's boot ID, not a file on it.
+	if want := list[0].PVC.VolumePath + "/manifest.dsse.json"; o.c.Manifest != want {
+		t.Errorf("--manifest %s: want the plugin's export %s", o.c.Manifest, want)
+	}
+	if o.c.Keys != "/etc/passage/keys" || strings.HasPrefix(o.c.Keys, list[0].PVC.VolumePath) {
+		t.Errorf("--pub %s: want the image's /etc/passage/keys, not the PVC", o.c.Keys)
+	}
+	if o.uuidFile != "" || o.bootIDFile != "/proc/sys/kernel/random/boot_id" {
+		t.Errorf("--node-uuid-file %q, --boot-id-file %q: want the kernel's boot ID alone", o.uuidFile, o.bootIDFile)
+	}
+	// KubeVirt mounts the PVC read-write in the compute container too when the entry
+	// names a sharedComputePath (template.go): QEMU needs nothing from it.
+	if list[0].PVC.SharedComputePath != "" {
+		t.Errorf("sharedComputePath %s: the compute container would mount the node's directory read-write", list[0].PVC.SharedComputePath)
+	}
+	// A PV binds one claim: the PV is pinned to the PVC the VMI names, in its namespace.
+	if pvcVolume != pvName || pvClaim != "tenant/"+pvc {
+		t.Errorf("PV %s claimRef %s, PVC %s volumeName %s: not one pair", pvName, pvClaim, pvc, pvcVolume)
 	}
 	if dir := pluginHookDir(t); dir != pvPath || dir == "" {
 		t.Errorf("the PV reads %q, the plugin writes its hook dir to %q", pvPath, dir)
@@ -251,8 +267,10 @@ func TestFlags(t *testing.T) {
 	done := make(chan int)
 	var errb bytes.Buffer
 	go func() {
+		// The export's manifest is of another boot: the node UUID alone holds it to the
+		// node, the export's directory standing for the image's filesystem.
 		done <- run(ctx, []string{"--manifest", filepath.Join(dir, "manifest.dsse.json"), "--pub", filepath.Join(dir, "node.pub"),
-			"--node-uuid-file", filepath.Join(dir, "product_uuid"), "--socket", sock, "--nccl-dir", ncclDir,
+			"--node-uuid-file", filepath.Join(dir, "product_uuid"), "--boot-id-file=", "--image-root", dir, "--socket", sock, "--nccl-dir", ncclDir,
 			"--nccl-disk-dir", "/compute/hook-sidecar-3/passage"}, &errb)
 	}()
 	defer func() {
@@ -297,10 +315,75 @@ func TestFlags(t *testing.T) {
 	}
 
 	var e2 bytes.Buffer
-	if rc := run(context.Background(), []string{"--node-uuid-file", filepath.Join(tmp, "none")}, &e2); rc != 1 || !strings.Contains(e2.String(), filepath.Join(tmp, "none")) {
+	if rc := run(context.Background(), []string{"--pub", filepath.Join(dir, "node.pub"), "--image-root", dir, "--node-uuid-file", filepath.Join(tmp, "none")}, &e2); rc != 1 || !strings.Contains(e2.String(), filepath.Join(tmp, "none")) {
 		t.Errorf("a missing --node-uuid-file: exit %d, %q", rc, e2.String())
 	}
 	if rc := run(context.Background(), []string{"--bogus"}, io.Discard); rc != 2 {
 		t.Errorf("--bogus: exit %d, want 2", rc)
+	}
+}
+
+// TestTrustRoot: passage-hook refuses to start (exit 1, naming the flag and why) when its
+// keys or node UUID lie on a writable mount other than its image's filesystem (what a
+// KubeVirt sidecar PVC is), or its boot ID is not the kernel's; keys and UUID on the
+// image's filesystem and the kernel's boot ID serve.
+func TestTrustRoot(t *testing.T) {
+	const dir = "../../testdata/hookdir"
+	// /dev/shm: a writable tmpfs, never the root filesystem.
+	shm, err := os.MkdirTemp("/dev/shm", "passage-hook-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(shm) })
+	for _, n := range []string{"node.pub", "node.enrol.json", "product_uuid"} {
+		b, err := os.ReadFile(filepath.Join(dir, n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(shm, n), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	notProc := filepath.Join(t.TempDir(), "boot_id")
+	if err := os.WriteFile(notProc, []byte("6f1c2a4e-8d3b-4c7a-9e15-2b7d0f4a9c31\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--manifest", filepath.Join(dir, "manifest.dsse.json"), "--image-root", dir}
+	for _, c := range []struct {
+		name string
+		args []string
+		want []string // "": serves
+	}{
+		{"keys on a writable mount", []string{"--pub", filepath.Join(shm, "node.pub")}, []string{"--pub " + shm, "writable mount"}},
+		{"key directory on a writable mount", []string{"--pub", shm}, []string{"--pub " + shm, "writable mount"}},
+		{"node uuid on a writable mount", []string{"--pub", filepath.Join(dir, "node.pub"), "--node-uuid-file", filepath.Join(shm, "product_uuid")},
+			[]string{"--node-uuid-file " + shm, "writable mount"}},
+		{"boot id not the kernel's", []string{"--pub", filepath.Join(dir, "node.pub"), "--boot-id-file", notProc}, []string{"--boot-id-file " + notProc, "not on procfs"}},
+		{"no node identity", []string{"--pub", filepath.Join(dir, "node.pub"), "--boot-id-file="}, []string{"no node identity"}},
+		{"keys in the image, the kernel's boot id", []string{"--pub", filepath.Join(dir, "node.pub")}, nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			sock := filepath.Join(t.TempDir(), "passage.sock")
+			args := append(append(append([]string{}, base...), c.args...), "--socket", sock, "--nccl-dir=")
+			var stderr bytes.Buffer
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			rc := run(ctx, args, &stderr)
+			if c.want == nil {
+				// It served until ctx ended.
+				if rc != 0 {
+					t.Fatalf("exit %d: %s", rc, stderr.String())
+				}
+				return
+			}
+			if rc != 1 {
+				t.Fatalf("exit %d, want 1: %s", rc, stderr.String())
+			}
+			for _, w := range c.want {
+				if !strings.Contains(stderr.String(), w) {
+					t.Errorf("stderr %q does not say %q", stderr.String(), w)
+				}
+			}
+		})
 	}
 }
