@@ -129,16 +129,11 @@ func (n *Node) Publish(ctx context.Context, hc *http.Client, getURL, postURL str
 	if err != nil {
 		return nil, err
 	}
-	m := manifesttest.B300(n.Generation)
-	m.Node.Hostname = n.Hostname
-	m.Node.DMIUUID = ""
-	m.BootID = n.boot
-	s, err := manifest.WriteSigned(ctx, m, n.dir, "manifest.dsse.json", n.key, n.key)
+	env, err := n.sign(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("node %s: sign: %w", n.Hostname, err)
+		return nil, err
 	}
-	n.Generation++
-	if st, body, err := post(ctx, hc, postURL, control.EnvelopeType, s.Envelope); err != nil {
+	if st, body, err := post(ctx, hc, postURL, control.EnvelopeType, env); err != nil {
 		return nil, err
 	} else if st/100 != 2 {
 		return &Result{Status: st, Body: body, Nonce: nonce}, nil
@@ -177,6 +172,31 @@ func (n *Node) Publish(ctx context.Context, hc *http.Client, getURL, postURL str
 		}
 		res.Enrolled = true
 	}
+}
+
+// sign writes the next generation's manifest, signed by the TPM key and measured into
+// PCR 13, and returns its envelope.
+func (n *Node) sign(ctx context.Context) ([]byte, error) {
+	m := manifesttest.B300(n.Generation)
+	m.Node.Hostname = n.Hostname
+	m.BootID = n.boot
+	s, err := manifest.WriteSigned(ctx, m, n.dir, "manifest.dsse.json", n.key, n.key)
+	if err != nil {
+		return nil, fmt.Errorf("node %s: sign: %w", n.Hostname, err)
+	}
+	n.Generation++
+	return s.Envelope, nil
+}
+
+// NextEnvelope signs and measures the next generation's manifest and returns its
+// envelope (a test POSTs it itself).
+func (n *Node) NextEnvelope(t testing.TB) []byte {
+	t.Helper()
+	b, err := n.sign(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
 
 // Attest makes the attestation over nonce of what this boot measured.
