@@ -8,6 +8,7 @@ package controltest
 import (
 	"bytes"
 	"context"
+	"crypto"
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/hex"
@@ -43,6 +44,11 @@ type Node struct {
 	FirmwareLog []byte
 	// Generation is the next manifest's generation.
 	Generation uint64
+	// LastEnvelope is the last manifest signed.
+	LastEnvelope []byte
+	// AfterNonce, when set, runs between the nonce GET and the first POST (a test kills
+	// a replica there).
+	AfterNonce func()
 	t          testing.TB
 }
 
@@ -129,6 +135,9 @@ func (n *Node) Publish(ctx context.Context, hc *http.Client, getURL, postURL str
 	if err != nil {
 		return nil, err
 	}
+	if n.AfterNonce != nil {
+		n.AfterNonce()
+	}
 	env, err := n.sign(ctx)
 	if err != nil {
 		return nil, err
@@ -185,6 +194,7 @@ func (n *Node) sign(ctx context.Context) ([]byte, error) {
 		return nil, fmt.Errorf("node %s: sign: %w", n.Hostname, err)
 	}
 	n.Generation++
+	n.LastEnvelope = s.Envelope
 	return s.Envelope, nil
 }
 
@@ -212,6 +222,9 @@ func (n *Node) Attest(nonce []byte) ([]byte, error) {
 	a.NonceSource = attest.NonceControlPlane
 	return a.Marshal()
 }
+
+// SigningKey is passage's TPM signing key (the manifests' signer).
+func (n *Node) SigningKey() crypto.PublicKey { return n.key.Public() }
 
 // EKCert is the TPM's EK certificate (DER).
 func (n *Node) EKCert() ([]byte, error) {
