@@ -67,6 +67,8 @@ type env struct {
 	ca  *attesttest.CA
 	log []byte
 	ap  *attest.Approved
+	// ruleWrites counts the DeviceTaintRule writes.
+	ruleWrites atomic.Int64
 }
 
 // newEnv serves a control plane over TLS on loopback with a fake API (the handler's

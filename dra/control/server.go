@@ -242,26 +242,25 @@ func (s *Server) envelope(ctx context.Context, w http.ResponseWriter, body io.Re
 			verdict = n.Status.Verdict
 			return nil // a retried POST
 		}
-		n.Status.Manifest = held
+		reason := fmt.Sprintf("generation %d posted, not attested", m.Generation)
+		if !n.enrolled() {
+			reason = fmt.Sprintf("generation %d posted; TPM not enrolled", m.Generation)
+		}
+		now := s.Store.now().UTC()
+		verdict = VerdictUnverified
+		// The label goes through the main resource, the status through its subresource
+		// (an update of the one leaves the other as it was).
 		if n.Labels == nil {
 			n.Labels = map[string]string{}
 		}
-		n.Status.Verdict, n.Status.Reason = VerdictUnverified, fmt.Sprintf("generation %d posted, not attested", m.Generation)
-		if !n.enrolled() {
-			n.Status.Reason = fmt.Sprintf("generation %d posted; TPM not enrolled", m.Generation)
-		}
-		now := s.Store.now().UTC()
-		n.Status.Time = &now
-		verdict = n.Status.Verdict
-		// The label goes through the main resource, the status through its subresource.
 		if n.Labels[ManifestLabel] != manifestLabel(digest) {
 			n.Labels[ManifestLabel] = manifestLabel(digest)
 			if n, err = s.Store.Update(ctx, n); err != nil {
 				return err
 			}
-			n.Status.Manifest = held
-			n.Status.Verdict, n.Status.Reason, n.Status.Time = verdict, fmt.Sprintf("generation %d posted, not attested", m.Generation), &now
 		}
+		n.Status.Manifest = held
+		n.Status.Verdict, n.Status.Reason, n.Status.Time = verdict, reason, &now
 		_, err = s.Store.UpdateStatus(ctx, n)
 		return err
 	})
