@@ -94,7 +94,11 @@ func (t *Taints) Set(ctx context.Context, record, pool, verdict, check, reason s
 			cur.Annotations[ReasonAnnotation] == reason && cur.Spec.DeviceSelector != nil && cur.Spec.DeviceSelector.Pool != nil && *cur.Spec.DeviceSelector.Pool == pool {
 			return nil
 		}
+		// The old timeAdded kept: the API server bumps it when the effect changes
+		// (devicetaintrule's PrepareForUpdate), which a client's nil would prevent.
+		added := cur.Spec.Taint.TimeAdded
 		cur.Spec = want.Spec
+		cur.Spec.Taint.TimeAdded = added
 		if cur.Annotations == nil {
 			cur.Annotations = map[string]string{}
 		}
