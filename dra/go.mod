@@ -5,6 +5,8 @@ go 1.26.0
 replace github.com/passage-boot/passage => ../
 
 require (
+	github.com/google/go-attestation v0.6.4
+	github.com/google/go-tpm v0.9.8
 	github.com/passage-boot/passage v0.0.0-00010101000000-000000000000
 	google.golang.org/grpc v1.82.1
 	k8s.io/api v0.37.2
@@ -44,8 +46,6 @@ require (
 	github.com/go-openapi/swag/yamlutils v0.27.1 // indirect
 	github.com/google/cel-go v0.29.2 // indirect
 	github.com/google/gnostic-models v0.7.0 // indirect
-	github.com/google/go-attestation v0.6.4 // indirect
-	github.com/google/go-tpm v0.9.8 // indirect
 	github.com/google/uuid v1.6.0 // indirect
 	github.com/inconshreveable/mousetrap v1.1.0 // indirect
 	github.com/json-iterator/go v1.1.12 // indirect
