@@ -5,6 +5,8 @@ go 1.26.0
 replace github.com/passage-boot/passage => ../
 
 require (
+	github.com/google/go-attestation v0.6.4
+	github.com/google/go-tpm v0.9.8
 	github.com/passage-boot/passage v0.0.0-00010101000000-000000000000
 	google.golang.org/grpc v1.82.1
 	k8s.io/api v0.37.2

@@ -1,6 +1,6 @@
 // Package cluster runs a real Kubernetes control plane on loopback for the driver's
 // end-to-end test: etcd, kube-apiserver, kube-scheduler and kube-controller-manager
-// (only the resourceclaim and garbage-collector controllers), the pinned binaries
+// (only the resourceclaim, garbage-collector and device-taint-eviction controllers), the pinned binaries
 // build.sh builds, with throw-away certificates and tokens made here. There is no
 // kubelet: the test plays its part (NodePrepareResources over the plugin's socket).
 package cluster
@@ -132,8 +132,9 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 	}
 	// The controller-manager runs its controllers as its own user (no service-account
 	// credentials: no token controller runs), whose built-in role does not cover what
-	// these two do: they get their controllers' built-in roles.
-	for _, role := range []string{"system:controller:resource-claim-controller", "system:controller:generic-garbage-collector"} {
+	// these do: they get their controllers' built-in roles.
+	for _, role := range []string{"system:controller:resource-claim-controller", "system:controller:generic-garbage-collector",
+		"system:controller:device-taint-eviction-controller"} {
 		b := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "e2e:" + role},
 			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
 			Subjects: []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: "system:kube-controller-manager"}}}
@@ -143,7 +144,9 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 	}
 	// The node controller is left out: with no kubelet it marks the nodes NotReady.
 	cm, err := c.start(bin, "kube-controller-manager", "--kubeconfig="+f("controller-manager.kubeconfig"), "--leader-elect=false",
-		"--controllers=resourceclaim-controller,garbage-collector-controller",
+		// device-taint-eviction-controller deletes the pods using a device a NoExecute
+		// DeviceTaintRule taints (passage-control's attestation-failed).
+		"--controllers=resourceclaim-controller,garbage-collector-controller,device-taint-eviction-controller",
 		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[4]), "--cert-dir="+f("cm-certs"))
 	if err != nil {
 		return err

@@ -1,0 +1,591 @@
+//go:build cluster
+
+package cluster_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/yaml"
+
+	"github.com/passage-boot/passage/attest"
+	"github.com/passage-boot/passage/attest/attesttest"
+	"github.com/passage-boot/passage/dra/cluster"
+	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/dra/control/controltest"
+	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/manifest"
+)
+
+const fixtures = "../../attest/testdata/"
+
+// replica is one passage-control process.
+type replica struct {
+	url, metrics string
+	cmd          *exec.Cmd
+	done         chan struct{}
+	log          string
+}
+
+// TestClusterControl: two passage-control replicas as processes on the real control
+// plane, boots with swtpm TPMs POSTing to them (see README.md, "Tests").
+func TestClusterControl(t *testing.T) {
+	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
+	if bin == "" {
+		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	work := t.TempDir()
+	ctlBin := filepath.Join(work, "passage-control")
+	if out, err := exec.Command("go", "build", "-o", ctlBin, "github.com/passage-boot/passage/dra/cmd/passage-control").CombinedOutput(); err != nil {
+		t.Fatalf("go build passage-control: %v\n%s", err, out)
+	}
+	cdir := filepath.Join(work, "cp")
+	os.MkdirAll(cdir, 0o755)
+	c, err := cluster.Start(ctx, bin, cdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	defer func() {
+		if t.Failed() {
+			for _, l := range c.Logs() {
+				t.Log(cluster.Tail(l, 3000))
+			}
+		}
+	}()
+	api := c.Client
+	mustCreate(t, func() error {
+		_, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
+		return err
+	})
+	mustCreate(t, func() error {
+		_, err := api.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{})
+		return err
+	})
+	applyCRDs(t, ctx, c)
+	ctlConfig := filepath.Join(work, "passage-control.kubeconfig")
+	deployControlRBAC(t, ctx, c, ctlConfig)
+
+	// The node's TPM is manufactured first: swtpm_localca makes its CA on first use.
+	log, err := os.ReadFile(fixtures + "ovmf-secureboot.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca := attesttest.NewCA(t)
+	node := controltest.NewNode(t, ca, "b300-a", log)
+	files := map[string][]byte{"ek-ca.pem": ca.PEM(t)}
+	files["tls.crt"], files["tls.key"] = serving(t)
+	for name, b := range files {
+		if err := os.WriteFile(filepath.Join(work, name), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(files["tls.crt"])
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+	startReplica := func(i int) *replica {
+		ports := freePorts(t, 2)
+		r := &replica{url: fmt.Sprintf("https://127.0.0.1:%d/", ports[0]), metrics: fmt.Sprintf("http://127.0.0.1:%d/metrics", ports[1]),
+			log: filepath.Join(work, fmt.Sprintf("control-%d.log", i)), done: make(chan struct{})}
+		out, _ := os.Create(r.log)
+		r.cmd = exec.Command(ctlBin, "--kubeconfig", ctlConfig, "--listen", fmt.Sprintf("127.0.0.1:%d", ports[0]),
+			"--metrics", fmt.Sprintf("127.0.0.1:%d", ports[1]), "--tls-cert", filepath.Join(work, "tls.crt"),
+			"--tls-key", filepath.Join(work, "tls.key"), "--ek-ca", filepath.Join(work, "ek-ca.pem"),
+			"--approved", fixtures+"ovmf-secureboot.approved.json")
+		r.cmd.Stdout, r.cmd.Stderr = out, out
+		if err := r.cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		go func() { r.cmd.Wait(); out.Close(); close(r.done) }()
+		t.Cleanup(func() {
+			r.cmd.Process.Kill()
+			<-r.done
+			if t.Failed() {
+				t.Log(cluster.Tail(r.log, 3000))
+			}
+		})
+		waitFor(t, ctx, 30*time.Second, "passage-control "+r.url, func() (bool, string) {
+			resp, err := http.Get(strings.TrimSuffix(r.metrics, "metrics") + "healthz")
+			if err != nil {
+				return false, err.Error()
+			}
+			resp.Body.Close()
+			return resp.StatusCode == 200, resp.Status
+		})
+		return r
+	}
+	r1, r2 := startReplica(1), startReplica(2)
+	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
+	record := func(name string) map[string]any {
+		u, err := dyn.Resource(control.NodeResource).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("record %s: %v", name, err)
+		}
+		st, _ := u.Object["status"].(map[string]any)
+		return st
+	}
+	rule := func(name string) *resourceapi.DeviceTaintRule {
+		r, err := api.ResourceV1().DeviceTaintRules().Get(ctx, control.RuleName(name), metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+
+	// The node's manifest is POSTed; no attestation yet. Its slices are what passage-dra
+	// renders from that manifest (resources.Render), published by the test.
+	addNode(t, ctx, api, "b300-a")
+	if st, body, err := controltest.Post(ctx, hc, r1.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
+		t.Fatalf("envelope: %v %d %s", err, st, body)
+	}
+	key, err := manifest.NewVerifier(node.SigningKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := manifest.Verify(node.LastEnvelope, key, manifest.VerifyOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := resources.Render(v, resources.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := api.ResourceV1().DeviceClasses().Create(ctx, objs.Class, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, tmpl := range objs.Templates {
+		if _, err := api.ResourceV1().ResourceClaimTemplates(ns).Create(ctx, tmpl, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, s := range objs.Slices {
+		if _, err := api.ResourceV1().ResourceSlices().Create(ctx, s, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tmpl := objs.Shapes[0].TemplateName()
+
+	createPod(t, ctx, api, "pod-0", "", tmpl)
+	waitUnschedulable(t, ctx, api, "pod-0", "cannot allocate all claims")
+	r := rule("b300-a")
+	if r == nil || r.Spec.Taint.Key != control.TaintUnverified || r.Spec.Taint.Effect != resourceapi.DeviceTaintEffectNoSchedule || *r.Spec.DeviceSelector.Pool != "b300-a" {
+		t.Fatalf("before verification, the rule on b300-a's devices: %+v", r)
+	}
+	st := record("b300-a")
+	t.Logf("before verification: pod-0 Pending; rule %s %s=%s on pool %s; record %v: %v", r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect, *r.Spec.DeviceSelector.Pool, st["verdict"], st["reason"])
+
+	// The boot: nonce from one replica, POSTs to the other: enrolled and verified with
+	// no command run by hand; the taint goes and the pod binds.
+	res, err := node.Publish(ctx, hc, r1.url, r2.url)
+	if err != nil || res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("first boot: %v %+v", err, res)
+	}
+	waitFor(t, ctx, 30*time.Second, "pod-0 bound after verification", func() (bool, string) {
+		p, err := api.CoreV1().Pods(ns).Get(ctx, "pod-0", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return p.Spec.NodeName == "b300-a", "not bound"
+	})
+	if r := rule("b300-a"); r != nil {
+		t.Fatalf("verified, the rule is still there: %+v", r.Spec.Taint)
+	}
+
+	// A replay to the other replica: refused naming the nonce.
+	stc, body, err := controltest.Post(ctx, hc, r1.url, control.AttestationType, res.Attestation)
+	if err != nil || stc != http.StatusForbidden || !strings.Contains(body, "nonce "+hex.EncodeToString(res.Nonce)) {
+		t.Fatalf("replay to the other replica: %v %d %s", err, stc, body)
+	}
+
+	// The same attestation at both replicas at the same instant, many times: exactly one
+	// accepts it.
+	for i := range 20 {
+		nonce := getNonceFrom(t, hc, r1.url)
+		if st, body, err := controltest.Post(ctx, hc, r2.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
+			t.Fatalf("round %d envelope: %v %d %s", i, err, st, body)
+		}
+		a, err := node.Attest(nonce)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		codes := make([]int, 2)
+		start := make(chan struct{})
+		for j, u := range []string{r1.url, r2.url} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				codes[j], _, _ = controltest.Post(ctx, hc, u, control.AttestationType, a)
+			}()
+		}
+		close(start)
+		wg.Wait()
+		ok := 0
+		for _, c := range codes {
+			if c == http.StatusOK {
+				ok++
+			}
+		}
+		if ok != 1 {
+			t.Fatalf("round %d: the same attestation at both replicas: %v, want exactly one 200", i, codes)
+		}
+	}
+
+	// An unapproved image: NoExecute with the verifier's reason; pod-0 is deleted by the
+	// eviction controller. A later approved boot clears it and a new pod binds.
+	ap, err := attest.ReadApproved(fixtures + "ovmf-secureboot.approved.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Reboot(bytes.ReplaceAll(log, []byte(ap.Authenticode[0]), bytes.Repeat([]byte{0x5a}, 32)))
+	res, err = node.Publish(ctx, hc, r2.url, r1.url)
+	if err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not approved") {
+		t.Fatalf("unapproved boot: %v %+v", err, res)
+	}
+	r = rule("b300-a")
+	if r == nil || r.Spec.Taint.Key != control.TaintFailed || r.Spec.Taint.Effect != resourceapi.DeviceTaintEffectNoExecute {
+		t.Fatalf("after the unapproved boot: %+v", r)
+	}
+	waitFor(t, ctx, 30*time.Second, "pod-0 evicted", func() (bool, string) {
+		p, err := api.CoreV1().Pods(ns).Get(ctx, "pod-0", metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, ""
+		}
+		if err != nil {
+			return false, err.Error()
+		}
+		return p.DeletionTimestamp != nil, "no deletionTimestamp"
+	})
+	st = record("b300-a")
+	t.Logf("unapproved boot: rule %s=%s:%s (%s); record %v: %v; pod-0 deleted by the eviction controller",
+		r.Spec.Taint.Key, r.Spec.Taint.Value, r.Spec.Taint.Effect, r.Annotations[control.ReasonAnnotation], st["verdict"], st["reason"])
+	forceDelete(t, ctx, api, "pod-0")
+
+	// A replica killed (SIGKILL) between the nonce GET and the POST: the boot completes
+	// on the other; the record keeps every generation, the nonce is used once.
+	node.Reboot(log)
+	node.AfterNonce = func() {
+		r1.cmd.Process.Signal(syscall.SIGKILL)
+		<-r1.done
+	}
+	res, err = node.Publish(ctx, hc, r1.url, r2.url)
+	node.AfterNonce = nil
+	if err != nil || res.Status != http.StatusOK {
+		t.Fatalf("boot across a killed replica: %v %+v", err, res)
+	}
+	nu, err := dyn.Resource(control.NonceResource).Get(ctx, hex.EncodeToString(res.Nonce), metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if spec, _ := nu.Object["spec"].(map[string]any); spec["used"] == nil || spec["record"] != "b300-a" {
+		t.Fatalf("the nonce after the killed replica: %v", nu.Object["spec"])
+	}
+	if st := record("b300-a"); st["verdict"] != control.VerdictVerified {
+		t.Fatalf("record after the killed replica: %v", st)
+	}
+	if r := rule("b300-a"); r != nil {
+		t.Fatalf("approved boot, the rule is still there: %+v", r.Spec.Taint)
+	}
+	createPod(t, ctx, api, "pod-1", "", tmpl)
+	waitFor(t, ctx, 30*time.Second, "pod-1 bound", func() (bool, string) {
+		p, err := api.CoreV1().Pods(ns).Get(ctx, "pod-1", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return p.Spec.NodeName == "b300-a", "not bound"
+	})
+
+	// What an operator sees: the printer columns and the metrics promtool accepts.
+	table := printerColumns(t, ctx, c)
+	if !strings.Contains(table, "b300-a") || !strings.Contains(table, "verified") {
+		t.Fatalf("kubectl get passagenodes: %s", table)
+	}
+	t.Logf("kubectl get passagenodes:\n%s", table)
+	resp, err := http.Get(r2.metrics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	exp, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	check := exec.Command("promtool", "check", "metrics")
+	check.Stdin = bytes.NewReader(exp)
+	if out, err := check.CombinedOutput(); err != nil {
+		t.Fatalf("promtool check metrics: %v\n%s\n%s", err, out, exp)
+	}
+	if !strings.Contains(string(exp), `passage_control_nodes{verdict="verified"} 1`) {
+		t.Fatalf("metrics:\n%s", exp)
+	}
+}
+
+// TestClusterNonceCAS: the API server's compare-and-swap makes a nonce single-use
+// across replicas: many stores racing to use one nonce, many times, exactly one wins.
+func TestClusterNonceCAS(t *testing.T) {
+	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
+	if bin == "" {
+		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	cdir := filepath.Join(t.TempDir(), "cp")
+	os.MkdirAll(cdir, 0o755)
+	c, err := cluster.Start(ctx, bin, cdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	applyCRDs(t, ctx, c)
+	var stores []*control.Store
+	for range 4 { // each its own client, as separate replicas are
+		stores = append(stores, &control.Store{Client: dynamic.NewForConfigOrDie(restConfig(t, c))})
+	}
+	for round := range 50 {
+		nonce, err := stores[0].IssueNonce(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		errs := make([]error, len(stores))
+		start := make(chan struct{})
+		for i, s := range stores {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				_, errs[i] = s.UseNonce(ctx, nonce, fmt.Sprintf("r%d", i))
+			}()
+		}
+		close(start)
+		wg.Wait()
+		won := 0
+		for _, err := range errs {
+			if err == nil {
+				won++
+			} else if !strings.Contains(err.Error(), "nonce "+hex.EncodeToString(nonce)) {
+				t.Fatalf("round %d: %v", round, err)
+			}
+		}
+		if won != 1 {
+			t.Fatalf("round %d: %d stores used the nonce (%v), want exactly 1", round, won, errs)
+		}
+	}
+}
+
+func clientcmdConfig(path string) (*rest.Config, error) {
+	return clientcmd.BuildConfigFromFlags("", path)
+}
+
+func restConfig(t *testing.T, c *cluster.Cluster) *rest.Config {
+	t.Helper()
+	rc, err := clientcmdConfig(c.Admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rc
+}
+
+// applyCRDs creates deploy/passage-control-crd.yaml's definitions and waits until
+// they are served.
+func applyCRDs(t *testing.T, ctx context.Context, c *cluster.Cluster) {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "deploy", "passage-control-crd.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
+	crds := schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+	for i, doc := range strings.Split(string(b), "\n---\n") {
+		var m map[string]any
+		if err := yaml.Unmarshal([]byte(doc), &m); err != nil {
+			t.Fatalf("passage-control-crd.yaml document %d: %v", i+1, err)
+		}
+		if _, err := dyn.Resource(crds).Create(ctx, &unstructured.Unstructured{Object: m}, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("passage-control-crd.yaml document %d: %v", i+1, err)
+		}
+	}
+	for _, gvr := range []schema.GroupVersionResource{control.NodeResource, control.NonceResource} {
+		waitFor(t, ctx, 30*time.Second, gvr.Resource+" served", func() (bool, string) {
+			_, err := dyn.Resource(gvr).List(ctx, metav1.ListOptions{})
+			return err == nil, fmt.Sprint(err)
+		})
+	}
+}
+
+// deployControlRBAC creates deploy/passage-control.yaml's namespace, account and role
+// and writes a kubeconfig of the account: the replicas run with what the role grants.
+func deployControlRBAC(t *testing.T, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "deploy", "passage-control.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	api := c.Client
+	var sa *corev1.ServiceAccount
+	for i, doc := range strings.Split(string(b), "\n---\n") {
+		obj, gvk, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
+			t.Fatalf("deploy/passage-control.yaml document %d: %v", i+1, err)
+		}
+		switch o := obj.(type) {
+		case *corev1.Namespace:
+			_, err = api.CoreV1().Namespaces().Create(ctx, o, metav1.CreateOptions{})
+		case *corev1.ServiceAccount:
+			sa = o
+			_, err = api.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRole:
+			_, err = api.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRoleBinding:
+			_, err = api.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		}
+		if err != nil {
+			t.Fatalf("deploy/passage-control.yaml document %d (%s): %v", i+1, gvk.Kind, err)
+		}
+	}
+	if sa == nil {
+		t.Fatal("deploy/passage-control.yaml: no ServiceAccount")
+	}
+	if err := c.ServiceAccountKubeconfig(ctx, sa.Namespace, sa.Name, kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	rc, err := clientcmdConfig(kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	as := kubernetes.NewForConfigOrDie(rc)
+	if _, err := as.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Fatalf("passage-control's account listing pods: %v, want forbidden", err)
+	}
+	if _, err := as.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Fatalf("passage-control's account listing slices: %v, want forbidden", err)
+	}
+}
+
+// printerColumns is `kubectl get passagenodes` as the API's Table answer gives it.
+func printerColumns(t *testing.T, ctx context.Context, c *cluster.Cluster) string {
+	t.Helper()
+	rc := restConfig(t, c)
+	hc, err := rest.HTTPClientFor(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req, _ := http.NewRequestWithContext(ctx, "GET", c.Server+"/apis/"+control.Group+"/"+control.Version+"/passagenodes", nil)
+	req.Header.Set("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+	resp, err := hc.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var tbl metav1.Table
+	if err := json.NewDecoder(resp.Body).Decode(&tbl); err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	for _, col := range tbl.ColumnDefinitions {
+		fmt.Fprintf(&out, "%s\t", strings.ToUpper(col.Name))
+	}
+	out.WriteString("\n")
+	for _, row := range tbl.Rows {
+		for _, cell := range row.Cells {
+			fmt.Fprintf(&out, "%v\t", cell)
+		}
+		out.WriteString("\n")
+	}
+	want := []string{"Name", "Node", "Generation", "Verdict", "Reason", "Age"}
+	for i, w := range want {
+		if i >= len(tbl.ColumnDefinitions) || tbl.ColumnDefinitions[i].Name != w {
+			t.Fatalf("printer columns %+v, want %v", tbl.ColumnDefinitions, want)
+		}
+	}
+	return out.String()
+}
+
+func getNonceFrom(t *testing.T, hc *http.Client, url string) []byte {
+	t.Helper()
+	resp, err := hc.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+	n, err := hex.DecodeString(strings.TrimSpace(string(b)))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("GET %s: %s %q", url, resp.Status, b)
+	}
+	return n
+}
+
+// serving is a throw-away certificate for 127.0.0.1, the operator's in a real cluster.
+func serving(t *testing.T) (certPEM, keyPEM []byte) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "passage-control"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		KeyUsage: x509.KeyUsageDigitalSignature}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, _ := x509.MarshalECPrivateKey(key)
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb})
+}
+
+func freePorts(t *testing.T, n int) []int {
+	t.Helper()
+	var out []int
+	var ls []net.Listener
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ls = append(ls, l)
+		out = append(out, l.Addr().(*net.TCPAddr).Port)
+	}
+	for _, l := range ls {
+		l.Close()
+	}
+	return out
+}

@@ -1,0 +1,183 @@
+// Command passage-control is passage's control plane at passage.url: it issues nonces,
+// keeps the manifests boots POST, enrols TPMs with no human step and verifies each
+// boot's attestation, keeping every record and nonce in the Kubernetes API (package
+// control). Run two or more replicas behind one Service: any replica serves any request.
+//
+//	passage-control --tls-cert F --tls-key F --ek-ca F [--approved F] [--intake F]
+//	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F]
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"flag"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/passage-boot/passage/attest"
+	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/manifest"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stderr, nil))
+}
+
+type flags struct {
+	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig string
+	nonceTTL                                                       time.Duration
+	qps                                                            float64
+}
+
+// run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
+func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, metrics string)) int {
+	fs := flag.NewFlagSet("passage-control", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var f flags
+	fs.StringVar(&f.listen, "listen", ":8443", "serve passage.url (https) on `ADDR`")
+	fs.StringVar(&f.metrics, "metrics", ":9090", "serve /metrics (http) on `ADDR`; empty: none")
+	fs.StringVar(&f.cert, "tls-cert", "", "the serving certificate `FILE` (PEM), the operator's")
+	fs.StringVar(&f.key, "tls-key", "", "its private key `FILE` (PEM)")
+	fs.StringVar(&f.ekCA, "ek-ca", "", "the EK CA certificates `FILE` (PEM): a TPM's EK certificate must chain to one")
+	fs.StringVar(&f.approved, "approved", "", "the approved image `FILE` (passage-approved/1); empty: only the TPM's word is checked (no firmware log)")
+	fs.StringVar(&f.intake, "intake", "", "the intake list `FILE` (sha256:<hex> of an EK's public key or serial:<hex>, one a line): only TPMs on it enrol")
+	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "`FILE` to reach the API server (default: in-cluster)")
+	fs.DurationVar(&f.nonceTTL, "nonce-ttl", attest.DefaultNonceTTL, "how long an issued nonce is accepted")
+	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	logger := log.New(stderr, "passage-control: ", log.LstdFlags|log.Lmicroseconds)
+	fail := func(code int, format string, a ...any) int {
+		logger.Printf(format, a...)
+		return code
+	}
+	if f.cert == "" || f.key == "" || f.ekCA == "" || fs.NArg() > 0 {
+		return fail(2, "usage: --tls-cert, --tls-key and --ek-ca are needed, and no arguments")
+	}
+	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
+	if err != nil {
+		return fail(2, "--tls-cert/--tls-key: %v", err)
+	}
+	caPEM, err := manifest.ReadRegular(f.ekCA, 1<<20)
+	if err != nil {
+		return fail(2, "--ek-ca: %v", err)
+	}
+	pool, err := attest.CAPool(caPEM)
+	if err != nil {
+		return fail(2, "--ek-ca %s: %v", f.ekCA, err)
+	}
+	srv := &control.Server{EKCA: pool, Metrics: control.NewMetrics(), Log: logger}
+	if f.approved != "" {
+		if srv.Approved, err = attest.ReadApproved(f.approved); err != nil {
+			return fail(2, "--approved: %v", err)
+		}
+	}
+	if f.intake != "" {
+		b, err := manifest.ReadRegular(f.intake, 64<<20)
+		if err != nil {
+			return fail(2, "--intake: %v", err)
+		}
+		if srv.Intake, err = control.ParseIntake(b); err != nil {
+			return fail(2, "--intake %s: %v", f.intake, err)
+		}
+	}
+	var rc *rest.Config
+	if f.kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", f.kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return fail(2, "kubernetes client: %v", err)
+	}
+	rc.QPS, rc.Burst = float32(f.qps), int(2*f.qps)
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return fail(2, "kubernetes client: %v", err)
+	}
+	kc, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return fail(2, "kubernetes client: %v", err)
+	}
+	srv.Store = &control.Store{Client: dyn, NonceTTL: f.nonceTTL}
+	srv.Taints = &control.Taints{Client: kc}
+
+	ln, err := net.Listen("tcp", f.listen)
+	if err != nil {
+		return fail(1, "--listen: %v", err)
+	}
+	var mln net.Listener
+	if f.metrics != "" {
+		if mln, err = net.Listen("tcp", f.metrics); err != nil {
+			ln.Close()
+			return fail(1, "--metrics: %v", err)
+		}
+	}
+	hs := &http.Server{
+		Handler: srv, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: 60 * time.Second, WriteTimeout: 60 * time.Second,
+		MaxHeaderBytes: 16 << 10, TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12},
+		ErrorLog: logger,
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- hs.ServeTLS(ln, "", "") }()
+	var ms *http.Server
+	if mln != nil {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", srv.Metrics.Handler(srv.Store))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok\n") })
+		ms = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go func() { errs <- ms.Serve(mln) }()
+	}
+	maddr := ""
+	if mln != nil {
+		maddr = mln.Addr().String()
+	}
+	logger.Printf("serving passage.url on https://%s, metrics on %s", ln.Addr(), maddr)
+	if ready != nil {
+		ready(ln.Addr().String(), maddr)
+	}
+	// Expired nonces are swept by every replica; each delete is conditional, so two
+	// replicas sweeping at once delete each nonce once.
+	sweep := time.NewTicker(f.nonceTTL / 2)
+	defer sweep.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			hs.Shutdown(sctx)
+			if ms != nil {
+				ms.Shutdown(sctx)
+			}
+			cancel()
+			return 0
+		case err := <-errs:
+			if errors.Is(err, http.ErrServerClosed) {
+				return 0
+			}
+			return fail(1, "serve: %v", err)
+		case <-sweep.C:
+			sctx, cancel := context.WithTimeout(ctx, time.Minute)
+			if n, err := srv.Store.Sweep(sctx, 5000); err != nil {
+				logger.Printf("sweep: %v", err)
+			} else if n > 0 {
+				logger.Printf("sweep: %d expired nonces deleted", n)
+			}
+			cancel()
+		}
+	}
+}

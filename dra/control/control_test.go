@@ -1,0 +1,473 @@
+package control_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	dynamicfake "k8s.io/client-go/dynamic/fake"
+	"k8s.io/client-go/kubernetes"
+	kubefake "k8s.io/client-go/kubernetes/fake"
+
+	"github.com/passage-boot/passage/attest"
+	"github.com/passage-boot/passage/attest/attesttest"
+	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/dra/control/controltest"
+)
+
+// The firmware fixture is a real OVMF Secure Boot boot of a signed UKI and the approved
+// set computed from that UKI (attest/testdata/README.md says how it was made).
+const fixtures = "../../attest/testdata/"
+
+func firmware(t *testing.T) (log []byte, ap *attest.Approved) {
+	t.Helper()
+	log, err := os.ReadFile(fixtures + "ovmf-secureboot.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ap, err = attest.ReadApproved(fixtures + "ovmf-secureboot.approved.json"); err != nil {
+		t.Fatal(err)
+	}
+	return log, ap
+}
+
+// unapproved is the fixture's log with the UKI's Authenticode hash replaced: the same
+// firmware and Secure Boot policy starting another image.
+func unapproved(t *testing.T, log []byte, ap *attest.Approved) []byte {
+	t.Helper()
+	h := []byte(ap.Authenticode[0])
+	if bytes.Count(log, h) == 0 {
+		t.Fatal("the fixture log does not hold the approved Authenticode hash")
+	}
+	return bytes.ReplaceAll(log, h, bytes.Repeat([]byte{0x5a}, len(h)))
+}
+
+type env struct {
+	srv *control.Server
+	url string
+	hc  *http.Client
+	dyn dynamic.Interface
+	kc  kubernetes.Interface
+	ca  *attesttest.CA
+	log []byte
+	ap  *attest.Approved
+	// ruleWrites counts the DeviceTaintRule writes.
+	ruleWrites atomic.Int64
+}
+
+// newEnv serves a control plane over TLS on loopback with a fake API (the handler's
+// logic; the compare-and-swap is tested against the real API server in dra/cluster).
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	e := &env{ca: attesttest.NewCA(t)}
+	e.log, e.ap = firmware(t)
+	e.dyn = dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schemaGVR]string{
+		control.NodeResource: "PassageNodeList", control.NonceResource: "PassageNonceList"})
+	e.kc = kubefake.NewClientset()
+	e.srv = &control.Server{Store: &control.Store{Client: e.dyn}, Taints: &control.Taints{Client: e.kc, Writes: func() { e.ruleWrites.Add(1) }},
+		Approved: e.ap, Metrics: control.NewMetrics()}
+	ts := httptest.NewUnstartedServer(e.srv)
+	ts.StartTLS()
+	t.Cleanup(ts.Close)
+	e.url, e.hc = ts.URL, ts.Client()
+	return e
+}
+
+// node manufactures a node's TPM; the CA (swtpm_localca makes it on first use) is then
+// the control plane's EK CA unless the test gave another.
+func (e *env) node(t *testing.T, host string) *controltest.Node {
+	t.Helper()
+	n := controltest.NewNode(t, e.ca, host, e.log)
+	if e.srv.EKCA == nil {
+		pool, err := attest.CAPool(e.ca.PEM(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.srv.EKCA = pool
+	}
+	return n
+}
+
+func (e *env) record(t *testing.T, name string) *control.Node {
+	t.Helper()
+	n, err := e.srv.Store.Node(context.Background(), name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func (e *env) rule(t *testing.T, name string) *resourcev1.DeviceTaintRule {
+	t.Helper()
+	r, err := e.kc.ResourceV1().DeviceTaintRules().Get(context.Background(), control.RuleName(name), metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// TestEnrolVerify: a new node's first publish is enrolled (428, activation) and
+// verified with no other step; before its attestation its devices carry the NoSchedule
+// taint and the record says why; after it, no taint.
+func TestEnrolVerify(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	n := e.node(t, "b300-a")
+
+	res, err := n.Publish(ctx, e.hc, e.url, e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The figure the boot storm scales by: API writes for one node's first boot.
+	t.Logf("first boot (enrol and verify): %d record/nonce writes, %d taint rule writes", e.srv.Store.Writes(), e.ruleWrites.Load())
+	if res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("publish: %d enrolled=%v: %s", res.Status, res.Enrolled, res.Body)
+	}
+	var v control.VerdictBody
+	if err := json.Unmarshal([]byte(res.Body), &v); err != nil || v.Verdict != control.VerdictVerified || v.Record != "b300-a" || v.Generation != 1 {
+		t.Fatalf("verdict %s (%v)", res.Body, err)
+	}
+	rec := e.record(t, "b300-a")
+	if rec.Status.Verdict != control.VerdictVerified || rec.Status.Generation != 1 || len(rec.Spec.EKPublic) == 0 || rec.Status.Pending != nil {
+		t.Fatalf("record after enrolment: %+v", rec.Status)
+	}
+	if r := e.rule(t, "b300-a"); r != nil {
+		t.Fatalf("verified node keeps a taint: %+v", r.Spec.Taint)
+	}
+
+	// The next generation: POSTed, not yet attested: NoSchedule, and the record says so.
+	nonce := getNonce(t, e)
+	if st, body := e.post(t, control.EnvelopeType, n.NextEnvelope(t)); st != http.StatusAccepted {
+		t.Fatalf("envelope: %d %s", st, body)
+	}
+	r := e.rule(t, "b300-a")
+	if r == nil || r.Spec.Taint.Key != control.TaintUnverified || r.Spec.Taint.Effect != resourcev1.DeviceTaintEffectNoSchedule ||
+		*r.Spec.DeviceSelector.Pool != "b300-a" || *r.Spec.DeviceSelector.Driver != control.Group {
+		t.Fatalf("rule before attestation: %+v", r)
+	}
+	if rec := e.record(t, "b300-a"); rec.Status.Verdict != control.VerdictUnverified || !strings.Contains(rec.Status.Reason, "generation 2 posted, not attested") {
+		t.Fatalf("record before attestation: %s %q", rec.Status.Verdict, rec.Status.Reason)
+	}
+	a, err := n.Attest(nonce)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, body := e.post(t, control.AttestationType, a); st != http.StatusOK {
+		t.Fatalf("attestation: %d %s", st, body)
+	}
+	if r := e.rule(t, "b300-a"); r != nil {
+		t.Fatalf("taint after verification: %+v", r.Spec.Taint)
+	}
+
+	// The same attestation again: refused naming its nonce, the verdict kept.
+	st, body := e.post(t, control.AttestationType, a)
+	if st != http.StatusForbidden || !strings.Contains(body, "nonce "+hex.EncodeToString(nonce)+": already used") {
+		t.Fatalf("replay: %d %s", st, body)
+	}
+	if rec := e.record(t, "b300-a"); rec.Status.Verdict != control.VerdictVerified {
+		t.Fatalf("a replay changed the verdict: %s %s", rec.Status.Verdict, rec.Status.Reason)
+	}
+	// A nonce nobody issued.
+	b, _ := n.Attest(bytes.Repeat([]byte{7}, 32))
+	if st, body := e.post(t, control.AttestationType, b); st != http.StatusForbidden || !strings.Contains(body, "never issued") {
+		t.Fatalf("unissued nonce: %d %s", st, body)
+	}
+}
+
+// TestUnapprovedImage: an enrolled node booting an unapproved image gets the NoExecute
+// taint with the verifier's reason; an approved boot after clears it.
+func TestUnapprovedImage(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	n := e.node(t, "b300-a")
+	if res, err := n.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK {
+		t.Fatalf("first boot: %v %+v", err, res)
+	}
+	n.Reboot(unapproved(t, e.log, e.ap))
+	res, err := n.Publish(ctx, e.hc, e.url, e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not approved") {
+		t.Fatalf("unapproved boot: %d %s", res.Status, res.Body)
+	}
+	rec := e.record(t, "b300-a")
+	r := e.rule(t, "b300-a")
+	if rec.Status.Verdict != control.VerdictFailed || r == nil || r.Spec.Taint.Key != control.TaintFailed ||
+		r.Spec.Taint.Effect != resourcev1.DeviceTaintEffectNoExecute || r.Annotations[control.ReasonAnnotation] != rec.Status.Reason {
+		t.Fatalf("after the unapproved boot: record %s %q, rule %+v", rec.Status.Verdict, rec.Status.Reason, r)
+	}
+	t.Logf("refused: %s; taint %s=%s:%s", rec.Status.Reason, r.Spec.Taint.Key, r.Spec.Taint.Value, r.Spec.Taint.Effect)
+
+	n.Reboot(e.log)
+	if res, err := n.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK {
+		t.Fatalf("approved boot: %v %+v", err, res)
+	}
+	if r := e.rule(t, "b300-a"); r != nil {
+		t.Fatalf("taint after the approved boot: %+v", r.Spec.Taint)
+	}
+	if rec := e.record(t, "b300-a"); rec.Status.Verdict != control.VerdictVerified || rec.Status.Generation != 3 {
+		t.Fatalf("record: %s generation %d", rec.Status.Verdict, rec.Status.Generation)
+	}
+}
+
+// TestRefusals: each is refused naming why, and nothing is written by the refused
+// request (the records' resourceVersions and the rules are as before it).
+func TestRefusals(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name  string
+		setup func(t *testing.T, e *env)
+		run   func(t *testing.T, e *env) (int, string)
+		want  string
+	}{{
+		name: "EK not chained to the CA",
+		setup: func(t *testing.T, e *env) {
+			ca := attesttest.NewCA(t)
+			attesttest.Manufacture(t, ca, filepath.Join(t.TempDir(), "tpm"))
+			other, err := attest.CAPool(ca.PEM(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.srv.EKCA = other
+		},
+		run:  attestOnly("b300-x"),
+		want: "ek certificate: issued by",
+	}, {
+		name: "EK not on the intake list",
+		setup: func(t *testing.T, e *env) {
+			in, err := control.ParseIntake([]byte("# intake\nsha256:" + strings.Repeat("ab", 32) + "\nserial:01\n"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.srv.Intake = in
+		},
+		run:  attestOnly("b300-x"),
+		want: "not on the intake list",
+	}, {
+		name: "wrong activation answer",
+		run: func(t *testing.T, e *env) (int, string) {
+			n := e.node(t, "b300-x")
+			nonce := getNonce(t, e)
+			e.post(t, control.EnvelopeType, n.NextEnvelope(t))
+			a, _ := n.Attest(nonce)
+			st, body := e.post(t, control.AttestationType, a)
+			if st != http.StatusPreconditionRequired {
+				t.Fatalf("attestation: %d %s", st, body)
+			}
+			var ch control.ChallengeBody
+			json.Unmarshal([]byte(body), &ch)
+			e.snapshot(t)
+			ans, _ := json.Marshal(control.AnswerBody{Format: control.AnswerFormat, Record: ch.Record,
+				AKName: hex.EncodeToString(ch.Challenge.AKName), Answer: base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{1}, 32))})
+			return e.post(t, control.ActivationType, ans)
+		},
+		want: "activation: wrong answer",
+	}, {
+		name: "a node POSTing for another node's record",
+		run: func(t *testing.T, e *env) (int, string) {
+			a := e.node(t, "b300-a")
+			if res, err := a.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK {
+				t.Fatalf("node a: %v %+v", err, res)
+			}
+			// Node a's TPM signs a manifest that says it is b300-b.
+			a.Hostname = "b300-b"
+			nonce := getNonce(t, e)
+			e.post(t, control.EnvelopeType, a.NextEnvelope(t))
+			att, _ := a.Attest(nonce)
+			e.snapshot(t)
+			return e.post(t, control.AttestationType, att)
+		},
+		want: "record b300-b: this TPM is enrolled as record b300-a",
+	}, {
+		name: "another TPM attesting an enrolled node's manifest",
+		run: func(t *testing.T, e *env) (int, string) {
+			a := e.node(t, "b300-a")
+			if res, err := a.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK {
+				t.Fatalf("node a: %v %+v", err, res)
+			}
+			b := e.node(t, "b300-a")
+			nonce := getNonce(t, e)
+			st, body := e.post(t, control.EnvelopeType, b.NextEnvelope(t))
+			if st != http.StatusForbidden || !strings.Contains(body, "not signed by its enrolled signing key") {
+				t.Fatalf("impostor's envelope: %d %s", st, body)
+			}
+			att, _ := b.Attest(nonce)
+			e.snapshot(t)
+			return e.post(t, control.AttestationType, att)
+		},
+		want: "attestation of manifest sha256:",
+	}, {
+		name: "oversized body",
+		run: func(t *testing.T, e *env) (int, string) {
+			e.snapshot(t)
+			return e.post(t, control.EnvelopeType, bytes.Repeat([]byte{' '}, control.MaxBody+1))
+		},
+		want: "body: over 1048576 bytes",
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t)
+			if tc.setup != nil {
+				tc.setup(t, e)
+			}
+			st, body := tc.run(t, e)
+			if st/100 != 4 || !strings.Contains(body, tc.want) {
+				t.Fatalf("%d %q, want a 4xx naming %q", st, body, tc.want)
+			}
+			if len(body) > 1024 {
+				t.Fatalf("refusal of %d bytes, over 1 KiB", len(body))
+			}
+			e.unchanged(t)
+			t.Logf("%d %s", st, strings.TrimSpace(body))
+		})
+	}
+}
+
+// attestOnly makes a new node POST its envelope and attestation; the snapshot is taken
+// between the two.
+func attestOnly(host string) func(t *testing.T, e *env) (int, string) {
+	return func(t *testing.T, e *env) (int, string) {
+		n := e.node(t, host)
+		nonce := getNonce(t, e)
+		if st, body := e.post(t, control.EnvelopeType, n.NextEnvelope(t)); st != http.StatusAccepted {
+			t.Fatalf("envelope: %d %s", st, body)
+		}
+		a, err := n.Attest(nonce)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.snapshot(t)
+		return e.post(t, control.AttestationType, a)
+	}
+}
+
+var snapshots = map[*env]map[string]string{}
+
+// snapshot notes every object's resourceVersion; unchanged checks none moved.
+func (e *env) snapshot(t *testing.T) { snapshots[e] = e.versions(t) }
+
+func (e *env) unchanged(t *testing.T) {
+	t.Helper()
+	before, ok := snapshots[e]
+	if !ok {
+		before = map[string]string{}
+	}
+	after := e.versions(t)
+	for k, v := range after {
+		if before[k] != v {
+			t.Errorf("%s written by the refused request (resourceVersion %q -> %q)", k, before[k], v)
+		}
+	}
+	for k := range before {
+		if _, ok := after[k]; !ok {
+			t.Errorf("%s deleted by the refused request", k)
+		}
+	}
+}
+
+func (e *env) versions(t *testing.T) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	ctx := context.Background()
+	for _, gvr := range []schemaGVR{control.NodeResource, control.NonceResource} {
+		l, err := e.dyn.Resource(gvr).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range l.Items {
+			b, _ := json.Marshal(u.Object)
+			out[gvr.Resource+"/"+u.GetName()] = string(b)
+		}
+	}
+	rules, err := e.kc.ResourceV1().DeviceTaintRules().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rules.Items {
+		b, _ := json.Marshal(r)
+		out["rule/"+r.Name] = string(b)
+	}
+	return out
+}
+
+func getNonce(t *testing.T, e *env) []byte {
+	t.Helper()
+	resp, err := e.hc.Get(e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var b bytes.Buffer
+	b.ReadFrom(resp.Body)
+	n, err := hex.DecodeString(strings.TrimSpace(b.String()))
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET nonce: %s %q", resp.Status, b.String())
+	}
+	return n
+}
+
+func (e *env) post(t *testing.T, ct string, body []byte) (int, string) {
+	t.Helper()
+	st, b, err := controltest.Post(context.Background(), e.hc, e.url, ct, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st, b
+}
+
+// TestMetrics: the exposition after an enrolment and a refusal is what promtool accepts.
+func TestMetrics(t *testing.T) {
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		t.Fatalf("promtool not installed (image/deps.sh installs it): %v", err)
+	}
+	e := newEnv(t)
+	ctx := context.Background()
+	n := e.node(t, "b300-a")
+	if res, err := n.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK {
+		t.Fatalf("publish: %v %+v", err, res)
+	}
+	e.post(t, control.EnvelopeType, []byte("{"))
+	nodes, err := e.srv.Store.ListNodes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b bytes.Buffer
+	if err := e.srv.Metrics.Write(&b, nodes); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`passage_control_nodes{verdict="verified"} 1`, `passage_control_enrolments_total 1`,
+		`passage_control_refusals_total{reason="envelope"} 1`, `passage_control_nonce_to_verdict_seconds_count 1`} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("metrics lack %q:\n%s", want, b.String())
+		}
+	}
+	path := filepath.Join(t.TempDir(), "control.prom")
+	os.WriteFile(path, b.Bytes(), 0o600)
+	cmd := exec.Command(promtool, "check", "metrics")
+	cmd.Stdin = bytes.NewReader(b.Bytes())
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("promtool check metrics: %v\n%s\n%s", err, out, b.String())
+	}
+}
+
+type schemaGVR = schema.GroupVersionResource

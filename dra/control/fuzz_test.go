@@ -1,0 +1,63 @@
+package control_test
+
+import (
+	"bytes"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/runtime"
+	dynamicfake "k8s.io/client-go/dynamic/fake"
+	kubefake "k8s.io/client-go/kubernetes/fake"
+
+	"github.com/passage-boot/passage/dra/control"
+)
+
+// FuzzParseIntake: an intake list is outside bytes; it parses or is refused naming the
+// line, and whatever it accepts answers Check without panicking.
+func FuzzParseIntake(f *testing.F) {
+	f.Add([]byte("sha256:" + strings.Repeat("ab", 32) + "\nserial:01 # a comment\n"))
+	f.Add([]byte("serial:\n"))
+	f.Add([]byte("sha256:zz\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		in, err := control.ParseIntake(b)
+		if err != nil {
+			if !strings.Contains(err.Error(), "intake list") {
+				t.Fatalf("refusal does not name the list: %v", err)
+			}
+			return
+		}
+		if err := in.Check([]byte("not a certificate")); err == nil {
+			t.Fatal("a non-certificate passed the intake list")
+		}
+	})
+}
+
+// FuzzPost: any body POSTed with any of the exchange's types is answered without a
+// panic; an attestation or an answer with a 4xx and its reason (the fake API holds no
+// enrolled record: nothing can verify), an envelope with a 4xx or, for a well-formed
+// manifest, 202.
+func FuzzPost(f *testing.F) {
+	for _, ct := range []string{control.EnvelopeType, control.AttestationType, control.ActivationType} {
+		f.Add(ct, []byte("{}"))
+		f.Add(ct, []byte(`{"format":"passage-attestation/1","nonce":"AAAA","passage_log":"AAAA"}`))
+		f.Add(ct, []byte(`{"format":"passage-enrol-answer/1","record":"b300-a","ak_name":"00","answer":"AAAA"}`))
+		f.Add(ct, []byte(`{"payloadType":"application/vnd.passage.manifest+json","payload":"e30=","signatures":[]}`))
+	}
+	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schemaGVR]string{
+		control.NodeResource: "PassageNodeList", control.NonceResource: "PassageNonceList"})
+	srv := &control.Server{Store: &control.Store{Client: dyn}, Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
+	f.Fuzz(func(t *testing.T, ct string, body []byte) {
+		req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
+		req.Header.Set("Content-Type", ct)
+		w := httptest.NewRecorder()
+		srv.ServeHTTP(w, req)
+		if ct == control.EnvelopeType && w.Code == http.StatusAccepted {
+			return
+		}
+		if w.Code/100 != 4 || w.Body.Len() == 0 || w.Body.Len() > 1024 {
+			t.Fatalf("POST %q %q: %d %q", ct, body, w.Code, w.Body.String())
+		}
+	})
+}

@@ -1,0 +1,290 @@
+package control
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/dynamic"
+
+	"github.com/passage-boot/passage/attest"
+)
+
+// Store is the control plane's state, all of it in the Kubernetes API. It keeps nothing
+// between calls but counters of its own writes (for the metrics and the benchmark).
+type Store struct {
+	Client dynamic.Interface
+	// NonceTTL is how long an issued nonce is accepted (0: attest.DefaultNonceTTL).
+	NonceTTL time.Duration
+	Now      func() time.Time
+	writes   atomic.Int64
+}
+
+// Writes is how many API writes this store made.
+func (s *Store) Writes() int64 { return s.writes.Load() }
+
+func (s *Store) now() time.Time {
+	if s.Now != nil {
+		return s.Now()
+	}
+	return time.Now()
+}
+
+func (s *Store) ttl() time.Duration {
+	if s.NonceTTL > 0 {
+		return s.NonceTTL
+	}
+	return attest.DefaultNonceTTL
+}
+
+// IssueNonce makes a fresh nonce and creates its PassageNonce: an issued nonce exists
+// only as that object, so any replica can accept it.
+func (s *Store) IssueNonce(ctx context.Context) ([]byte, error) {
+	n := make([]byte, attest.NonceSize)
+	if _, err := rand.Read(n); err != nil {
+		return nil, err
+	}
+	name := hex.EncodeToString(n)
+	u, err := toObject(NonceResource, "PassageNonce", name, "", nil, map[string]any{"spec": Nonce{Issued: s.now().UTC()}})
+	if err != nil {
+		return nil, err
+	}
+	s.writes.Add(1)
+	if _, err := s.Client.Resource(NonceResource).Create(ctx, u, metav1.CreateOptions{}); err != nil {
+		return nil, fmt.Errorf("nonce %s: create: %w", name, err)
+	}
+	return n, nil
+}
+
+// NonceRefusal is a nonce the store will not accept, with why.
+type NonceRefusal struct {
+	Nonce  string
+	Reason string
+}
+
+func (e *NonceRefusal) Error() string { return "nonce " + e.Nonce + ": " + e.Reason }
+
+func (s *Store) getNonce(ctx context.Context, name string) (*unstructured.Unstructured, *Nonce, error) {
+	u, err := s.Client.Resource(NonceResource).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, nil, &NonceRefusal{Nonce: name, Reason: fmt.Sprintf("never issued by this control plane (or expired: nonces live %s)", s.ttl())}
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("nonce %s: %w", name, err)
+	}
+	var o struct {
+		Spec Nonce `json:"spec"`
+	}
+	if err := fromObject(u, &o); err != nil {
+		return nil, nil, err
+	}
+	return u, &o.Spec, nil
+}
+
+func (s *Store) judgeNonce(name string, n *Nonce) error {
+	switch {
+	case n.Used != nil:
+		return &NonceRefusal{Nonce: name, Reason: fmt.Sprintf("already used (at %s, for record %s): a replay", n.Used.UTC().Format(time.RFC3339), n.Record)}
+	case s.now().Sub(n.Issued) > s.ttl():
+		return &NonceRefusal{Nonce: name, Reason: fmt.Sprintf("issued %s ago, over %s", s.now().Sub(n.Issued).Round(time.Second), s.ttl())}
+	}
+	return nil
+}
+
+// CheckNonce says whether nonce was issued, is unused and within its time, writing
+// nothing: an enrolment challenge does not use the nonce up.
+func (s *Store) CheckNonce(ctx context.Context, nonce []byte) error {
+	name := hex.EncodeToString(nonce)
+	_, n, err := s.getNonce(ctx, name)
+	if err != nil {
+		return err
+	}
+	return s.judgeNonce(name, n)
+}
+
+// UseNonce uses nonce up for record: one update carrying the resourceVersion read. Of
+// any number of replicas racing to use it, the API server lets exactly one update win
+// (the others get a conflict, re-read it used, and refuse).
+// It returns when the nonce was issued.
+func (s *Store) UseNonce(ctx context.Context, nonce []byte, record string) (time.Time, error) {
+	name := hex.EncodeToString(nonce)
+	for range 3 {
+		u, n, err := s.getNonce(ctx, name)
+		if err != nil {
+			return time.Time{}, err
+		}
+		if err := s.judgeNonce(name, n); err != nil {
+			return time.Time{}, err
+		}
+		issued := n.Issued
+		now := s.now().UTC()
+		n.Used, n.Record = &now, record
+		upd, err := toObject(NonceResource, "PassageNonce", name, u.GetResourceVersion(), nil, map[string]any{"spec": n})
+		if err != nil {
+			return time.Time{}, err
+		}
+		s.writes.Add(1)
+		_, err = s.Client.Resource(NonceResource).Update(ctx, upd, metav1.UpdateOptions{})
+		if apierrors.IsConflict(err) {
+			continue // re-read: another replica used it (the next read says so)
+		}
+		if apierrors.IsNotFound(err) {
+			return time.Time{}, &NonceRefusal{Nonce: name, Reason: "expired while being used"}
+		}
+		if err != nil {
+			return time.Time{}, fmt.Errorf("nonce %s: use: %w", name, err)
+		}
+		return issued, nil
+	}
+	return time.Time{}, &NonceRefusal{Nonce: name, Reason: "contended: used by another request"}
+}
+
+// Sweep deletes nonces past twice their time (a used one is kept that long so a replay
+// is refused as "already used"), each delete conditional on the resourceVersion read.
+// It returns how many it deleted; at most limit are looked at.
+func (s *Store) Sweep(ctx context.Context, limit int64) (int, error) {
+	l, err := s.Client.Resource(NonceResource).List(ctx, metav1.ListOptions{Limit: limit})
+	if err != nil {
+		return 0, fmt.Errorf("nonces: list: %w", err)
+	}
+	n := 0
+	for i := range l.Items {
+		u := &l.Items[i]
+		var o struct {
+			Spec Nonce `json:"spec"`
+		}
+		if err := fromObject(u, &o); err != nil || s.now().Sub(o.Spec.Issued) < 2*s.ttl() {
+			continue
+		}
+		rv := u.GetResourceVersion()
+		s.writes.Add(1)
+		err := s.Client.Resource(NonceResource).Delete(ctx, u.GetName(), metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
+		if err == nil {
+			n++
+		}
+	}
+	return n, nil
+}
+
+// ErrNoRecord is a record that does not exist.
+var ErrNoRecord = errors.New("no such record")
+
+// Node reads a record.
+func (s *Store) Node(ctx context.Context, name string) (*Node, error) {
+	u, err := s.Client.Resource(NodeResource).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("record %s: %w", name, ErrNoRecord)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("record %s: %w", name, err)
+	}
+	return nodeOf(u)
+}
+
+func nodeOf(u *unstructured.Unstructured) (*Node, error) {
+	n := &Node{}
+	if err := fromObject(u, n); err != nil {
+		return nil, err
+	}
+	n.Name, n.ResourceVersion, n.Labels = u.GetName(), u.GetResourceVersion(), u.GetLabels()
+	return n, nil
+}
+
+// ByLabel finds the records whose label key has value (at most 2 read: more than one
+// is itself the answer).
+func (s *Store) ByLabel(ctx context.Context, key, value string) ([]*Node, error) {
+	l, err := s.Client.Resource(NodeResource).List(ctx, metav1.ListOptions{LabelSelector: key + "=" + value, Limit: 2})
+	if err != nil {
+		return nil, fmt.Errorf("records with %s=%s: %w", key, value, err)
+	}
+	var out []*Node
+	for i := range l.Items {
+		n, err := nodeOf(&l.Items[i])
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// Create creates a record (spec and labels; the status is written after, through the
+// status subresource).
+func (s *Store) Create(ctx context.Context, n *Node) (*Node, error) {
+	u, err := toObject(NodeResource, "PassageNode", n.Name, "", n.Labels, map[string]any{"spec": n.Spec})
+	if err != nil {
+		return nil, err
+	}
+	s.writes.Add(1)
+	out, err := s.Client.Resource(NodeResource).Create(ctx, u, metav1.CreateOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("record %s: create: %w", n.Name, err)
+	}
+	return nodeOf(out)
+}
+
+// Update writes the record's spec and labels if it is still at the resourceVersion
+// read (a conflict is returned as such: the caller reads again).
+func (s *Store) Update(ctx context.Context, n *Node) (*Node, error) {
+	u, err := toObject(NodeResource, "PassageNode", n.Name, n.ResourceVersion, n.Labels, map[string]any{"spec": n.Spec, "status": n.Status})
+	if err != nil {
+		return nil, err
+	}
+	s.writes.Add(1)
+	out, err := s.Client.Resource(NodeResource).Update(ctx, u, metav1.UpdateOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("record %s: update: %w", n.Name, err)
+	}
+	return nodeOf(out)
+}
+
+// UpdateStatus writes the record's status if it is still at the resourceVersion read.
+func (s *Store) UpdateStatus(ctx context.Context, n *Node) (*Node, error) {
+	u, err := toObject(NodeResource, "PassageNode", n.Name, n.ResourceVersion, n.Labels, map[string]any{"spec": n.Spec, "status": n.Status})
+	if err != nil {
+		return nil, err
+	}
+	s.writes.Add(1)
+	out, err := s.Client.Resource(NodeResource).UpdateStatus(ctx, u, metav1.UpdateOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("record %s: update status: %w", n.Name, err)
+	}
+	return nodeOf(out)
+}
+
+// ListNodes lists every record (for the metrics), page by page.
+func (s *Store) ListNodes(ctx context.Context) ([]*Node, error) {
+	var out []*Node
+	opts := metav1.ListOptions{Limit: 500}
+	for range 10000 {
+		l, err := s.Client.Resource(NodeResource).List(ctx, opts)
+		if err != nil {
+			return nil, fmt.Errorf("records: list: %w", err)
+		}
+		for i := range l.Items {
+			n, err := nodeOf(&l.Items[i])
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, n)
+		}
+		if opts.Continue = l.GetContinue(); opts.Continue == "" {
+			break
+		}
+	}
+	return out, nil
+}
+
+// labelOf is a digest as a label value: the first 63 hex digits of sha256(b).
+func labelOf(b []byte) string {
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])[:63]
+}
