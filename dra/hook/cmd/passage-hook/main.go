@@ -22,6 +22,7 @@ import (
 type options struct {
 	c                                      hook.Config
 	uuidFile, socket, ncclDir, ncclDiskDir string
+	cpuinfo                                string // --cpuinfo: the node's address width
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -33,6 +34,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.c.TPM, "tpm-pub", false, "the keys are TPM keys")
 	fs.Uint64Var(&o.c.MinGeneration, "min-generation", 0, "refuse manifests of a lower generation")
 	fs.StringVar(&o.uuidFile, "node-uuid-file", "/sys/class/dmi/id/product_uuid", "this node's DMI product UUID")
+	fs.StringVar(&o.cpuinfo, "cpuinfo", "/proc/cpuinfo", "where the node's physical address width is read (address sizes); empty: guests' widths are not checked")
 	// KubeVirt mounts the sidecar's /var/run/kubevirt-hooks at the compute container's
 	// /var/run/kubevirt-hooks/$CONTAINER_NAME, where virt-launcher dials every plain
 	// file as a socket and skips directories: the socket sits at the top, the NCCL files
@@ -104,6 +106,12 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		return 1
 	}
 	o.c.NodeUUID = strings.TrimSpace(string(b))
+	if o.cpuinfo != "" {
+		if o.c.HostPhysBits, err = hook.HostPhysBits(o.cpuinfo); err != nil {
+			fmt.Fprintf(stderr, "passage-hook: --cpuinfo: %v\n", err)
+			return 1
+		}
+	}
 	// The sidecar's /var/run/kubevirt-hooks is a fresh emptyDir: nothing else makes the
 	// NCCL directory below it, and a VMI whose file cannot be written does not start.
 	if o.ncclDir != "" {
