@@ -227,7 +227,10 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		machine = "q35,smm=on"
 	}
 	if o.PhysBits != 0 {
-		cpu += fmt.Sprintf(",phys-bits=%d", o.PhysBits)
+		// OVMF takes a width above 40 bits only from a CPU with 1 GiB pages
+		// (PlatformAddressWidthFromCpuid: "if (!Page1GSupport && (PhysBits > 40))
+		// PhysBits = 40"), which qemu64 lacks: without pdpe1gb its window stays 128 GiB.
+		cpu += fmt.Sprintf(",+pdpe1gb,phys-bits=%d", o.PhysBits)
 	}
 	// thread=single: one host thread runs both vCPUs in turn. Multi-threaded TCG (QEMU
 	// 7.2) does not keep another vCPU's translated code coherent while the kernel patches
