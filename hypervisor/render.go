@@ -29,6 +29,9 @@ type Input struct {
 	AllowDegraded bool
 	// HostCPUs are the host NUMA nodes' CPU lists, for the libvirt domain's vCPU pins.
 	HostCPUs map[int]string
+	// PhysBits is the guest physical address width asked for; 0 takes the width the
+	// units' BARs need (Guest.MMIO). A width that cannot hold them is refused.
+	PhysBits int
 }
 
 // Refused is a rendering refused by a unit's verdict.
@@ -64,6 +67,9 @@ type Rendering struct {
 	Guest *topology.Guest
 	// Degraded are the degraded units it holds (admitted with AllowDegraded).
 	Degraded []topology.GuestSource
+	// MMIO is what the guest's firmware must map, and PhysBits the width rendered.
+	MMIO     topology.MMIO
+	PhysBits int
 	Out      []byte
 }
 
@@ -104,10 +110,18 @@ func Render(in Input, format string, dom topology.DomainOptions) (*Rendering, er
 	if err != nil {
 		return nil, err
 	}
-	r := &Rendering{Guest: g, Degraded: deg}
+	r := &Rendering{Guest: g, Degraded: deg, MMIO: g.MMIO(), PhysBits: in.PhysBits}
+	if r.PhysBits == 0 {
+		r.PhysBits = r.MMIO.Width
+	}
+	if err := r.MMIO.CheckWidth(r.PhysBits, len(g.Units)); err != nil {
+		return nil, &Refused{err}
+	}
 	switch format {
 	case FormatQEMU:
-		r.Out = []byte(g.QEMUText(nil))
+		// The guest's width first: OVMF's 64-bit window follows it. As libvirt's
+		// <maxphysaddr mode='emulate'>, the width exactly; the host must have it.
+		r.Out = []byte(fmt.Sprintf("-cpu host,phys-bits=%d \\\n", r.PhysBits) + g.QEMUText(nil))
 		if note := r.DegradedNote(); note != "" {
 			// A shell comment line ahead of the arguments: the rendering names what it
 			// admitted degraded, as the domain's <description> does.
@@ -115,6 +129,7 @@ func Render(in Input, format string, dom topology.DomainOptions) (*Rendering, er
 		}
 	case FormatLibvirt:
 		dom.HostCPUs = in.HostCPUs
+		dom.PhysBits = r.PhysBits
 		if note := r.DegradedNote(); note != "" {
 			dom.Description = strings.TrimSpace(dom.Description + " " + note)
 		}

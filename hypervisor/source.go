@@ -26,7 +26,7 @@ func Sources(m *manifest.Manifest) ([]topology.GuestSource, error) {
 	var errs []error
 	seen := map[topology.UnitID]bool{}
 	for _, u := range m.Units {
-		s, err := source(u)
+		s, err := source(u, m.SchemaVersion)
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -59,7 +59,7 @@ func HostCPUs(m *manifest.Manifest) (map[int]string, error) {
 	return out, nil
 }
 
-func source(u manifest.Unit) (topology.GuestSource, error) {
+func source(u manifest.Unit, schema int) (topology.GuestSource, error) {
 	id, err := topology.ParseUnitName(u.ID)
 	if err != nil || id.String() != u.ID {
 		return topology.GuestSource{}, fmt.Errorf("unit %q: not a unit name (gpuN)", u.ID)
@@ -78,6 +78,9 @@ func source(u manifest.Unit) (topology.GuestSource, error) {
 		hf, err := function(f)
 		if err != nil {
 			return s, fmt.Errorf("unit %s: function %s: %w", u.ID, f.BDF, err)
+		}
+		if schema >= 4 && f.BARs == nil {
+			hf.BARs = []pci.BAR{} // schema 4 leaves out the bars of a function without any
 		}
 		if hf.Role == topology.RoleGPU {
 			gpus++
@@ -124,7 +127,30 @@ func function(f manifest.Function) (topology.HostFunction, error) {
 	if hf.Link, err = topology.LinkFrom(f.Link.Speed, f.Link.Width); err != nil {
 		return hf, err
 	}
+	if hf.BARs, err = bars(f.BARs); err != nil {
+		return hf, err
+	}
 	return hf, nil
+}
+
+// bars reads a function's BARs from the manifest: nil when it gives none (see source
+// for schema 4's function without BARs) or a BAR it could not size. A BAR's index is 0..5, its size a power of
+// two (PCI 3.0 6.2.5.1), or 0 where the scan could not size it.
+func bars(in []manifest.BAR) ([]pci.BAR, error) {
+	if in == nil {
+		return nil, nil
+	}
+	out := make([]pci.BAR, 0, len(in))
+	for _, b := range in {
+		if b.Index < 0 || b.Index > 5 || b.Size&(b.Size-1) != 0 {
+			return nil, fmt.Errorf("bar %d: index or size 0x%x out of range (index 0..5, a power of two)", b.Index, b.Size)
+		}
+		if b.Size == 0 {
+			return nil, nil
+		}
+		out = append(out, pci.BAR{Index: b.Index, Size: b.Size, IO: b.IO, Is64: b.Is64, Prefetch: b.Prefetchable})
+	}
+	return out, nil
 }
 
 // hexID reads "0x10de" as the manifest writes IDs: lower-case hex with a 0x prefix.

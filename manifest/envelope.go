@@ -273,6 +273,14 @@ func unmarshal(payload []byte) (*Manifest, error) {
 		return nil, fmt.Errorf("schema_version %d has no build", m.SchemaVersion)
 	case m.SchemaVersion < 3 && m.Build != nil:
 		return nil, fmt.Errorf("schema_version %d has no build field, the payload gives one", m.SchemaVersion)
+	case m.SchemaVersion < 4:
+		for _, u := range m.Units {
+			for _, f := range u.Functions {
+				if f.BARs != nil {
+					return nil, fmt.Errorf("schema_version %d has no bars field, the payload gives one for %s", m.SchemaVersion, f.BDF)
+				}
+			}
+		}
 	}
 	return &m, nil
 }

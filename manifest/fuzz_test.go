@@ -54,11 +54,36 @@ func schema2(t testing.TB, payload []byte) []byte {
 		t.Fatal(err)
 	}
 	m.SchemaVersion, m.Build = 2, nil
+	stripBARs(m)
 	p, err := Marshal(m)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// schema3 is a payload as the previous release signed it: no functions' bars.
+func schema3(t testing.TB, payload []byte) []byte {
+	t.Helper()
+	m, err := Unmarshal(payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.SchemaVersion = 3
+	stripBARs(m)
+	p, err := Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func stripBARs(m *Manifest) {
+	for i := range m.Units {
+		for k := range m.Units[i].Functions {
+			m.Units[i].Functions[k].BARs = nil
+		}
+	}
 }
 
 // TestFuzzSeedsCurrent keeps the committed seeds in step with the schema and key: the

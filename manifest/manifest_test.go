@@ -508,29 +508,36 @@ func TestGenerateKeyWaitsForThePool(t *testing.T) {
 	}
 }
 
-// TestVerifySchemaVersions: a verifier accepts what this release signs and, for one
-// release, what the previous one signed (schema 2: no build); a payload whose fields do
-// not match its version is refused.
+// TestVerifySchemaVersions: a verifier accepts what this release signs and what the
+// releases before it signed (schema 3: no bars; schema 2: no build either); a payload
+// whose fields do not match its version is refused.
 func TestVerifySchemaVersions(t *testing.T) {
 	signed, err := Sign(context.Background(), manifesttest.B300(3), testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	v3 := signed.Payload
+	v4 := signed.Payload
+	v3 := schema3(t, v4)
 	v2 := schema2(t, v3)
 	retag := func(p []byte, from, to int) []byte {
 		return bytes.Replace(p, []byte(fmt.Sprintf(`"schema_version":%d`, from)), []byte(fmt.Sprintf(`"schema_version":%d`, to)), 1)
+	}
+	if !bytes.Contains(v4, []byte(`"bars":[`)) || bytes.Contains(v3, []byte(`"bars"`)) {
+		t.Fatalf("the example's schema 4 payload carries no bars, or its schema 3 copy does")
 	}
 	for name, tc := range map[string]struct {
 		payload []byte
 		want    error // nil: accepted
 	}{
-		"current with build":      {v3, nil},
-		"previous without build":  {v2, nil},
-		"previous with build":     {retag(v3, 3, 2), ErrMalformed},
-		"current without build":   {retag(v2, 2, 3), ErrMalformed},
-		"older than the previous": {retag(v2, 2, 1), ErrUnknownSchema},
-		"newer than this":         {retag(v3, 3, 4), ErrUnknownSchema},
+		"current with bars":      {v4, nil},
+		"previous without bars":  {v3, nil},
+		"previous with bars":     {retag(v4, 4, 3), ErrMalformed},
+		"current without bars":   {retag(v3, 3, 4), nil}, // a node without BARs read (an older kernel's tree)
+		"schema 2 without build": {v2, nil},
+		"schema 2 with build":    {retag(v3, 3, 2), ErrMalformed},
+		"schema 3 without build": {retag(v2, 2, 3), ErrMalformed},
+		"older than the oldest":  {retag(v2, 2, 1), ErrUnknownSchema},
+		"newer than this":        {retag(v4, 4, 5), ErrUnknownSchema},
 	} {
 		t.Run(name, func(t *testing.T) {
 			s, err := SignPayload(context.Background(), tc.payload, testSigner(t, 1))
@@ -542,7 +549,7 @@ func TestVerifySchemaVersions(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if (got.Manifest.SchemaVersion == 3) != (got.Manifest.Build != nil) {
+				if (got.Manifest.SchemaVersion >= 3) != (got.Manifest.Build != nil) {
 					t.Errorf("schema %d, build %+v", got.Manifest.SchemaVersion, got.Manifest.Build)
 				}
 				return
@@ -551,6 +558,13 @@ func TestVerifySchemaVersions(t *testing.T) {
 				t.Errorf("err = %v, want %v", err, tc.want)
 			}
 		})
+	}
+	gpu, err := Unmarshal(v4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := gpu.Units[0].Functions[0].BARs; len(b) != 3 || b[1] != (BAR{Index: 1, Size: 512 << 30, Is64: true, Prefetchable: true}) {
+		t.Errorf("gpu0's BARs after signing and decoding: %+v", b)
 	}
 	m, err := Unmarshal(v3)
 	if err != nil {

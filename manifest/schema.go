@@ -18,11 +18,12 @@ import (
 
 // SchemaVersion is the version this package writes. Any change to the payload's fields,
 // their meaning or their encoding bumps it.
-const SchemaVersion = 3 // 3 added build and image_plan
+const SchemaVersion = 4 // 4 added units[].functions[].bars; 3 added build and image_plan
 
 // OldestSchemaVersion is the oldest version Verify still accepts: a hypervisor upgraded
 // before its nodes must go on accepting what their previous image signs, for one
-// release. Schema 2 is schema 3 without build and image_plan.
+// release. Schema 3 is schema 4 without functions' bars; schema 2 is schema 3 without
+// build and image_plan.
 const OldestSchemaVersion = 2
 
 // PayloadType is the DSSE payloadType of a passage manifest.
@@ -144,6 +145,21 @@ type Function struct {
 	DriverBefore    string `json:"driver_before"`
 	DriverAfter     string `json:"driver_after"`
 	Link            Link   `json:"link"`
+	// BARs are the function's Base Address Registers with their sizes (schema 4; absent
+	// before, and for a function without BARs): what a guest's firmware must find room
+	// for when the function is passed through.
+	BARs []BAR `json:"bars,omitempty"`
+}
+
+// BAR is one Base Address Register, in lspci's terms ("Region 1: Memory at ...
+// (64-bit, prefetchable) [size=512G]"). Size is in bytes, from the host kernel's sizing
+// (sysfs resource); 0 when the scan could not say (an lspci dump).
+type BAR struct {
+	Index        int    `json:"index"`
+	Size         uint64 `json:"size"`
+	IO           bool   `json:"io"`
+	Is64         bool   `json:"is64"`
+	Prefetchable bool   `json:"prefetchable"`
 }
 
 // Link is the function's PCIe link as LnkCap/LnkSta report it; speeds in lspci's words

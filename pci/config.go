@@ -335,6 +335,7 @@ func (d *Device) decodeConfig() {
 		d.SecondaryBus = c.r8(ConfigSecondaryBus)
 		d.SubordinateBus = c.r8(ConfigSubordinate)
 	}
+	d.decodeBARs()
 	if d.CapsUnknown == problemAllOnes || d.CapsUnknown == problemAllZeros {
 		// Nothing in it is the function's: a capability pointer of 0xff is no finding
 		// of its own. The ID registers keep what was read (0xffff: the scan then names

@@ -40,6 +40,11 @@ type Device struct {
 	ATS     *ATS         // ATS extended capability
 	SRIOV   *SRIOV       // SR-IOV extended capability
 
+	// BARs are the function's Base Address Registers, in index order: flags and (in a
+	// dump) addresses from config 0x10..0x27, sizes and assigned addresses from
+	// <bdf>/resource.
+	BARs []BAR
+
 	// Problems are what could not be read or decoded for this function. The function is
 	// kept with what was read: bad input loses nothing.
 	Problems []string

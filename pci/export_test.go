@@ -7,3 +7,6 @@ func ScanCounting(root string) (*Tree, int, error) {
 	t, err := scanner{root: root, seen: func(string, readKind, []byte) { n++ }}.scan()
 	return t, n, err
 }
+
+// SetResources is Device.setResources, for the resource parser's table test and fuzz target.
+func (d *Device) SetResources(text string) { d.setResources(text) }

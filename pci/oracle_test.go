@@ -23,6 +23,7 @@ type lspciView struct {
 	acsCap, acsCtl string
 	ats            bool
 	atsCtl         string // "Enable+" / "Enable-"
+	regions        string // "Region 1: Memory (64-bit, prefetchable) at 10000000000 [size=512G]; ..."
 }
 
 var (
@@ -34,6 +35,9 @@ var (
 	reACSCtl  = regexp.MustCompile(`^\t\tACSCtl:\t(.*)$`)
 	reATS     = regexp.MustCompile(`^\tCapabilities: \[[0-9a-f]+ v\d+\] Address Translation Service \(ATS\)`)
 	reATSCtl  = regexp.MustCompile(`^\t\tATSCtl:\t(Enable[+-])`)
+	// show_bases in lspci.c: "Region 1: Memory at 3f000000000 (64-bit, prefetchable)
+	// [size=64G]", "Region 5: I/O ports at 2000 [disabled] [size=128]".
+	reRegion = regexp.MustCompile(`^\tRegion (\d): (?:Memory at ([0-9a-f]+) \(((?:32|64)-bit, (?:non-)?prefetchable)\)|I/O ports at ([0-9a-f]+))((?: \[[a-z]+\])*)(?: \[size=(\d+[KMGT]?)\])?$`)
 )
 
 // parseLspci reads lspci -D -vvv output into one view per function.
@@ -67,6 +71,23 @@ func parseLspci(t *testing.T, out []byte) map[string]*lspciView {
 			cur.ats = true
 		} else if m := reATSCtl.FindStringSubmatch(l); m != nil {
 			cur.atsCtl = m[1]
+		} else if strings.HasPrefix(l, "\tRegion ") {
+			m := reRegion.FindStringSubmatch(l)
+			if m == nil {
+				t.Fatalf("lspci Region line not understood: %q", l)
+			}
+			kind, base := "I/O ports", m[4]
+			if m[2] != "" {
+				kind, base = "Memory ("+m[3]+")", m[2]
+			}
+			r := fmt.Sprintf("Region %s: %s at %s", m[1], kind, base)
+			if m[6] != "" {
+				r += " [size=" + m[6] + "]"
+			}
+			if cur.regions != "" {
+				cur.regions += "; "
+			}
+			cur.regions += r
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -95,7 +116,29 @@ func ourView(d *pci.Device) lspciView {
 			v.atsCtl = "Enable+"
 		}
 	}
+	var rs []string
+	for _, b := range d.BARs {
+		r := fmt.Sprintf("Region %d: %s at %x", b.Index, b.Kind(), b.Base)
+		// lspci sizes a region only where the kernel assigned it (sysfs_get_resources
+		// in lib/sysfs.c takes the size from a line whose start is not 0).
+		if b.Size != 0 && b.Base != 0 {
+			r += " [size=" + lspciSize(b.Size) + "]"
+		}
+		rs = append(rs, r)
+	}
+	v.regions = strings.Join(rs, "; ")
 	return v
+}
+
+// lspciSize is show_size in lspci.c: the largest of K, M, G, T the size is a whole
+// multiple of.
+func lspciSize(x uint64) string {
+	suffix := []string{"", "K", "M", "G", "T"}
+	i := 0
+	for ; i < len(suffix)-1 && x%1024 == 0; i++ {
+		x /= 1024
+	}
+	return fmt.Sprintf("%d%s", x, suffix[i])
 }
 
 // lspciPath finds lspci. The oracle is the point of these tests: a missing lspci is a
@@ -146,6 +189,7 @@ func compareWithLspci(t *testing.T, tree *pci.Tree, views map[string]*lspciView)
 			{"ACSCtl", ov.acsCtl, lv.acsCtl},
 			{"ATS", fmt.Sprint(ov.ats), fmt.Sprint(lv.ats)},
 			{"ATSCtl", ov.atsCtl, lv.atsCtl},
+			{"Regions", ov.regions, lv.regions},
 		} {
 			if f.ours != f.lspci {
 				t.Errorf("%s %s: ours %q, lspci %q", bdf, f.name, f.ours, f.lspci)
@@ -171,8 +215,10 @@ func TestLspciOracleReferenceTrees(t *testing.T) {
 		// nothing cannot pass.
 		want []string
 	}{
-		{"B300", pcitest.B300(), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl"}},
-		{"B200", pcitest.B200(), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl"}},
+		{"B300", pcitest.B300(), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl", "Regions"}},
+		{"B200", pcitest.B200(), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl", "Regions"}},
+		{"SR-IOV", pcitest.SRIOVNode(2, 3, 2), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl", "Regions"}},
+		{"BAR kinds", barKinds(), []string{"Express port type", "Regions"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			n := pcitest.New(t, tc.spec)
@@ -191,7 +237,7 @@ func TestLspciOracleReferenceTrees(t *testing.T) {
 				for _, v := range views {
 					if (f == "ACSCap" && v.acsCap != "") || (f == "ACSCtl" && v.acsCtl != "") || (f == "ATS" && v.ats) ||
 						(f == "ATSCtl" && v.atsCtl != "") || (f == "LnkCap" && v.lnkCap != "") || (f == "LnkSta" && v.lnkSta != "") ||
-						(f == "Express port type" && v.port != "") {
+						(f == "Express port type" && v.port != "") || (f == "Regions" && v.regions != "") {
 						found = true
 					}
 				}
@@ -200,12 +246,36 @@ func TestLspciOracleReferenceTrees(t *testing.T) {
 				}
 			}
 			// The Gen6 hop must be there in lspci's words too.
+			if tc.name != "B300" {
+				return
+			}
 			gpu := n.Addr("gpu0").String()
-			if tc.name == "B300" && views[gpu].lnkSta != "64GT/s x16" {
+			if views[gpu].lnkSta != "64GT/s x16" {
 				t.Errorf("gpu0 %s LnkSta per lspci %q, want 64GT/s x16", gpu, views[gpu].lnkSta)
+			}
+			// And the B300's frame-buffer BAR, as lspci sizes it.
+			if !strings.Contains(views[gpu].regions, "Region 1: Memory (64-bit, prefetchable) at ") || !strings.Contains(views[gpu].regions, "[size=512G]") {
+				t.Errorf("gpu0 %s regions per lspci %q, want a 64-bit prefetchable BAR1 of 512G", gpu, views[gpu].regions)
 			}
 		})
 	}
+}
+
+// barKinds is a node whose functions hold every kind of BAR lspci distinguishes: I/O,
+// 32-bit and 64-bit memory, prefetchable or not, sizes from bytes to terabytes, and a
+// bridge's own BARs (a type 1 header has two).
+func barKinds() pcitest.Spec {
+	return pcitest.Spec{Hosts: []pcitest.Host{{Fns: []pcitest.Fn{
+		{Name: "rp", Dev: 1, Vendor: pcitest.VendorIntel, Device: pcitest.DevRootPort, Class: pcitest.ClassBridge, Port: pci.PortRootPort,
+			BARs: []pcitest.BAR{{Index: 0, Size: 1 << 20, Is64: true}}, Below: []pcitest.Fn{{
+				Name: "ep", Vendor: pcitest.VendorIntel, Device: 0x1234, Class: 0x120000, Port: pci.PortEndpoint, BARs: []pcitest.BAR{
+					{Index: 0, Size: 128, IO: true},
+					{Index: 1, Size: 4 << 10},
+					{Index: 2, Size: 16 << 20, Prefetch: true},
+					{Index: 3, Size: 2 << 40, Is64: true, Prefetch: true},
+					{Index: 5, Size: 2 << 10},
+				}}}},
+	}}}}
 }
 
 // repoRoot walks up from the test's directory to the module root.

@@ -554,6 +554,14 @@ func (s scanner) readDevice(f *listed) (d *Device, vfDir string, err error) {
 			d.NUMANode = n
 		}
 	}
+	// resource is where the kernel keeps the sizes it found when it sized each BAR;
+	// config space holds addresses only. A kernel always writes it; a tree without it
+	// (an older snapshot) has BARs without sizes.
+	if b, err := s.readFile(dir+"/resource", s.st.buf[:0], pageSize, true); err == nil {
+		d.setResources(string(b))
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		d.problem("resource: %v", unwrapPath(err))
+	}
 	if v, ok := s.readLinkBase(d, dir, "driver"); ok {
 		d.Driver = v
 	}

@@ -111,14 +111,24 @@ func TestSnapshotRoundTrip(t *testing.T) {
 				t.Errorf("snapshot tree root %q", back.Root)
 			}
 			sameTree(t, live, back)
+			if tc.name == "B300" {
+				g := back.Lookup(n.Addr("gpu0"))
+				if g == nil {
+					t.Fatal("gpu0 missing from the snapshot")
+				}
+				if len(g.BARs) != 3 || g.BARs[1].Size != 512<<30 {
+					t.Errorf("gpu0's BARs through the snapshot: %+v, want BAR1 of 512 GiB among 3", g.BARs)
+				}
+			}
 
-			// Exactly what Scan reads: no irq, resource or link-speed files.
+			// Exactly what Scan reads: no irq or link-speed files; resource, for the
+			// BAR sizes, is read.
 			ents := tarEntries(t, buf.Bytes())
 			var names []string
 			for name, h := range ents {
 				base := filepath.Base(name)
 				switch base {
-				case "irq", "resource", "enable", "current_link_speed", "max_link_width", "sriov_numvfs":
+				case "irq", "enable", "current_link_speed", "max_link_width", "sriov_numvfs":
 					t.Errorf("snapshot holds %s, which Scan does not read", name)
 				}
 				if h.Typeflag == tar.TypeReg {

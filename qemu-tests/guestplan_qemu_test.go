@@ -236,6 +236,9 @@ type guestBoot struct {
 	Then    []string
 	Append  []string      // more of the kernel command line
 	Overlay []OverlayFile // more files in the initramfs
+	// OVMF and PhysBits boot through UEFI firmware at a guest address width (Options).
+	OVMF     bool
+	PhysBits int
 }
 
 // measureGuest boots gb and returns the run and what plan measured in the guest.
@@ -246,16 +249,24 @@ func measureGuest(t *testing.T, gb guestBoot) (*Run, measuredPlan) {
 		t.Fatalf("guest profile: %v", err)
 	}
 	cmd := "passage plan --profile /etc/passage/qemu-guest.yaml --json"
+	timeout := 4 * time.Minute
+	if gb.OVMF {
+		// OVMF under TCG takes about 100 s before it has enumerated the devices
+		// behind the root ports.
+		timeout = 9 * time.Minute
+	}
 	run, err := Boot(context.Background(), Options{
 		Build: buildDir(t),
 		Name:  gb.Name,
 		Overlay: append([]OverlayFile{fakeUinit(t),
 			{Name: "etc/passage/qemu-guest.yaml", Data: prof},
 			{Name: "etc/fakeuinit/run", Data: []byte(strings.Join(append([]string{cmd}, gb.Then...), "\n") + "\n")}}, gb.Overlay...),
-		Devices: gb.Devices,
-		Append:  gb.Append,
-		WorkDir: filepath.Join(t.TempDir(), "work"),
-		Timeout: 4 * time.Minute,
+		Devices:  gb.Devices,
+		Append:   gb.Append,
+		WorkDir:  filepath.Join(t.TempDir(), "work"),
+		Timeout:  timeout,
+		OVMF:     gb.OVMF,
+		PhysBits: gb.PhysBits,
 	})
 	if run != nil {
 		t.Logf("console: %s; wall %v, to PASSAGE-DONE %v\n%s", run.Console, run.Wall, run.WallDone, run.Timeline())

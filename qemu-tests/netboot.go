@@ -42,9 +42,11 @@ const (
 	OVMFCode         = "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd"
 	OVMFVarsSnakeoil = "/usr/share/OVMF/OVMF_VARS_4M.snakeoil.fd"
 	OVMFVarsNoKeys   = "/usr/share/OVMF/OVMF_VARS_4M.fd" // Secure Boot off: no PK enrolled
-	snakeoilKey      = "/usr/share/ovmf/PkKek-1-snakeoil.key"
-	snakeoilCert     = "/usr/share/ovmf/PkKek-1-snakeoil.pem"
-	snakeoilPass     = "snakeoil" // the key's passphrase (Debian's ovmf README)
+	// OVMFCodeNoSecureBoot is the build without Secure Boot (no SMM needed).
+	OVMFCodeNoSecureBoot = "/usr/share/OVMF/OVMF_CODE_4M.fd"
+	snakeoilKey          = "/usr/share/ovmf/PkKek-1-snakeoil.key"
+	snakeoilCert         = "/usr/share/ovmf/PkKek-1-snakeoil.pem"
+	snakeoilPass         = "snakeoil" // the key's passphrase (Debian's ovmf README)
 )
 
 // SnakeoilKey writes the snakeoil private key, decrypted, into dir for sbsign: a test

@@ -61,6 +61,13 @@ type Options struct {
 	// units' passthrough NVMe. Their names in the guest follow probe order.
 	NVMe []string
 
+	// OVMF boots the kernel directly through UEFI firmware (Debian's OVMF_CODE_4M.fd,
+	// Secure Boot off) instead of SeaBIOS: the firmware that sizes a guest's 64-bit MMIO
+	// window from its address width. PhysBits, when set, is the guest CPU's physical
+	// address width (QEMU's phys-bits).
+	OVMF     bool
+	PhysBits int
+
 	// NetBoot boots through UEFI Secure Boot and iPXE over QEMU's TFTP instead of
 	// -kernel/-initrd (netboot.go); nil: direct kernel boot.
 	NetBoot *NetBoot
@@ -219,6 +226,12 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 	if o.NetBoot != nil {
 		machine = "q35,smm=on"
 	}
+	if o.PhysBits != 0 {
+		// OVMF takes a width above 40 bits only from a CPU with 1 GiB pages
+		// (PlatformAddressWidthFromCpuid: "if (!Page1GSupport && (PhysBits > 40))
+		// PhysBits = 40"), which qemu64 lacks: without pdpe1gb its window stays 128 GiB.
+		cpu += fmt.Sprintf(",+pdpe1gb,phys-bits=%d", o.PhysBits)
+	}
 	// thread=single: one host thread runs both vCPUs in turn. Multi-threaded TCG (QEMU
 	// 7.2) does not keep another vCPU's translated code coherent while the kernel patches
 	// its own text: 6.12 oopsed with "int3" in sched_clock_cpu, right after "sched_clock:
@@ -239,6 +252,18 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		}
 	} else {
 		args = append(args, "-kernel", kernel, "-initrd", initrd, "-append", cmdline)
+	}
+	if o.OVMF && o.NetBoot == nil {
+		vars := filepath.Join(work, "OVMF_VARS.fd")
+		b, err := os.ReadFile(OVMFVarsNoKeys)
+		if err == nil {
+			err = os.WriteFile(vars, b, 0o600)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("boot: OVMF vars: %w", err)
+		}
+		args = append(args, "-drive", "if=pflash,format=raw,unit=0,readonly=on,file="+OVMFCodeNoSecureBoot,
+			"-drive", "if=pflash,format=raw,unit=1,file="+vars)
 	}
 	args = append(args, devices...)
 	if o.Disk != "" {

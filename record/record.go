@@ -94,7 +94,7 @@ func Units(d *decision.Decision, vs []decision.Verdict, x Execution, now DriverN
 				BDF: bdf, Vendor: fmt.Sprintf("0x%04x", fn.VendorID), Device: fmt.Sprintf("0x%04x", fn.DeviceID),
 				SubsystemVendor: fmt.Sprintf("0x%04x", fn.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", fn.SubsystemDevice),
 				Class: fmt.Sprintf("0x%06x", fn.Class), Role: string(d.Labels.RoleOf(fn.Addr)), IOMMUGroup: fn.IOMMUGroup, NUMANode: fn.NUMANode,
-				DriverBefore: fn.Driver, DriverAfter: fn.Driver, Link: Link(fn),
+				DriverBefore: fn.Driver, DriverAfter: fn.Driver, Link: Link(fn), BARs: BARs(fn),
 			}
 			br, bound := bind[bdf]
 			if bound {
@@ -113,6 +113,15 @@ func Units(d *decision.Decision, vs []decision.Verdict, x Execution, now DriverN
 			mu.Functions = append(mu.Functions, f)
 		}
 		out = append(out, mu)
+	}
+	return out
+}
+
+// BARs are a function's BARs in the manifest's words; nil without any.
+func BARs(d *pci.Device) []manifest.BAR {
+	var out []manifest.BAR
+	for _, b := range d.BARs {
+		out = append(out, manifest.BAR{Index: b.Index, Size: b.Size, IO: b.IO, Is64: b.Is64, Prefetchable: b.Prefetch})
 	}
 	return out
 }

@@ -21,6 +21,9 @@ type DomainOptions struct {
 	// vCPUs of a guest cell are pinned to the CPUs of the host node it stands for. Nodes
 	// without a list get no pin.
 	HostCPUs map[int]string
+	// PhysBits is the guest's physical address width (<maxphysaddr>): OVMF sizes its
+	// 64-bit MMIO window from it (Guest.MMIO). 0 leaves it to the CPU model.
+	PhysBits int
 }
 
 // Domain renders the plan as a complete libvirt <domain>: q35, vCPUs and memory from
@@ -52,6 +55,17 @@ func (g *Guest) Domain(opt DomainOptions) ([]byte, error) {
 		OnPoweroff: "destroy", OnReboot: "restart", OnCrash: "destroy"}
 	if opt.Type == "kvm" {
 		d.CPU = &libvirtxml.DomainCPU{Mode: "host-passthrough"}
+	}
+	if opt.PhysBits > 0 {
+		if d.CPU == nil {
+			d.CPU = &libvirtxml.DomainCPU{}
+		}
+		// https://libvirt.org/formatdomain.html#cpu-model-and-topology: mode
+		// emulate gives the guest exactly bits (QEMU's phys-bits), with KVM as under
+		// TCG; passthrough's limit needs libvirt 9.2. The host must have that width
+		// itself (a B300 host's Xeon 6 has 52 bits): KVM cannot map a guest address
+		// the host has not.
+		d.CPU.MaxPhysAddr = &libvirtxml.DomainCPUMaxPhysAddr{Mode: "emulate", Bits: uint(opt.PhysBits)}
 	}
 	if g.NUMA && len(g.GuestNodes) > 0 {
 		if err := g.numaCells(&d, opt); err != nil {

@@ -35,6 +35,9 @@ type HostFunction struct {
 	SubsystemDevice uint16
 	Class           uint32
 	Link            Link
+	// BARs are the function's BARs with their sizes; nil when the input does not give
+	// them (an lspci dump gives BARs without sizes, a manifest before schema 4 none).
+	BARs []pci.BAR
 }
 
 // SourcesOf turns units into guest sources, with the units' statuses as they stand.
@@ -56,9 +59,22 @@ func SourcesOf(units []*Unit) []GuestSource {
 				role = RoleGPUNVMe
 			}
 			s.Functions = append(s.Functions, HostFunction{Addr: f.Addr, Role: role, Vendor: f.VendorID, Device: f.DeviceID,
-				SubsystemVendor: f.SubsystemVendor, SubsystemDevice: f.SubsystemDevice, Class: f.Class, Link: linkOf(f)})
+				SubsystemVendor: f.SubsystemVendor, SubsystemDevice: f.SubsystemDevice, Class: f.Class, Link: linkOf(f), BARs: sizedBARs(f)})
 		}
 		out = append(out, s)
+	}
+	return out
+}
+
+// sizedBARs are a function's BARs when the scan sized them all, else nil (unknown): a
+// dump's BARs carry no sizes. A function without BARs has an empty, non-nil list.
+func sizedBARs(d *pci.Device) []pci.BAR {
+	out := make([]pci.BAR, 0, len(d.BARs))
+	for _, b := range d.BARs {
+		if b.Size == 0 {
+			return nil
+		}
+		out = append(out, b)
 	}
 	return out
 }

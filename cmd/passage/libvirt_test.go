@@ -184,6 +184,12 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 				}
 			}
 		}
+		// The guest's width: 0,1 need 2 TiB of 64-bit MMIO (44 bits), 0,1,4 on two
+		// expanders 3 TiB (45 bits).
+		bits := map[int]string{2: "44", 3: "45"}[units]
+		if want := "<maxphysaddr mode='emulate' bits='" + bits + "'/>"; !strings.Contains(dumped, want) {
+			t.Errorf("%s: libvirt does not keep %s:\n%s", c.name, want, dumped)
+		}
 		t.Logf("%s: libvirt kept %d controllers and %d hostdevs as rendered", c.name, controllers, len(got.Hostdevs))
 	}
 	// Nothing of the host's networking was touched: no network defined, no bridge.

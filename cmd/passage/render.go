@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/pci"
@@ -33,6 +34,7 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&dom.Name, "name", "", "libvirt domain name (default passage-<units>)")
 	fs.IntVar(&dom.VCPUs, "vcpus", 8, "libvirt domain vCPUs (split across NUMA cells with --numa)")
 	fs.IntVar(&dom.MemoryMiB, "memory", 32768, "libvirt domain memory in MiB (split across NUMA cells with --numa)")
+	physBits := fs.Int("phys-bits", 0, "the guest's physical address width (libvirt <maxphysaddr mode='emulate'>, QEMU -cpu phys-bits); 0 takes the width the units' BARs need, a narrower one is refused")
 	pos, code, ok := parseFlags(fs, args, stdout)
 	if !ok {
 		return code
@@ -53,7 +55,11 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	set := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
 
-	in := hypervisor.Input{Units: units, NUMA: f.numa, AllowDegraded: *allowDegraded}
+	if *physBits < 0 || *physBits > 64 {
+		fmt.Fprintf(stderr, "passage render: --phys-bits %d: want 0 (the width needed) or a width up to 64\n", *physBits)
+		return 2
+	}
+	in := hypervisor.Input{Units: units, NUMA: f.numa, AllowDegraded: *allowDegraded, PhysBits: *physBits}
 	if manifestFile != "" {
 		for _, name := range []string{"root", "snapshot", "lspci-dump", "profile", "ats", "cmdline"} {
 			if set[name] {
@@ -123,6 +129,13 @@ func cmdRender(args []string, stdout, stderr io.Writer) int {
 	}
 	if note := r.DegradedNote(); note != "" {
 		fmt.Fprintf(stderr, "passage render: --allow-degraded: %s\n", note)
+	}
+	if *format == hypervisor.FormatQEMU || *format == hypervisor.FormatLibvirt {
+		fmt.Fprintf(stderr, "passage render: the guest's 64-bit BARs need %s of MMIO: a %d-bit physical address width (rendered: %d)\n",
+			topology.Bytes(r.MMIO.Prefetchable64), r.MMIO.Width, r.PhysBits)
+		if len(r.MMIO.Unknown) > 0 {
+			fmt.Fprintf(stderr, "passage render: BAR sizes unknown for %s: the width is a lower bound\n", strings.Join(r.MMIO.Unknown, ", "))
+		}
 	}
 	if in.Units == nil {
 		if left := hypervisor.LeftOut(in, r.Guest); left != "" {

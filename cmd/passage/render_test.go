@@ -136,7 +136,8 @@ func TestRenderFromManifest(t *testing.T) {
 	for _, r := range all {
 		code, fromManifest, errs := runCmd(t, cmdRender, append([]string{n.envelope, "--pub", n.pub}, r.args...)...)
 		// The one line on stderr names the key that signed what is rendered.
-		if code != 0 || !regexp.MustCompile(`^passage render: \S+: signed by SHA256:\S+ \(passage\.pub\)\n$`).MatchString(errs) {
+		// For qemu and libvirt a second line names the MMIO the guest's BARs need.
+		if code != 0 || !regexp.MustCompile(`^passage render: \S+: signed by SHA256:\S+ \(passage\.pub\)\n(passage render: the guest's 64-bit BARs need \d+ [KMGT]iB of MMIO: a \d+-bit physical address width \(rendered: \d+\)\n)?$`).MatchString(errs) {
 			t.Fatalf("render --manifest %v: exit %d, stderr %q", r.args, code, errs)
 		}
 		if fromManifest != r.tree {
@@ -372,5 +373,41 @@ func BenchmarkRender(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestRenderSizesGuestForBARs: the manifest of the reference B300 signs each function's
+// BARs; render sizes the guest from them. Eight units need 8 TiB of 64-bit MMIO, which
+// OVMF's window (the top 1/8 of the space) holds from 46 bits: render sets that width,
+// and refuses a narrower one given, naming both, before any guest exists.
+func TestRenderSizesGuestForBARs(t *testing.T) {
+	n := bootSigned(t, pcitest.B300())
+	if b := n.m.Units[0].Functions[0].BARs; len(b) != 3 || b[1].Size != 512<<30 || !b[1].Is64 || !b[1].Prefetchable {
+		t.Fatalf("gpu0's BARs in the signed manifest: %+v", b)
+	}
+	for _, tc := range []struct {
+		args []string
+		code int
+		out  string // on stdout for 0, on stderr otherwise
+	}{
+		{[]string{"--format", "qemu", "--unit", "all"}, 0, "-cpu host,phys-bits=46 \\\n"},
+		{[]string{"--format", "qemu", "--unit", "0"}, 0, "-cpu host,phys-bits=43 \\\n"},
+		{[]string{"--format", "libvirt", "--unit", "all", "--phys-bits", "48"}, 0, "<maxphysaddr mode=\"emulate\" bits=\"48\"></maxphysaddr>"},
+		{[]string{"--format", "qemu", "--unit", "all", "--phys-bits", "45"}, 1,
+			"REFUSED: guest: 8 units need 8 TiB of 64-bit MMIO, a 46-bit physical address width; the width given is 45 bits, whose OVMF window is 4 TiB: their BARs would not all be mapped\n"},
+		{[]string{"--format", "libvirt", "--unit", "all", "--phys-bits", "40"}, 1, "a 46-bit physical address width; the width given is 40 bits"},
+		{[]string{"--format", "qemu", "--unit", "all", "--phys-bits", "-1"}, 2, "--phys-bits -1"},
+	} {
+		code, out, errs := runCmd(t, cmdRender, append([]string{n.envelope, "--pub", n.pub}, tc.args...)...)
+		where := out
+		if tc.code != 0 {
+			where = errs
+		}
+		if code != tc.code || !strings.Contains(where, tc.out) {
+			t.Errorf("render %v: exit %d, want %d with %q\nstdout:\n%.400s\nstderr:\n%s", tc.args, code, tc.code, tc.out, out, errs)
+		}
+		if tc.code != 0 && out != "" {
+			t.Errorf("render %v refused, yet wrote %d bytes", tc.args, len(out))
+		}
 	}
 }

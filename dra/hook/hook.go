@@ -36,6 +36,10 @@ type Config struct {
 	// image: the returned domain carries a read-only CD-ROM on it (attachNCCLDisk), and
 	// the caller writes NCCLImage(Result.NCCL) there before handing the domain back.
 	NCCLDisk string
+	// HostPhysBits is the node's physical address width (HostPhysBits): a guest whose
+	// CPU mode gives a width that cannot map its units' BARs is refused (largebar.go).
+	// 0 does not check.
+	HostPhysBits int
 }
 
 // verify reads the manifest through manifest.Keyring.VerifyFile, the path passage
@@ -234,6 +238,9 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 			h := &d.Devices.Hostdevs[mine[f.HostID]]
 			h.Address = f.LibvirtAddress()
 		}
+	}
+	if err := checkGuestWidth(&d, g, c.HostPhysBits); err != nil {
+		return nil, err
 	}
 	if c.NCCLDisk != "" {
 		if err := attachNCCLDisk(d.Devices, c.NCCLDisk); err != nil {

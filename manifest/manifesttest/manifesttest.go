@@ -46,6 +46,7 @@ func B300(gen uint64) *manifest.Manifest {
 				SubsystemVendor: vendor, SubsystemDevice: subDevice, Class: class, Role: role,
 				IOMMUGroup: group, NUMANode: i / 4, DriverBefore: "", DriverAfter: "vfio-pci",
 				Link: manifest.Link{Speed: speed, Width: width, MaxSpeed: speed, MaxWidth: width},
+				BARs: ExampleBARs[role],
 			}
 		}
 		u := manifest.Unit{
@@ -97,4 +98,13 @@ func B300(gen uint64) *manifest.Manifest {
 		m.Stages = append(m.Stages, manifest.StageResult{Name: s, Status: "ok", Duration: 1234567 * time.Nanosecond})
 	}
 	return m
+}
+
+// ExampleBARs are the BARs the example gives each role: pcitest's reference B300 sizes
+// (GPU BAR1 512 GiB; see pci/pcitest).
+var ExampleBARs = map[string][]manifest.BAR{
+	"gpu": {{Index: 0, Size: 64 << 20}, {Index: 1, Size: 512 << 30, Is64: true, Prefetchable: true},
+		{Index: 3, Size: 32 << 20, Is64: true, Prefetchable: true}},
+	"gpu-nic":  {{Index: 0, Size: 32 << 20, Is64: true, Prefetchable: true}},
+	"gpu-nvme": {{Index: 0, Size: 32 << 10, Is64: true}},
 }

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -57,8 +58,18 @@ type Fn struct {
 	VPD          *pci.VPD
 	Driver       string
 	NUMA         *int // overrides the host bridge's node
+	BARs         []BAR
 
 	Below []Fn // functions on the secondary bus of a bridge
+}
+
+// BAR is a Base Address Register to give a function: its register (0..5, 0..1 on a
+// bridge), a power-of-two size and its type. Build assigns it an address aligned to its
+// size, writes that into config space and the kernel's line into <bdf>/resource.
+type BAR struct {
+	Index              int
+	Size               uint64
+	IO, Is64, Prefetch bool
 }
 
 // Host is a host bridge (a root bus) and what hangs off it.
@@ -140,12 +151,71 @@ type built struct {
 	vf       bool // an SR-IOV virtual function: its config space reads Vendor/Device 0xffff
 	vfOffset int  // a PF's First VF Offset
 	cfg      []byte
+	bases    []uint64 // the address of each of fn.BARs
+}
+
+// barSpace hands out BAR addresses the way a host's firmware might: I/O from 0x1000,
+// 32-bit memory from 2 GiB, 64-bit memory from 16 TiB, each aligned to its size.
+type barSpace struct{ io, mem32, mem64 uint64 }
+
+func (s *barSpace) place(bs []BAR) ([]uint64, error) {
+	out := make([]uint64, len(bs))
+	for i, b := range bs {
+		if b.Size == 0 || b.Size&(b.Size-1) != 0 {
+			return nil, fmt.Errorf("pcitest: BAR %d size %#x is not a power of two", b.Index, b.Size)
+		}
+		cur := &s.mem32
+		switch {
+		case b.IO:
+			cur = &s.io
+		case b.Is64:
+			cur = &s.mem64
+		}
+		base := (*cur + b.Size - 1) &^ (b.Size - 1)
+		out[i], *cur = base, base+b.Size
+	}
+	return out, nil
+}
+
+// barRegister is the low register's value: address and the type bits (PCI 3.0 6.2.5.1).
+func barRegister(b BAR, base uint64) uint32 {
+	if b.IO {
+		return uint32(base) | 0x1
+	}
+	v := uint32(base) &^ 0xf
+	if b.Is64 {
+		v |= 0x4
+	}
+	if b.Prefetch {
+		v |= 0x8
+	}
+	return v
+}
+
+// resourceFlags is what the kernel writes as a BAR's flags in sysfs resource: the
+// register's type bits, IORESOURCE_IO or _MEM, _PREFETCH, _MEM_64 and _SIZEALIGN
+// (include/linux/ioport.h; decode_bar and __pci_read_base in drivers/pci/probe.c).
+func resourceFlags(b BAR) uint64 {
+	const sizeAlign = 0x40000
+	if b.IO {
+		return 0x100 | sizeAlign | 0x1
+	}
+	f := uint64(0x200 | sizeAlign)
+	if b.Is64 {
+		f |= 0x100000 | 0x4
+	}
+	if b.Prefetch {
+		f |= 0x2000 | 0x8
+	}
+	return f
 }
 
 // Build writes spec under root.
 func Build(root string, spec Spec) (*Node, error) {
 	n := &Node{Root: root, Names: map[string]pci.Address{}, Spec: spec}
 	var all []*built
+	var err error
+	space := barSpace{io: 0x1000, mem32: 0x8000_0000, mem64: 1 << 44}
 	for hi := range spec.Hosts {
 		h := &spec.Hosts[hi]
 		next := int(h.Bus)
@@ -160,6 +230,9 @@ func Build(root string, spec Spec) (*Node, error) {
 				return nil, fmt.Errorf("pcitest: name %q used twice", b.fn.Name)
 			}
 			n.Names[b.fn.Name] = b.addr
+		}
+		if b.bases, err = space.place(b.fn.BARs); err != nil {
+			return nil, fmt.Errorf("%s: %w", b.addr, err)
 		}
 		b.cfg = configBytes(b)
 	}
@@ -307,6 +380,12 @@ func configBytes(b *built) []byte {
 	} else {
 		le16(c, pci.ConfigSubsysVendor, f.SubVendor)
 		le16(c, pci.ConfigSubsysID, f.SubDevice)
+	}
+	for i, bar := range f.BARs {
+		le32(c, pci.ConfigBAR0+4*bar.Index, barRegister(bar, b.bases[i]))
+		if bar.Is64 {
+			le32(c, pci.ConfigBAR0+4*(bar.Index+1), uint32(b.bases[i]>>32))
+		}
 	}
 
 	// Standard list: PM at 0x40 -> [VPD at 0x50] -> [Express at 0x60].
@@ -461,10 +540,14 @@ func writeFunction(root string, b *built, groups map[*built]int) error {
 		"enable":           "1\n",
 	}
 	nres := 17 // 6 BARs, ROM, bridge windows: the kernel prints PCI_NUM_RESOURCES lines
-	res := ""
-	for i := 0; i < nres; i++ {
-		res += "0x0000000000000000 0x0000000000000000 0x0000000000000000\n"
+	lines := make([]string, nres)
+	for i := range lines {
+		lines[i] = "0x0000000000000000 0x0000000000000000 0x0000000000000000\n"
 	}
+	for i, bar := range f.BARs {
+		lines[bar.Index] = fmt.Sprintf("0x%016x 0x%016x 0x%016x\n", b.bases[i], b.bases[i]+bar.Size-1, resourceFlags(bar))
+	}
+	res := strings.Join(lines, "")
 	files["resource"] = res
 	if !f.Conventional {
 		speeds := []string{"Unknown", "2.5 GT/s PCIe", "5.0 GT/s PCIe", "8.0 GT/s PCIe", "16.0 GT/s PCIe", "32.0 GT/s PCIe", "64.0 GT/s PCIe"}

@@ -55,6 +55,24 @@ var (
 	bcmDSACS = &ACS{Cap: pci.ACSSV | pci.ACSTB | pci.ACSRR | pci.ACSCR | pci.ACSUF | pci.ACSDT, Ctl: pci.ACSIsolation}
 )
 
+// BAR sizes of the reference nodes. A B300 carries 288 GB of HBM, and its frame-buffer
+// BAR (BAR1) is the power of two above it, 512 GiB; a B200's 180 GB make 256 GiB (the
+// issue this models, citing a public B200 write-up). The rest of the GPU's layout is
+// that of NVIDIA's GPUs in testdata/realworld/host-cx7-lspci-vvv.txt (BAR0 32-bit
+// non-prefetchable registers, BAR1 and BAR3 64-bit prefetchable), without the I/O BAR
+// (GPUs of the SXM parts have none); BAR0's 64 MiB and BAR3's 32 MiB, ConnectX's 32 MiB
+// BAR0 and the PM9A3's 32 KiB are the sizes lspci shows on their predecessors, not read
+// from a B300 node.
+var (
+	B300GPUBARs = []BAR{{Index: 0, Size: 64 << 20}, {Index: 1, Size: 512 << 30, Is64: true, Prefetch: true}, {Index: 3, Size: 32 << 20, Is64: true, Prefetch: true}}
+	B200GPUBARs = []BAR{{Index: 0, Size: 64 << 20}, {Index: 1, Size: 256 << 30, Is64: true, Prefetch: true}, {Index: 3, Size: 32 << 20, Is64: true, Prefetch: true}}
+	CXBARs      = []BAR{{Index: 0, Size: 32 << 20, Is64: true, Prefetch: true}}
+	NVMeBARs    = []BAR{{Index: 0, Size: 32 << 10, Is64: true}}
+	// BCM57414: BAR0 64 KiB, BAR2 1 MiB, BAR4 8 KiB, all 64-bit prefetchable.
+	MgmtNICBARs  = []BAR{{Index: 0, Size: 64 << 10, Is64: true, Prefetch: true}, {Index: 2, Size: 1 << 20, Is64: true, Prefetch: true}, {Index: 4, Size: 8 << 10, Is64: true, Prefetch: true}}
+	NVSwitchBARs = []BAR{{Index: 0, Size: 32 << 20}}
+)
+
 // B300GPUBuses are the root buses of the eight GPU complexes: four per NUMA node, the
 // last one laid out as B300.md's lspci -t excerpt ([eb-f4] below root port ea:02.0).
 var B300GPUBuses = [8]uint8{0x15, 0x2a, 0x3f, 0x54, 0x96, 0xab, 0xc0, 0xea}
@@ -71,7 +89,7 @@ func B300Unit(i int) Fn {
 	cx8 := func(fn uint8) Fn {
 		return Fn{Name: fmt.Sprintf("nic%d.%d", i, fn), Dev: 0, Func: fn, Vendor: VendorMellanox, Device: DevCX8,
 			SubVendor: VendorMellanox, SubDevice: 0x0023, Class: ClassEthernet, Port: pci.PortEndpoint,
-			Link: gen6x16, ATS: &ATS{}, Driver: "mlx5_core",
+			Link: gen6x16, ATS: &ATS{}, Driver: "mlx5_core", BARs: CXBARs,
 			VPD: &pci.VPD{Name: "NVIDIA ConnectX-8 SuperNIC", Keywords: map[string]string{
 				"PN": "900-9X81E-00EX-ST0", "SN": fmt.Sprintf("MT2450X%05d", 1000+i), "V3": fmt.Sprintf("c8a1b2c3d4e5f6%02d", i), "EC": "A1"}}}
 	}
@@ -79,9 +97,9 @@ func B300Unit(i int) Fn {
 		return Fn{Name: name, Dev: dev, Vendor: vendor, Device: device, Class: ClassBridge, Port: port, Link: link, ACS: acs, Driver: "pcieport", Below: below}
 	}
 	gpu := Fn{Name: fmt.Sprintf("gpu%d", i), Vendor: VendorNVIDIA, Device: DevB300, SubVendor: VendorNVIDIA, SubDevice: 0x2101,
-		Class: ClassGPU, Rev: 0xa1, Port: pci.PortEndpoint, Link: gen6x16, Driver: "nvidia"}
+		Class: ClassGPU, Rev: 0xa1, Port: pci.PortEndpoint, Link: gen6x16, Driver: "nvidia", BARs: B300GPUBARs}
 	nvme := Fn{Name: fmt.Sprintf("nvme%d", i), Vendor: VendorSamsung, Device: DevPM9A3, SubVendor: VendorSamsung, SubDevice: 0xa813,
-		Class: ClassNVMe, Port: pci.PortEndpoint, Link: gen4x4, Driver: "nvme"}
+		Class: ClassNVMe, Port: pci.PortEndpoint, Link: gen4x4, Driver: "nvme", BARs: NVMeBARs}
 	holder := Fn{Name: fmt.Sprintf("holder%d", i), Vendor: VendorBroadcom, Device: DevBCMHolder, SubVendor: VendorBroadcom, SubDevice: 0xa064,
 		Class: ClassHolder, Port: pci.PortEndpoint, Link: gen5x16}
 	n := func(s string) string { return fmt.Sprintf("%s%d", s, i) }
@@ -104,7 +122,7 @@ func MgmtNIC(name string, dev uint8, vendor, device uint16) Fn {
 	return Fn{Name: "rp-" + name, Dev: dev, Vendor: VendorIntel, Device: DevRootPort, Class: ClassBridge, Port: pci.PortRootPort,
 		Link: Link{Speed: Gen4, Width: 8}, ACS: rootACS, Driver: "pcieport", Below: []Fn{{
 			Name: name, Vendor: vendor, Device: device, SubVendor: vendor, SubDevice: 0x1402, Class: ClassEthernet,
-			Port: pci.PortEndpoint, Link: Link{Speed: Gen4, Width: 8}, Driver: "bnxt_en"}}}
+			Port: pci.PortEndpoint, Link: Link{Speed: Gen4, Width: 8}, Driver: "bnxt_en", BARs: MgmtNICBARs}}}
 }
 
 // B300 is the reference HGX B300 node: eight GPU complexes on two NUMA nodes, two
@@ -124,7 +142,7 @@ func B300() Spec {
 		sw = append(sw, Fn{Name: fmt.Sprintf("nvsw-dsp%d", k), Dev: uint8(k), Vendor: VendorBroadcom, Device: DevPEX890xx, Class: ClassBridge,
 			Port: pci.PortDownstream, Link: Link{Speed: Gen4, Width: 2}, ACS: bcmDSACS, Driver: "pcieport", Below: []Fn{{
 				Name: fmt.Sprintf("nvswitch%d", k), Vendor: VendorNVIDIA, Device: DevNVSwitch, SubVendor: VendorNVIDIA, SubDevice: 0x1796,
-				Class: ClassOther, Port: pci.PortEndpoint, Link: Link{Speed: Gen4, Width: 2}, Driver: "nvidia-nvswitch"}}})
+				Class: ClassOther, Port: pci.PortEndpoint, Link: Link{Speed: Gen4, Width: 2}, Driver: "nvidia-nvswitch", BARs: NVSwitchBARs}}})
 	}
 	s.Hosts = append(s.Hosts, Host{Bus: 0x80, NUMA: 1, Fns: []Fn{{
 		Name: "rp-nvsw", Dev: 1, Vendor: VendorIntel, Device: DevRootPort, Class: ClassBridge, Port: pci.PortRootPort,
@@ -147,12 +165,12 @@ func B200Unit(i int) Fn {
 			Name: n("bcm-usp"), Vendor: VendorBroadcom, Device: DevPEX890xx, Class: ClassBridge, Port: pci.PortUpstream,
 			Link: gen5x16, Driver: "pcieport", Below: []Fn{
 				dsp(n("bcm-dsp-gpu"), 0, gen5x16, Fn{Name: n("gpu"), Vendor: VendorNVIDIA, Device: DevB200, SubVendor: VendorNVIDIA,
-					SubDevice: 0x1999, Class: ClassGPU, Port: pci.PortEndpoint, Link: gen5x16, Driver: "nvidia"}),
+					SubDevice: 0x1999, Class: ClassGPU, Port: pci.PortEndpoint, Link: gen5x16, Driver: "nvidia", BARs: B200GPUBARs}),
 				dsp(n("bcm-dsp-nic"), 1, gen5x16, Fn{Name: n("nic") + ".0", Vendor: VendorMellanox, Device: DevCX7,
 					SubVendor: VendorMellanox, SubDevice: 0x0051, Class: ClassEthernet, Port: pci.PortEndpoint, Link: gen5x16,
-					ATS: &ATS{}, Driver: "mlx5_core"}),
+					ATS: &ATS{}, Driver: "mlx5_core", BARs: CXBARs}),
 				dsp(n("bcm-dsp-nvme"), 2, gen4x4, Fn{Name: n("nvme"), Vendor: VendorSamsung, Device: DevPM9A3, SubVendor: VendorSamsung,
-					SubDevice: 0xa813, Class: ClassNVMe, Port: pci.PortEndpoint, Link: gen4x4, Driver: "nvme"}),
+					SubDevice: 0xa813, Class: ClassNVMe, Port: pci.PortEndpoint, Link: gen4x4, Driver: "nvme", BARs: NVMeBARs}),
 				dsp(n("bcm-dsp-mgmt"), 0x1f, gen4x4, Fn{Name: n("bcm-mgmt"), Vendor: VendorBroadcom, Device: DevBCMMgmt,
 					SubVendor: VendorBroadcom, SubDevice: 0xa064, Class: ClassHolder, Port: pci.PortEndpoint, Link: gen4x4}),
 			}}}}
@@ -182,7 +200,7 @@ func SRIOVNode(units, vfs0, vfs1 int) Spec {
 	pf := func(i int, fn uint8, vfs int) Fn {
 		return Fn{Name: fmt.Sprintf("nic%d.%d", i, fn), Func: fn, Vendor: VendorMellanox, Device: DevCX8,
 			SubVendor: VendorMellanox, SubDevice: 0x0023, Class: ClassEthernet, Port: pci.PortEndpoint,
-			Link: gen6x16, ATS: &ATS{}, Driver: "mlx5_core",
+			Link: gen6x16, ATS: &ATS{}, Driver: "mlx5_core", BARs: CXBARs,
 			SRIOV: &SRIOV{Total: vfs, Num: vfs, VFDevice: DevCX8VF, VFDriver: "mlx5_core"}}
 	}
 	var fns []Fn

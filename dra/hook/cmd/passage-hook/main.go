@@ -25,6 +25,7 @@ import (
 type options struct {
 	c                                                        hook.Config
 	uuidFile, bootIDFile, root, socket, ncclDir, ncclDiskDir string
+	cpuinfo                                                  string // --cpuinfo: the node's address width
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -39,6 +40,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.bootIDFile, "boot-id-file", "/proc/sys/kernel/random/boot_id",
 		"the kernel's boot ID, which the manifest must carry (procfs only; empty: not checked, --node-uuid-file then required)")
 	fs.StringVar(&o.root, "image-root", "/", "the sidecar image's root filesystem, where no other container writes")
+	fs.StringVar(&o.cpuinfo, "cpuinfo", "/proc/cpuinfo", "where the node's physical address width is read (address sizes); empty: guests' widths are not checked")
 	// KubeVirt mounts the sidecar's /var/run/kubevirt-hooks at the compute container's
 	// /var/run/kubevirt-hooks/$CONTAINER_NAME, where virt-launcher dials every plain
 	// file as a socket and skips directories: the socket sits at the top, the NCCL files
@@ -107,6 +109,12 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	if err := o.trustRoot(); err != nil {
 		fmt.Fprintf(stderr, "passage-hook: %v\n", err)
 		return 1
+	}
+	if o.cpuinfo != "" {
+		if o.c.HostPhysBits, err = hook.HostPhysBits(o.cpuinfo); err != nil {
+			fmt.Fprintf(stderr, "passage-hook: --cpuinfo: %v\n", err)
+			return 1
+		}
 	}
 	// The sidecar's /var/run/kubevirt-hooks is a fresh emptyDir: nothing else makes the
 	// NCCL directory below it, and a VMI whose file cannot be written does not start.

@@ -258,11 +258,16 @@ func TestFlags(t *testing.T) {
 		fmt.Fprintf(&hostdevs, `<hostdev mode="subsystem" type="pci" managed="no"><source><address domain="0x%04x" bus="0x%02x" slot="0x%02x" function="0x%x"/></source><alias name="ua-dra-hostdevice-f%d"/></hostdev>`,
 			a.Domain, a.Bus, a.Device, a.Function, i)
 	}
-	dom := `<domain type="kvm"><name>tenant_vm</name><memory unit="KiB">1048576</memory><os><type arch="x86_64" machine="q35">hvm</type></os>` +
+	// host-passthrough: the guest takes the node's width, 52 bits per --cpuinfo below.
+	dom := `<domain type="kvm"><name>tenant_vm</name><memory unit="KiB">1048576</memory><os><type arch="x86_64" machine="q35">hvm</type></os><cpu mode="host-passthrough"/>` +
 		`<devices><controller type="pci" index="0" model="pcie-root"/>` + hostdevs.String() + `</devices></domain>`
 
 	tmp := t.TempDir()
 	sock, ncclDir := filepath.Join(tmp, "passage.sock"), filepath.Join(tmp, "nccl")
+	cpuinfo := filepath.Join(tmp, "cpuinfo")
+	if err := os.WriteFile(cpuinfo, []byte("processor\t: 0\naddress sizes\t: 52 bits physical, 57 bits virtual\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan int)
 	var errb bytes.Buffer
@@ -271,7 +276,7 @@ func TestFlags(t *testing.T) {
 		// node, the export's directory standing for the image's filesystem.
 		done <- run(ctx, []string{"--manifest", filepath.Join(dir, "manifest.dsse.json"), "--pub", filepath.Join(dir, "node.pub"),
 			"--node-uuid-file", filepath.Join(dir, "product_uuid"), "--boot-id-file=", "--image-root", dir, "--socket", sock, "--nccl-dir", ncclDir,
-			"--nccl-disk-dir", "/compute/hook-sidecar-3/passage"}, &errb)
+			"--nccl-disk-dir", "/compute/hook-sidecar-3/passage", "--cpuinfo", cpuinfo}, &errb)
 	}()
 	defer func() {
 		cancel()
