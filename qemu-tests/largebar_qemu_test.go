@@ -57,6 +57,10 @@ func TestLargeBARGuests(t *testing.T) {
 	}
 	for _, n := range []int{8, 4, 2, 1} {
 		t.Run(strconv.Itoa(n), func(t *testing.T) {
+			// Two guests at a time: TCG runs each guest's one vCPU on one thread, and the
+			// suite runs nothing beside this test, so each takes a core of the two and the
+			// four boots (OVMF's enumeration alone is minutes each) take half the wall time.
+			t.Parallel()
 			var ids []topology.UnitID
 			for i := 0; i < n; i++ {
 				ids = append(ids, topology.UnitID(i))
