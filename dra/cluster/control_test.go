@@ -172,8 +172,10 @@ func TestClusterControl(t *testing.T) {
 	}
 
 	// The node's manifest is POSTed; no attestation yet. Its slices are what passage-dra
-	// renders from that manifest (resources.Render), published by the test.
-	addNode(t, ctx, api, "b300-a")
+	// renders from that manifest (resources.Render), published by the test. Its
+	// Kubernetes name is not its hostname (the DaemonSet's --node-name=$(NODE_NAME)): the
+	// record and its rule know it by the manifest's hostname, the slices' pool.
+	addNode(t, ctx, api, "worker-a")
 	if st, body, err := controltest.Post(ctx, hc, r1.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
 		t.Fatalf("envelope: %v %d %s", err, st, body)
 	}
@@ -185,7 +187,7 @@ func TestClusterControl(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	objs, err := resources.Render(v, resources.Options{})
+	objs, err := resources.Render(v, resources.Options{NodeName: "worker-a"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -224,7 +226,7 @@ func TestClusterControl(t *testing.T) {
 		if err != nil {
 			return false, err.Error()
 		}
-		return p.Spec.NodeName == "b300-a", "not bound"
+		return p.Spec.NodeName == "worker-a", "not bound"
 	})
 	if r := rule("b300-a"); r != nil {
 		t.Fatalf("verified, the rule is still there: %+v", r.Spec.Taint)
@@ -332,7 +334,7 @@ func TestClusterControl(t *testing.T) {
 		if err != nil {
 			return false, err.Error()
 		}
-		return p.Spec.NodeName == "b300-a", "not bound"
+		return p.Spec.NodeName == "worker-a", "not bound"
 	})
 
 	// What an operator sees: the printer columns and the metrics promtool accepts.

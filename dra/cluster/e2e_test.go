@@ -161,6 +161,16 @@ func TestCluster(t *testing.T) {
 		p := pools(t, ctx, api)
 		return len(p["b300-a"]) == 32 && len(p["worker-b"]) == 32, fmt.Sprint(counts(p))
 	})
+	// Their pools are the manifests' hostnames, what passage-control's taint rule selects.
+	sl, err := api.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range sl.Items {
+		if want := map[string]string{"b300-a": "b300-a", "worker-b": "b300-b"}[*s.Spec.NodeName]; s.Spec.Pool.Name != want {
+			t.Fatalf("slice %s of node %s: pool %q, want the manifest's hostname %q", s.Name, *s.Spec.NodeName, s.Spec.Pool.Name, want)
+		}
+	}
 
 	// 16 unit claims, 8 direct and 8 from the template: every one bound, each claim a
 	// whole unit of the manifest, 8 on each node.
@@ -588,7 +598,7 @@ func waitFor(t *testing.T, ctx context.Context, d time.Duration, what string, co
 	}
 }
 
-// pools are the driver's devices the API's slices hold now, by pool (node), from the
+// pools are the driver's devices the API's slices hold now, by Kubernetes node, from the
 // newest generation of each pool.
 func pools(t *testing.T, ctx context.Context, api *kubernetes.Clientset) map[string][]string {
 	t.Helper()
@@ -605,11 +615,11 @@ func pools(t *testing.T, ctx context.Context, api *kubernetes.Clientset) map[str
 		if s.Spec.Driver != resources.DriverName || s.Spec.Pool.Generation != gen[s.Spec.Pool.Name] {
 			continue
 		}
-		if s.Spec.NodeName == nil || *s.Spec.NodeName != s.Spec.Pool.Name {
-			t.Fatalf("slice %s of pool %s is for node %v", s.Name, s.Spec.Pool.Name, s.Spec.NodeName)
+		if s.Spec.NodeName == nil {
+			t.Fatalf("slice %s of pool %s is for no node", s.Name, s.Spec.Pool.Name)
 		}
 		for _, d := range s.Spec.Devices {
-			out[s.Spec.Pool.Name] = append(out[s.Spec.Pool.Name], d.Name)
+			out[*s.Spec.NodeName] = append(out[*s.Spec.NodeName], d.Name)
 		}
 	}
 	return out

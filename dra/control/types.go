@@ -64,10 +64,11 @@ type Node struct {
 	Status          NodeStatus        `json:"status"`
 }
 
-// NodeSpec is the enrolment: attest.NodeRecord's keys, and the Kubernetes node (the
-// pool passage-dra publishes: the manifest's hostname).
+// NodeSpec is the enrolment: attest.NodeRecord's keys, and the node's name (the
+// manifest's hostname, the pool passage-dra publishes under).
 type NodeSpec struct {
-	// Node is the Kubernetes node name and the node's ResourceSlice pool.
+	// Node is the manifest's hostname: the node's ResourceSlice pool, which passage-dra
+	// names so whatever the Kubernetes node is called (resources.Objects.Pool).
 	Node string `json:"node"`
 	// EKCert is the EK certificate (DER); empty until enrolled.
 	EKCert []byte `json:"ekCert,omitempty"`

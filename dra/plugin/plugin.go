@@ -282,7 +282,7 @@ func (d *Driver) Stop() {
 func (d *Driver) publish(ctx context.Context) error {
 	objs := d.Objects()
 	return d.helper.PublishResources(ctx, resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{
-		objs.Node: {Slices: toSlices(objs)},
+		objs.Pool: {Slices: toSlices(objs)},
 	}})
 }
 
@@ -377,7 +377,7 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 			continue
 		}
 		dev, ok := byName[r.Device]
-		if r.Pool != d.objs.Node || !ok {
+		if r.Pool != d.objs.Pool || !ok {
 			errs = append(errs, fmt.Errorf("request %s: device %s/%s is not offered by manifest generation %d of node %s (not ready, withheld for recycle, or another node's)",
 				r.Request, r.Pool, r.Device, d.v.Manifest.Generation, d.objs.Node))
 			continue

@@ -105,7 +105,7 @@ func claim(t *testing.T, client *fake.Clientset, d *plugin.Driver, name string, 
 			continue
 		}
 		res.Devices.Results = append(res.Devices.Results, resourceapi.DeviceRequestAllocationResult{
-			Request: names[i], Driver: resources.DriverName, Pool: objs.Node, Device: dev.Name})
+			Request: names[i], Driver: resources.DriverName, Pool: objs.Pool, Device: dev.Name})
 		i++
 	}
 	if i != len(names) {
@@ -385,7 +385,7 @@ func claimOf(t *testing.T, client *fake.Clientset, d *plugin.Driver, name string
 	res := resourceapi.AllocationResult{}
 	for _, rd := range devs {
 		res.Devices.Results = append(res.Devices.Results, resourceapi.DeviceRequestAllocationResult{
-			Request: rd[0], Driver: resources.DriverName, Pool: d.Objects().Node, Device: rd[1]})
+			Request: rd[0], Driver: resources.DriverName, Pool: d.Objects().Pool, Device: rd[1]})
 	}
 	c.Status.Allocation = &res
 	if _, err := client.ResourceV1().ResourceClaims("tenant").Create(context.Background(), c, metav1.CreateOptions{}); err != nil {

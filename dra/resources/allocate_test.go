@@ -82,7 +82,7 @@ func newAllocator(objs *resources.Objects) *allocator {
 
 // take marks a device allocated to some other claim.
 func (a *allocator) take(device string) {
-	a.state.AllocatedDevices.Insert(structured.MakeDeviceID(resources.DriverName, a.objs.Node, device))
+	a.state.AllocatedDevices.Insert(structured.MakeDeviceID(resources.DriverName, a.objs.Pool, device))
 }
 
 // allocate allocates one claim of the shape from its ready-only template; nil when it

@@ -252,3 +252,30 @@ func TestRenderRefusesWhatTheAPIWould(t *testing.T) {
 		t.Fatalf("render: %v", err)
 	}
 }
+
+// TestPoolIsTheHostname: with a Kubernetes node name other than the manifest's
+// hostname, the slices are the node's (spec.nodeName) and their pool is the hostname,
+// the name passage-control's DeviceTaintRule selects; a hostname that cannot be a pool
+// name is refused, naming it.
+func TestPoolIsTheHostname(t *testing.T) {
+	m := manifesttest.B300(3)
+	objs, err := resources.Render(verified(t, m), resources.Options{NodeName: "worker-7"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if objs.Node != "worker-7" || objs.Pool != m.Node.Hostname {
+		t.Fatalf("node %q pool %q, want worker-7 and %q", objs.Node, objs.Pool, m.Node.Hostname)
+	}
+	for _, s := range objs.Slices {
+		if s.Spec.NodeName == nil || *s.Spec.NodeName != "worker-7" || s.Spec.Pool.Name != m.Node.Hostname {
+			t.Errorf("slice %s: node %v pool %q", s.Name, s.Spec.NodeName, s.Spec.Pool.Name)
+		}
+		if errs := handwritten(s); len(errs) > 0 {
+			t.Error(errs.ToAggregate())
+		}
+	}
+	m.Node.Hostname = "B300_A"
+	if _, err := resources.Render(verified(t, m), resources.Options{NodeName: "worker-7"}); err == nil || !strings.Contains(err.Error(), `hostname "B300_A"`) {
+		t.Fatalf("render of hostname B300_A: %v", err)
+	}
+}

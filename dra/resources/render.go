@@ -61,7 +61,15 @@ type Options struct {
 
 // Objects are what a manifest renders to.
 type Objects struct {
-	Node       string
+	// Node is the Kubernetes node the slices are for (their spec.nodeName).
+	Node string
+	// Pool is the slices' pool: the manifest's hostname, whatever the Kubernetes node is
+	// named. It is the name the control plane knows the node by from the first manifest
+	// it is POSTed, before the node has joined the cluster or its plugin has published
+	// anything, so its DeviceTaintRule (selecting driver and pool) is on the node's
+	// devices from the start; a pool named after the Kubernetes node would leave them
+	// untainted wherever --node-name differs from the hostname.
+	Pool       string
 	Generation int64
 	// Devices are every device offered, in manifest order; Slices hold them, at most
 	// resourceapi.ResourceSliceMaxDevices each.
@@ -137,10 +145,14 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 	if errs := validation.IsDNS1123Subdomain(node); len(errs) > 0 {
 		return nil, fmt.Errorf("node name %q: %s", manifest.Printable(node), strings.Join(errs, "; "))
 	}
+	pool := m.Node.Hostname
+	if errs := validation.IsDNS1123Subdomain(pool); len(errs) > 0 {
+		return nil, fmt.Errorf("hostname %q (the pool): %s", manifest.Printable(pool), strings.Join(errs, "; "))
+	}
 	if m.Generation > math.MaxInt64 {
 		return nil, fmt.Errorf("manifest generation %d: beyond the API's int64", m.Generation)
 	}
-	o := &Objects{Node: node, Generation: int64(m.Generation)}
+	o := &Objects{Node: node, Pool: pool, Generation: int64(m.Generation)}
 	shapes := map[string]bool{}
 	for i := range m.Units {
 		u := &m.Units[i]
@@ -168,7 +180,7 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 			o.Devices = append(o.Devices, d)
 		}
 	}
-	o.Slices = slices(node, o.Generation, o.Devices)
+	o.Slices = slices(node, pool, o.Generation, o.Devices)
 	o.Class = deviceClass()
 	sort.Slice(o.Shapes, func(i, j int) bool { return o.Shapes[i].String() < o.Shapes[j].String() })
 	for _, s := range o.Shapes {
@@ -244,11 +256,11 @@ func device(m *manifest.Manifest, u *manifest.Unit, f manifest.Function, shape S
 	return resourceapi.Device{Name: name, Attributes: attrs}, nil
 }
 
-// slices puts the devices into one pool named after the node, at most
+// slices puts the devices into one pool (Objects.Pool) on the node, at most
 // ResourceSliceMaxDevices a slice; the pool's generation is the manifest's, so a newer
 // manifest's slices supersede an older one's (the allocator uses the highest generation
 // of a pool).
-func slices(node string, gen int64, devs []resourceapi.Device) []*resourceapi.ResourceSlice {
+func slices(node, pool string, gen int64, devs []resourceapi.Device) []*resourceapi.ResourceSlice {
 	n := (len(devs) + resourceapi.ResourceSliceMaxDevices - 1) / resourceapi.ResourceSliceMaxDevices
 	if n == 0 {
 		n = 1 // an empty pool says "no devices", which the scheduler must know too
@@ -263,7 +275,7 @@ func slices(node string, gen int64, devs []resourceapi.Device) []*resourceapi.Re
 			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%s-%d", node, DriverName, i)},
 			Spec: resourceapi.ResourceSliceSpec{
 				Driver:   DriverName,
-				Pool:     resourceapi.ResourcePool{Name: node, Generation: gen, ResourceSliceCount: int64(n)},
+				Pool:     resourceapi.ResourcePool{Name: pool, Generation: gen, ResourceSliceCount: int64(n)},
 				NodeName: &nodeName,
 				Devices:  devs[lo:hi:hi],
 			},
