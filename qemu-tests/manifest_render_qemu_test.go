@@ -60,7 +60,9 @@ func guestFromManifest(t *testing.T, run *Run, tpmPub string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := g.QEMUText(nil); got != stdout.String() {
+	// render's first line gives the guest the address width the units' BARs (signed in
+	// the manifest) need, then the plan's devices.
+	if got := fmt.Sprintf("-cpu host,phys-bits=%d \\\n", g.MMIO().Width) + g.QEMUText(nil); got != stdout.String() {
 		t.Fatalf("passage render printed\n%s\nthe manifest's plan is\n%s", stdout.String(), got)
 	}
 	t.Logf("passage render --format qemu MANIFEST:\n%s", stdout.String())
