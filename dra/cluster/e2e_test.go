@@ -499,8 +499,16 @@ func wholeUnit(t *testing.T, cl *resourceapi.ResourceClaim, rigs map[string]*nod
 	if len(res) == 0 {
 		t.Fatalf("claim %s: no devices", cl.Name)
 	}
+	// A node's pool is its manifest's hostname, not its Kubernetes name (worker-b's is
+	// b300-b): the node is the rig whose manifest names the pool.
 	pool := res[0].Pool
-	r := rigs[pool]
+	var node string
+	var r *noderig.Rig
+	for n, rr := range rigs {
+		if rr.M.Node.Hostname == pool {
+			node, r = n, rr
+		}
+	}
 	if r == nil {
 		t.Fatalf("claim %s: pool %s is no node of the test", cl.Name, pool)
 	}
@@ -522,7 +530,7 @@ func wholeUnit(t *testing.T, cl *resourceapi.ResourceClaim, rigs map[string]*nod
 			if !slices.Equal(got, want) || u.Status != status {
 				t.Fatalf("claim %s on %s: devices %v, unit %s (%s) is %v", cl.Name, pool, got, u.ID, u.Status, want)
 			}
-			return pool, u.ID
+			return node, u.ID
 		}
 	}
 	t.Fatalf("claim %s: device %s is no function of %s's manifest", cl.Name, got[0], pool)
