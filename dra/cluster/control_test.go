@@ -64,40 +64,13 @@ type replica struct {
 // TestClusterControl: two passage-control replicas as processes on the real control
 // plane, boots with swtpm TPMs POSTing to them (see README.md, "Tests").
 func TestClusterControl(t *testing.T) {
-	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
-	if bin == "" {
-		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 	work := t.TempDir()
-	ctlBin := filepath.Join(work, "passage-control")
-	if out, err := exec.Command("go", "build", "-o", ctlBin, "github.com/passage-boot/passage/dra/cmd/passage-control").CombinedOutput(); err != nil {
-		t.Fatalf("go build passage-control: %v\n%s", err, out)
-	}
-	cdir := filepath.Join(work, "cp")
-	os.MkdirAll(cdir, 0o755)
-	c, err := cluster.Start(ctx, bin, cdir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Stop()
-	defer func() {
-		if t.Failed() {
-			for _, l := range c.Logs() {
-				t.Log(cluster.Tail(l, 3000))
-			}
-		}
-	}()
+	ctlBin := goBuild(t, work, "passage-control")
+	c := startCluster(t, ctx, work)
 	api := c.Client
-	mustCreate(t, func() error {
-		_, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
-		return err
-	})
-	mustCreate(t, func() error {
-		_, err := api.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{})
-		return err
-	})
+	createNamespace(t, ctx, api)
 	applyCRDs(t, ctx, c)
 	ctlConfig := filepath.Join(work, "passage-control.kubeconfig")
 	deployControlRBAC(t, ctx, c, ctlConfig)
@@ -362,19 +335,9 @@ func TestClusterControl(t *testing.T) {
 // TestClusterNonceCAS: the API server's compare-and-swap makes a nonce single-use
 // across replicas: many stores racing to use one nonce, many times, exactly one wins.
 func TestClusterNonceCAS(t *testing.T) {
-	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
-	if bin == "" {
-		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	cdir := filepath.Join(t.TempDir(), "cp")
-	os.MkdirAll(cdir, 0o755)
-	c, err := cluster.Start(ctx, bin, cdir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Stop()
+	c := startCluster(t, ctx, t.TempDir())
 	applyCRDs(t, ctx, c)
 	var stores []*control.Store
 	for range 4 { // each its own client, as separate replicas are

@@ -56,41 +56,14 @@ func (n *node) plugin() string { return filepath.Join(n.dir, "plugin") }
 
 // TestCluster: passage-dra against the real control plane (see README.md, "Tests").
 func TestCluster(t *testing.T) {
-	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
-	if bin == "" {
-		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
-	}
 	began := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 	work := t.TempDir()
-	draBin := filepath.Join(work, "passage-dra")
-	if out, err := exec.Command("go", "build", "-o", draBin, "github.com/passage-boot/passage/dra/cmd/passage-dra").CombinedOutput(); err != nil {
-		t.Fatalf("go build passage-dra: %v\n%s", err, out)
-	}
-	cdir := filepath.Join(work, "cp")
-	os.MkdirAll(cdir, 0o755)
-	c, err := cluster.Start(ctx, bin, cdir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Stop()
-	defer func() {
-		if t.Failed() {
-			for _, l := range c.Logs() {
-				t.Log(cluster.Tail(l, 3000))
-			}
-		}
-	}()
+	draBin := goBuild(t, work, "passage-dra")
+	c := startCluster(t, ctx, work)
 	api := c.Client
-	mustCreate(t, func() error {
-		_, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
-		return err
-	})
-	mustCreate(t, func() error {
-		_, err := api.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{})
-		return err
-	})
+	createNamespace(t, ctx, api)
 
 	// The plugins run as the DaemonSet's service account with what deploy/'s ClusterRole
 	// grants it, so the real authorizer judges the RBAC an operator applies.
@@ -404,6 +377,56 @@ func TestCluster(t *testing.T) {
 	})
 	waitRejudged(t, ctx, c, api, "degraded-ok-2", tried, "cannot allocate all claims")
 	t.Logf("TIMING e2e wall time: %v", time.Since(began).Round(100*time.Millisecond))
+}
+
+// startCluster starts the pinned control plane (PASSAGE_CONTROL_PLANE, which make
+// cluster-test builds) under work/cp, stopped when the test ends, its logs printed when
+// the test failed.
+func startCluster(t *testing.T, ctx context.Context, work string) *cluster.Cluster {
+	t.Helper()
+	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
+	if bin == "" {
+		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
+	}
+	cdir := filepath.Join(work, "cp")
+	os.MkdirAll(cdir, 0o755)
+	c, err := cluster.Start(ctx, bin, cdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, l := range c.Logs() {
+				t.Log(cluster.Tail(l, 3000))
+			}
+		}
+		c.Stop()
+	})
+	return c
+}
+
+// createNamespace makes the test's namespace and its default service account (no
+// controller-manager service-account controller makes it before the pods need it).
+func createNamespace(t *testing.T, ctx context.Context, api *kubernetes.Clientset) {
+	t.Helper()
+	mustCreate(t, func() error {
+		_, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
+		return err
+	})
+	mustCreate(t, func() error {
+		_, err := api.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{})
+		return err
+	})
+}
+
+// goBuild builds the dra module's command cmd/NAME into work.
+func goBuild(t *testing.T, work, name string) string {
+	t.Helper()
+	out := filepath.Join(work, name)
+	if b, err := exec.Command("go", "build", "-o", out, "github.com/passage-boot/passage/dra/cmd/"+name).CombinedOutput(); err != nil {
+		t.Fatalf("go build %s: %v\n%s", name, err, b)
+	}
+	return out
 }
 
 func mustCreate(t *testing.T, f func() error) {
