@@ -315,13 +315,12 @@ func configACSValue(cmdline string) (value string, found bool) {
 	return value, found
 }
 
-// ConfigACSArg is the line's pci=config_acs= argument as the kernel takes it (the last
-// one), "" when it has none.
-func ConfigACSArg(cmdline string) string {
-	if v, ok := configACSValue(cmdline); ok {
-		return "pci=config_acs=" + v
+// Arg is the argument as the kernel takes it (the line's last), "" without one.
+func (c *ConfigACS) Arg() string {
+	if c == nil {
+		return ""
 	}
-	return ""
+	return "pci=config_acs=" + c.Value
 }
 
 // kernelHasConfigACS says whether a kernel release ("6.1.0-57-amd64") is 6.11 or newer,

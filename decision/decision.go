@@ -77,10 +77,14 @@ func ReadLive(root string) (Live, error) {
 			errs = append(errs, fmt.Errorf("%s: larger than %d bytes", filepath.Join(root, name), maxLiveFile))
 			return ""
 		}
-		return strings.TrimSpace(string(b))
+		return string(b)
 	}
-	l.Cmdline = read("proc/cmdline")
-	l.Release = read("proc/sys/kernel/osrelease")
+	// /proc/cmdline is the line as the kernel kept it, then the newline cmdline_proc_show
+	// (fs/proc/cmdline.c) adds: only that comes off, as the boot reads it
+	// (initramfs.ReadConfig). A space the kept line ends in counts: a line the kernel cut
+	// at KernelKeeps bytes just after a space must not read one byte shorter, whole.
+	l.Cmdline = strings.TrimRight(read("proc/cmdline"), "\n")
+	l.Release = strings.TrimSpace(read("proc/sys/kernel/osrelease"))
 	l.Lockdown = ParseLockdown(read("sys/kernel/security/lockdown"))
 	log, err := ReadKernelLog(root)
 	if err != nil {

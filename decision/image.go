@@ -113,7 +113,7 @@ func imagePlan(live Live, tree *pci.Tree, ports []topology.ACSPort) *ImagePlan {
 				p.Addr, p.Position, topology.ConfigACSFlags(p.Mask, p.Flags), r.Setting.Entry))
 		}
 	}
-	ip.ConfigACS = apply.ConfigACSArg(live.Cmdline)
+	ip.ConfigACS = acs.Arg()
 	var extra []string
 	if tree != nil {
 		for _, d := range tree.Devices {

@@ -98,6 +98,9 @@ func TestImagePlanVerified(t *testing.T) {
 	if im == nil || !im.Matched || im.Digest != testPlanDigest || len(im.Differences) != 0 || !strings.HasPrefix(im.Kernel, "configured 48 ports") {
 		t.Errorf("image plan %+v, want matched with the digest and 48 ports configured", im)
 	}
+	if arg := strings.Fields(live.Cmdline)[1]; im == nil || im.ConfigACS != arg {
+		t.Errorf("image plan's argument %+v, want the line's %q", im, arg)
+	}
 }
 
 // TestImagePlanMismatch: the kernel was asked for a port and did not set it (a kernel

@@ -55,6 +55,11 @@ type imageKernel struct {
 	// entry second (an image not made by passage cmdline, which refuses such a plan): the
 	// kernel applies the first entry and stops (__pci_config_acs); -1 none.
 	twice int
+	// cut: the line is what the kernel kept of a longer one, decision.KernelKeeps bytes
+	// ending in the space before the argument it dropped. /proc/cmdline holds it as kept
+	// (then '\n'): every reader must count that space, or the line reads as one byte
+	// shorter, whole, and the image's plan matched.
+	cut bool
 }
 
 func b300With(edit func(s *pcitest.Spec)) func() pcitest.Spec {
@@ -122,6 +127,7 @@ func variants() []variant {
 		// carry this node's plan for it.
 		{name: "lockdown-image-port-twice", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: -1, twice: 4}, unit: 4, want: "failed"},
 		{name: "image-plan-unlocked", spec: pcitest.B300, image: &imageKernel{drop: 2, unset: 3, twice: -1}, unit: 3, want: "ready"},
+		{name: "lockdown-image-plan-cut-off", spec: pcitest.B300, files: lockedDown612, image: &imageKernel{drop: -1, unset: -1, twice: -1, cut: true}, unit: 6, want: "ready"},
 	}
 }
 
@@ -215,7 +221,13 @@ func buildVariant(t *testing.T, v variant, policy string) (root string, nvme era
 		words, log := bootImage(t, n.Root, v.image)
 		files["proc/cmdline"] += " " + words
 		files[decision.KernelLogFile] = log
+		if v.image.cut {
+			line := files["proc/cmdline"] + " pad="
+			files["proc/cmdline"] = line + strings.Repeat("x", decision.KernelKeeps-len(line)-1) + " "
+		}
 	}
+	// The kernel ends /proc/cmdline with a newline (cmdline_proc_show).
+	files["proc/cmdline"] += "\n"
 	tree, err := pci.Scan(n.Root)
 	if err != nil {
 		t.Fatal(err)
@@ -248,6 +260,12 @@ func buildVariant(t *testing.T, v variant, policy string) (root string, nvme era
 	}
 }
 
+// imagePlanDoc is what plan --json and the signed manifest share of the image's plan.
+type imagePlanDoc struct {
+	Matched     bool     `json:"matched"`
+	Differences []string `json:"differences"`
+}
+
 // verdicts is unit -> "status: reason; reason".
 type verdicts map[string]string
 
@@ -260,6 +278,9 @@ type commandDoc struct {
 		Reasons []string `json:"reasons"`
 	} `json:"units"`
 	KernelArg string `json:"kernel_arg"`
+	// ImagePlan is how the node compares with the plan the boot image's command line
+	// carries (plan's image_plan, the manifest's).
+	ImagePlan *imagePlanDoc `json:"image_plan"`
 	// ACS is plan's targets or apply's report (applyChanges reads the latter).
 	ACS json.RawMessage `json:"acs"`
 }
@@ -330,6 +351,7 @@ type bootRun struct {
 	kernelArg string
 	worst     stages.Status
 	changes   []apply.Change
+	imagePlan *imagePlanDoc
 }
 
 // runBootStages runs the boot's stages from scan to manifest on root, erasing through
@@ -342,10 +364,9 @@ func runBootStages(t *testing.T, root, profile string, nvme erase.Opener) bootRu
 	}
 	cfg := initramfs.Defaults()
 	cfg.Profile, cfg.Net, cfg.TPM = profile, initramfs.NetOff, initramfs.TPMOff
-	if b, err := os.ReadFile(filepath.Join(root, "proc/cmdline")); err == nil {
-		cfg.Cmdline = string(b)
-		c := initramfs.ParseCmdline(cfg.Cmdline)
-		cfg.ATS, cfg.Erase, cfg.Key = c.ATS, c.Erase, c.Key
+	// The line as the boot reads it (cmd/passage's boot: initramfs.ReadConfig).
+	if c, err := initramfs.ReadConfig(root); err == nil {
+		cfg.Cmdline, cfg.ATS, cfg.Erase, cfg.Key = c.Cmdline, c.ATS, c.Erase, c.Key
 	}
 	b := &boot.Boot{Root: root, Config: cfg, Sysfs: k, OpenNVMe: nvme, Now: func() time.Time { return time.Unix(1e9, 0) }}
 	var run []stages.Stage
@@ -372,6 +393,12 @@ func runBootStages(t *testing.T, root, profile string, nvme erase.Opener) bootRu
 	}
 	if b.ACSRun != nil {
 		r.changes = b.ACSRun.Changes
+	}
+	if im := b.Manifest.ImagePlan; im != nil {
+		r.imagePlan = &imagePlanDoc{Matched: im.Matched}
+		if len(im.Differences) > 0 {
+			r.imagePlan.Differences = im.Differences
+		}
 	}
 	return r
 }
@@ -461,6 +488,12 @@ func checkAgrees(t *testing.T, v variant, policy string) {
 	sameVerdicts(t, "apply", applied.verdicts(), dry.verdicts(), "apply --dry-run")
 	if policy == "off" {
 		sameVerdicts(t, "plan --for apply", pa, pb, "plan (for the boot)")
+	}
+	if !reflect.DeepEqual(booted.imagePlan, planBoot.ImagePlan) {
+		t.Errorf("boot manifest's image plan %+v, plan's %+v", booted.imagePlan, planBoot.ImagePlan)
+	}
+	if v.image != nil && v.image.cut && (planBoot.ImagePlan == nil || planBoot.ImagePlan.Matched) {
+		t.Errorf("a line the kernel may have cut: plan's image plan %+v, want it unmatched", planBoot.ImagePlan)
 	}
 	if booted.kernelArg != planBoot.KernelArg {
 		t.Errorf("boot kernel argument %q, plan %q", booted.kernelArg, planBoot.KernelArg)
