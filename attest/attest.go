@@ -122,12 +122,21 @@ func ReadAttestation(path string) (*Attestation, error) {
 	if err != nil {
 		return nil, fmt.Errorf("attestation %s: %w", path, err)
 	}
-	var a Attestation
-	if err := json.Unmarshal(b, &a); err != nil {
+	a, err := ParseAttestation(b)
+	if err != nil {
 		return nil, fmt.Errorf("attestation %s: %w", path, err)
 	}
+	return a, nil
+}
+
+// ParseAttestation reads an attestation document (a file's bytes, a POST's body).
+func ParseAttestation(b []byte) (*Attestation, error) {
+	var a Attestation
+	if err := json.Unmarshal(b, &a); err != nil {
+		return nil, err
+	}
 	if a.Format != Format {
-		return nil, fmt.Errorf("attestation %s: format %q, want %q", path, a.Format, Format)
+		return nil, fmt.Errorf("format %q, want %q", a.Format, Format)
 	}
 	return &a, nil
 }

@@ -31,6 +31,10 @@ func checkUniqueKeys(data []byte) error {
 	return w.value()
 }
 
+// CheckUniqueKeys is checkUniqueKeys for other documents read from outside bytes (the
+// enrolment challenge a control plane sends the boot, initramfs/netboot).
+func CheckUniqueKeys(data []byte) error { return checkUniqueKeys(data) }
+
 type keyWalker struct {
 	dec  *json.Decoder
 	path []string // "$" is implied; each element is ".key" or "[i]"

@@ -276,17 +276,18 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 // hold any of addrs (ErrHeld), then writes a signed generation in which those units are
 // failed with reason, every other unit carried from the previous manifest: the last
 // signed word on the node never says ready for a unit off vfio-pci. It returns that
-// generation's manifest; nothing is released here.
-func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string) (*manifest.Manifest, error) {
+// generation's manifest and, as Result.Unattested does, why it has no attestation
+// although one was asked for (Options.Attest); nothing is released here.
+func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string) (m *manifest.Manifest, unattested, err error) {
 	if len(o.Counters) == 0 {
-		return nil, ErrNoCounter
+		return nil, nil, ErrNoCounter
 	}
 	if o.Root == "" {
 		o.Root = "/"
 	}
 	tree, _, d, err := o.decide()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	want := map[pci.Address]bool{}
 	for _, a := range addrs {
@@ -319,20 +320,20 @@ func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string
 	}
 	hs, herr := Holders(o.Root, groups, fns)
 	if len(hs) > 0 {
-		return nil, fmt.Errorf("%w: %s", ErrHeld, hs[0])
+		return nil, nil, fmt.Errorf("%w: %s", ErrHeld, hs[0])
 	}
 	if herr != nil {
-		return nil, fmt.Errorf("cannot tell whether the unit's vfio group or device is in use: %w", herr)
+		return nil, nil, fmt.Errorf("cannot tell whether the unit's vfio group or device is in use: %w", herr)
 	}
 	if len(ids) == 0 {
-		return nil, nil // no unit's function: nothing a manifest vouches for
+		return nil, nil, nil // no unit's function: nothing a manifest vouches for
 	}
 	pending := map[topology.UnitID]decision.Verdict{}
 	for _, v := range d.Unvouched(ids, reason) {
 		pending[v.Unit] = v
 	}
-	m, _, _, err := o.write(ctx, d, o.previous(), pending, nil, nil, nil)
-	return m, err
+	m, _, unattested, err = o.write(ctx, d, o.previous(), pending, nil, nil, nil)
+	return m, unattested, err
 }
 
 // decide scans the node and decides on it as the boot did (decision.Decide).

@@ -209,9 +209,9 @@ func (cp *Enrolling) serve(w http.ResponseWriter, r *http.Request) {
 }
 
 func (cp *Enrolling) attestation(w http.ResponseWriter, body []byte) {
-	var a attest.Attestation
-	if err := json.Unmarshal(body, &a); err != nil || a.Format != attest.Format {
-		refuseText(w, http.StatusBadRequest, "attestation: not a %s document (%v)", attest.Format, err)
+	a, err := attest.ParseAttestation(body)
+	if err != nil {
+		refuseText(w, http.StatusBadRequest, "attestation: %v", err)
 		return
 	}
 	name := RecordName(a.EKPublic)
@@ -219,7 +219,7 @@ func (cp *Enrolling) attestation(w http.ResponseWriter, body []byte) {
 	rec, env := cp.records[name], cp.env
 	cp.mu.Unlock()
 	if rec == nil {
-		cp.challenge(w, name, &a)
+		cp.challenge(w, name, a)
 		return
 	}
 	pemKey, err := rec.SigningKeyPEM()
@@ -237,7 +237,7 @@ func (cp *Enrolling) attestation(w http.ResponseWriter, body []byte) {
 		refuseText(w, http.StatusForbidden, "record %s: manifest: %v", name, err)
 		return
 	}
-	res, err := attest.VerifyTPM(rec, &a, attest.Manifest{Payload: m.Payload, Generation: m.Manifest.Generation, Signer: v.Public()},
+	res, err := attest.VerifyTPM(rec, a, attest.Manifest{Payload: m.Payload, Generation: m.Manifest.Generation, Signer: v.Public()},
 		attest.Policy{EKCA: cp.ca, Nonces: cp.Nonces})
 	if err != nil {
 		refuseText(w, http.StatusForbidden, "record %s: %v", name, err)

@@ -39,7 +39,7 @@ func commands() map[string]command {
 		"apply": {"[--root DIR] [--dry-run | --plan FILE] [--profile NAME|FILE] [--erase off|auto|require] [--no-bind] [--json]",
 			"program ACS and bind passthrough devices to vfio-pci", "", cmdApply},
 		"unbind": {"--unit N[,M...] | --bdf DDDD:BB:DD.F[,...] [--root DIR] [--profile NAME|FILE] [--json] [--signing-key FILE] [--dir DIR] [--tpm on|off|auto] [--nonce HEX] [--generation-file FILE]",
-			"return units' devices to their host drivers", "Refuses while a unit's /dev/vfio/<group> or a function's /dev/vfio/devices/vfioN is open.\nWith the boot's manifest in --dir it first signs a generation marking the units failed (a key\nand a generation counter needed, as for recycle).", cmdUnbind},
+			"return units' devices to their host drivers", "Refuses while a unit's /dev/vfio/<group> or a function's /dev/vfio/devices/vfioN is open.\nWith the boot's manifest in --dir it first signs a generation marking the units failed (a key\nand a generation counter needed, as for recycle). With --nonce, a generation it cannot attest\nover the verifier's nonce exits 1 (the functions are released all the same).", cmdUnbind},
 		"recycle": {"--unit N[,M...] [--signing-key FILE] [--tpm on|off|auto] [--nonce HEX] [--erase auto|require] [flags]",
 			"erase and reset units between tenants on a running host, sign a new generation", "Refuses while a unit's /dev/vfio/<group> or /dev/vfio/devices/vfioN is open, and without a\ngeneration counter (the TPM's, or --generation-file). Otherwise: a signed generation marking the\nunits not ready, release from vfio-pci, NVMe erase, function resets, vfio-pci again, and a\nsigned generation with the verdicts.", cmdRecycle},
 		"keygen": {"[-o DIR] [--wait DUR] [--enrol [--root DIR] [--enrol-hostname]]",

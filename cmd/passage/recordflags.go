@@ -100,3 +100,20 @@ func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writ
 	}
 	return done, 0
 }
+
+// unattested reports why a generation the command signed has no attestation although
+// the TPM was to make one (recycle's Result.Unattested, recycle.Withdraw's) and returns
+// the exit status it calls for: 1 when the operator brought a verifier's nonce (the
+// verifier waits for an attestation over it, and without one the command did not do
+// what was asked), else 0. Recycle and unbind both come here, so neither can exit 0
+// on a --nonce it did not answer.
+func (f *recordFlags) unattested(cmd string, why error, stderr io.Writer) int {
+	if why == nil {
+		return 0
+	}
+	fmt.Fprintf(stderr, "passage %s: %v\n", cmd, why)
+	if f.nonce != "" {
+		return 1
+	}
+	return 0
+}

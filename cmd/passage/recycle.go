@@ -80,13 +80,8 @@ func runRecycle(args []string, stdout, stderr io.Writer, env recycleEnv) int {
 		}
 	}
 	fmt.Fprintf(stdout, "manifest generation %d (%s) %s\n", res.Final, res.Manifest.GenerationSource, res.Signed.Digest)
-	if res.Unattested != nil {
-		fmt.Fprintf(stderr, "passage recycle: %v\n", res.Unattested)
-		// The operator brought a verifier's nonce: the verifier waits for an attestation
-		// over it, and without one the recycle did not do what was asked.
-		if rf.nonce != "" {
-			return 1
-		}
+	if code := rf.unattested("recycle", res.Unattested, stderr); code != 0 {
+		return code
 	}
 	for _, v := range res.Verdicts {
 		if v.Status == topology.StatusFailed {

@@ -69,7 +69,8 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 		fmt.Fprintf(stderr, "passage unbind: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
 		return 2
 	}
-	if code := withdraw(*root, *profile, fns, rf, stdout, stderr); code != 0 {
+	code, unattested := withdraw(*root, *profile, fns, rf, stdout, stderr)
+	if code != 0 {
 		return code
 	}
 	reps, err := vfiobind.Release(context.Background(), env.sysfs(*root), fns, vfiobind.Options{})
@@ -109,9 +110,12 @@ func runUnbind(args []string, stdout, stderr io.Writer, env unbindEnv) int {
 			msg = fmt.Sprintf("%d of %d functions not released: %s", failed, len(fns), msg)
 		}
 		fmt.Fprintf(stderr, "passage unbind: %s\n", msg)
+		rf.unattested("unbind", unattested, stderr)
 		return 1
 	}
-	return 0
+	// The withdrawn generation says failed whether or not it is attested, so the release
+	// went ahead; a --nonce left unanswered still fails the command.
+	return rf.unattested("unbind", unattested, stderr)
 }
 
 func unbindDriverName(s string) string {
@@ -187,8 +191,9 @@ func unbindBDFs(tree *pci.Tree, list string) ([]*pci.Device, error) {
 // the node has a signed manifest (the boot's, in --dir) first writes a generation
 // in which every unit holding one of the functions is failed (recycle.Withdraw): the
 // last signed manifest must not say ready for a unit about to leave vfio-pci. Without a
-// manifest there is nothing to contradict, and the holders are still checked.
-func withdraw(root, profile string, fns []*pci.Device, rf recordFlags, stdout, stderr io.Writer) int {
+// manifest there is nothing to contradict, and the holders are still checked. unattested
+// says why the generation written has no attestation although one was asked for.
+func withdraw(root, profile string, fns []*pci.Device, rf recordFlags, stdout, stderr io.Writer) (code int, unattested error) {
 	addrs := make([]pci.Address, 0, len(fns))
 	groups := make([]int, 0, len(fns))
 	for _, f := range fns {
@@ -202,23 +207,23 @@ func withdraw(root, profile string, fns []*pci.Device, rf recordFlags, stdout, s
 		}
 		if err != nil {
 			fmt.Fprintf(stderr, "passage unbind: %s\n", oneLine(err))
-			return 1
+			return 1, nil
 		}
-		return 0
+		return 0, nil
 	}
 	o := recycle.Options{Root: root, Profile: profile}
 	done, code := rf.apply("unbind", root, &o, stderr)
 	defer done()
 	if code != 0 {
-		return code
+		return code, nil
 	}
-	m, err := recycle.Withdraw(context.Background(), o, addrs, "unbind: returned to host drivers; not ready until a later boot or recycle says so")
+	m, unattested, err := recycle.Withdraw(context.Background(), o, addrs, "unbind: returned to host drivers; not ready until a later boot or recycle says so")
 	if err != nil {
 		fmt.Fprintf(stderr, "passage unbind: nothing released: %s\n", oneLine(err))
-		return 1
+		return 1, nil
 	}
 	if m != nil {
 		fmt.Fprintf(stdout, "manifest generation %d (%s)%s\n", m.Generation, m.GenerationSource, failedUnits(m))
 	}
-	return 0
+	return 0, unattested
 }

@@ -218,3 +218,45 @@ func TestUnbindAttestsOverNonce(t *testing.T) {
 		t.Errorf("the same attestation again: %s, want refused naming the nonce", errs)
 	}
 }
+
+// TestUnbindNonceAttestationFails: unbind --nonce whose generation cannot be attested
+// (the firmware event log cannot be read: a directory where securityfs has the file)
+// still withdraws unit 3 and releases its functions (the signed generation says failed,
+// attested or not), but the verifier waiting for an attestation over its nonce gets
+// none: unbind says why on stderr and exits 1, as recycle --nonce does. Without --nonce
+// the same failure is reported and the exit is 0.
+func TestUnbindNonceAttestationFails(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want int
+	}{
+		{[]string{"--nonce", "00112233445566778899aabbccddeeff"}, 1},
+		{nil, 0},
+	} {
+		root, gen, k, v := withdrawNode(t)
+		env := unbindEnv{sysfs: func(string) vfiobind.Sysfs { return k }}
+		sock := attesttest.StartSocket(t, attesttest.NewCA(t))
+		os.MkdirAll(filepath.Join(root, "dev"), 0o755)
+		if err := os.Symlink(sock, filepath.Join(root, tpmkey.DefaultDevice)); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.MkdirAll(filepath.Join(root, attest.FirmwareLogPath), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		code, out, errs := runCmdEnv(t, env, append([]string{"--root", root, "--unit", "gpu3", "--generation-file", gen}, c.args...)...)
+		if code != c.want || !strings.Contains(out, "gpu3=failed") || !strings.Contains(errs, "attestation: firmware event log") {
+			t.Errorf("unbind %v, attestation failing: exit %d, want %d with gpu3 withdrawn and the attestation's failure named\nstdout %s\nstderr %s", c.args, code, c.want, out, errs)
+		}
+		if !strings.Contains(out, "vfio-pci -> nvme") {
+			t.Errorf("unbind %v: the functions were not released\nstdout %s", c.args, out)
+		}
+		for _, u := range latestManifest(t, root, v).Units {
+			if u.ID == "gpu3" && u.Status != manifest.StatusFailed {
+				t.Errorf("unbind %v: the signed generation says gpu3 %s, want failed", c.args, u.Status)
+			}
+		}
+		if _, err := os.Stat(filepath.Join(root, "run/passage/manifest.dsse.json"+attest.Suffix)); !os.IsNotExist(err) {
+			t.Errorf("unbind %v: an attestation is beside the generation it could not attest: %v", c.args, err)
+		}
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"net/http"
 	"unicode"
+
+	"github.com/passage-boot/passage/manifest"
 )
 
 // The enrolment exchange at passage.url (README, "Enrolment with no human step"): a
@@ -43,8 +45,9 @@ type EnrolChallenge struct {
 	Challenge json.RawMessage `json:"challenge"`
 }
 
-// ParseChallenge reads a 428's body (no key given twice in an object: parsers disagree
-// on which of two the document means, as for the manifest): the format, a record name of printable characters
+// ParseChallenge reads a 428's body (no key given twice in an object, nor in two cases:
+// parsers disagree on which of two the document means, so manifest.CheckUniqueKeys
+// refuses both, as for the manifest): the format, a record name of printable characters
 // within MaxRecordName, and a challenge object. The body comes from the network: any
 // other shape is refused naming what is wrong, and nothing in it is trusted beyond its
 // shape (the TPM refuses a challenge not sealed to its EK).
@@ -52,7 +55,7 @@ func ParseChallenge(body []byte) (*EnrolChallenge, error) {
 	if len(body) > MaxChallenge {
 		return nil, fmt.Errorf("challenge: %d bytes, over %d", len(body), MaxChallenge)
 	}
-	if err := uniqueKeys(body); err != nil {
+	if err := manifest.CheckUniqueKeys(body); err != nil {
 		return nil, fmt.Errorf("challenge: %w", err)
 	}
 	var c EnrolChallenge
@@ -113,45 +116,4 @@ func PostActivation(ctx context.Context, hc *http.Client, url string, a EnrolAns
 		return nil, fmt.Errorf("activation %s: %w", a.Record, err)
 	}
 	return send(ctx, hc, "activation", http.MethodPost, url, ActivationType, body, p)
-}
-
-// maxDepth bounds the nesting uniqueKeys walks: a challenge is three objects deep.
-const maxDepth = 32
-
-// uniqueKeys refuses a JSON document in which an object gives a key twice.
-func uniqueKeys(b []byte) error {
-	return uniqueValue(json.NewDecoder(bytes.NewReader(b)), 0)
-}
-
-func uniqueValue(dec *json.Decoder, depth int) error {
-	tok, err := dec.Token()
-	if err != nil {
-		return err
-	}
-	d, ok := tok.(json.Delim)
-	if !ok {
-		return nil
-	}
-	if depth >= maxDepth {
-		return fmt.Errorf("nested over %d deep", maxDepth)
-	}
-	seen := map[string]bool{}
-	for dec.More() {
-		if d == '{' {
-			kt, err := dec.Token()
-			if err != nil {
-				return err
-			}
-			k, _ := kt.(string)
-			if seen[k] {
-				return fmt.Errorf("key %q given twice in one object", k)
-			}
-			seen[k] = true
-		}
-		if err := uniqueValue(dec, depth+1); err != nil {
-			return err
-		}
-	}
-	_, err = dec.Token()
-	return err
 }

@@ -149,9 +149,11 @@ func TestParseChallenge(t *testing.T) {
 		{"challenge not an object", `{"format":"passage-enrol-challenge/1","record":"node-a","challenge":"x"}`, "no challenge object"},
 		{"trailing data", `{"format":"passage-enrol-challenge/1","record":"node-a","challenge":{}} {}`, "trailing data"},
 		{"not JSON", `<html>`, "challenge: invalid character"},
-		{"record given twice", `{"format":"passage-enrol-challenge/1","record":"node-a","record":"node-b","challenge":{}}`, `key "record" given twice`},
-		{"a key twice inside the challenge", `{"format":"passage-enrol-challenge/1","record":"node-a","challenge":{"secret":"AA==","secret":"AQ=="}}`, `key "secret" given twice`},
-		{"nested too deep", `{"format":"passage-enrol-challenge/1","record":"node-a","challenge":{"a":` + strings.Repeat("[", 40) + strings.Repeat("]", 40) + `}}`, "nested over 32 deep"},
+		{"record given twice", `{"format":"passage-enrol-challenge/1","record":"node-a","record":"node-b","challenge":{}}`, `duplicate key "record" in $`},
+		// encoding/json matches keys case-insensitively: "Record" would replace "record".
+		{"record given twice in two cases", `{"format":"passage-enrol-challenge/1","record":"node-a","Record":"node-b","challenge":{}}`, `duplicate key "Record" in $ (also given as "record"`},
+		{"a key twice inside the challenge", `{"format":"passage-enrol-challenge/1","record":"node-a","challenge":{"secret":"AA==","secret":"AQ=="}}`, `duplicate key "secret" in $.challenge`},
+		{"nested too deep", `{"format":"passage-enrol-challenge/1","record":"node-a","challenge":{"a":` + strings.Repeat("[", 70) + strings.Repeat("]", 70) + `}}`, "nested deeper than 64 levels"},
 		{"over the bound", strings.Repeat(" ", MaxChallenge+1), "over 16384"},
 	} {
 		c, err := ParseChallenge([]byte(tc.body))

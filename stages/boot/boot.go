@@ -750,13 +750,24 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	if _, err := ReadBeneath(b.Root, path, attest.MaxFile); errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
-	// The TPM stays open from the quote to the enrolment's activation: the AK that
-	// answers the challenge is the one that quoted (the same template in the same TPM).
-	tpm := b.openTPM(r)
-	if tpm.closer != nil {
-		defer tpm.closer.Close()
+	// The TPM is opened when first needed (a quote over the control plane's nonce, an
+	// enrolment's activation), not to post the manifest stage's attestation as it is, and
+	// stays open from the quote to the activation: the AK that answers the challenge is
+	// the one that quoted (the same template in the same TPM).
+	var tpm *bootTPM
+	openTPM := func() bootTPM {
+		if tpm == nil {
+			t := b.openTPM(r)
+			tpm = &t
+		}
+		return *tpm
 	}
-	if err := b.attestOnline(ctx, r, hc, tpm, signed, p); err != nil {
+	defer func() {
+		if tpm != nil && tpm.closer != nil {
+			tpm.closer.Close()
+		}
+	}()
+	if err := b.attestOnline(ctx, r, hc, openTPM, signed, p); err != nil {
 		// Not a degraded boot: the attestation says its nonce is the payload digest, and a
 		// verifier that wants its own nonce refuses it, naming the nonce.
 		r.Findingf("%s: no nonce from the control plane, the offline attestation (nonce: the payload digest) is posted: %v", name, err)
@@ -779,7 +790,7 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 	}
 	// At most one enrolment round per publish: the answer, then the same attestation
 	// again (its nonce was not used up by the 428). A second challenge is refused.
-	record, err := b.enrol(ctx, r, hc, tpm, challenge, p)
+	record, err := b.enrol(ctx, r, hc, openTPM, challenge, p)
 	if err != nil {
 		r.Degrade("enrolment: %v", err)
 		return nil
@@ -809,7 +820,7 @@ func (b *Boot) postAttestation(ctx context.Context, r *stages.Result, hc *http.C
 // enrol answers the control plane's challenge (the 428's body) with the node's TPM
 // (attest.Activate: TPM2_ActivateCredential, the AK activated under the EK) and POSTs
 // the answer; it returns the record the control plane enrolled the node as.
-func (b *Boot) enrol(ctx context.Context, r *stages.Result, hc *http.Client, tpm bootTPM, body []byte, p netboot.PublishPolicy) (string, error) {
+func (b *Boot) enrol(ctx context.Context, r *stages.Result, hc *http.Client, openTPM func() bootTPM, body []byte, p netboot.PublishPolicy) (string, error) {
 	ec, err := netboot.ParseChallenge(body)
 	if err != nil {
 		return "", err
@@ -822,6 +833,7 @@ func (b *Boot) enrol(ctx context.Context, r *stages.Result, hc *http.Client, tpm
 		return "", fmt.Errorf("record %s: challenge format %q, want %q", ec.Record, c.Format, attest.ChallengeFormat)
 	}
 	r.Findingf("enrolment: the control plane challenges this TPM for record %s (AK name %x)", ec.Record, []byte(c.AKName))
+	tpm := openTPM()
 	k, ok := tpm.signer.(*tpmkey.TPM)
 	if !ok {
 		return "", fmt.Errorf("record %s: no TPM to activate the credential with (%v)", ec.Record, tpm.err)
@@ -845,7 +857,7 @@ func (b *Boot) enrol(ctx context.Context, r *stages.Result, hc *http.Client, tpm
 // and replaces the manifest stage's attestation with one quoted over it: a verifier that
 // issued the nonce knows the quote is newer than its request, which a quote over the
 // payload digest cannot show (it can be shown again later).
-func (b *Boot) attestOnline(ctx context.Context, r *stages.Result, hc *http.Client, tpm bootTPM, signed *manifest.Signed, p netboot.PublishPolicy) error {
+func (b *Boot) attestOnline(ctx context.Context, r *stages.Result, hc *http.Client, openTPM func() bootTPM, signed *manifest.Signed, p netboot.PublishPolicy) error {
 	nonce, atts, err := netboot.FetchNonce(ctx, hc, b.Config.URL, p)
 	for i, a := range atts {
 		r.Findingf("nonce try %d: status %d %s", i+1, a.Status, a.Err)
@@ -853,6 +865,7 @@ func (b *Boot) attestOnline(ctx context.Context, r *stages.Result, hc *http.Clie
 	if err != nil {
 		return err
 	}
+	tpm := openTPM()
 	k, ok := tpm.signer.(*tpmkey.TPM)
 	if !ok {
 		return fmt.Errorf("tpm: not open for the quote (%v)", tpm.err)

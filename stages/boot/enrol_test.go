@@ -2,11 +2,15 @@ package boot
 
 import (
 	"context"
+	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"reflect"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -122,5 +126,53 @@ func TestPublishEnrolBounded(t *testing.T) {
 				t.Errorf("publish findings lack %q and the last status:\n%s", tc.words, all)
 			}
 		})
+	}
+}
+
+// TestPublishOfflineOpensNoTPM: when the control plane gives no nonce (503 to every GET)
+// and takes the attestation as it is, the publish stage posts the manifest stage's
+// attestation without opening the TPM again: the only open is the manifest stage's.
+// The TPM is opened in publish only to quote over a nonce or to answer a challenge.
+func TestPublishOfflineOpensNoTPM(t *testing.T) {
+	ca := attesttest.NewCA(t)
+	tpm := attesttest.Start(t, ca)
+	var opens atomic.Int32
+	open := func(string) (manifest.Signer, manifest.Measurer, error) {
+		opens.Add(1)
+		k, err := tpmkey.New(noClose{tpm})
+		if err != nil {
+			return nil, nil, err
+		}
+		return k, k, nil
+	}
+	var mu sync.Mutex
+	var posted []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet {
+			http.Error(w, "no nonces here", http.StatusServiceUnavailable)
+			return
+		}
+		mu.Lock()
+		posted = append(posted, r.Header.Get("Content-Type"))
+		mu.Unlock()
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	defer srv.Close()
+	root, _ := signingNode(t)
+	p := netboot.DefaultPublish
+	p.Sleep = func(context.Context, time.Duration) error { return nil }
+	b := &Boot{Root: root, OpenTPM: open, PublishPolicy: &p,
+		Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key passage.net=off passage.url=" + srv.URL)}
+	rs, _ := run(t, b, "scan", "decide", "manifest", "publish")
+	if rs[2].Status != stages.OK || rs[3].Status != stages.OK {
+		t.Fatalf("manifest %s, publish %s %v", rs[2].Status, rs[3].Status, rs[3].Findings)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []string{netboot.EnvelopeType, netboot.AttestationType}; !reflect.DeepEqual(posted, want) {
+		t.Errorf("posted %v, want %v", posted, want)
+	}
+	if n := opens.Load(); n != 1 {
+		t.Errorf("the TPM was opened %d times, want once (the manifest stage's): publish opened it to post the attestation as it is", n)
 	}
 }
