@@ -74,8 +74,8 @@ type Config struct {
 	// a unit released before a restart stays withheld until a newer generation. "": in
 	// memory only.
 	StateDir string
-	// HookDir, when set, receives the verified manifest, its key and the node's UUID
-	// for the KubeVirt hook (exportHook) at every successful verification.
+	// HookDir, when set, receives the verified manifest for the KubeVirt hook
+	// (exportHook) at every successful verification.
 	HookDir string
 	// MetricsFile, when set, is kept holding the plugin's counters for node_exporter's
 	// textfile collector (a *.prom file in its directory).

@@ -226,8 +226,8 @@ func pluginHookDir(t *testing.T) string {
 	return ""
 }
 
-// TestFlags: passage-hook serves what its flags name. Over the plugin's export
-// (../../testdata/hookdir: --manifest, --pub, --node-uuid-file) and on --socket, it
+// TestFlags: passage-hook serves what its flags name. Over the plugin's export and the
+// key and UUID beside it (../../testdata/hookdir: --manifest, --pub, --node-uuid-file) and on --socket, it
 // answers Info and lays out unit 0 of a domain holding that unit's hostdevs, writing the
 // NCCL file and image into --nccl-dir and pointing the guest's disk at --nccl-disk-dir;
 // a missing --node-uuid-file exits 1 naming it, an unknown flag 2.
