@@ -564,6 +564,11 @@ func otherAddresses(d *libvirtxml.DomainDeviceList) []**libvirtxml.DomainAddress
 			out = append(out, &d.Controllers[i].Address)
 		}
 	}
+	// virtio-mem and virtio-pmem: KubeVirt's memory hotplug (api.MemoryDevice) gives one
+	// a PCI address.
+	for i := range d.Memorydevs {
+		out = append(out, &d.Memorydevs[i].Address)
+	}
 	if d.MemBalloon != nil {
 		out = append(out, &d.MemBalloon.Address)
 	}

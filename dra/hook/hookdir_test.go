@@ -11,8 +11,11 @@ import (
 	"github.com/passage-boot/passage/manifest"
 )
 
-// hookDir is what passage-dra plugin --hook-dir wrote in dra/plugin's TestHookDirExport
-// (which holds these bytes to its export): the DaemonSet's side of the hook's PV.
+// hookDir holds what passage-dra plugin --hook-dir wrote in dra/plugin's
+// TestHookDirExport (manifest.dsse.json, the DaemonSet's side of the hook's PV) beside
+// the key that signed it with its enrolment and the node's UUID (node.pub,
+// node.enrol.json, product_uuid: the hook's trust root, in its image in a deployment);
+// that test holds these bytes to the plugin's export and its rig.
 const hookDir = "testdata/hookdir"
 
 // dirConfig is the hook's Config over a hook dir as passage-hook's flags in
@@ -26,9 +29,10 @@ func dirConfig(t *testing.T, dir string) Config {
 	return Config{Manifest: filepath.Join(dir, "manifest.dsse.json"), Keys: filepath.Join(dir, "node.pub"), NodeUUID: strings.TrimSpace(string(b))}
 }
 
-// TestHookDirFromPlugin: the hook verifies from exactly the plugin's export (its key,
-// the key's enrolment, the node UUID) and lays out a unit; an export edited on the way
-// (payload, key, enrolment or UUID) is refused, naming the hostdev.
+// TestHookDirFromPlugin: the hook verifies exactly the plugin's export with the key that
+// signed it, the key's enrolment and the node UUID (dra/plugin's TestHookDirExport holds
+// all four to the plugin's rig) and lays out a unit; any of them edited (payload, key,
+// enrolment or UUID) is refused, naming the hostdev.
 func TestHookDirFromPlugin(t *testing.T) {
 	good := dirConfig(t, hookDir)
 	m, err := good.verify()

@@ -18,6 +18,8 @@ import (
 	hooksv1alpha3 "kubevirt.io/kubevirt/pkg/hooks/v1alpha3"
 	"kubevirt.io/kubevirt/pkg/virt-launcher/virtwrap/api"
 	"libvirt.org/go/libvirtxml"
+
+	"github.com/passage-boot/passage/topology"
 )
 
 // answerBound is how long a hostile domain may take to be answered in a pass/fail
@@ -382,4 +384,39 @@ func FuzzOnDefineDomain(f *testing.F) {
 			t.Fatalf("handed back a domain that does not parse: %v", err)
 		}
 	})
+}
+
+// TestMemoryDeviceCounted: a virtio-mem device (KubeVirt's memory hotplug: MemoryDevice
+// is the one device of its DomainSpec with a PCI address that the tree did not read) is
+// a device on its bus like a disk: a root port holding it is not bare, and strip lets
+// libvirt place it again when it sits below the hook's controllers, rather than hand it
+// back on a bus the hook's next layout numbers otherwise.
+func TestMemoryDeviceCounted(t *testing.T) {
+	pciAddr := func(bus, slot uint) *libvirtxml.DomainAddress {
+		return &libvirtxml.DomainAddress{PCI: &libvirtxml.DomainAddressPCI{Domain: ptr(uint(0)), Bus: &bus, Slot: &slot, Function: ptr(uint(0))}}
+	}
+	devs := &libvirtxml.DomainDeviceList{
+		Controllers: []libvirtxml.DomainController{
+			{Type: "pci", Index: ptr(uint(0)), Model: "pcie-root"},
+			{Type: "pci", Index: ptr(uint(1)), Model: "pcie-expander-bus", Alias: &libvirtxml.DomainAlias{Name: topology.AliasPrefix + "pxb"}, Address: pciAddr(0, 2)},
+			{Type: "pci", Index: ptr(uint(2)), Model: "pcie-root-port", Address: pciAddr(0, 3)},
+		},
+		Memorydevs: []libvirtxml.DomainMemorydev{{Model: "virtio-mem", Address: pciAddr(2, 0)}, {Model: "virtio-mem", Address: pciAddr(1, 5)}},
+	}
+	tr, err := newTree(devs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k := tr.children(2); len(k) != 1 || k[0].addr == nil {
+		t.Fatalf("root port 2 holds %+v, want the virtio-mem device", k)
+	}
+	if _, err := tr.strip(func(int) bool { return false }); err != nil {
+		t.Fatal(err)
+	}
+	if a := devs.Memorydevs[1].Address; a != nil {
+		t.Errorf("the virtio-mem device on the hook's expander bus kept its address %+v: libvirt must place it again", a.PCI)
+	}
+	if a := devs.Memorydevs[0].Address; a == nil {
+		t.Error("the virtio-mem device on KubeVirt's root port lost its place")
+	}
 }

@@ -16,14 +16,16 @@ import (
 var updateHook = flag.Bool("update-hook", false, "rewrite ../hook/testdata/hookdir from the plugin's export")
 
 // hookFixture is the hook module's copy of this test's export (its own module cannot
-// import the plugin's): dra/hook's TestHookDirFromPlugin verifies from exactly these
-// bytes, and this test holds them to what the plugin writes.
+// import the plugin's) beside the key that signed it with its enrolment and the node's
+// DMI UUID (what the hook's tests take for the keys built into its image and a
+// --node-uuid-file): dra/hook's TestHookDirFromPlugin verifies from exactly these
+// bytes, and this test holds them to what the plugin writes and the rig signs with.
 const hookFixture = "../hook/testdata/hookdir"
 
 // TestHookDirExport: the plugin, verifying the node's manifest, writes into --hook-dir
-// the envelope byte for byte, the key that verified it with its enrolment, and the
-// node's DMI UUID; a manifest that stops verifying leaves the last verified export in
-// place (and the plugin refuses); a newer generation replaces it.
+// the envelope byte for byte and nothing else (the hook reads no key or UUID from the
+// node's directory); a manifest that stops verifying leaves the last verified export
+// in place (and the plugin refuses); a newer generation replaces it.
 func TestHookDirExport(t *testing.T) {
 	r := newRig(t)
 	hookDir := filepath.Join(t.TempDir(), "hook")
@@ -40,47 +42,47 @@ func TestHookDirExport(t *testing.T) {
 		}
 		return b
 	}
-	want := map[string][]byte{
-		plugin.HookManifest:  read(r.Path),
-		plugin.HookKey:       read(r.Key.Pub),
-		plugin.HookEnrolment: read(manifest.EnrolmentPath(r.Key.Pub)),
-		plugin.HookNodeUUID:  []byte(uuid + "\n"),
-	}
 	ents, err := os.ReadDir(hookDir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(ents) != len(want) {
+	if len(ents) != 1 || ents[0].Name() != plugin.HookManifest {
 		var names []string
 		for _, e := range ents {
 			names = append(names, e.Name())
 		}
-		t.Errorf("hook dir holds %s, want the %d files", strings.Join(names, " "), len(want))
+		t.Errorf("hook dir holds %s, want %s alone", strings.Join(names, " "), plugin.HookManifest)
 	}
-	for name, w := range want {
-		if got := read(filepath.Join(hookDir, name)); !bytes.Equal(got, w) {
-			t.Errorf("%s: exported\n%s\nwant\n%s", name, got, w)
-		}
-		fixture := filepath.Join(hookFixture, name)
+	if got := read(filepath.Join(hookDir, plugin.HookManifest)); !bytes.Equal(got, read(r.Path)) {
+		t.Errorf("%s: exported\n%s\nwant the envelope\n%s", plugin.HookManifest, got, read(r.Path))
+	}
+	fixture := map[string][]byte{
+		plugin.HookManifest: read(filepath.Join(hookDir, plugin.HookManifest)),
+		"node.pub":          read(r.Key.Pub),
+		"node.enrol.json":   read(manifest.EnrolmentPath(r.Key.Pub)),
+		"product_uuid":      []byte(uuid + "\n"),
+	}
+	for name, w := range fixture {
+		p := filepath.Join(hookFixture, name)
 		if *updateHook {
 			if err := os.MkdirAll(hookFixture, 0o755); err != nil {
 				t.Fatal(err)
 			}
-			if err := os.WriteFile(fixture, w, 0o644); err != nil {
+			if err := os.WriteFile(p, w, 0o644); err != nil {
 				t.Fatal(err)
 			}
 		}
-		if got := read(fixture); !bytes.Equal(got, w) {
-			t.Errorf("%s: the hook's fixture is not the plugin's export (go test -run TestHookDirExport -update-hook)", fixture)
+		if got := read(p); !bytes.Equal(got, w) {
+			t.Errorf("%s: the hook's fixture is not the plugin's export or the rig's key (go test -run TestHookDirExport -update-hook)", p)
 		}
 	}
 	// What the hook will do with them: the one key file, its enrolment beside it.
-	kr, err := manifest.LoadKeyring(filepath.Join(hookDir, plugin.HookKey), false)
+	kr, err := manifest.LoadKeyring(filepath.Join(hookFixture, "node.pub"), false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, k, err := kr.VerifyFile(filepath.Join(hookDir, plugin.HookManifest), manifest.VerifyOptions{}); err != nil || k.Enrol == nil {
-		t.Fatalf("the export does not verify on its own, enrolled: %v", err)
+		t.Fatalf("the export does not verify with the fixture's key, enrolled: %v", err)
 	}
 
 	// A tampered manifest on the node: the plugin refuses and exports nothing of it.

@@ -19,7 +19,7 @@ func (d *Driver) writeMetrics() {
 	if p == "" {
 		return
 	}
-	b := fmt.Appendf(nil, "# HELP %s Exports to the hook dir (the verified manifest, its key, the node's UUID for passage-hook) that failed since the plugin started.\n# TYPE %s counter\n%s %d\n",
+	b := fmt.Appendf(nil, "# HELP %s Exports to the hook dir (the verified manifest for passage-hook) that failed since the plugin started.\n# TYPE %s counter\n%s %d\n",
 		hookExportFailures, hookExportFailures, hookExportFailures, d.exportFailures.Load())
 	if err := manifest.WriteAtomic(filepath.Dir(p), filepath.Base(p), b); err != nil {
 		d.logf("metrics: %v", err)

@@ -74,8 +74,8 @@ type Config struct {
 	// a unit released before a restart stays withheld until a newer generation. "": in
 	// memory only.
 	StateDir string
-	// HookDir, when set, receives the verified manifest, its key and the node's UUID
-	// for the KubeVirt hook (exportHook) at every successful verification.
+	// HookDir, when set, receives the verified manifest for the KubeVirt hook
+	// (exportHook) at every successful verification.
 	HookDir string
 	// MetricsFile, when set, is kept holding the plugin's counters for node_exporter's
 	// textfile collector (a *.prom file in its directory).
@@ -516,6 +516,13 @@ func (d *Driver) checkFunction(bdf string, group int) error {
 // retry records them again.
 func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
 	d.mu.Lock()
+	// The manifest is verified again, as prepare does, for the newest generation signed:
+	// one signed since the last reload (another unit's recycle) must not let go of the
+	// units released now. If it does not verify now, they are withheld under the
+	// generation verified last.
+	if err := d.load(); err != nil {
+		d.logf("unprepare: %v: released units are withheld under generation %d, the one verified last", err, d.v.Manifest.Generation)
+	}
 	out := map[types.UID]error{}
 	held := maps.Clone(d.held)
 	changed := false
@@ -534,7 +541,7 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 		// claim was prepared under: a generation signed while the tenant held the unit
 		// (another unit's recycle) says nothing of this one.
 		gen := s.gen
-		if d.v != nil && d.v.Manifest.Generation > gen {
+		if d.v.Manifest.Generation > gen {
 			gen = d.v.Manifest.Generation
 		}
 		for _, u := range s.units {
@@ -563,7 +570,7 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 	// The slices from the manifest verified last: a released unit stays out whether or
 	// not the manifest verifies now.
 	var err error
-	if len(release) > 0 && d.v != nil {
+	if len(release) > 0 {
 		err = d.render(d.v)
 	}
 	d.mu.Unlock()

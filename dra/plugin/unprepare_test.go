@@ -201,6 +201,41 @@ func TestReleaseUnderNewestGeneration(t *testing.T) {
 	publishedDevices(t, client, countIs(32))
 }
 
+// TestReleaseBeforeReload: generation 8 (another unit recycled while the tenant held
+// gpu0) signed, and the claim released before the plugin's next reload (--reload, 30 s
+// by default) verified it: gpu0 is withheld under 8 all the same, since unprepare
+// verifies the manifest on disk before it records, and the next reload does not offer
+// it; generation 9 does. Recorded under the generation verified last (7), the reload of
+// 8 would offer gpu0 to the next tenant without a recycle.
+func TestReleaseBeforeReload(t *testing.T) {
+	r := newRig(t)
+	cdiDir, reg, data := filepath.Join(r.Dir, "cdi"), filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: cdiDir, StateDir: data}
+	d, client, k, ctx := start(t, cfg, reg)
+	vm0 := claim(t, client, d, "vm0", "gpu0")
+	if got := prepare(t, k, vm0); got.Error != "" || len(got.Devices) != 4 {
+		t.Fatalf("prepare vm0: %+v", got)
+	}
+	r.M.Generation = 8
+	r.Sign(t)
+	if got := unprepare(t, k, vm0); got != "" {
+		t.Fatalf("unprepare vm0: %q", got)
+	}
+	if b, err := os.ReadFile(filepath.Join(data, "withheld.json")); err != nil || string(b) != `{"gpu0":8}` {
+		t.Fatalf("withheld.json: %q %v, want gpu0 withheld under generation 8, the newest signed", b, err)
+	}
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	publishedDevices(t, client, without("gpu0", 28))
+	r.M.Generation = 9
+	r.Sign(t)
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	publishedDevices(t, client, countIs(32))
+}
+
 // TestHookExportFailureKeepsPrepare (issue 40, finding 3, the plugin's half), through the
 // DRA gRPC: a directory planted where the plugin exports the manifest for the hook makes
 // every export fail; the plugin starts, publishes and prepares all the same, logging each

@@ -226,8 +226,8 @@ func pluginHookDir(t *testing.T) string {
 	return ""
 }
 
-// TestFlags: passage-hook serves what its flags name. Over the plugin's export
-// (../../testdata/hookdir: --manifest, --pub, --node-uuid-file) and on --socket, it
+// TestFlags: passage-hook serves what its flags name. Over the plugin's export and the
+// key and UUID beside it (../../testdata/hookdir: --manifest, --pub, --node-uuid-file) and on --socket, it
 // answers Info and lays out unit 0 of a domain holding that unit's hostdevs, writing the
 // NCCL file and image into --nccl-dir and pointing the guest's disk at --nccl-disk-dir;
 // a missing --node-uuid-file exits 1 naming it, an unknown flag 2.
@@ -323,6 +323,20 @@ func TestFlags(t *testing.T) {
 	if rc := run(context.Background(), []string{"--pub", filepath.Join(dir, "node.pub"), "--image-root", dir, "--node-uuid-file", filepath.Join(tmp, "none")}, &e2); rc != 1 || !strings.Contains(e2.String(), filepath.Join(tmp, "none")) {
 		t.Errorf("a missing --node-uuid-file: exit %d, %q", rc, e2.String())
 	}
+	// --cpuinfo is the file read, not the machine's /proc/cpuinfo: one without a width
+	// stops the start, naming it.
+	noWidth := filepath.Join(tmp, "cpuinfo-no-width")
+	if err := os.WriteFile(noWidth, []byte("processor\t: 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var e3 bytes.Buffer
+	// Bounded: a hook that ignored the flag would serve until its context ends.
+	ctx3, cancel3 := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel3()
+	if rc := run(ctx3, []string{"--pub", filepath.Join(dir, "node.pub"), "--image-root", dir, "--node-uuid-file", filepath.Join(dir, "product_uuid"),
+		"--boot-id-file=", "--cpuinfo", noWidth, "--socket", filepath.Join(tmp, "no-width.sock"), "--nccl-dir="}, &e3); rc != 1 || !strings.Contains(e3.String(), "--cpuinfo: "+noWidth+": no address sizes line") {
+		t.Errorf("--cpuinfo %s: exit %d, %q", noWidth, rc, e3.String())
+	}
 	if rc := run(context.Background(), []string{"--bogus"}, io.Discard); rc != 2 {
 		t.Errorf("--bogus: exit %d, want 2", rc)
 	}
@@ -366,6 +380,8 @@ func TestTrustRoot(t *testing.T) {
 		{"boot id not the kernel's", []string{"--pub", filepath.Join(dir, "node.pub"), "--boot-id-file", notProc}, []string{"--boot-id-file " + notProc, "not on procfs"}},
 		{"no node identity", []string{"--pub", filepath.Join(dir, "node.pub"), "--boot-id-file="}, []string{"no node identity"}},
 		{"keys in the image, the kernel's boot id", []string{"--pub", filepath.Join(dir, "node.pub")}, nil},
+		// The same keys with --image-root on another filesystem: no longer the image's.
+		{"image root elsewhere", []string{"--pub", filepath.Join(dir, "node.pub"), "--image-root", shm}, []string{"--pub " + dir, "not the image's root filesystem " + shm}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			sock := filepath.Join(t.TempDir(), "passage.sock")
