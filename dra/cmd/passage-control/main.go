@@ -69,6 +69,15 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if f.cert == "" || f.key == "" || f.ekCA == "" || fs.NArg() > 0 {
 		return fail(2, "usage: --tls-cert, --tls-key and --ek-ca are needed, and no arguments")
 	}
+	// The sweep ticks every half TTL: time.NewTicker panics on a non-positive period, and
+	// a nonce shorter than a second outlives no boot's quote.
+	if f.nonceTTL < time.Second {
+		return fail(2, "--nonce-ttl %s: want at least 1s", f.nonceTTL)
+	}
+	// client-go reads a QPS of 0 as its default of 5, and a negative one as no limit.
+	if f.qps <= 0 {
+		return fail(2, "--kube-qps %g: want more than 0", f.qps)
+	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
 		return fail(2, "--tls-cert/--tls-key: %v", err)
