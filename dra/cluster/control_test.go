@@ -22,6 +22,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -372,6 +373,50 @@ func TestClusterNonceCAS(t *testing.T) {
 		if won != 1 {
 			t.Fatalf("round %d: %d stores used the nonce (%v), want exactly 1", round, won, errs)
 		}
+	}
+}
+
+// TestClusterNonceSweep: a sweep walks every nonce, page by page, on the API server's
+// paging (which the fake client does not do): the expired ones are deleted wherever
+// they fall in the name order, the live ones stay.
+func TestClusterNonceSweep(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	c := startCluster(t, ctx, t.TempDir())
+	applyCRDs(t, ctx, c)
+	now := time.Now()
+	old := &control.Store{Client: dynamic.NewForConfigOrDie(restConfig(t, c)), Now: func() time.Time { return now.Add(-time.Hour) }}
+	s := &control.Store{Client: old.Client, Now: func() time.Time { return now }}
+	const expired, live, page = 25, 12, 5
+	for range expired {
+		if _, err := old.IssueNonce(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var keep []string
+	for range live {
+		n, err := s.IssueNonce(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		keep = append(keep, hex.EncodeToString(n))
+	}
+	n, err := s.Sweep(ctx, page)
+	if err != nil || n != expired {
+		t.Fatalf("sweep by pages of %d: %d deleted (%v), want the %d expired", page, n, err, expired)
+	}
+	l, err := old.Client.Resource(control.NonceResource).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	for _, u := range l.Items {
+		left = append(left, u.GetName())
+	}
+	slices.Sort(keep)
+	slices.Sort(left)
+	if !slices.Equal(left, keep) {
+		t.Fatalf("after the sweep: %v, want the live %v", left, keep)
 	}
 }
 

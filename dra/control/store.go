@@ -147,31 +147,43 @@ func (s *Store) UseNonce(ctx context.Context, nonce []byte, record string) (time
 	return time.Time{}, &NonceRefusal{Nonce: name, Reason: "contended: used by another request"}
 }
 
+// maxSweepPages bounds one sweep's walk of the nonces (its context bounds its time).
+const maxSweepPages = 10000
+
 // Sweep deletes nonces past twice their time (a used one is kept that long so a replay
 // is refused as "already used"), each delete conditional on the resourceVersion read.
-// It returns how many it deleted; at most limit are looked at.
-func (s *Store) Sweep(ctx context.Context, limit int64) (int, error) {
-	l, err := s.Client.Resource(NonceResource).List(ctx, metav1.ListOptions{Limit: limit})
-	if err != nil {
-		return 0, fmt.Errorf("nonces: list: %w", err)
-	}
+// It walks every nonce, page pages of them at a time: the list is in name order, the
+// names are random, so a sweep that looked only at a first page would see the same
+// young nonces every time and leave the expired ones past it for ever. It returns how
+// many it deleted, with the error that stopped the walk if one did.
+func (s *Store) Sweep(ctx context.Context, page int64) (int, error) {
 	n := 0
-	for i := range l.Items {
-		u := &l.Items[i]
-		var o struct {
-			Spec Nonce `json:"spec"`
+	opts := metav1.ListOptions{Limit: page}
+	for range maxSweepPages {
+		l, err := s.Client.Resource(NonceResource).List(ctx, opts)
+		if err != nil {
+			return n, fmt.Errorf("nonces: list: %w", err)
 		}
-		if err := fromObject(u, &o); err != nil || s.now().Sub(o.Spec.Issued) < 2*s.ttl() {
-			continue
+		for i := range l.Items {
+			u := &l.Items[i]
+			var o struct {
+				Spec Nonce `json:"spec"`
+			}
+			if err := fromObject(u, &o); err != nil || s.now().Sub(o.Spec.Issued) < 2*s.ttl() {
+				continue
+			}
+			rv := u.GetResourceVersion()
+			s.writes.Add(1)
+			err := s.Client.Resource(NonceResource).Delete(ctx, u.GetName(), metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
+			if err == nil {
+				n++
+			}
 		}
-		rv := u.GetResourceVersion()
-		s.writes.Add(1)
-		err := s.Client.Resource(NonceResource).Delete(ctx, u.GetName(), metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
-		if err == nil {
-			n++
+		if opts.Continue = l.GetContinue(); opts.Continue == "" {
+			return n, nil
 		}
 	}
-	return n, nil
+	return n, fmt.Errorf("nonces: over %d pages of %d listed; the rest wait for the next sweep", maxSweepPages, page)
 }
 
 // ErrNoRecord is a record that does not exist.

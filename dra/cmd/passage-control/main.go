@@ -181,10 +181,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 			return fail(1, "serve: %v", err)
 		case <-sweep.C:
 			sctx, cancel := context.WithTimeout(ctx, time.Minute)
-			if n, err := srv.Store.Sweep(sctx, 5000); err != nil {
-				logger.Printf("sweep: %v", err)
-			} else if n > 0 {
+			n, err := srv.Store.Sweep(sctx, 500)
+			if n > 0 {
 				logger.Printf("sweep: %d expired nonces deleted", n)
+			}
+			if err != nil {
+				logger.Printf("sweep: %v", err)
 			}
 			cancel()
 		}
