@@ -93,7 +93,7 @@ func TestClusterControl(t *testing.T) {
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(files["tls.crt"])
 	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
-	startReplica := func(i int) *replica {
+	startReplica := func(i int, extra ...string) *replica {
 		ports := freePorts(t, 2)
 		r := &replica{url: fmt.Sprintf("https://127.0.0.1:%d/", ports[0]), metrics: fmt.Sprintf("http://127.0.0.1:%d/metrics", ports[1]),
 			log: filepath.Join(work, fmt.Sprintf("control-%d.log", i)), done: make(chan struct{})}
@@ -102,6 +102,7 @@ func TestClusterControl(t *testing.T) {
 			"--metrics", fmt.Sprintf("127.0.0.1:%d", ports[1]), "--tls-cert", filepath.Join(work, "tls.crt"),
 			"--tls-key", filepath.Join(work, "tls.key"), "--ek-ca", filepath.Join(work, "ek-ca.pem"),
 			"--approved", fixtures+"ovmf-secureboot.approved.json")
+		r.cmd.Args = append(r.cmd.Args, extra...)
 		r.cmd.Stdout, r.cmd.Stderr = out, out
 		if err := r.cmd.Start(); err != nil {
 			t.Fatal(err)
@@ -188,6 +189,32 @@ func TestClusterControl(t *testing.T) {
 	}
 	st := record("b300-a")
 	t.Logf("before verification: pod-0 Pending; rule %s %s=%s on pool %s; record %v: %v", r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect, *r.Spec.DeviceSelector.Pool, st["verdict"], st["reason"])
+
+	// A third replica keeps an intake list this TPM is not on and a nonce time of a
+	// second: it refuses to enrol the TPM, and a nonce two seconds old (from another
+	// replica) as over its time, each naming why.
+	intake := filepath.Join(work, "intake.txt")
+	if err := os.WriteFile(intake, []byte("sha256:"+strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r3 := startReplica(3, "--intake", intake, "--nonce-ttl", "1s")
+	if res, err := node.Publish(ctx, hc, r3.url, r3.url); err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not on the intake list") {
+		t.Fatalf("boot at the replica with an intake list: %v %+v", err, res)
+	}
+	stale := getNonceFrom(t, hc, r1.url)
+	if st, body, err := controltest.Post(ctx, hc, r3.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
+		t.Fatalf("envelope: %v %d %s", err, st, body)
+	}
+	time.Sleep(2 * time.Second)
+	a, err := node.Attest(stale)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, body, err := controltest.Post(ctx, hc, r3.url, control.AttestationType, a); err != nil || st != http.StatusForbidden || !strings.Contains(body, "over 1s") {
+		t.Fatalf("a nonce 2s old at the replica with --nonce-ttl 1s: %v %d %s", err, st, body)
+	}
+	r3.cmd.Process.Kill()
+	<-r3.done
 
 	// The boot: nonce from one replica, POSTs to the other: enrolled and verified with
 	// no command run by hand; the taint goes and the pod binds.
