@@ -14,6 +14,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io"
 	"math/big"
@@ -190,14 +191,14 @@ func TestClusterControl(t *testing.T) {
 	st := record("b300-a")
 	t.Logf("before verification: pod-0 Pending; rule %s %s=%s on pool %s; record %v: %v", r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect, *r.Spec.DeviceSelector.Pool, st["verdict"], st["reason"])
 
-	// A third replica keeps an intake list this TPM is not on and a nonce time of a
-	// second: it refuses to enrol the TPM, and a nonce two seconds old (from another
-	// replica) as over its time, each naming why.
+	// A third replica keeps an intake list this TPM is not on, a nonce time of a second
+	// and at most two nonces: it refuses to enrol the TPM, a nonce two seconds old (from
+	// another replica) as over its time, and a third nonce, each naming why.
 	intake := filepath.Join(work, "intake.txt")
 	if err := os.WriteFile(intake, []byte("sha256:"+strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	r3 := startReplica(3, "--intake", intake, "--nonce-ttl", "1s")
+	r3 := startReplica(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2")
 	if res, err := node.Publish(ctx, hc, r3.url, r3.url); err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not on the intake list") {
 		t.Fatalf("boot at the replica with an intake list: %v %+v", err, res)
 	}
@@ -212,6 +213,16 @@ func TestClusterControl(t *testing.T) {
 	}
 	if st, body, err := controltest.Post(ctx, hc, r3.url, control.AttestationType, a); err != nil || st != http.StatusForbidden || !strings.Contains(body, "over 1s") {
 		t.Fatalf("a nonce 2s old at the replica with --nonce-ttl 1s: %v %d %s", err, st, body)
+	}
+	// And it keeps at most two nonces in the API: the third GET is a 503 naming why.
+	resp, err := hc.Get(r3.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	full, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(full), "too many nonces outstanding") {
+		t.Fatalf("a third nonce GET at the replica with --max-nonces 2: %s (Retry-After %q) %s", resp.Status, resp.Header.Get("Retry-After"), full)
 	}
 	r3.cmd.Process.Kill()
 	<-r3.done
@@ -344,7 +355,7 @@ func TestClusterControl(t *testing.T) {
 		t.Fatalf("kubectl get passagenodes: %s", table)
 	}
 	t.Logf("kubectl get passagenodes:\n%s", table)
-	resp, err := http.Get(r2.metrics)
+	resp, err = http.Get(r2.metrics)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,6 +439,12 @@ func TestClusterNonceSweep(t *testing.T) {
 		}
 		keep = append(keep, hex.EncodeToString(n))
 	}
+	// At MaxNonces the store refuses to issue, counting on the API server's side (a list
+	// of one and the count of the rest); the sweep makes room again.
+	full := &control.Store{Client: old.Client, MaxNonces: expired + live}
+	if _, err := full.IssueNonce(ctx); !errors.Is(err, control.ErrTooManyNonces) || !strings.Contains(err.Error(), fmt.Sprintf("%d in the API", expired+live)) {
+		t.Fatalf("issue at %d nonces with MaxNonces %d: %v, want refused naming the count", expired+live, expired+live, err)
+	}
 	n, err := s.Sweep(ctx, page)
 	if err != nil || n != expired {
 		t.Fatalf("sweep by pages of %d: %d deleted (%v), want the %d expired", page, n, err, expired)
@@ -444,6 +461,9 @@ func TestClusterNonceSweep(t *testing.T) {
 	slices.Sort(left)
 	if !slices.Equal(left, keep) {
 		t.Fatalf("after the sweep: %v, want the live %v", left, keep)
+	}
+	if _, err := full.IssueNonce(ctx); err != nil {
+		t.Fatalf("issue after the sweep: %v", err)
 	}
 }
 

@@ -165,6 +165,11 @@ func readBody(body io.Reader, limit int64) ([]byte, error) {
 
 func (s *Server) nonce(ctx context.Context, w http.ResponseWriter) error {
 	n, err := s.Store.IssueNonce(ctx)
+	if errors.Is(err, ErrTooManyNonces) {
+		// 503, which the boot's nonce fetch retries; the sweep makes room.
+		w.Header().Set("Retry-After", "60")
+		return refuse(http.StatusServiceUnavailable, "nonces full", "%v: retry later", err)
+	}
 	if err != nil {
 		return err
 	}

@@ -24,9 +24,22 @@ type Store struct {
 	Client dynamic.Interface
 	// NonceTTL is how long an issued nonce is accepted (0: attest.DefaultNonceTTL).
 	NonceTTL time.Duration
-	Now      func() time.Time
-	writes   atomic.Int64
+	// MaxNonces bounds the PassageNonces in the API (0: DefaultMaxNonces): a nonce GET is
+	// unauthenticated and each one is an object in etcd until the sweep deletes it, twice
+	// its time later, so with no bound a loop of GETs fills etcd's quota and stops every
+	// write of the cluster. Past it, IssueNonce refuses (ErrTooManyNonces) until the
+	// sweep makes room, as attest.NonceStore refuses at its MaxOutstanding.
+	MaxNonces int64
+	Now       func() time.Time
+	writes    atomic.Int64
 }
+
+// DefaultMaxNonces is MaxNonces when zero: a fleet of tens of thousands of nodes all
+// booting within a nonce's kept time (twice NonceTTL), a few tens of MB in etcd.
+const DefaultMaxNonces = 65536
+
+// ErrTooManyNonces is IssueNonce's refusal at MaxNonces.
+var ErrTooManyNonces = errors.New("too many nonces outstanding")
 
 // Writes is how many API writes this store made.
 func (s *Store) Writes() int64 { return s.writes.Load() }
@@ -53,6 +66,24 @@ func (s *Store) IssueNonce(ctx context.Context) ([]byte, error) {
 		return nil, err
 	}
 	name := hex.EncodeToString(n)
+	// The count is the API server's (a list of one: the items left are counted, not
+	// sent), so every replica holds the same bound; replicas racing may pass it by as
+	// many GETs as are in flight at once.
+	max := s.MaxNonces
+	if max <= 0 {
+		max = DefaultMaxNonces
+	}
+	l, err := s.Client.Resource(NonceResource).List(ctx, metav1.ListOptions{Limit: 1})
+	if err != nil {
+		return nil, fmt.Errorf("nonces: count: %w", err)
+	}
+	count := int64(len(l.Items))
+	if r := l.GetRemainingItemCount(); r != nil {
+		count += *r
+	}
+	if count >= max {
+		return nil, fmt.Errorf("nonces: %d in the API, at most %d: %w", count, max, ErrTooManyNonces)
+	}
 	u, err := toObject(NonceResource, "PassageNonce", name, "", nil, map[string]any{"spec": Nonce{Issued: s.now().UTC()}})
 	if err != nil {
 		return nil, err

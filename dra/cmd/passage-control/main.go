@@ -4,7 +4,8 @@
 // control). Run two or more replicas behind one Service: any replica serves any request.
 //
 //	passage-control --tls-cert F --tls-key F --ek-ca F [--approved F] [--intake F]
-//	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F]
+//	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F] [--nonce-ttl D]
+//	                [--kube-qps N] [--max-nonces N]
 package main
 
 import (
@@ -41,6 +42,7 @@ type flags struct {
 	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig string
 	nonceTTL                                                       time.Duration
 	qps                                                            float64
+	maxNonces                                                      int64
 }
 
 // run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
@@ -58,6 +60,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "`FILE` to reach the API server (default: in-cluster)")
 	fs.DurationVar(&f.nonceTTL, "nonce-ttl", attest.DefaultNonceTTL, "how long an issued nonce is accepted")
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
+	fs.Int64Var(&f.maxNonces, "max-nonces", control.DefaultMaxNonces, "the most PassageNonces kept in the API: a nonce GET past it is refused 503 until the sweep makes room")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -77,6 +80,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	// client-go reads a QPS of 0 as its default of 5, and a negative one as no limit.
 	if f.qps <= 0 {
 		return fail(2, "--kube-qps %g: want more than 0", f.qps)
+	}
+	if f.maxNonces < 1 {
+		return fail(2, "--max-nonces %d: want at least 1", f.maxNonces)
 	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
@@ -123,7 +129,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if err != nil {
 		return fail(2, "kubernetes client: %v", err)
 	}
-	srv.Store = &control.Store{Client: dyn, NonceTTL: f.nonceTTL}
+	srv.Store = &control.Store{Client: dyn, NonceTTL: f.nonceTTL, MaxNonces: f.maxNonces}
 	srv.Taints = &control.Taints{Client: kc}
 
 	ln, err := net.Listen("tcp", f.listen)
