@@ -14,6 +14,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io"
 	"math/big"
@@ -22,6 +23,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -92,7 +94,7 @@ func TestClusterControl(t *testing.T) {
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(files["tls.crt"])
 	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
-	startReplica := func(i int) *replica {
+	startReplica := func(i int, extra ...string) *replica {
 		ports := freePorts(t, 2)
 		r := &replica{url: fmt.Sprintf("https://127.0.0.1:%d/", ports[0]), metrics: fmt.Sprintf("http://127.0.0.1:%d/metrics", ports[1]),
 			log: filepath.Join(work, fmt.Sprintf("control-%d.log", i)), done: make(chan struct{})}
@@ -101,6 +103,7 @@ func TestClusterControl(t *testing.T) {
 			"--metrics", fmt.Sprintf("127.0.0.1:%d", ports[1]), "--tls-cert", filepath.Join(work, "tls.crt"),
 			"--tls-key", filepath.Join(work, "tls.key"), "--ek-ca", filepath.Join(work, "ek-ca.pem"),
 			"--approved", fixtures+"ovmf-secureboot.approved.json")
+		r.cmd.Args = append(r.cmd.Args, extra...)
 		r.cmd.Stdout, r.cmd.Stderr = out, out
 		if err := r.cmd.Start(); err != nil {
 			t.Fatal(err)
@@ -187,6 +190,42 @@ func TestClusterControl(t *testing.T) {
 	}
 	st := record("b300-a")
 	t.Logf("before verification: pod-0 Pending; rule %s %s=%s on pool %s; record %v: %v", r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect, *r.Spec.DeviceSelector.Pool, st["verdict"], st["reason"])
+
+	// A third replica keeps an intake list this TPM is not on, a nonce time of a second
+	// and at most two nonces: it refuses to enrol the TPM, a nonce two seconds old (from
+	// another replica) as over its time, and a third nonce, each naming why.
+	intake := filepath.Join(work, "intake.txt")
+	if err := os.WriteFile(intake, []byte("sha256:"+strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r3 := startReplica(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2")
+	if res, err := node.Publish(ctx, hc, r3.url, r3.url); err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not on the intake list") {
+		t.Fatalf("boot at the replica with an intake list: %v %+v", err, res)
+	}
+	stale := getNonceFrom(t, hc, r1.url)
+	if st, body, err := controltest.Post(ctx, hc, r3.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
+		t.Fatalf("envelope: %v %d %s", err, st, body)
+	}
+	time.Sleep(2 * time.Second)
+	a, err := node.Attest(stale)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, body, err := controltest.Post(ctx, hc, r3.url, control.AttestationType, a); err != nil || st != http.StatusForbidden || !strings.Contains(body, "over 1s") {
+		t.Fatalf("a nonce 2s old at the replica with --nonce-ttl 1s: %v %d %s", err, st, body)
+	}
+	// And it keeps at most two nonces in the API: the third GET is a 503 naming why.
+	resp, err := hc.Get(r3.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	full, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(full), "too many nonces outstanding") {
+		t.Fatalf("a third nonce GET at the replica with --max-nonces 2: %s (Retry-After %q) %s", resp.Status, resp.Header.Get("Retry-After"), full)
+	}
+	r3.cmd.Process.Kill()
+	<-r3.done
 
 	// The boot: nonce from one replica, POSTs to the other: enrolled and verified with
 	// no command run by hand; the taint goes and the pod binds.
@@ -316,7 +355,7 @@ func TestClusterControl(t *testing.T) {
 		t.Fatalf("kubectl get passagenodes: %s", table)
 	}
 	t.Logf("kubectl get passagenodes:\n%s", table)
-	resp, err := http.Get(r2.metrics)
+	resp, err = http.Get(r2.metrics)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -372,6 +411,59 @@ func TestClusterNonceCAS(t *testing.T) {
 		if won != 1 {
 			t.Fatalf("round %d: %d stores used the nonce (%v), want exactly 1", round, won, errs)
 		}
+	}
+}
+
+// TestClusterNonceSweep: a sweep walks every nonce, page by page, on the API server's
+// paging (which the fake client does not do): the expired ones are deleted wherever
+// they fall in the name order, the live ones stay.
+func TestClusterNonceSweep(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	c := startCluster(t, ctx, t.TempDir())
+	applyCRDs(t, ctx, c)
+	now := time.Now()
+	old := &control.Store{Client: dynamic.NewForConfigOrDie(restConfig(t, c)), Now: func() time.Time { return now.Add(-time.Hour) }}
+	s := &control.Store{Client: old.Client, Now: func() time.Time { return now }}
+	const expired, live, page = 25, 12, 5
+	for range expired {
+		if _, err := old.IssueNonce(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var keep []string
+	for range live {
+		n, err := s.IssueNonce(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		keep = append(keep, hex.EncodeToString(n))
+	}
+	// At MaxNonces the store refuses to issue, counting on the API server's side (a list
+	// of one and the count of the rest); the sweep makes room again.
+	full := &control.Store{Client: old.Client, MaxNonces: expired + live}
+	if _, err := full.IssueNonce(ctx); !errors.Is(err, control.ErrTooManyNonces) || !strings.Contains(err.Error(), fmt.Sprintf("%d in the API", expired+live)) {
+		t.Fatalf("issue at %d nonces with MaxNonces %d: %v, want refused naming the count", expired+live, expired+live, err)
+	}
+	n, err := s.Sweep(ctx, page)
+	if err != nil || n != expired {
+		t.Fatalf("sweep by pages of %d: %d deleted (%v), want the %d expired", page, n, err, expired)
+	}
+	l, err := old.Client.Resource(control.NonceResource).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	for _, u := range l.Items {
+		left = append(left, u.GetName())
+	}
+	slices.Sort(keep)
+	slices.Sort(left)
+	if !slices.Equal(left, keep) {
+		t.Fatalf("after the sweep: %v, want the live %v", left, keep)
+	}
+	if _, err := full.IssueNonce(ctx); err != nil {
+		t.Fatalf("issue after the sweep: %v", err)
 	}
 }
 

@@ -110,17 +110,22 @@ func refuse(status int, check, format string, a ...any) *refusal {
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var err error
+	what := "request" // what a 503 names
 	switch r.Method {
 	case http.MethodGet:
+		what = "nonce"
 		err = s.nonce(ctx, w)
 	case http.MethodPost:
 		ct, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 		switch ct {
 		case EnvelopeType:
+			what = "envelope"
 			err = s.envelope(ctx, w, r.Body)
 		case AttestationType:
+			what = "attestation"
 			err = s.attestation(ctx, w, r.Body)
 		case ActivationType:
+			what = "activation"
 			err = s.activation(ctx, w, r.Body)
 		default:
 			err = refuse(http.StatusUnsupportedMediaType, "content type", "content type %q: POST %s, %s or %s", ct, EnvelopeType, AttestationType, ActivationType)
@@ -133,16 +138,23 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var rf *refusal
+	public := ""
 	if !errors.As(err, &rf) {
 		// The API is unreachable, a write conflicted on every try, the context ended:
-		// 503, which the boot retries (another replica may answer).
+		// 503, which the boot retries (another replica may answer). The API's words (its
+		// address, the account, the objects) go to the log, not to a client no one has
+		// authenticated, as attest.NonceHandler keeps its files to itself.
 		rf = &refusal{status: http.StatusServiceUnavailable, check: "unavailable", reason: err.Error()}
+		public = what + ": the control plane's store did not answer; retry (the reason is in its log)"
 	}
 	s.Metrics.refused(rf.check)
 	if s.Log != nil {
 		s.Log.Printf("%s %s (%s): %d %s", r.Method, r.URL.Path, r.Header.Get("Content-Type"), rf.status, rf.reason)
 	}
-	reason := strings.ReplaceAll(rf.reason, "\n", "; ")
+	if public == "" {
+		public = rf.reason
+	}
+	reason := strings.ReplaceAll(public, "\n", "; ")
 	if len(reason) > maxRefusal-1 {
 		reason = reason[:maxRefusal-4] + "..."
 	}
@@ -165,6 +177,11 @@ func readBody(body io.Reader, limit int64) ([]byte, error) {
 
 func (s *Server) nonce(ctx context.Context, w http.ResponseWriter) error {
 	n, err := s.Store.IssueNonce(ctx)
+	if errors.Is(err, ErrTooManyNonces) {
+		// 503, which the boot's nonce fetch retries; the sweep makes room.
+		w.Header().Set("Retry-After", "60")
+		return refuse(http.StatusServiceUnavailable, "nonces full", "%v: retry later", err)
+	}
 	if err != nil {
 		return err
 	}

@@ -24,9 +24,22 @@ type Store struct {
 	Client dynamic.Interface
 	// NonceTTL is how long an issued nonce is accepted (0: attest.DefaultNonceTTL).
 	NonceTTL time.Duration
-	Now      func() time.Time
-	writes   atomic.Int64
+	// MaxNonces bounds the PassageNonces in the API (0: DefaultMaxNonces): a nonce GET is
+	// unauthenticated and each one is an object in etcd until the sweep deletes it, twice
+	// its time later, so with no bound a loop of GETs fills etcd's quota and stops every
+	// write of the cluster. Past it, IssueNonce refuses (ErrTooManyNonces) until the
+	// sweep makes room, as attest.NonceStore refuses at its MaxOutstanding.
+	MaxNonces int64
+	Now       func() time.Time
+	writes    atomic.Int64
 }
+
+// DefaultMaxNonces is MaxNonces when zero: a fleet of tens of thousands of nodes all
+// booting within a nonce's kept time (twice NonceTTL), a few tens of MB in etcd.
+const DefaultMaxNonces = 65536
+
+// ErrTooManyNonces is IssueNonce's refusal at MaxNonces.
+var ErrTooManyNonces = errors.New("too many nonces outstanding")
 
 // Writes is how many API writes this store made.
 func (s *Store) Writes() int64 { return s.writes.Load() }
@@ -53,6 +66,24 @@ func (s *Store) IssueNonce(ctx context.Context) ([]byte, error) {
 		return nil, err
 	}
 	name := hex.EncodeToString(n)
+	// The count is the API server's (a list of one: the items left are counted, not
+	// sent), so every replica holds the same bound; replicas racing may pass it by as
+	// many GETs as are in flight at once.
+	max := s.MaxNonces
+	if max <= 0 {
+		max = DefaultMaxNonces
+	}
+	l, err := s.Client.Resource(NonceResource).List(ctx, metav1.ListOptions{Limit: 1})
+	if err != nil {
+		return nil, fmt.Errorf("nonces: count: %w", err)
+	}
+	count := int64(len(l.Items))
+	if r := l.GetRemainingItemCount(); r != nil {
+		count += *r
+	}
+	if count >= max {
+		return nil, fmt.Errorf("nonces: %d in the API, at most %d: %w", count, max, ErrTooManyNonces)
+	}
 	u, err := toObject(NonceResource, "PassageNonce", name, "", nil, map[string]any{"spec": Nonce{Issued: s.now().UTC()}})
 	if err != nil {
 		return nil, err
@@ -147,31 +178,43 @@ func (s *Store) UseNonce(ctx context.Context, nonce []byte, record string) (time
 	return time.Time{}, &NonceRefusal{Nonce: name, Reason: "contended: used by another request"}
 }
 
+// maxSweepPages bounds one sweep's walk of the nonces (its context bounds its time).
+const maxSweepPages = 10000
+
 // Sweep deletes nonces past twice their time (a used one is kept that long so a replay
 // is refused as "already used"), each delete conditional on the resourceVersion read.
-// It returns how many it deleted; at most limit are looked at.
-func (s *Store) Sweep(ctx context.Context, limit int64) (int, error) {
-	l, err := s.Client.Resource(NonceResource).List(ctx, metav1.ListOptions{Limit: limit})
-	if err != nil {
-		return 0, fmt.Errorf("nonces: list: %w", err)
-	}
+// It walks every nonce, page pages of them at a time: the list is in name order, the
+// names are random, so a sweep that looked only at a first page would see the same
+// young nonces every time and leave the expired ones past it for ever. It returns how
+// many it deleted, with the error that stopped the walk if one did.
+func (s *Store) Sweep(ctx context.Context, page int64) (int, error) {
 	n := 0
-	for i := range l.Items {
-		u := &l.Items[i]
-		var o struct {
-			Spec Nonce `json:"spec"`
+	opts := metav1.ListOptions{Limit: page}
+	for range maxSweepPages {
+		l, err := s.Client.Resource(NonceResource).List(ctx, opts)
+		if err != nil {
+			return n, fmt.Errorf("nonces: list: %w", err)
 		}
-		if err := fromObject(u, &o); err != nil || s.now().Sub(o.Spec.Issued) < 2*s.ttl() {
-			continue
+		for i := range l.Items {
+			u := &l.Items[i]
+			var o struct {
+				Spec Nonce `json:"spec"`
+			}
+			if err := fromObject(u, &o); err != nil || s.now().Sub(o.Spec.Issued) < 2*s.ttl() {
+				continue
+			}
+			rv := u.GetResourceVersion()
+			s.writes.Add(1)
+			err := s.Client.Resource(NonceResource).Delete(ctx, u.GetName(), metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
+			if err == nil {
+				n++
+			}
 		}
-		rv := u.GetResourceVersion()
-		s.writes.Add(1)
-		err := s.Client.Resource(NonceResource).Delete(ctx, u.GetName(), metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
-		if err == nil {
-			n++
+		if opts.Continue = l.GetContinue(); opts.Continue == "" {
+			return n, nil
 		}
 	}
-	return n, nil
+	return n, fmt.Errorf("nonces: over %d pages of %d listed; the rest wait for the next sweep", maxSweepPages, page)
 }
 
 // ErrNoRecord is a record that does not exist.

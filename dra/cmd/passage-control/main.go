@@ -4,7 +4,8 @@
 // control). Run two or more replicas behind one Service: any replica serves any request.
 //
 //	passage-control --tls-cert F --tls-key F --ek-ca F [--approved F] [--intake F]
-//	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F]
+//	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F] [--nonce-ttl D]
+//	                [--kube-qps N] [--max-nonces N]
 package main
 
 import (
@@ -41,6 +42,7 @@ type flags struct {
 	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig string
 	nonceTTL                                                       time.Duration
 	qps                                                            float64
+	maxNonces                                                      int64
 }
 
 // run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
@@ -58,6 +60,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "`FILE` to reach the API server (default: in-cluster)")
 	fs.DurationVar(&f.nonceTTL, "nonce-ttl", attest.DefaultNonceTTL, "how long an issued nonce is accepted")
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
+	fs.Int64Var(&f.maxNonces, "max-nonces", control.DefaultMaxNonces, "the most PassageNonces kept in the API: a nonce GET past it is refused 503 until the sweep makes room")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -68,6 +71,18 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	if f.cert == "" || f.key == "" || f.ekCA == "" || fs.NArg() > 0 {
 		return fail(2, "usage: --tls-cert, --tls-key and --ek-ca are needed, and no arguments")
+	}
+	// The sweep ticks every half TTL: time.NewTicker panics on a non-positive period, and
+	// a nonce shorter than a second outlives no boot's quote.
+	if f.nonceTTL < time.Second {
+		return fail(2, "--nonce-ttl %s: want at least 1s", f.nonceTTL)
+	}
+	// client-go reads a QPS of 0 as its default of 5, and a negative one as no limit.
+	if f.qps <= 0 {
+		return fail(2, "--kube-qps %g: want more than 0", f.qps)
+	}
+	if f.maxNonces < 1 {
+		return fail(2, "--max-nonces %d: want at least 1", f.maxNonces)
 	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
@@ -114,7 +129,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if err != nil {
 		return fail(2, "kubernetes client: %v", err)
 	}
-	srv.Store = &control.Store{Client: dyn, NonceTTL: f.nonceTTL}
+	srv.Store = &control.Store{Client: dyn, NonceTTL: f.nonceTTL, MaxNonces: f.maxNonces}
 	srv.Taints = &control.Taints{Client: kc}
 
 	ln, err := net.Listen("tcp", f.listen)
@@ -172,10 +187,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 			return fail(1, "serve: %v", err)
 		case <-sweep.C:
 			sctx, cancel := context.WithTimeout(ctx, time.Minute)
-			if n, err := srv.Store.Sweep(sctx, 5000); err != nil {
-				logger.Printf("sweep: %v", err)
-			} else if n > 0 {
+			n, err := srv.Store.Sweep(sctx, 500)
+			if n > 0 {
 				logger.Printf("sweep: %d expired nonces deleted", n)
+			}
+			if err != nil {
+				logger.Printf("sweep: %v", err)
 			}
 			cancel()
 		}

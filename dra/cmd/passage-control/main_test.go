@@ -56,6 +56,10 @@ func TestUsage(t *testing.T) {
 		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", empty}, "--ek-ca " + empty + ": no PEM CERTIFICATE"},
 		{[]string{"--tls-cert", cert, "--tls-key", cert, "--ek-ca", cert}, "--tls-cert/--tls-key"},
 		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--intake", badIntake}, "intake list line 1"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--nonce-ttl", "0s"}, "--nonce-ttl 0s: want at least 1s"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--nonce-ttl", "1ns"}, "--nonce-ttl 1ns: want at least 1s"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--kube-qps", "-1"}, "--kube-qps -1: want more than 0"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--max-nonces", "0"}, "--max-nonces 0: want at least 1"},
 	} {
 		var stderr bytes.Buffer
 		if code := run(context.Background(), tc.args, &stderr, nil); code != 2 || !strings.Contains(stderr.String(), tc.want) {
