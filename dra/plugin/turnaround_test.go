@@ -237,8 +237,8 @@ func (r *turnRig) generation(t *testing.T) uint64 {
 
 // units is units.json.
 type unitsFile struct {
-	Version  int                         `json:"version"`
-	Verified uint64                      `json:"verified"`
+	Version  int                          `json:"version"`
+	Verified uint64                       `json:"verified"`
 	Units    map[string]*plugin.UnitState `json:"units"`
 }
 
