@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -391,6 +392,11 @@ func TestTurnaround(t *testing.T) {
 		if !strings.Contains(string(m), want) {
 			t.Errorf("metrics lack %s:\n%s", want, m)
 		}
+	}
+	cmd := exec.Command("promtool", "check", "metrics")
+	cmd.Stdin = bytes.NewReader(m)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Errorf("promtool check metrics: %v\n%s", err, out)
 	}
 	// The new tenant's claim of the recycled unit is prepared.
 	if got := prepare(t, k, claim(t, client, d, "vm3b", "gpu3")); got.Error != "" {
