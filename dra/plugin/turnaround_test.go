@@ -10,14 +10,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/google/go-tpm/tpm2/transport/linuxudstpm"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -27,21 +25,15 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/passage-boot/passage/attest"
-	"github.com/passage-boot/passage/attest/attesttest"
 	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
 	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/internal/signedtest"
 	"github.com/passage-boot/passage/dra/plugin"
 	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/erase/erasetest"
-	"github.com/passage-boot/passage/manifest"
-	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/recycle"
-	"github.com/passage-boot/passage/vfiobind"
 )
 
 var tenantData = bytes.Repeat([]byte("TENANT-A-SECRET!"), 32)
@@ -93,87 +85,19 @@ func (l *logLines) String() string {
 func newTurnRig(t *testing.T) *turnRig {
 	t.Helper()
 	r := &turnRig{Rig: newRig(t), ctrls: map[pci.Address]*erasetest.Controller{}, logs: &logLines{}}
-	root := r.Root
-	host := r.M.Node.Hostname
-	for p, c := range map[string]string{"proc/sys/kernel/random/boot_id": "6f1c2a4e-8d3b-4c7a-9e15-2b7d0f4a9c31\n",
-		"proc/sys/kernel/osrelease": "6.12.48\n", "proc/cmdline": "console=ttyS0\n", "proc/sys/kernel/hostname": host + "\n"} {
-		write(t, filepath.Join(root, p), []byte(c))
-	}
-	if err := r.Kernel.Load(vfiobind.Modules...); err != nil {
-		t.Fatal(err)
-	}
-	tree, err := pci.Scan(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, d := range tree.Devices {
-		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())
-		write(t, filepath.Join(dir, "reset_method"), []byte("flr\n"))
-		write(t, filepath.Join(dir, "reset"), nil)
-		if d.Class == pcitest.ClassNVMe {
-			c := erasetest.New("S"+d.Addr.String(), erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 16})
-			r.ctrls[d.Addr] = c
-		}
-	}
-	// The node's keys: the ed25519 key the plugin's --pub enrols, and the TPM.
-	priv, _, err := manifest.GenerateKey(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := os.ReadFile(priv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	write(t, filepath.Join(root, "etc/passage/key"), b)
-	s, err := manifest.LoadSigner(priv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pub, err := manifest.MarshalPublicKey(s.Public())
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.Key = &signedtest.Key{Signer: s, Pub: filepath.Join(r.Keys, host+".pub")}
-	write(t, r.Key.Pub, pub)
-	id, _ := s.KeyID()
-	e, err := manifest.NewEnrolment(id, manifest.Node{DMIUUID: uuid}, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := manifest.WriteEnrolment(r.Key.Pub, e); err != nil {
-		t.Fatal(err)
-	}
-	ca := attesttest.NewCA(t)
-	sock := attesttest.StartSocket(t, ca)
 	fw, err := os.ReadFile("../../attest/testdata/ovmf-secureboot.log")
 	if err != nil {
 		t.Fatal(err)
 	}
-	tp, err := linuxudstpm.Open(sock)
+	ca, _ := r.ForTurnaround(t, fw)
+	tree, err := pci.Scan(r.Root)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := controltest.ExtendLog(tp, fw); err != nil {
-		t.Fatal(err)
-	}
-	// The boot counted its generation in the TPM: the boot's manifest has the count.
-	tk, err := tpmkey.New(tp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.M.Generation, err = tk.Next(); err != nil {
-		t.Fatal(err)
-	}
-	tk.Close()
-	// The boot's manifest, in the directory the recycle replaces (run/passage).
-	run := filepath.Join(root, "run/passage")
-	if err := os.MkdirAll(run, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	r.Path = r.Key.Sign(t, r.M, filepath.Join(run, recycle.EnvelopeName))
-	write(t, filepath.Join(root, attest.FirmwareLogPath), fw)
-	if err := os.Symlink(sock, filepath.Join(root, "dev/tpmrm0")); err != nil {
-		t.Fatal(err)
+	for _, d := range tree.Devices {
+		if d.Class == pcitest.ClassNVMe {
+			r.ctrls[d.Addr] = erasetest.New("S"+d.Addr.String(), erase.SANICAPBES, 0, true, erasetest.Namespace{NSID: 1, Blocks: 1 << 16})
+		}
 	}
 
 	// passage-control's handler with its fake API.
@@ -190,7 +114,7 @@ func newTurnRig(t *testing.T) *turnRig {
 	t.Cleanup(ts.Close)
 
 	r.reg = filepath.Join(r.Dir, "registry")
-	r.cfg = plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: root, CDIDir: filepath.Join(r.Dir, "cdi"),
+	r.cfg = plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: filepath.Join(r.Dir, "cdi"),
 		StateDir: filepath.Join(r.Dir, "plugin"), MetricsFile: filepath.Join(r.Dir, "metrics", "passage-dra.prom"), Logf: r.logs.logf,
 		Turnaround: r.turnaround(ts)}
 	os.MkdirAll(filepath.Dir(r.cfg.MetricsFile), 0o755)
@@ -297,20 +221,6 @@ func untainted(devs map[string]resourceapi.Device) (free, tainted int) {
 	return free, tainted
 }
 
-// hold makes process pid hold the unit's GPU group open, as a VMM does; the returned
-// func lets go.
-func (r *turnRig) hold(t *testing.T, pid, unit int) func() {
-	t.Helper()
-	dir := filepath.Join(r.Root, "proc", strconv.Itoa(pid))
-	write(t, filepath.Join(dir, "comm"), []byte("qemu-system-x86\n"))
-	os.MkdirAll(filepath.Join(dir, "fd"), 0o755)
-	g := r.M.Units[unit].Functions[0].IOMMUGroup
-	if err := os.Symlink("/dev/vfio/"+strconv.Itoa(g), filepath.Join(dir, "fd", "17")); err != nil {
-		t.Fatal(err)
-	}
-	return func() { os.RemoveAll(dir) }
-}
-
 // runTurnaround runs d's turnaround until the returned stop is called (which waits for
 // it: the TPM is free again after).
 func runTurnaround(d *plugin.Driver) (stop func()) {
@@ -344,7 +254,7 @@ func TestTurnaround(t *testing.T) {
 	}
 	c.Write(1, 0, tenantData)
 	c.Write(1, 1<<16-1, tenantData)
-	letGo := r.hold(t, 4242, 3)
+	letGo := r.Hold(t, 4242, 3)
 	before := r.generation(t)
 	if got := unprepare(t, k, vm); got != "" {
 		t.Fatalf("unprepare: %q", got)
@@ -458,16 +368,20 @@ func TestTurnaroundQuarantine(t *testing.T) {
 	if !r.logs.has("try 1 of 2 failed at erase") || !r.logs.has("next try at") {
 		t.Errorf("no backoff logged between the tries:\n%s", r.logs)
 	}
-	evs, err := client.CoreV1().Events(metav1.NamespaceDefault).List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	// The Event is recorded after the tainted slices are published: it is waited for.
 	var ev *corev1.Event
-	for i := range evs.Items {
-		if evs.Items[i].Reason == "UnitQuarantined" {
-			ev = &evs.Items[i]
+	r.waitFor(t, "the UnitQuarantined Event", func() bool {
+		evs, err := client.CoreV1().Events(metav1.NamespaceDefault).List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
+		for i := range evs.Items {
+			if evs.Items[i].Reason == "UnitQuarantined" {
+				ev = &evs.Items[i]
+			}
+		}
+		return ev != nil
+	})
 	if ev == nil || ev.InvolvedObject.Kind != "Node" || ev.InvolvedObject.Name != d.Objects().Node || !strings.Contains(ev.Message, "gpu5") || !strings.Contains(ev.Message, "does not answer") {
 		t.Fatalf("Event on the Node: %+v", ev)
 	}

@@ -49,6 +49,10 @@ import (
 
 func main() { os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr)) }
 
+// simulate is nil but in a binary built with -tags passagesim (the cluster tests'): there
+// it gives the turnaround a simulated kernel and NVMe controllers beneath --root.
+var simulate func(root string, t *plugin.Turnaround) error
+
 const usage = `usage: passage-dra COMMAND [flags]
   slices   MANIFEST  print the DeviceClass, ResourceClaimTemplates and ResourceSlices (YAML)
   kubevirt MANIFEST  print the VMI resourceClaims/hostDevices stanza for --unit's shape
@@ -314,6 +318,13 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 	if cfg.Turnaround != nil {
 		cfg.Turnaround.Kube = client
 		cfg.Turnaround.NodeName = o.res.NodeName
+		if simulate != nil {
+			if err := simulate(cfg.Root, cfg.Turnaround); err != nil {
+				fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+				return 1
+			}
+			cfg.Logf("SIMULATED hardware under %s (a passagesim build): the turnaround erases and resets nothing real", cfg.Root)
+		}
 	}
 	d, err := plugin.New(cfg)
 	if err != nil {
@@ -378,6 +389,7 @@ type turnFlags struct {
 	keys             recycle.Keys
 	tries            int
 	backoff, timeout time.Duration
+	poll             time.Duration
 }
 
 func (f *turnFlags) register(fs *flag.FlagSet) {
@@ -392,6 +404,7 @@ func (f *turnFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.tries, "recycle-tries", 3, "recycles of a unit before it is quarantined")
 	fs.DurationVar(&f.backoff, "recycle-backoff", 30*time.Second, "wait before a unit's second recycle, doubling for each further one (at most 10 minutes)")
 	fs.DurationVar(&f.timeout, "recycle-timeout", 30*time.Minute, "bound on one recycle")
+	fs.DurationVar(&f.poll, "recycle-poll", 5*time.Second, "how often a released unit still held open, and the Node's "+plugin.ClearAnnotation+" annotation, are looked at")
 }
 
 // turnaround is the plugin's Turnaround from the flags and the node's cmdline; nil when
@@ -411,8 +424,8 @@ func (f *turnFlags) turnaround(root string) (*plugin.Turnaround, error) {
 	if url == "" {
 		return nil, nil
 	}
-	if f.tries <= 0 || f.backoff <= 0 || f.timeout <= 0 {
-		return nil, fmt.Errorf("--recycle-tries %d, --recycle-backoff %v, --recycle-timeout %v: each must be positive", f.tries, f.backoff, f.timeout)
+	if f.tries <= 0 || f.backoff <= 0 || f.timeout <= 0 || f.poll <= 0 {
+		return nil, fmt.Errorf("--recycle-tries %d, --recycle-backoff %v, --recycle-timeout %v, --recycle-poll %v: each must be positive", f.tries, f.backoff, f.timeout, f.poll)
 	}
 	if f.keys.TPM == "off" {
 		return nil, errors.New("--tpm off: the turnaround attests every recycled generation with the TPM (give --turnaround=false)")
@@ -436,7 +449,7 @@ func (f *turnFlags) turnaround(root string) (*plugin.Turnaround, error) {
 	if pol != "" && err != nil {
 		return nil, fmt.Errorf("erase policy %q: %w", pol, err)
 	}
-	t := &plugin.Turnaround{URL: url, Keys: f.keys, Profile: profile, Policy: p, Tries: f.tries, Backoff: f.backoff, Timeout: f.timeout}
+	t := &plugin.Turnaround{URL: url, Keys: f.keys, Profile: profile, Policy: p, Tries: f.tries, Backoff: f.backoff, Timeout: f.timeout, Poll: f.poll}
 	if f.ca != "" {
 		pem, err := manifest.ReadRegular(f.ca, manifest.MaxKeyFileSize)
 		if err != nil {
