@@ -54,6 +54,32 @@ type node struct {
 func (n *node) cdi() string    { return filepath.Join(n.dir, "cdi") }
 func (n *node) plugin() string { return filepath.Join(n.dir, "plugin") }
 
+// run starts the node's passage-dra process, bin with args, its output appended to
+// n.log (a restart's after the last's), killed when the test ends.
+func (n *node) run(t testing.TB, bin string, args ...string) {
+	t.Helper()
+	os.MkdirAll(filepath.Join(n.dir, "registry"), 0o755)
+	n.log = filepath.Join(n.dir, "plugin.log")
+	out, err := os.OpenFile(n.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd, done := exec.Command(bin, args...), make(chan struct{})
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	n.cmd, n.done = cmd, done
+	go func() { cmd.Wait(); out.Close(); close(done) }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-done
+		if t.Failed() {
+			t.Log(cluster.Tail(n.log, 2000))
+		}
+	})
+}
+
 // TestCluster: passage-dra against the real control plane (see README.md, "Tests").
 func TestCluster(t *testing.T) {
 	began := time.Now()
@@ -85,23 +111,7 @@ func TestCluster(t *testing.T) {
 		if degraded {
 			args = append(args, "--degraded")
 		}
-		os.MkdirAll(filepath.Join(n.dir, "registry"), 0o755)
-		n.log = filepath.Join(n.dir, "plugin.log")
-		out, _ := os.Create(n.log)
-		n.cmd = exec.Command(draBin, args...)
-		n.cmd.Stdout, n.cmd.Stderr = out, out
-		if err := n.cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		n.done = make(chan struct{})
-		go func() { n.cmd.Wait(); out.Close(); close(n.done) }()
-		t.Cleanup(func() {
-			n.cmd.Process.Kill()
-			<-n.done
-			if t.Failed() {
-				t.Log(cluster.Tail(n.log, 2000))
-			}
-		})
+		n.run(t, draBin, args...)
 		return n
 	}
 	// Node a's Kubernetes name is its hostname; node b's is not (the DaemonSet passes
@@ -382,7 +392,7 @@ func TestCluster(t *testing.T) {
 // startCluster starts the pinned control plane (PASSAGE_CONTROL_PLANE, which make
 // cluster-test builds) under work/cp, stopped when the test ends, its logs printed when
 // the test failed.
-func startCluster(t *testing.T, ctx context.Context, work string) *cluster.Cluster {
+func startCluster(t testing.TB, ctx context.Context, work string) *cluster.Cluster {
 	t.Helper()
 	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
 	if bin == "" {
@@ -407,7 +417,7 @@ func startCluster(t *testing.T, ctx context.Context, work string) *cluster.Clust
 
 // createNamespace makes the test's namespace and its default service account (no
 // controller-manager service-account controller makes it before the pods need it).
-func createNamespace(t *testing.T, ctx context.Context, api *kubernetes.Clientset) {
+func createNamespace(t testing.TB, ctx context.Context, api *kubernetes.Clientset) {
 	t.Helper()
 	mustCreate(t, func() error {
 		_, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
@@ -420,7 +430,7 @@ func createNamespace(t *testing.T, ctx context.Context, api *kubernetes.Clientse
 }
 
 // goBuild builds the dra module's command cmd/NAME into work.
-func goBuild(t *testing.T, work, name string) string {
+func goBuild(t testing.TB, work, name string) string {
 	t.Helper()
 	out := filepath.Join(work, name)
 	if b, err := exec.Command("go", "build", "-o", out, "github.com/passage-boot/passage/dra/cmd/"+name).CombinedOutput(); err != nil {
@@ -429,7 +439,7 @@ func goBuild(t *testing.T, work, name string) string {
 	return out
 }
 
-func mustCreate(t *testing.T, f func() error) {
+func mustCreate(t testing.TB, f func() error) {
 	t.Helper()
 	if err := f(); err != nil {
 		t.Fatal(err)
@@ -614,7 +624,7 @@ func waitRejudged(t *testing.T, ctx context.Context, c *cluster.Cluster, api *ku
 
 // waitFor polls cond until it holds or d passes; the error says what was awaited and
 // what was last seen.
-func waitFor(t *testing.T, ctx context.Context, d time.Duration, what string, cond func() (bool, string)) {
+func waitFor(t testing.TB, ctx context.Context, d time.Duration, what string, cond func() (bool, string)) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for {
