@@ -448,7 +448,7 @@ func mustCreate(t testing.TB, f func() error) {
 
 // addNode creates a Ready Node as a kubelet would register it, without the not-ready
 // taint the API's admission gives a new node (no kubelet will lift it).
-func addNode(t *testing.T, ctx context.Context, api *kubernetes.Clientset, name string) {
+func addNode(t testing.TB, ctx context.Context, api *kubernetes.Clientset, name string) {
 	t.Helper()
 	n, err := api.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
 		Labels: map[string]string{"kubernetes.io/hostname": name, "passage-boot.github.io/node": "true"}}}, metav1.CreateOptions{})
@@ -467,7 +467,7 @@ func addNode(t *testing.T, ctx context.Context, api *kubernetes.Clientset, name 
 	}
 }
 
-func createPod(t *testing.T, ctx context.Context, api *kubernetes.Clientset, name, claim, template string) {
+func createPod(t testing.TB, ctx context.Context, api *kubernetes.Clientset, name, claim, template string) {
 	t.Helper()
 	rc := corev1.PodResourceClaim{Name: "unit"}
 	if claim != "" {
@@ -485,7 +485,7 @@ func createPod(t *testing.T, ctx context.Context, api *kubernetes.Clientset, nam
 	}
 }
 
-func forceDelete(t *testing.T, ctx context.Context, api *kubernetes.Clientset, name string) {
+func forceDelete(t testing.TB, ctx context.Context, api *kubernetes.Clientset, name string) {
 	t.Helper()
 	zero := int64(0)
 	if err := api.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
@@ -494,7 +494,7 @@ func forceDelete(t *testing.T, ctx context.Context, api *kubernetes.Clientset, n
 }
 
 // podClaim is the pod's allocated claim (its own, or the one made from its template).
-func podClaim(t *testing.T, ctx context.Context, api *kubernetes.Clientset, pod string) *resourceapi.ResourceClaim {
+func podClaim(t testing.TB, ctx context.Context, api *kubernetes.Clientset, pod string) *resourceapi.ResourceClaim {
 	t.Helper()
 	var cl *resourceapi.ResourceClaim
 	waitFor(t, ctx, 30*time.Second, pod+"'s claim allocated", func() (bool, string) {
@@ -523,7 +523,7 @@ func podClaim(t *testing.T, ctx context.Context, api *kubernetes.Clientset, pod 
 // wholeUnit checks the claim's allocation is exactly one unit's functions (by BDF, from
 // its node's manifest), of status ready (or status, when given), and returns the node
 // and the unit.
-func wholeUnit(t *testing.T, cl *resourceapi.ResourceClaim, rigs map[string]*noderig.Rig, status string) (string, string) {
+func wholeUnit(t testing.TB, cl *resourceapi.ResourceClaim, rigs map[string]*noderig.Rig, status string) (string, string) {
 	t.Helper()
 	if status == "" {
 		status = manifest.StatusReady
@@ -579,7 +579,7 @@ func unitIndex(r *noderig.Rig, unit string) int {
 	return -1
 }
 
-func waitUnschedulable(t *testing.T, ctx context.Context, api *kubernetes.Clientset, pod, reason string) {
+func waitUnschedulable(t testing.TB, ctx context.Context, api *kubernetes.Clientset, pod, reason string) {
 	t.Helper()
 	waitFor(t, ctx, 60*time.Second, pod+" Pending: "+reason, func() (bool, string) {
 		p, err := api.CoreV1().Pods(ns).Get(ctx, pod, metav1.GetOptions{})
@@ -599,7 +599,7 @@ func waitUnschedulable(t *testing.T, ctx context.Context, api *kubernetes.Client
 }
 
 // attempts is how many times the scheduler has found no node for pod so far.
-func attempts(t *testing.T, c *cluster.Cluster, pod string) int {
+func attempts(t testing.TB, c *cluster.Cluster, pod string) int {
 	t.Helper()
 	n, err := c.SchedulingAttempts(ns, pod)
 	if err != nil {
@@ -613,7 +613,7 @@ func attempts(t *testing.T, c *cluster.Cluster, pod string) int {
 // the new attempt a Pending pod would prove nothing: its condition may be the verdict of
 // before the change. What it cannot rule out: an attempt another event set off just
 // before the change, logged after the count was taken.
-func waitRejudged(t *testing.T, ctx context.Context, c *cluster.Cluster, api *kubernetes.Clientset, pod string, tried int, reason string) {
+func waitRejudged(t testing.TB, ctx context.Context, c *cluster.Cluster, api *kubernetes.Clientset, pod string, tried int, reason string) {
 	t.Helper()
 	waitFor(t, ctx, 60*time.Second, pod+" tried again by the scheduler", func() (bool, string) {
 		n := attempts(t, c, pod)
@@ -641,7 +641,7 @@ func waitFor(t testing.TB, ctx context.Context, d time.Duration, what string, co
 
 // pools are the driver's devices the API's slices hold now, by Kubernetes node, from the
 // newest generation of each pool.
-func pools(t *testing.T, ctx context.Context, api *kubernetes.Clientset) map[string][]string {
+func pools(t testing.TB, ctx context.Context, api *kubernetes.Clientset) map[string][]string {
 	t.Helper()
 	list, err := api.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -678,7 +678,7 @@ type kubelet struct{ dra drapb.DRAPluginClient }
 
 // kubeletOf registers the node's plugin as the kubelet's plugin watcher does and dials
 // its DRA socket.
-func kubeletOf(t *testing.T, ctx context.Context, n *node) *kubelet {
+func kubeletOf(t testing.TB, ctx context.Context, n *node) *kubelet {
 	t.Helper()
 	reg := registerapi.NewRegistrationClient(dial(t, filepath.Join(n.dir, "registry", resources.DriverName+"-reg.sock")))
 	info, err := reg.GetInfo(ctx, &registerapi.InfoRequest{})
@@ -691,7 +691,7 @@ func kubeletOf(t *testing.T, ctx context.Context, n *node) *kubelet {
 	return &kubelet{dra: drapb.NewDRAPluginClient(dial(t, info.Endpoint))}
 }
 
-func dial(t *testing.T, sock string) *grpc.ClientConn {
+func dial(t testing.TB, sock string) *grpc.ClientConn {
 	c, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -700,7 +700,7 @@ func dial(t *testing.T, sock string) *grpc.ClientConn {
 	return c
 }
 
-func prepare(t *testing.T, ctx context.Context, k *kubelet, c *resourceapi.ResourceClaim) *drapb.NodePrepareResourceResponse {
+func prepare(t testing.TB, ctx context.Context, k *kubelet, c *resourceapi.ResourceClaim) *drapb.NodePrepareResourceResponse {
 	t.Helper()
 	resp, err := k.dra.NodePrepareResources(ctx, &drapb.NodePrepareResourcesRequest{Claims: []*drapb.Claim{
 		{Namespace: c.Namespace, Name: c.Name, Uid: string(c.UID)}}})
@@ -764,7 +764,7 @@ func tamper(t *testing.T, path string) {
 // binding through the API (its validation and admission), and writes at kubeconfig a
 // credential of the service account the DaemonSet's pods run as. The DaemonSet itself is
 // not created: no kubelet runs its pods; the test starts the plugins.
-func deployRBAC(t *testing.T, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
+func deployRBAC(t testing.TB, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "deploy", "daemonset.yaml"))
 	if err != nil {
