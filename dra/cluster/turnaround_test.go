@@ -286,6 +286,7 @@ type offerWatch struct {
 	released map[string]*releasedUnit
 	slices   map[string]*resourceapi.ResourceSlice
 	problems []string
+	trace    []string // what the slice events offered, for a failure's message
 	stop     context.CancelFunc
 	done     sync.WaitGroup
 }
@@ -345,10 +346,31 @@ func (w *offerWatch) problem(format string, args ...any) {
 	w.problems = append(w.problems, fmt.Sprintf(format, args...))
 }
 
+// release tells w the unit is being released by the claim holder under generation gen.
+// A prepared unit is already out of the slices (the plugin takes it out at prepare).
 func (w *offerWatch) release(unit string, holder types.UID, gen uint64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.released[unit] = &releasedUnit{gen: gen, holder: holder, at: time.Now()}
+	_, offered := w.offered()
+	w.released[unit] = &releasedUnit{gen: gen, holder: holder, at: time.Now(), withdrawn: !offered[unit]}
+}
+
+// offered are the units whose devices are untainted in the pool's newest slices, and
+// that generation; w.mu held.
+func (w *offerWatch) offered() (int64, map[string]bool) {
+	var newest int64
+	for _, s := range w.slices {
+		newest = max(newest, s.Spec.Pool.Generation)
+	}
+	offered := map[string]bool{}
+	for _, s := range w.slices {
+		for _, d := range s.Spec.Devices {
+			if s.Spec.Pool.Generation == newest && len(d.Taints) == 0 {
+				offered[w.unitOf(d.Name)] = true
+			}
+		}
+	}
+	return newest, offered
 }
 
 func (w *offerWatch) unitOf(device string) string {
@@ -373,18 +395,8 @@ func (w *offerWatch) event(ctx context.Context, ev watch.Event) {
 		} else {
 			w.slices[o.Name] = o
 		}
-		var newest int64
-		for _, s := range w.slices {
-			newest = max(newest, s.Spec.Pool.Generation)
-		}
-		offered := map[string]bool{}
-		for _, s := range w.slices {
-			for _, d := range s.Spec.Devices {
-				if s.Spec.Pool.Generation == newest && len(d.Taints) == 0 {
-					offered[w.unitOf(d.Name)] = true
-				}
-			}
-		}
+		newest, offered := w.offered()
+		w.trace = append(w.trace, fmt.Sprintf("%s %s %s: newest generation %d offers %d units %v", time.Now().Format("15:04:05.000"), ev.Type, o.Name, newest, len(offered), offered))
 		for unit, r := range w.released {
 			switch {
 			case !offered[unit]:
@@ -440,7 +452,7 @@ func (w *offerWatch) returned(t testing.TB, units ...string) map[string]time.Dur
 	for _, u := range units {
 		r := w.released[u]
 		if r == nil || r.offered.IsZero() || r.allocated.IsZero() {
-			t.Fatalf("%s: never seen offered and allocated again by the watches: %+v", u, r)
+			t.Fatalf("%s: never seen offered and allocated again by the watches: %+v\nslice events:\n%s", u, r, strings.Join(w.trace, "\n"))
 		}
 		out[u] = r.allocated.Sub(r.at)
 		delete(w.released, u)
