@@ -85,6 +85,19 @@ qemu-bench: deps
 	@for k in $(QEMU_KERNELS); do $(MAKE) --no-print-directory initramfs KERNEL=$$k || exit 1; done
 	PASSAGE_BUILD=$(abspath $(BUILD)) $(GO) test -count=1 -timeout 20m -tags qemu -run '^$$' -bench ModulesStage -benchtime 3x ./qemu-tests/ | tee $(BUILD)/qemu-bench.txt
 
+# turnaround-bench times a released unit's way back on the control plane cluster-test
+# runs (dra/cluster BenchmarkTurnaround): RELEASES releases one at a time (default 40),
+# p50 and p99 of pod deletion to the unit allocated again and of each recycle step (erase,
+# reset, sign, attest, verify, publish). FORMAT is the simulated NVMe's latency per admin
+# command (default none: the erase's own cost is then the simulator's). Not part of test
+# or bench; the table goes to $(BUILD)/turnaround-bench.txt.
+.PHONY: turnaround-bench
+RELEASES ?= 40
+FORMAT ?=
+turnaround-bench: cluster-bin
+	cd dra && PASSAGE_CONTROL_PLANE=$$(bash cluster/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_TURN_FORMAT=$(FORMAT) \
+		$(GO) test -count=1 -tags cluster -timeout 30m -run '^$$' -bench Turnaround -benchtime $(RELEASES)x ./cluster/ | tee $(abspath $(BUILD))/turnaround-bench.txt
+
 # cluster-test runs passage-dra against a real control plane on loopback (dra/cluster):
 # kube-apiserver, kube-scheduler, kube-controller-manager and etcd at the versions
 # dra/cluster/kube and dra/cluster/etcd pin, built from the Go module proxy into
