@@ -3,6 +3,7 @@ package control_test
 import (
 	"bytes"
 	"context"
+	"crypto/x509"
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
@@ -250,18 +251,14 @@ func TestRefusals(t *testing.T) {
 			}
 			e.srv.EKCA = other
 		},
-		run:  attestOnly("b300-x"),
+		run:  attestNew("b300-x"),
 		want: "ek certificate: issued by",
 	}, {
 		name: "EK not on the intake list",
 		setup: func(t *testing.T, e *env) {
-			in, err := control.ParseIntake([]byte("# intake\nsha256:" + strings.Repeat("ab", 32) + "\nserial:01\n"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			e.srv.Intake = in
+			e.srv.Intake = intake(t, "# intake\nsha256:"+strings.Repeat("ab", 32)+"\nserial:01 b300-x\n")
 		},
-		run:  attestOnly("b300-x"),
+		run:  attestNew("b300-x"),
 		want: "not on the intake list",
 	}, {
 		name: "wrong activation answer",
@@ -317,6 +314,15 @@ func TestRefusals(t *testing.T) {
 		},
 		want: "attestation of manifest sha256:",
 	}, {
+		name: "EK bound at intake to another record",
+		run: func(t *testing.T, e *env) (int, string) {
+			// The TPM recorded at intake as b300-a's boots with a manifest naming b300-b.
+			n := e.node(t, "b300-b")
+			e.srv.Intake = intake(t, ekKey(t, n)+" b300-a\n")
+			return attestOnly(n)(t, e)
+		},
+		want: ": recorded at intake for record b300-a, not b300-b",
+	}, {
 		name: "oversized body",
 		run: func(t *testing.T, e *env) (int, string) {
 			e.snapshot(t)
@@ -342,11 +348,15 @@ func TestRefusals(t *testing.T) {
 	}
 }
 
-// attestOnly makes a new node POST its envelope and attestation; the snapshot is taken
+// attestNew makes a new node POST its envelope and attestation (attestOnly).
+func attestNew(host string) func(t *testing.T, e *env) (int, string) {
+	return func(t *testing.T, e *env) (int, string) { return attestOnly(e.node(t, host))(t, e) }
+}
+
+// attestOnly makes the node POST its envelope and attestation; the snapshot is taken
 // between the two.
-func attestOnly(host string) func(t *testing.T, e *env) (int, string) {
+func attestOnly(n *controltest.Node) func(t *testing.T, e *env) (int, string) {
 	return func(t *testing.T, e *env) (int, string) {
-		n := e.node(t, host)
 		nonce := getNonce(t, e)
 		if st, body := e.post(t, control.EnvelopeType, n.NextEnvelope(t)); st != http.StatusAccepted {
 			t.Fatalf("envelope: %d %s", st, body)
@@ -358,6 +368,101 @@ func attestOnly(host string) func(t *testing.T, e *env) (int, string) {
 		e.snapshot(t)
 		return e.post(t, control.AttestationType, a)
 	}
+}
+
+func intake(t *testing.T, list string) *control.Intake {
+	t.Helper()
+	in, err := control.ParseIntake([]byte(list))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return in
+}
+
+// ekKey is the intake list's name of the node's EK.
+func ekKey(t *testing.T, n *controltest.Node) string {
+	t.Helper()
+	der, err := n.EKCert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return control.EKKey(c)
+}
+
+// TestIntakeBinding: an intake list binds each EK to the record it may enrol as; the
+// TPM of the other node claiming a name bound to another EK is refused at the
+// attestation, before any challenge, and the TPMs bound to their own names enrol; an
+// unbound entry enrols under any name not yet enrolled. Without a list, the first TPM
+// to enrol a name owns it: another TPM's manifest for it is refused, and so is that
+// TPM's activation answer for it.
+func TestIntakeBinding(t *testing.T) {
+	ctx := context.Background()
+	e := newEnv(t)
+	a, b, c := e.node(t, "b300-a"), e.node(t, "b300-a"), e.node(t, "b300-c")
+	e.srv.Intake = intake(t, ekKey(t, a)+" b300-a\n"+ekKey(t, b)+" b300-b\n"+ekKey(t, c)+"\n")
+	res, err := b.Publish(ctx, e.hc, e.url, e.url)
+	if err != nil || res.Status != http.StatusForbidden || res.Enrolled || !strings.Contains(res.Body, "recorded at intake for record b300-b, not b300-a") {
+		t.Fatalf("b's TPM as b300-a: %v %+v", err, res)
+	}
+	if rec := e.record(t, "b300-a"); rec.Status.Pending != nil || len(rec.Spec.EKPublic) != 0 {
+		t.Fatalf("b's refused claim wrote the record: %+v", rec)
+	}
+	for _, n := range []*controltest.Node{a, c} {
+		if res, err := n.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+			t.Fatalf("%s: %v %+v", n.Hostname, err, res)
+		}
+	}
+	b.Hostname = "b300-b"
+	if res, err := b.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("b300-b: %v %+v", err, res)
+	}
+
+	// No list: d enrols b300-d first; e's TPM then gets no challenge for it, and an
+	// answer it made for a challenge issued before d's enrolment is refused.
+	e2 := newEnv(t)
+	d, x := e2.node(t, "b300-d"), e2.node(t, "b300-d")
+	nonce := getNonce(t, e2)
+	if st, body := e2.post(t, control.EnvelopeType, x.NextEnvelope(t)); st != http.StatusAccepted {
+		t.Fatalf("x's envelope: %d %s", st, body)
+	}
+	att, _ := x.Attest(nonce)
+	st, body := e2.post(t, control.AttestationType, att)
+	if st != http.StatusPreconditionRequired {
+		t.Fatalf("x's first claim: %d %s", st, body)
+	}
+	var ch control.ChallengeBody
+	if err := json.Unmarshal([]byte(body), &ch); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := d.Publish(ctx, e2.hc, e2.url, e2.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("d: %v %+v", err, res)
+	}
+	answer, ak, err := x.Answer(ch.Challenge)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e2.snapshot(t)
+	ans, _ := json.Marshal(control.AnswerBody{Format: control.AnswerFormat, Record: "b300-d", AKName: hex.EncodeToString(ak), Answer: base64.StdEncoding.EncodeToString(answer)})
+	if st, body := e2.post(t, control.ActivationType, ans); st/100 != 4 {
+		t.Fatalf("x's answer after d enrolled b300-d: %d %s", st, body)
+	}
+	e2.unchanged(t)
+	if rec := e2.record(t, "b300-d"); !bytes.Equal(rec.Spec.EKCert, mustEK(t, d)) {
+		t.Fatal("b300-d's enrolment is not d's TPM")
+	}
+}
+
+func mustEK(t *testing.T, n *controltest.Node) []byte {
+	t.Helper()
+	der, err := n.EKCert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return der
 }
 
 var snapshots = map[*env]map[string]string{}

@@ -56,7 +56,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.StringVar(&f.key, "tls-key", "", "its private key `FILE` (PEM)")
 	fs.StringVar(&f.ekCA, "ek-ca", "", "the EK CA certificates `FILE` (PEM): a TPM's EK certificate must chain to one")
 	fs.StringVar(&f.approved, "approved", "", "the approved image `FILE` (passage-approved/1); empty: only the TPM's word is checked (no firmware log)")
-	fs.StringVar(&f.intake, "intake", "", "the intake list `FILE` (sha256:<hex> of an EK's public key or serial:<hex>, one a line): only TPMs on it enrol")
+	fs.StringVar(&f.intake, "intake", "", "the intake list `FILE` (sha256:<hex> of an EK's public key or serial:<hex>, one a line, optionally followed by the one record name it may enrol as): only TPMs on it enrol")
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "`FILE` to reach the API server (default: in-cluster)")
 	fs.DurationVar(&f.nonceTTL, "nonce-ttl", attest.DefaultNonceTTL, "how long an issued nonce is accepted")
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")

@@ -211,6 +211,13 @@ func (n *Node) Attest(nonce []byte) ([]byte, error) {
 	return a.Marshal()
 }
 
+// Answer activates a credential challenge in this node's TPM: the secret and the AK's
+// name, as the boot answers.
+func (n *Node) Answer(ch *attest.Challenge) (secret, akName []byte, err error) {
+	secret, err = attest.Activate(n.key.Transport(), ch)
+	return secret, ch.AKName, err
+}
+
 // SigningKey is passage's TPM signing key (the manifests' signer).
 func (n *Node) SigningKey() crypto.PublicKey { return n.key.Public() }
 
