@@ -7,6 +7,8 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -15,14 +17,13 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
-	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"k8s.io/client-go/kubernetes"
 	kubefake "k8s.io/client-go/kubernetes/fake"
 
@@ -78,10 +79,10 @@ func newEnv(t *testing.T) *env {
 	t.Helper()
 	e := &env{ca: attesttest.NewCA(t)}
 	e.log, e.ap = firmware(t)
-	e.dyn = dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schemaGVR]string{
-		control.NodeResource: "PassageNodeList", control.NonceResource: "PassageNonceList"})
+	store := fakeStore()
+	e.dyn = store.Client
 	e.kc = kubefake.NewClientset()
-	e.srv = &control.Server{Store: &control.Store{Client: e.dyn}, Taints: &control.Taints{Client: e.kc, Writes: func() { e.ruleWrites.Add(1) }},
+	e.srv = &control.Server{Store: store, Taints: &control.Taints{Client: e.kc, Writes: func() { e.ruleWrites.Add(1) }},
 		Approved: e.ap, Metrics: control.NewMetrics()}
 	ts := httptest.NewUnstartedServer(e.srv)
 	ts.StartTLS()
@@ -537,6 +538,86 @@ func (e *env) post(t *testing.T, ct string, body []byte) (int, string) {
 		t.Fatal(err)
 	}
 	return st, b
+}
+
+// TestUnenrolledBound: envelopes for made-up hostnames make records only up to
+// MaxUnenrolled: past it a POST that would make one is a 503 with Retry-After naming
+// why, nothing written, while an enrolled node's envelope is still taken. The sweep
+// deletes the records not enrolled within their time, and their rules, never an
+// enrolled one; a new node then enrols. The metrics count them.
+func TestUnenrolledBound(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	a, b := e.node(t, "b300-a"), e.node(t, "b300-b")
+	if res, err := a.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK {
+		t.Fatalf("b300-a: %v %+v", err, res)
+	}
+	e.srv.Store.MaxUnenrolled = 2
+	for _, host := range []string{"made-up-1", "made-up-2"} {
+		if st, body := e.post(t, control.EnvelopeType, unsignedEnvelope(t, host)); st != http.StatusAccepted {
+			t.Fatalf("%s: %d %s", host, st, body)
+		}
+	}
+	e.snapshot(t)
+	req, _ := http.NewRequest(http.MethodPost, e.url, bytes.NewReader(unsignedEnvelope(t, "made-up-3")))
+	req.Header.Set("Content-Type", control.EnvelopeType)
+	resp, err := e.hc.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" ||
+		!strings.Contains(string(body), "record made-up-3: records: 2 not yet enrolled, at most 2: too many records not yet enrolled") {
+		t.Fatalf("a third made-up hostname: %s (Retry-After %q) %s", resp.Status, resp.Header.Get("Retry-After"), body)
+	}
+	e.unchanged(t)
+	if res, err := b.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusServiceUnavailable {
+		t.Fatalf("a new node at the bound: %v %+v", err, res)
+	}
+	if st, body := e.post(t, control.EnvelopeType, a.NextEnvelope(t)); st != http.StatusAccepted {
+		t.Fatalf("the enrolled node's next envelope at the bound: %d %s", st, body)
+	}
+	metric := func(want ...string) {
+		t.Helper()
+		nodes, err := e.srv.Store.ListNodes(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m bytes.Buffer
+		e.srv.Metrics.Write(&m, nodes)
+		for _, w := range want {
+			if !strings.Contains(m.String(), w+"\n") {
+				t.Errorf("metrics lack %q:\n%s", w, m.String())
+			}
+		}
+	}
+	metric("passage_control_records_unenrolled 2", `passage_control_refusals_total{reason="unenrolled-full"} 2`)
+
+	if n, err := e.srv.SweepUnenrolled(ctx, 1); err != nil || n != 0 {
+		t.Fatalf("a sweep within the time: %d deleted (%v), want none", n, err)
+	}
+	e.srv.Store.Now = func() time.Time { return time.Now().Add(control.DefaultUnenrolledTTL + time.Minute) }
+	n, err := e.srv.SweepUnenrolled(ctx, 1)
+	e.srv.Store.Now = nil
+	if err != nil || n != 2 {
+		t.Fatalf("a sweep past the time: %d deleted (%v), want the 2 made up", n, err)
+	}
+	for _, host := range []string{"made-up-1", "made-up-2"} {
+		if _, err := e.srv.Store.Node(ctx, host); !errors.Is(err, control.ErrNoRecord) {
+			t.Errorf("record %s after the sweep: %v", host, err)
+		}
+		if r := e.rule(t, host); r != nil {
+			t.Errorf("rule of %s after the sweep: %+v", host, r.Spec.Taint)
+		}
+	}
+	if r := e.rule(t, "b300-a"); r == nil || r.Spec.Taint.Key != control.TaintUnverified {
+		t.Errorf("the enrolled node's rule (its manifest not attested) after the sweep: %+v", r)
+	}
+	if res, err := b.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("the new node after the sweep: %v %+v", err, res)
+	}
+	metric("passage_control_records_unenrolled 0", "passage_control_records_swept_total 2")
 }
 
 // TestMetrics: the exposition after an enrolment and a refusal is what promtool accepts.

@@ -7,8 +7,6 @@ import (
 	"strings"
 	"testing"
 
-	"k8s.io/apimachinery/pkg/runtime"
-	dynamicfake "k8s.io/client-go/dynamic/fake"
 	kubefake "k8s.io/client-go/kubernetes/fake"
 
 	"github.com/passage-boot/passage/dra/control"
@@ -47,9 +45,7 @@ func FuzzPost(f *testing.F) {
 		f.Add(ct, []byte(`{"format":"passage-enrol-answer/1","record":"b300-a","ak_name":"00","answer":"AAAA"}`))
 		f.Add(ct, []byte(`{"payloadType":"application/vnd.passage.manifest+json","payload":"e30=","signatures":[]}`))
 	}
-	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schemaGVR]string{
-		control.NodeResource: "PassageNodeList", control.NonceResource: "PassageNonceList"})
-	srv := &control.Server{Store: &control.Store{Client: dyn}, Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
+	srv := &control.Server{Store: fakeStore(), Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
 	f.Fuzz(func(t *testing.T, ct string, body []byte) {
 		req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
 		req.Header.Set("Content-Type", ct)

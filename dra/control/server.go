@@ -239,6 +239,13 @@ func (s *Server) envelope(ctx context.Context, w http.ResponseWriter, body io.Re
 	err = retry(ctx, func() error {
 		n, err := s.Store.Node(ctx, name)
 		if errors.Is(err, ErrNoRecord) {
+			if err := s.Store.CheckRoom(ctx); errors.Is(err, ErrTooManyUnenrolled) {
+				// 503, which the boot's publish retries; an enrolment or the sweep makes room.
+				w.Header().Set("Retry-After", "60")
+				return refuse(http.StatusServiceUnavailable, "unenrolled full", "record %s: %v: retry later", name, err)
+			} else if err != nil {
+				return err
+			}
 			n, err = s.Store.Create(ctx, &Node{Name: name, Spec: NodeSpec{Node: name}})
 			if apierrors.IsAlreadyExists(err) {
 				return apierrors.NewConflict(NodeResource.GroupResource(), name, err)
@@ -631,6 +638,30 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(VerdictBody{Record: t.Name, Verdict: verdict, Generation: gen})
+}
+
+// SweepUnenrolled deletes the records not enrolled within their time
+// (Store.SweepUnenrolled) and their DeviceTaintRules, leaving the node as one that never
+// POSTed. A record made again meanwhile (the node POSTed between the two deletes) gets
+// its rule back. It returns how many records it deleted.
+func (s *Server) SweepUnenrolled(ctx context.Context, page int64) (int, error) {
+	gone, err := s.Store.SweepUnenrolled(ctx, page)
+	for _, name := range gone {
+		if rerr := s.Taints.Clear(ctx, name); rerr != nil {
+			err = errors.Join(err, rerr)
+			continue
+		}
+		n, rerr := s.Store.Node(ctx, name)
+		if errors.Is(rerr, ErrNoRecord) {
+			continue
+		}
+		if rerr == nil && n.Status.Verdict != VerdictVerified {
+			rerr = s.Taints.Set(ctx, name, n.Spec.Node, VerdictUnverified, "", "posted again while its stale record was swept")
+		}
+		err = errors.Join(err, rerr)
+	}
+	s.Metrics.swept(len(gone))
+	return len(gone), err
 }
 
 // Intake is the list of EKs recorded at intake: sha256 of the EK certificate's public
