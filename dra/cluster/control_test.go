@@ -51,6 +51,7 @@ import (
 	"github.com/passage-boot/passage/dra/control/controltest"
 	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/stages"
 )
 
 const fixtures = "../../attest/testdata/"
@@ -70,6 +71,12 @@ func TestClusterControl(t *testing.T) {
 	defer cancel()
 	work := t.TempDir()
 	ctlBin := goBuild(t, work, "passage-control")
+	passageBin := filepath.Join(work, "passage")
+	build := exec.CommandContext(ctx, "go", "build", "-o", passageBin, "./cmd/passage")
+	build.Dir = filepath.Join("..", "..") // the main module
+	if b, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build passage: %v\n%s", err, b)
+	}
 	c := startCluster(t, ctx, work)
 	api := c.Client
 	createNamespace(t, ctx, api)
@@ -227,12 +234,23 @@ func TestClusterControl(t *testing.T) {
 	r3.cmd.Process.Kill()
 	<-r3.done
 
-	// The boot: nonce from one replica, POSTs to the other: enrolled and verified with
-	// no command run by hand; the taint goes and the pod binds.
-	res, err := node.Publish(ctx, hc, r1.url, r2.url)
-	if err != nil || res.Status != http.StatusOK || !res.Enrolled {
-		t.Fatalf("first boot: %v %+v", err, res)
+	// The node's first boot is the boot's own code: `passage boot --root` (the binary
+	// built from the main module) on a synthetic B300 whose hostname is b300-a, with
+	// passage.net=off and passage.url at r1, its TPM the swtpm, trusting the replicas'
+	// certificate as an initramfs's CA bundle would (SSL_CERT_FILE). Its publish stage
+	// enrols the TPM (428, activation, the attestation again) and is verified with no
+	// command run by hand; the taint goes and the pod binds.
+	boot, err := node.Boot(ctx, passageBin, r1.url, []string{"SSL_CERT_FILE=" + filepath.Join(work, "tls.crt")})
+	if err != nil {
+		t.Fatal(err)
 	}
+	if boot.Publish.Status != stages.OK || !slices.Contains(boot.Publish.Changes, "enrolled: credential activated in the TPM, record b300-a") {
+		t.Fatalf("first boot, passage boot --root: publish %s %s\nfindings %q\nchanges %q\n%s", boot.Publish.Status, boot.Publish.Error, boot.Publish.Findings, boot.Publish.Changes, boot.Console)
+	}
+	if st := record("b300-a"); st["verdict"] != control.VerdictVerified || st["generation"] != float64(boot.Generation) {
+		t.Fatalf("record after the boot's own publish (generation %d): %v %v %v", boot.Generation, st["verdict"], st["generation"], st["reason"])
+	}
+	t.Logf("first boot, passage boot --root: publish %s; %s", boot.Publish.Status, strings.Join(boot.Publish.Changes, "; "))
 	waitFor(t, ctx, 30*time.Second, "pod-0 bound after verification", func() (bool, string) {
 		p, err := api.CoreV1().Pods(ns).Get(ctx, "pod-0", metav1.GetOptions{})
 		if err != nil {
@@ -244,9 +262,9 @@ func TestClusterControl(t *testing.T) {
 		t.Fatalf("verified, the rule is still there: %+v", r.Spec.Taint)
 	}
 
-	// A replay to the other replica: refused naming the nonce.
-	stc, body, err := controltest.Post(ctx, hc, r1.url, control.AttestationType, res.Attestation)
-	if err != nil || stc != http.StatusForbidden || !strings.Contains(body, "nonce "+hex.EncodeToString(res.Nonce)) {
+	// The boot's attestation replayed to the other replica: refused naming the nonce.
+	stc, body, err := controltest.Post(ctx, hc, r2.url, control.AttestationType, boot.Attestation)
+	if err != nil || stc != http.StatusForbidden || !strings.Contains(body, "nonce "+hex.EncodeToString(boot.Nonce)+": already used") {
 		t.Fatalf("replay to the other replica: %v %d %s", err, stc, body)
 	}
 
@@ -292,7 +310,7 @@ func TestClusterControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	node.Reboot(bytes.ReplaceAll(log, []byte(ap.Authenticode[0]), bytes.Repeat([]byte{0x5a}, 32)))
-	res, err = node.Publish(ctx, hc, r2.url, r1.url)
+	res, err := node.Publish(ctx, hc, r2.url, r1.url)
 	if err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not approved") {
 		t.Fatalf("unapproved boot: %v %+v", err, res)
 	}
