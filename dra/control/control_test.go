@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -328,6 +329,20 @@ func TestRefusals(t *testing.T) {
 		run: func(t *testing.T, e *env) (int, string) {
 			e.snapshot(t)
 			return e.post(t, control.EnvelopeType, bytes.Repeat([]byte{' '}, control.MaxBody+1))
+		},
+		want: "body: over 1048576 bytes",
+	}, {
+		name: "oversized attestation",
+		run: func(t *testing.T, e *env) (int, string) {
+			e.snapshot(t)
+			return e.post(t, control.AttestationType, bytes.Repeat([]byte{' '}, control.MaxAttestation+1))
+		},
+		want: fmt.Sprintf("body: over %d bytes", control.MaxAttestation),
+	}, {
+		name: "oversized activation answer",
+		run: func(t *testing.T, e *env) (int, string) {
+			e.snapshot(t)
+			return e.post(t, control.ActivationType, bytes.Repeat([]byte{' '}, control.MaxBody+1))
 		},
 		want: "body: over 1048576 bytes",
 	}} {
