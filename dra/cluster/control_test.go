@@ -205,7 +205,7 @@ func TestClusterControl(t *testing.T) {
 	if err := os.WriteFile(intake, []byte("sha256:"+strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	r3 := startReplica(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2")
+	r3 := startReplica(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2", "--max-unenrolled", "1")
 	if res, err := node.Publish(ctx, hc, r3.url, r3.url); err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not on the intake list") {
 		t.Fatalf("boot at the replica with an intake list: %v %+v", err, res)
 	}
@@ -231,6 +231,17 @@ func TestClusterControl(t *testing.T) {
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(full), "too many nonces outstanding") {
 		t.Fatalf("a third nonce GET at the replica with --max-nonces 2: %s (Retry-After %q) %s", resp.Status, resp.Header.Get("Retry-After"), full)
 	}
+	// It keeps at most one record not enrolled, counted through the API's metadata: b300-a
+	// is one, so an envelope for another hostname is a 503 naming the count, no record made.
+	other := controltest.NewNode(t, ca, "b300-z", log)
+	if st, body, err := controltest.Post(ctx, hc, r3.url, control.EnvelopeType, other.NextEnvelope(t)); err != nil || st != http.StatusServiceUnavailable ||
+		!strings.Contains(body, "record b300-z: records: 1 not yet enrolled, at most 1") {
+		t.Fatalf("a second unenrolled record at the replica with --max-unenrolled 1: %v %d %s", err, st, body)
+	}
+	if _, err := dyn.Resource(control.NodeResource).Get(ctx, "b300-z", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Fatalf("record b300-z after the refusal: %v", err)
+	}
+	other.PowerOff()
 	r3.cmd.Process.Kill()
 	<-r3.done
 
