@@ -80,7 +80,7 @@ func newEnv(t *testing.T) *env {
 	t.Helper()
 	e := &env{ca: attesttest.NewCA(t)}
 	e.log, e.ap = firmware(t)
-	store := fakeStore()
+	store := controltest.FakeStore()
 	e.dyn = store.Client
 	e.kc = kubefake.NewClientset()
 	e.srv = &control.Server{Store: store, Taints: &control.Taints{Client: e.kc, Writes: func() { e.ruleWrites.Add(1) }},

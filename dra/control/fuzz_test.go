@@ -10,6 +10,7 @@ import (
 	kubefake "k8s.io/client-go/kubernetes/fake"
 
 	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/dra/control/controltest"
 )
 
 // FuzzParseIntake: an intake list is outside bytes; it parses or is refused naming the
@@ -45,7 +46,7 @@ func FuzzPost(f *testing.F) {
 		f.Add(ct, []byte(`{"format":"passage-enrol-answer/1","record":"b300-a","ak_name":"00","answer":"AAAA"}`))
 		f.Add(ct, []byte(`{"payloadType":"application/vnd.passage.manifest+json","payload":"e30=","signatures":[]}`))
 	}
-	srv := &control.Server{Store: fakeStore(), Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
+	srv := &control.Server{Store: controltest.FakeStore(), Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
 	f.Fuzz(func(t *testing.T, ct string, body []byte) {
 		req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
 		req.Header.Set("Content-Type", ct)
