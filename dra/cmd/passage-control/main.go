@@ -41,7 +41,7 @@ func main() {
 
 type flags struct {
 	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig string
-	nonceTTL, unenrolledTTL                                        time.Duration
+	nonceTTL, unenrolledTTL, reconcileEvery                        time.Duration
 	qps                                                            float64
 	maxNonces, maxUnenrolled                                       int64
 }
@@ -63,6 +63,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
 	fs.Int64Var(&f.maxNonces, "max-nonces", control.DefaultMaxNonces, "the most PassageNonces kept in the API: a nonce GET past it is refused 503 until the sweep makes room")
 	fs.Int64Var(&f.maxUnenrolled, "max-unenrolled", control.DefaultMaxUnenrolled, "the most node records not yet enrolled: an envelope POST that would make one more is refused 503 until an enrolment or the sweep makes room")
+	fs.DurationVar(&f.reconcileEvery, "reconcile-every", 15*time.Second, "how often the pools passage-dra publishes are checked against their records: a pool whose published generation is not verified gets the unverified taint")
 	fs.DurationVar(&f.unenrolledTTL, "unenrolled-ttl", control.DefaultUnenrolledTTL, "how long a node record may stay unenrolled before the sweep deletes it (and its taint rule)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -92,6 +93,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	// A first boot's enrolment takes seconds; a record swept sooner than a minute could
 	// be one whose node is between its POSTs.
+	if f.reconcileEvery < time.Second {
+		return fail(2, "--reconcile-every %s: want at least 1s", f.reconcileEvery)
+	}
 	if f.unenrolledTTL < time.Minute {
 		return fail(2, "--unenrolled-ttl %s: want at least 1m", f.unenrolledTTL)
 	}
@@ -186,6 +190,10 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	// replicas sweeping at once delete each nonce once.
 	sweep := time.NewTicker(f.nonceTTL / 2)
 	defer sweep.Stop()
+	// Every replica reconciles the pools with their records (Server.Reconcile: each
+	// write idempotent, a verification landing meanwhile undone by none).
+	reconcile := time.NewTicker(f.reconcileEvery)
+	defer reconcile.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -201,6 +209,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 				return 0
 			}
 			return fail(1, "serve: %v", err)
+		case <-reconcile.C:
+			rctx, cancel := context.WithTimeout(ctx, time.Minute)
+			if _, err := srv.Reconcile(rctx, 500); err != nil {
+				logger.Printf("%v", err)
+			}
+			cancel()
 		case <-sweep.C:
 			sctx, cancel := context.WithTimeout(ctx, time.Minute)
 			n, err := srv.Store.Sweep(sctx, 500)
