@@ -35,7 +35,8 @@ func RuleName(record string) string { return "passage-" + record }
 // what it publishes), so a taint there could be removed by the very node it judges, and
 // two writers would fight over one object; a rule is cluster-scoped, written only with
 // the control plane's RBAC, selects the pool whatever slices it has, and exists before
-// the node's plugin publishes anything.
+// the node's plugin publishes anything when the node's boot posted (Server.Reconcile puts
+// it on a pool whose node never did).
 type Taints struct {
 	Client kubernetes.Interface
 	// Writes counts the API writes (the benchmark's figure).
