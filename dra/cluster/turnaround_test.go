@@ -292,12 +292,12 @@ type offerWatch struct {
 }
 
 type releasedUnit struct {
-	gen                  uint64
-	holder               types.UID
-	at                   time.Time // the release (the pod's deletion)
-	withdrawn            bool      // seen out of the slices
-	offered, allocated   time.Time
-	offeredTo, allocLine string
+	gen                uint64
+	holder             types.UID
+	at                 time.Time // the release (the pod's deletion)
+	withdrawn          bool      // seen out of the slices
+	offered, allocated time.Time
+	allocatedTo        string // the claim it was allocated to
 }
 
 func (e *turnEnv) watchOffers(t testing.TB, ctx context.Context) *offerWatch {
@@ -415,7 +415,7 @@ func (w *offerWatch) event(ctx context.Context, ev watch.Event) {
 			if r == nil || o.UID == r.holder || !r.allocated.IsZero() {
 				continue
 			}
-			r.allocated, r.offeredTo = time.Now(), o.Name
+			r.allocated, r.allocatedTo = time.Now(), o.Name
 			w.judge(ctx, w.unitOf(res.Device), r, "allocated to claim "+o.Name)
 		}
 	}
