@@ -84,49 +84,12 @@ func TestClusterControl(t *testing.T) {
 	}
 	ca := attesttest.NewCA(t)
 	node := controltest.NewNode(t, ca, "b300-a", log)
-	files := map[string][]byte{"ek-ca.pem": ca.PEM(t)}
-	files["tls.crt"], files["tls.key"] = serving(t)
-	for name, b := range files {
-		if err := os.WriteFile(filepath.Join(work, name), b, 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(files["tls.crt"])
+	pool := replicaFiles(t, work, ca.PEM(t))
 	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
-	startReplica := func(i int, extra ...string) *replica {
-		ports := freePorts(t, 2)
-		r := &replica{url: fmt.Sprintf("https://127.0.0.1:%d/", ports[0]), metrics: fmt.Sprintf("http://127.0.0.1:%d/metrics", ports[1]),
-			log: filepath.Join(work, fmt.Sprintf("control-%d.log", i)), done: make(chan struct{})}
-		out, _ := os.Create(r.log)
-		r.cmd = exec.Command(ctlBin, "--kubeconfig", ctlConfig, "--listen", fmt.Sprintf("127.0.0.1:%d", ports[0]),
-			"--metrics", fmt.Sprintf("127.0.0.1:%d", ports[1]), "--tls-cert", filepath.Join(work, "tls.crt"),
-			"--tls-key", filepath.Join(work, "tls.key"), "--ek-ca", filepath.Join(work, "ek-ca.pem"),
-			"--approved", fixtures+"ovmf-secureboot.approved.json")
-		r.cmd.Args = append(r.cmd.Args, extra...)
-		r.cmd.Stdout, r.cmd.Stderr = out, out
-		if err := r.cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		go func() { r.cmd.Wait(); out.Close(); close(r.done) }()
-		t.Cleanup(func() {
-			r.cmd.Process.Kill()
-			<-r.done
-			if t.Failed() {
-				t.Log(cluster.Tail(r.log, 3000))
-			}
-		})
-		waitFor(t, ctx, 30*time.Second, "passage-control "+r.url, func() (bool, string) {
-			resp, err := http.Get(strings.TrimSuffix(r.metrics, "metrics") + "healthz")
-			if err != nil {
-				return false, err.Error()
-			}
-			resp.Body.Close()
-			return resp.StatusCode == 200, resp.Status
-		})
-		return r
+	launch := func(i int, extra ...string) *replica {
+		return startReplica(t, ctx, ctlBin, ctlConfig, work, i, extra...)
 	}
-	r1, r2 := startReplica(1), startReplica(2)
+	r1, r2 := launch(1), launch(2)
 	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
 	record := func(name string) map[string]any {
 		u, err := dyn.Resource(control.NodeResource).Get(ctx, name, metav1.GetOptions{})
@@ -198,7 +161,7 @@ func TestClusterControl(t *testing.T) {
 	if err := os.WriteFile(intake, []byte("sha256:"+strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	r3 := startReplica(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2")
+	r3 := launch(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2")
 	if res, err := node.Publish(ctx, hc, r3.url, r3.url); err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not on the intake list") {
 		t.Fatalf("boot at the replica with an intake list: %v %+v", err, res)
 	}
@@ -471,7 +434,7 @@ func clientcmdConfig(path string) (*rest.Config, error) {
 	return clientcmd.BuildConfigFromFlags("", path)
 }
 
-func restConfig(t *testing.T, c *cluster.Cluster) *rest.Config {
+func restConfig(t testing.TB, c *cluster.Cluster) *rest.Config {
 	t.Helper()
 	rc, err := clientcmdConfig(c.Admin)
 	if err != nil {
@@ -482,7 +445,7 @@ func restConfig(t *testing.T, c *cluster.Cluster) *rest.Config {
 
 // applyCRDs creates deploy/passage-control-crd.yaml's definitions and waits until
 // they are served.
-func applyCRDs(t *testing.T, ctx context.Context, c *cluster.Cluster) {
+func applyCRDs(t testing.TB, ctx context.Context, c *cluster.Cluster) {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "deploy", "passage-control-crd.yaml"))
 	if err != nil {
@@ -509,7 +472,7 @@ func applyCRDs(t *testing.T, ctx context.Context, c *cluster.Cluster) {
 
 // deployControlRBAC creates deploy/passage-control.yaml's namespace, account and role
 // and writes a kubeconfig of the account: the replicas run with what the role grants.
-func deployControlRBAC(t *testing.T, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
+func deployControlRBAC(t testing.TB, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "deploy", "passage-control.yaml"))
 	if err != nil {
@@ -595,7 +558,7 @@ func printerColumns(t *testing.T, ctx context.Context, c *cluster.Cluster) strin
 	return out.String()
 }
 
-func getNonceFrom(t *testing.T, hc *http.Client, url string) []byte {
+func getNonceFrom(t testing.TB, hc *http.Client, url string) []byte {
 	t.Helper()
 	resp, err := hc.Get(url)
 	if err != nil {
@@ -610,8 +573,62 @@ func getNonceFrom(t *testing.T, hc *http.Client, url string) []byte {
 	return n
 }
 
+// replicaFiles writes what startReplica's replicas read from work: a serving
+// certificate for 127.0.0.1 (tls.crt, tls.key) and the EK CA (ek-ca.pem). It returns the
+// pool a client trusts the replicas with.
+func replicaFiles(t testing.TB, work string, ekCA []byte) *x509.CertPool {
+	t.Helper()
+	files := map[string][]byte{"ek-ca.pem": ekCA}
+	files["tls.crt"], files["tls.key"] = serving(t)
+	for name, b := range files {
+		if err := os.WriteFile(filepath.Join(work, name), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(files["tls.crt"])
+	return pool
+}
+
+// startReplica starts passage-control replica i as a process with the account's
+// kubeconfig and work's tls.crt, tls.key and ek-ca.pem, the fixture's approved image, and
+// extra arguments; it returns once the replica answers /healthz and kills it at the end.
+func startReplica(t testing.TB, ctx context.Context, bin, kubeconfig, work string, i int, extra ...string) *replica {
+	t.Helper()
+	ports := freePorts(t, 2)
+	r := &replica{url: fmt.Sprintf("https://127.0.0.1:%d/", ports[0]), metrics: fmt.Sprintf("http://127.0.0.1:%d/metrics", ports[1]),
+		log: filepath.Join(work, fmt.Sprintf("control-%d.log", i)), done: make(chan struct{})}
+	out, _ := os.Create(r.log)
+	r.cmd = exec.Command(bin, "--kubeconfig", kubeconfig, "--listen", fmt.Sprintf("127.0.0.1:%d", ports[0]),
+		"--metrics", fmt.Sprintf("127.0.0.1:%d", ports[1]), "--tls-cert", filepath.Join(work, "tls.crt"),
+		"--tls-key", filepath.Join(work, "tls.key"), "--ek-ca", filepath.Join(work, "ek-ca.pem"),
+		"--approved", fixtures+"ovmf-secureboot.approved.json")
+	r.cmd.Args = append(r.cmd.Args, extra...)
+	r.cmd.Stdout, r.cmd.Stderr = out, out
+	if err := r.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { r.cmd.Wait(); out.Close(); close(r.done) }()
+	t.Cleanup(func() {
+		r.cmd.Process.Kill()
+		<-r.done
+		if t.Failed() {
+			t.Log(cluster.Tail(r.log, 3000))
+		}
+	})
+	waitFor(t, ctx, 30*time.Second, "passage-control "+r.url, func() (bool, string) {
+		resp, err := http.Get(strings.TrimSuffix(r.metrics, "metrics") + "healthz")
+		if err != nil {
+			return false, err.Error()
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200, resp.Status
+	})
+	return r
+}
+
 // serving is a throw-away certificate for 127.0.0.1, the operator's in a real cluster.
-func serving(t *testing.T) (certPEM, keyPEM []byte) {
+func serving(t testing.TB) (certPEM, keyPEM []byte) {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -629,7 +646,7 @@ func serving(t *testing.T) (certPEM, keyPEM []byte) {
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb})
 }
 
-func freePorts(t *testing.T, n int) []int {
+func freePorts(t testing.TB, n int) []int {
 	t.Helper()
 	var out []int
 	var ls []net.Listener

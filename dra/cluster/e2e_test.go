@@ -382,7 +382,7 @@ func TestCluster(t *testing.T) {
 // startCluster starts the pinned control plane (PASSAGE_CONTROL_PLANE, which make
 // cluster-test builds) under work/cp, stopped when the test ends, its logs printed when
 // the test failed.
-func startCluster(t *testing.T, ctx context.Context, work string) *cluster.Cluster {
+func startCluster(t testing.TB, ctx context.Context, work string) *cluster.Cluster {
 	t.Helper()
 	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
 	if bin == "" {
@@ -407,7 +407,7 @@ func startCluster(t *testing.T, ctx context.Context, work string) *cluster.Clust
 
 // createNamespace makes the test's namespace and its default service account (no
 // controller-manager service-account controller makes it before the pods need it).
-func createNamespace(t *testing.T, ctx context.Context, api *kubernetes.Clientset) {
+func createNamespace(t testing.TB, ctx context.Context, api *kubernetes.Clientset) {
 	t.Helper()
 	mustCreate(t, func() error {
 		_, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
@@ -420,7 +420,7 @@ func createNamespace(t *testing.T, ctx context.Context, api *kubernetes.Clientse
 }
 
 // goBuild builds the dra module's command cmd/NAME into work.
-func goBuild(t *testing.T, work, name string) string {
+func goBuild(t testing.TB, work, name string) string {
 	t.Helper()
 	out := filepath.Join(work, name)
 	if b, err := exec.Command("go", "build", "-o", out, "github.com/passage-boot/passage/dra/cmd/"+name).CombinedOutput(); err != nil {
@@ -429,7 +429,7 @@ func goBuild(t *testing.T, work, name string) string {
 	return out
 }
 
-func mustCreate(t *testing.T, f func() error) {
+func mustCreate(t testing.TB, f func() error) {
 	t.Helper()
 	if err := f(); err != nil {
 		t.Fatal(err)
@@ -614,7 +614,7 @@ func waitRejudged(t *testing.T, ctx context.Context, c *cluster.Cluster, api *ku
 
 // waitFor polls cond until it holds or d passes; the error says what was awaited and
 // what was last seen.
-func waitFor(t *testing.T, ctx context.Context, d time.Duration, what string, cond func() (bool, string)) {
+func waitFor(t testing.TB, ctx context.Context, d time.Duration, what string, cond func() (bool, string)) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for {
