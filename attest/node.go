@@ -2,6 +2,7 @@ package attest
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 
 	"github.com/google/go-tpm/tpm2"
@@ -139,6 +140,21 @@ type Challenge struct {
 
 // ChallengeFormat names the challenge file's shape.
 const ChallengeFormat = "passage-attest-challenge/1"
+
+// Answer is Activate for a challenge as the control plane sends it (its JSON, the
+// enrolment exchange's netboot.Activator): the AK name it was sealed for and the
+// credential the TPM recovered. A challenge of another format is refused unanswered.
+func Answer(t transport.TPM, challenge []byte) (akName, secret []byte, err error) {
+	var c Challenge
+	if err := json.Unmarshal(challenge, &c); err != nil {
+		return nil, nil, fmt.Errorf("challenge: %w", err)
+	}
+	if c.Format != ChallengeFormat {
+		return nil, nil, fmt.Errorf("challenge format %q, want %q", c.Format, ChallengeFormat)
+	}
+	secret, err = Activate(t, &c)
+	return c.AKName, secret, err
+}
 
 // Activate answers a challenge: TPM2_ActivateCredential with the AK as the activated
 // object and the EK as the decrypting key, authorised by the EK's policy

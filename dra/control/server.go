@@ -23,23 +23,20 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/passage-boot/passage/attest"
+	"github.com/passage-boot/passage/initramfs/netboot"
 	"github.com/passage-boot/passage/manifest"
 )
 
-// The media types of the exchange at passage.url (the boot's initramfs/netboot speaks
-// the first three; the challenge and the activation are the enrolment round).
+// The media types and formats of the exchange at passage.url: the boot's
+// (initramfs/netboot), named once.
 const (
-	NonceType       = attest.NonceType
-	EnvelopeType    = "application/vnd.dsse.envelope.v1+json"
-	AttestationType = "application/vnd.passage.attestation+json"
-	ChallengeType   = "application/vnd.passage.challenge+json"
-	ActivationType  = "application/vnd.passage.activation+json"
-)
-
-// Formats of the enrolment round's bodies.
-const (
-	ChallengeFormat = "passage-enrol-challenge/1"
-	AnswerFormat    = "passage-enrol-answer/1"
+	NonceType       = netboot.NonceType
+	EnvelopeType    = netboot.EnvelopeType
+	AttestationType = netboot.AttestationType
+	ChallengeType   = netboot.ChallengeType
+	ActivationType  = netboot.ActivationType
+	ChallengeFormat = netboot.ChallengeFormat
+	AnswerFormat    = netboot.AnswerFormat
 )
 
 // Body bounds: an envelope or an answer is at most MaxBody (the record keeps the

@@ -117,3 +117,65 @@ func PostActivation(ctx context.Context, hc *http.Client, url string, a EnrolAns
 	}
 	return send(ctx, hc, "activation", http.MethodPost, url, ActivationType, body, p)
 }
+
+// Activator answers an enrolment challenge with the node's TPM: the challenge is the
+// EnrolChallenge's (its JSON, for package attest to parse); it returns the AK name the
+// challenge was sealed for and the credential TPM2_ActivateCredential recovered.
+type Activator func(record string, challenge json.RawMessage) (akName, secret []byte, err error)
+
+// Delivery is what DeliverAttestation did: every request, in order, and the record the
+// node enrolled as ("" when the control plane had it enrolled already).
+type Delivery struct {
+	Attestation []Attempt // the attestation POSTs, both rounds
+	Activation  []Attempt
+	Record      string
+	// Verdict is the body of the control plane's 2xx to the attestation (at most MaxBody
+	// bytes): what it decided, for the log.
+	Verdict []byte
+}
+
+// DeliverAttestation is the one exchange every publisher of an attestation runs (the
+// boot's publish stage, a running host's recycle, the tests' and the load generator's
+// nodes): POST the attestation; on 428 answer the challenge with activate, POST the
+// answer and POST the same attestation again (the 428 did not use up its nonce). One
+// enrolment round at most: a second 428 is an error. Each request is bounded and
+// retried within p. The error is the refusal (a *StatusError naming the control
+// plane's reason) or why the exchange could not finish.
+func DeliverAttestation(ctx context.Context, hc *http.Client, url string, body []byte, activate Activator, p PublishPolicy) (*Delivery, error) {
+	d := &Delivery{}
+	att, rep, err := publishAttestation(ctx, hc, url, body, p)
+	d.Attestation = append(d.Attestation, att...)
+	if err != nil {
+		return d, err
+	}
+	if rep.status != http.StatusPreconditionRequired {
+		d.Verdict = rep.body
+		return d, nil
+	}
+	ec, err := ParseChallenge(rep.body)
+	if err != nil {
+		return d, fmt.Errorf("enrolment: %w", err)
+	}
+	if activate == nil {
+		return d, fmt.Errorf("enrolment: record %s: the control plane challenges this TPM and there is no TPM to answer", ec.Record)
+	}
+	akName, secret, err := activate(ec.Record, ec.Challenge)
+	if err != nil {
+		return d, fmt.Errorf("enrolment: record %s: %w", ec.Record, err)
+	}
+	d.Activation, err = PostActivation(ctx, hc, url, NewAnswer(ec, akName, secret), p)
+	if err != nil {
+		return d, fmt.Errorf("enrolment: record %s: answer refused: %w", ec.Record, err)
+	}
+	d.Record = ec.Record
+	att, rep, err = publishAttestation(ctx, hc, url, body, p)
+	d.Attestation = append(d.Attestation, att...)
+	switch {
+	case err != nil:
+		return d, fmt.Errorf("after enrolment as record %s: %w", ec.Record, err)
+	case rep.status == http.StatusPreconditionRequired:
+		return d, fmt.Errorf("challenged again after enrolment as record %s: one enrolment round per publish, none more", ec.Record)
+	}
+	d.Verdict = rep.body
+	return d, nil
+}

@@ -185,3 +185,72 @@ func FuzzParseChallenge(f *testing.F) {
 		}
 	})
 }
+
+// TestDeliverAttestation: the one enrolment exchange. A 200 hands back its verdict; a
+// 428 is answered through the Activator with the challenge's record and body, the answer
+// POSTed, the same attestation POSTed again; with no Activator the 428 is an error naming
+// the record, and nothing is answered; a second 428 is an error, not a second round.
+func TestDeliverAttestation(t *testing.T) {
+	challenge := `{"format":"passage-enrol-challenge/1","record":"node-a","challenge":{"x":1}}`
+	p := PublishPolicy{Tries: 1}
+	for _, tc := range []struct {
+		name     string
+		attests  []reply1 // answers to the attestation POSTs, in order
+		activate bool
+		record   string
+		verdict  string
+		err      string
+		posts    []string // content types POSTed, in order
+	}{
+		{"verified", []reply1{{200, "application/json", `{"verdict":"verified"}`}}, true, "", `{"verdict":"verified"}`, "",
+			[]string{AttestationType}},
+		{"enrolled", []reply1{{428, ChallengeType, challenge}, {200, "application/json", `{"verdict":"verified"}`}}, true, "node-a",
+			`{"verdict":"verified"}`, "", []string{AttestationType, ActivationType, AttestationType}},
+		{"no TPM", []reply1{{428, ChallengeType, challenge}}, false, "", "", "record node-a: the control plane challenges this TPM and there is no TPM to answer",
+			[]string{AttestationType}},
+		{"challenged twice", []reply1{{428, ChallengeType, challenge}, {428, ChallengeType, challenge}}, true, "node-a", "",
+			"challenged again after enrolment as record node-a", []string{AttestationType, ActivationType, AttestationType}},
+		{"refused", []reply1{{403, "text/plain", "not approved"}}, true, "", "", "403 Forbidden: not approved", []string{AttestationType}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var mu sync.Mutex
+			var posts []string
+			n := 0
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				mu.Lock()
+				defer mu.Unlock()
+				ct := r.Header.Get("Content-Type")
+				posts = append(posts, ct)
+				if ct == ActivationType {
+					var a EnrolAnswer
+					if err := json.NewDecoder(r.Body).Decode(&a); err != nil || a.Record != "node-a" || string(a.Answer) != "secret" || a.AKName != "616b" {
+						t.Errorf("answer %+v (%v)", a, err)
+					}
+					return
+				}
+				rep := tc.attests[min(n, len(tc.attests)-1)]
+				n++
+				w.Header().Set("Content-Type", rep.ctype)
+				w.WriteHeader(rep.code)
+				io.WriteString(w, rep.body)
+			}))
+			defer srv.Close()
+			var act Activator
+			if tc.activate {
+				act = func(record string, c json.RawMessage) ([]byte, []byte, error) {
+					if record != "node-a" || string(c) != `{"x":1}` {
+						t.Errorf("activator given %s %s", record, c)
+					}
+					return []byte("ak"), []byte("secret"), nil
+				}
+			}
+			d, err := DeliverAttestation(context.Background(), nil, srv.URL, []byte("{}"), act, p)
+			if (tc.err == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.err)) {
+				t.Fatalf("error %v, want %q", err, tc.err)
+			}
+			if d.Record != tc.record || string(d.Verdict) != tc.verdict || strings.Join(posts, " ") != strings.Join(tc.posts, " ") {
+				t.Errorf("record %q verdict %q posts %v; want %q %q %v", d.Record, d.Verdict, posts, tc.record, tc.verdict, tc.posts)
+			}
+		})
+	}
+}

@@ -105,12 +105,18 @@ func Publish(ctx context.Context, hc *http.Client, url string, body []byte, p Pu
 // again. Any other answer is the attestation's delivery (a 2xx: nil body) or its
 // refusal (the error, with the status and the server's reason: a *StatusError).
 func PublishAttestation(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, []byte, error) {
-	att, rep, err := exchangeAnswer(ctx, hc, "publish", http.MethodPost, url, AttestationType, body, p,
-		&answer{status: http.StatusPreconditionRequired, ctype: ChallengeType, max: MaxChallenge, what: "challenge"})
+	att, rep, err := publishAttestation(ctx, hc, url, body, p)
 	if err != nil || rep.status != http.StatusPreconditionRequired {
 		return att, nil, err
 	}
 	return att, rep.body, nil
+}
+
+// publishAttestation is PublishAttestation returning the response that ended it: a 428's
+// challenge or a 2xx's verdict (at most MaxBody bytes).
+func publishAttestation(ctx context.Context, hc *http.Client, url string, body []byte, p PublishPolicy) ([]Attempt, reply, error) {
+	return exchangeAnswer(ctx, hc, "publish", http.MethodPost, url, AttestationType, body, p,
+		&answer{status: http.StatusPreconditionRequired, ctype: ChallengeType, max: MaxChallenge, what: "challenge"})
 }
 
 // Put PUTs body, of media type ctype, to url (a Pushgateway group: the node's last boot

@@ -779,78 +779,32 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 		r.Degrade("%s not posted: %v", name, err)
 		return nil
 	}
-	challenge, err := b.postAttestation(ctx, r, hc, name, body, p)
+	activate := func(record string, challenge json.RawMessage) ([]byte, []byte, error) {
+		r.Findingf("enrolment: the control plane challenges this TPM for record %s", record)
+		k, ok := openTPM().signer.(*tpmkey.TPM)
+		if !ok {
+			return nil, nil, fmt.Errorf("no TPM to activate the credential with (%v)", openTPM().err)
+		}
+		return attest.Answer(k.Transport(), challenge)
+	}
+	d, err := netboot.DeliverAttestation(ctx, hc, b.Config.URL, body, activate, p)
+	for i, a := range d.Attestation {
+		r.Findingf("%s try %d: status %d %s", name, i+1, a.Status, a.Err)
+	}
+	for i, a := range d.Activation {
+		r.Findingf("activation try %d: status %d %s", i+1, a.Status, a.Err)
+	}
 	if err != nil {
 		r.Degrade("%s not posted: %v", name, err)
 		return nil
 	}
-	if challenge == nil {
-		r.Changef("%s posted to %s", name, b.Config.URL)
+	if d.Record != "" {
+		r.Changef("enrolled: credential activated in the TPM, record %s", d.Record)
+		r.Changef("%s posted to %s after enrolment as record %s", name, b.Config.URL, d.Record)
 		return nil
 	}
-	// At most one enrolment round per publish: the answer, then the same attestation
-	// again (its nonce was not used up by the 428). A second challenge is refused.
-	record, err := b.enrol(ctx, r, hc, openTPM, challenge, p)
-	if err != nil {
-		r.Degrade("enrolment: %v", err)
-		return nil
-	}
-	again, err := b.postAttestation(ctx, r, hc, name, body, p)
-	switch {
-	case err != nil:
-		r.Degrade("%s not posted after enrolment as record %s: %v", name, record, err)
-	case again != nil:
-		r.Degrade("%s: challenged again after enrolment as record %s: one enrolment round per publish, none more", name, record)
-	default:
-		r.Changef("%s posted to %s after enrolment as record %s", name, b.Config.URL, record)
-	}
+	r.Changef("%s posted to %s", name, b.Config.URL)
 	return nil
-}
-
-// postAttestation POSTs the attestation and records every try; a 428 returns the
-// control plane's challenge.
-func (b *Boot) postAttestation(ctx context.Context, r *stages.Result, hc *http.Client, name string, body []byte, p netboot.PublishPolicy) ([]byte, error) {
-	att, challenge, err := netboot.PublishAttestation(ctx, hc, b.Config.URL, body, p)
-	for i, a := range att {
-		r.Findingf("%s try %d: status %d %s", name, i+1, a.Status, a.Err)
-	}
-	return challenge, err
-}
-
-// enrol answers the control plane's challenge (the 428's body) with the node's TPM
-// (attest.Activate: TPM2_ActivateCredential, the AK activated under the EK) and POSTs
-// the answer; it returns the record the control plane enrolled the node as.
-func (b *Boot) enrol(ctx context.Context, r *stages.Result, hc *http.Client, openTPM func() bootTPM, body []byte, p netboot.PublishPolicy) (string, error) {
-	ec, err := netboot.ParseChallenge(body)
-	if err != nil {
-		return "", err
-	}
-	var c attest.Challenge
-	if err := json.Unmarshal(ec.Challenge, &c); err != nil {
-		return "", fmt.Errorf("record %s: challenge: %w", ec.Record, err)
-	}
-	if c.Format != attest.ChallengeFormat {
-		return "", fmt.Errorf("record %s: challenge format %q, want %q", ec.Record, c.Format, attest.ChallengeFormat)
-	}
-	r.Findingf("enrolment: the control plane challenges this TPM for record %s (AK name %x)", ec.Record, []byte(c.AKName))
-	tpm := openTPM()
-	k, ok := tpm.signer.(*tpmkey.TPM)
-	if !ok {
-		return "", fmt.Errorf("record %s: no TPM to activate the credential with (%v)", ec.Record, tpm.err)
-	}
-	secret, err := attest.Activate(k.Transport(), &c)
-	if err != nil {
-		return "", fmt.Errorf("record %s: %w", ec.Record, err)
-	}
-	atts, err := netboot.PostActivation(ctx, hc, b.Config.URL, netboot.NewAnswer(ec, c.AKName, secret), p)
-	for i, a := range atts {
-		r.Findingf("activation try %d: status %d %s", i+1, a.Status, a.Err)
-	}
-	if err != nil {
-		return "", fmt.Errorf("record %s: answer refused: %w", ec.Record, err)
-	}
-	r.Changef("enrolled: credential activated in the TPM, record %s", ec.Record)
-	return ec.Record, nil
 }
 
 // attestOnline fetches a nonce from passage.url (bounded and retried as the publish is)

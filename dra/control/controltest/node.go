@@ -10,15 +10,14 @@ import (
 	"context"
 	"crypto"
 	"crypto/rand"
-	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"path/filepath"
-	"strings"
 	"testing"
+	"time"
 
 	goattest "github.com/google/go-attestation/attest"
 	"github.com/google/go-tpm/tpm2"
@@ -26,7 +25,7 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/initramfs/netboot"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
@@ -126,12 +125,14 @@ type Result struct {
 
 // Publish is the boot's publish stage against passage.url: GET a nonce from getURL,
 // sign and measure the manifest of the next generation, POST its envelope, make the
-// attestation over the nonce and POST it to postURL; on 428, activate the challenge
-// and POST the answer, then the attestation again (one enrolment round). A 4xx ends
-// it, its reason kept. A URL may be given as two to land the GET and the POSTs on
-// different replicas.
+// attestation over the nonce and POST it to postURL, through the boot's own exchange
+// (netboot.DeliverAttestation: on 428 the challenge is activated in this node's TPM,
+// the answer POSTed, then the attestation again). One try per request: a refusal ends
+// it, its status and reason kept in the Result. A URL may be given as two to land the
+// GET and the POSTs on different replicas.
 func (n *Node) Publish(ctx context.Context, hc *http.Client, getURL, postURL string) (*Result, error) {
-	nonce, err := getNonce(ctx, hc, getURL)
+	p := netboot.PublishPolicy{Tries: 1, PerTry: 30 * time.Second}
+	nonce, _, err := netboot.FetchNonce(ctx, hc, getURL, p)
 	if err != nil {
 		return nil, err
 	}
@@ -142,45 +143,32 @@ func (n *Node) Publish(ctx context.Context, hc *http.Client, getURL, postURL str
 	if err != nil {
 		return nil, err
 	}
-	if st, body, err := post(ctx, hc, postURL, control.EnvelopeType, env); err != nil {
-		return nil, err
-	} else if st/100 != 2 {
-		return &Result{Status: st, Body: body, Nonce: nonce}, nil
+	if _, err := netboot.Publish(ctx, hc, postURL, env, p); err != nil {
+		return refused(&Result{Nonce: nonce}, err)
 	}
 	a, err := n.Attest(nonce)
 	if err != nil {
 		return nil, err
 	}
-	res := &Result{Nonce: nonce, Attestation: a}
-	for round := 0; ; round++ {
-		st, body, err := post(ctx, hc, postURL, control.AttestationType, a)
-		if err != nil {
-			return nil, err
-		}
-		res.Status, res.Body = st, body
-		if st != http.StatusPreconditionRequired || round > 0 {
-			return res, nil
-		}
-		var ch control.ChallengeBody
-		if err := json.Unmarshal([]byte(body), &ch); err != nil || ch.Challenge == nil {
-			return nil, fmt.Errorf("node %s: challenge: %v", n.Hostname, err)
-		}
-		secret, err := attest.Activate(n.key.Transport(), ch.Challenge)
-		if err != nil {
-			return nil, fmt.Errorf("node %s: %w", n.Hostname, err)
-		}
-		ans, _ := json.Marshal(control.AnswerBody{Format: control.AnswerFormat, Record: ch.Record,
-			AKName: hex.EncodeToString(ch.Challenge.AKName), Answer: base64.StdEncoding.EncodeToString(secret)})
-		st, body, err = post(ctx, hc, postURL, control.ActivationType, ans)
-		if err != nil {
-			return nil, err
-		}
-		if st/100 != 2 {
-			res.Status, res.Body = st, body
-			return res, nil
-		}
-		res.Enrolled = true
+	res := &Result{Nonce: nonce, Attestation: a, Status: http.StatusOK}
+	d, err := netboot.DeliverAttestation(ctx, hc, postURL, a, func(_ string, challenge json.RawMessage) ([]byte, []byte, error) {
+		return attest.Answer(n.key.Transport(), challenge)
+	}, p)
+	res.Enrolled, res.Body = d.Record != "", string(d.Verdict)
+	if err != nil {
+		return refused(res, err)
 	}
+	return res, nil
+}
+
+// refused keeps a refusal's status and reason in res; any other error is the error.
+func refused(res *Result, err error) (*Result, error) {
+	var se *netboot.StatusError
+	if !errors.As(err, &se) {
+		return nil, err
+	}
+	res.Status, res.Body = se.Code, se.Reason
+	return res, nil
 }
 
 // sign writes the next generation's manifest, signed by the TPM key and measured into
@@ -239,24 +227,6 @@ func newBootID() string {
 	b := make([]byte, 16)
 	rand.Read(b)
 	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
-}
-
-func getNonce(ctx context.Context, hc *http.Client, url string) ([]byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Accept", control.NonceType)
-	resp, err := hc.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET %s: %s: %s", url, resp.Status, b)
-	}
-	return hex.DecodeString(strings.TrimSpace(string(b)))
 }
 
 // Post POSTs body with the content type; it returns the status and at most 64 KiB of
