@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/softtpm"
@@ -62,6 +63,16 @@ func TestSoftNodesBoot(t *testing.T) {
 	for i := range n {
 		if errs[i] != nil || !times[i].Enrolled || times[i].Requests != 5 {
 			t.Fatalf("soft-%d: %v (%+v), want enrolled and verified in 5 requests (envelope, nonce, attestation, answer, attestation)", i, errs[i], times[i])
+		}
+		var sum time.Duration
+		for ph, d := range times[i].Phase {
+			if d <= 0 {
+				t.Fatalf("soft-%d: phase %s took %v", i, controltest.Phase(ph), d)
+			}
+			sum += d
+		}
+		if sum != times[i].End.Sub(times[i].Start) {
+			t.Fatalf("soft-%d: the phases add up to %v, the boot took %v", i, sum, times[i].End.Sub(times[i].Start))
 		}
 		name := fmt.Sprintf("soft-%d", i)
 		if rec := e.record(t, name); rec.Status.Verdict != control.VerdictVerified || len(rec.Spec.EKPublic) == 0 {
