@@ -18,6 +18,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/passage-boot/passage/apply"
@@ -56,6 +57,12 @@ type Options struct {
 	// Sysfs and Open default to the kernel under Root; tests simulate both.
 	Sysfs vfiobind.Sysfs
 	Open  erase.Opener
+	// Writes, when set, is held around each generation's write, from reading the
+	// previous manifest to the attestation: recycles of other units running at once (the
+	// DRA plugin's turnaround) share the counter, the envelope and PCR 13, and a
+	// generation written from a manifest read before another's write would carry that
+	// unit's old verdict forward.
+	Writes sync.Locker
 	// Crash, when set, is called between steps with the step's name; a non-nil error
 	// stops the run there, as a crash would (tests).
 	Crash func(step string) error
@@ -186,14 +193,13 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	if open == nil {
 		open = erase.DeviceOpener(o.Root, 30*time.Second)
 	}
-	prev := o.previous()
 
 	// 1. Not ready, signed, before anything is touched.
 	pending := map[topology.UnitID]decision.Verdict{}
 	for _, v := range d.Unvouched(o.Units, "recycle: in progress: released for erase and reset; not ready until a later generation says so") {
 		pending[v.Unit] = v
 	}
-	m, _, _, err := o.write(ctx, d, prev, pending, nil, nil, nil)
+	m, _, _, err := o.write(ctx, d, pending, nil, nil, nil)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the not-ready generation: %w", err)
 	}
@@ -261,7 +267,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			res.Verdicts = append(res.Verdicts, v)
 		}
 	}
-	m, signed, unattested, err := o.write(ctx, d, prev, final, res.Erase, acs, bind)
+	m, signed, unattested, err := o.write(ctx, d, final, res.Erase, acs, bind)
 	if err != nil {
 		return res, fmt.Errorf("recycle: the final generation: %w", err)
 	}
@@ -332,7 +338,7 @@ func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string
 	for _, v := range d.Unvouched(ids, reason) {
 		pending[v.Unit] = v
 	}
-	m, _, unattested, err = o.write(ctx, d, o.previous(), pending, nil, nil, nil)
+	m, _, unattested, err = o.write(ctx, d, pending, nil, nil, nil)
 	return m, unattested, err
 }
 
@@ -404,10 +410,15 @@ func (o *Options) previous() *manifest.Manifest {
 
 // write builds, signs and writes one generation: the given units with their verdicts
 // and what was done to them; every other unit as the previous manifest had it (or
-// failed, when there is none to carry it from). unattested says why the generation has
-// no attestation although one was asked for (attest).
-func (o *Options) write(ctx context.Context, d *decision.Decision, prev *manifest.Manifest, vs map[topology.UnitID]decision.Verdict,
+// failed, when there is none to carry it from), read under Writes. unattested says why
+// the generation has no attestation although one was asked for (attest).
+func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topology.UnitID]decision.Verdict,
 	er *erase.Report, acs *apply.Report, bind *vfiobind.Report) (m *manifest.Manifest, signed *manifest.Signed, unattested, err error) {
+	if o.Writes != nil {
+		o.Writes.Lock()
+		defer o.Writes.Unlock()
+	}
+	prev := o.previous()
 	m, err = manifest.Build(o.Root, time.Now())
 	if err != nil {
 		return nil, nil, nil, err

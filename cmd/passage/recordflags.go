@@ -2,16 +2,14 @@ package main
 
 import (
 	"encoding/hex"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"path/filepath"
 
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
-	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/recycle"
-	"github.com/passage-boot/passage/stages/boot"
 )
 
 // recordFlags say how recycle and unbind sign the manifest generations they write: the
@@ -29,19 +27,14 @@ func (f *recordFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.nonce, "nonce", "", "the verifier's nonce `HEX` (passage attest nonce; 1 to 64 bytes): each generation's attestation is quoted over it, for a verifier that accepts only nonces it issued (verify --attest --nonces); without it, over the generation's payload digest")
 }
 
-// apply fills o's signers, verifier, measurer and counters, all read under root. done
-// releases the TPM; code is the exit status when they cannot be had (after saying why).
+// apply fills o's signers, verifier, measurer and counters, all read under root
+// (recycle.OpenRecorder). done releases the TPM; code is the exit status when they
+// cannot be had (after saying why).
 func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writer) (done func(), code int) {
 	done = func() {}
-	// Both beneath the root: a link in the tree leads nowhere outside it.
-	dir, err := boot.Beneath(root, f.dir)
-	if err != nil {
-		fmt.Fprintf(stderr, "passage %s: --dir: %v\n", cmd, err)
-		return done, 2
-	}
-	o.Dir = dir
 	var nonce []byte
 	if f.nonce != "" {
+		var err error
 		if nonce, err = hex.DecodeString(f.nonce); err != nil || len(nonce) == 0 || len(nonce) > 64 {
 			fmt.Fprintf(stderr, "passage %s: --nonce %q: want 1 to 64 bytes of hex\n", cmd, f.nonce)
 			return done, 2
@@ -51,52 +44,28 @@ func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writ
 			return done, 2
 		}
 	}
-	data, err := boot.ReadBeneath(root, f.key, manifest.MaxKeyFileSize)
-	if err != nil {
-		err = fmt.Errorf("--signing-key %s: %w", filepath.Join(root, f.key), err)
-	}
-	var s *manifest.Ed25519Signer
-	if err == nil {
-		s, err = manifest.ParseSigner(f.key, data)
-	}
-	if err != nil {
+	rec, err := recycle.OpenRecorder(root, recycle.Keys{SigningKey: f.key, Dir: f.dir, GenerationFile: f.genFile, TPM: f.tpm})
+	switch {
+	case errors.Is(err, recycle.ErrTPM):
+		fmt.Fprintf(stderr, "passage %s: --tpm on: %v\n", cmd, err)
+		return done, 1
+	case err != nil:
 		fmt.Fprintf(stderr, "passage %s: %v\n", cmd, err)
 		return done, 2
 	}
-	o.Signers = append(o.Signers, s)
-	if v, err := manifest.NewVerifier(s.Public()); err == nil {
-		o.Verifier = v
-	}
-	if f.tpm != "off" {
-		ts, meas, err := tpmkey.ForBoot(root)
-		switch {
-		case err == nil:
-			if c, ok := ts.(io.Closer); ok {
-				done = func() { c.Close() }
-			}
-			o.Signers = append([]manifest.Signer{ts}, o.Signers...)
-			o.Measurer = meas
-			if k, ok := ts.(*tpmkey.TPM); ok {
-				// Each generation is attested as the boot attests its manifest: over the
-				// verifier's nonce when the operator brought one, else over its payload
-				// digest (offline: the attestation says which).
-				o.Attest = func(dir string, signed *manifest.Signed) error {
-					return boot.WriteAttestation(root, k, dir, signed.Payload, nonce)
-				}
-			}
-			if c, ok := ts.(manifest.Counter); ok {
-				o.Counters = append(o.Counters, c)
-			}
-		case f.tpm == "on":
-			fmt.Fprintf(stderr, "passage %s: --tpm on: %v\n", cmd, err)
-			return done, 1
-		case nonce != nil:
-			fmt.Fprintf(stderr, "passage %s: --nonce: no TPM to quote with: %v\n", cmd, err)
-			return done, 1
+	done = rec.Close
+	rec.Fill(o)
+	switch {
+	case rec.TPM != nil:
+		// Each generation is attested as the boot attests its manifest: over the
+		// verifier's nonce when the operator brought one, else over its payload digest
+		// (offline: the attestation says which).
+		o.Attest = func(dir string, signed *manifest.Signed) error {
+			return rec.Attest(dir, signed.Payload, nonce)
 		}
-	}
-	if f.genFile != "" {
-		o.Counters = append(o.Counters, manifest.FileCounter{Path: f.genFile})
+	case nonce != nil:
+		fmt.Fprintf(stderr, "passage %s: --nonce: no TPM to quote with: %v\n", cmd, rec.TPMErr)
+		return done, 1
 	}
 	return done, 0
 }

@@ -4,8 +4,10 @@
 // still the manifest's and still on vfio-pci: it then writes the CDI spec that gives the
 // pod the functions' /dev/vfio/<group> nodes, and the helper writes the KEP-5304 device
 // metadata KubeVirt's virt-launcher reads the PCI address from. A unit whose claim is
-// released is withheld until a newer signed generation says it is ready again (after
-// passage recycle), so it is never offered between two tenants unrecycled.
+// released is withheld until it is recycled: with Config.Turnaround the plugin recycles
+// it itself (turnaround.go) and offers it again only on a generation the control plane
+// verified; without, a newer signed generation (after passage recycle) offers it again.
+// Either way it is never offered between two tenants unrecycled.
 package plugin
 
 import (
@@ -70,8 +72,8 @@ type Config struct {
 	// CDIDir is where CDI specs go (/var/run/cdi): the claim's and the helper's
 	// metadata ones.
 	CDIDir string
-	// StateDir keeps the withheld units (withheld.json) across restarts of the plugin:
-	// a unit released before a restart stays withheld until a newer generation. "": in
+	// StateDir keeps the released units and their turnaround (units.json) across
+	// restarts of the plugin: a unit released before a restart stays withheld. "": in
 	// memory only.
 	StateDir string
 	// HookDir, when set, receives the verified manifest for the KubeVirt hook
@@ -81,15 +83,13 @@ type Config struct {
 	// textfile collector (a *.prom file in its directory).
 	MetricsFile string
 	// Logf reports what the plugin carries on through (an export to HookDir that
-	// failed, withheld.json not pruned); nil: the standard logger.
+	// failed, units.json not pruned, each turnaround's steps); nil: the standard logger.
 	Logf func(format string, args ...any)
+	// Turnaround, when set, makes the plugin recycle the units it withholds (RunTurnaround).
+	Turnaround *Turnaround
 }
 
-// withheldFile is the withheld units in StateDir: unit -> the generation it was released
-// under.
-const withheldFile = "withheld.json"
-
-// MaxFile bounds every file the plugin reads back (withheld.json, the claims' CDI
+// MaxFile bounds every file the plugin reads back (units.json, the claims' CDI
 // specs), and so every file it writes: one it could not read again would wedge the
 // node (a restart refused, a claim never released).
 const MaxFile = 1 << 20
@@ -104,12 +104,13 @@ type Driver struct {
 	// those of units prepared claims hold (prepare is idempotent: the kubelet may ask
 	// again for a claim it prepared).
 	devs   map[string]resourceapi.Device
-	held   map[string]uint64 // unit -> the generation it was released under
+	units  *units // the released units and their turnaround
 	helper *kubeletplugin.Helper
 	cdi    *cdi.Cache
 	errs   chan error
 	// exportFailures counts the hook-dir exports that failed (HookExportFailures).
 	exportFailures atomic.Uint64
+	turn           turnState
 }
 
 // New verifies the manifest and renders its objects; nothing is published yet.
@@ -134,14 +135,16 @@ func New(cfg Config) (*Driver, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cdi %s: %w", cfg.CDIDir, err)
 	}
-	d := &Driver{cfg: cfg, held: map[string]uint64{}, cdi: c, errs: make(chan error, 16)}
-	if err := d.readHeld(); err != nil {
+	d := &Driver{cfg: cfg, cdi: c, errs: make(chan error, 16)}
+	if err := d.readUnits(); err != nil {
+		return nil, err
+	}
+	if err := d.initTurnaround(); err != nil {
 		return nil, err
 	}
 	if err := d.load(); err != nil {
 		return nil, err
 	}
-	d.writeMetrics()
 	return d, nil
 }
 
@@ -158,8 +161,10 @@ func PCIeRoot(sys string) func(bdf string) (string, error) {
 }
 
 // load verifies the manifest again and renders it without the withheld units and
-// without the units prepared claims hold; a unit withheld under a generation older than
-// the manifest's is offered again (the node was recycled and signed it ready).
+// without the units prepared claims hold. Without a turnaround, a unit withheld under a
+// generation older than the manifest's is offered again (the node was recycled and
+// signed it ready); with one, only the turnaround lets a unit go, once the control plane
+// verified its recycle.
 func (d *Driver) load() error {
 	v, err := resources.Verify(d.cfg.Manifest, d.cfg.Source)
 	if err != nil {
@@ -174,11 +179,14 @@ func (d *Driver) load() error {
 		d.logf("hook dir %s: export of manifest generation %d failed (%d failures so far): %v", d.cfg.HookDir, v.Manifest.Generation, n, err)
 		d.writeMetrics()
 	}
-	held := maps.Clone(d.held)
+	if d.cfg.Turnaround != nil {
+		return d.render(v)
+	}
+	held := d.units.clone()
 	released := false
-	for u, gen := range held {
-		if v.Manifest.Generation > gen {
-			delete(held, u)
+	for u, s := range held.Units {
+		if v.Manifest.Generation > s.Generation {
+			delete(held.Units, u)
 			released = true
 		}
 	}
@@ -186,17 +194,17 @@ func (d *Driver) load() error {
 		// Pruning is not a record anything depends on: an entry left in the file is
 		// older than the manifest, so a restart lets it go again. A failed write is
 		// reported, not a refused verification.
-		if err := d.writeHeld(held); err != nil {
+		if err := d.writeUnits(held); err != nil {
 			d.logf("%v: not pruned of the units manifest generation %d offered again", err, v.Manifest.Generation)
 		}
 	}
-	d.held = held
+	d.units = held
 	return d.render(v)
 }
 
-// render sets the objects of v: its units without the released ones (d.held) are what a
-// claim may be prepared with, and without those prepared claims hold (their CDI specs)
-// what is published. A prepared unit is not offered: whoever holds it has not let it go,
+// render sets the objects of v: its units without the released ones (d.units) are what
+// a claim may be prepared with, and without those prepared claims hold (their CDI specs)
+// what is published; a quarantined unit is published with its taint (never prepared). A prepared unit is not offered: whoever holds it has not let it go,
 // and a unit whose unprepare has not completed (its withheld record not yet written)
 // must not reach the next tenant, even from a restarted plugin.
 func (d *Driver) render(v *manifest.Verified) error {
@@ -205,10 +213,7 @@ func (d *Driver) render(v *manifest.Verified) error {
 		return err
 	}
 	opts := d.cfg.Options
-	opts.Withhold = map[string]bool{}
-	for u := range d.held {
-		opts.Withhold[u] = true
-	}
+	opts.Withhold = d.units.held()
 	all, err := resources.Render(v, opts)
 	if err != nil {
 		return err
@@ -218,6 +223,7 @@ func (d *Driver) render(v *manifest.Verified) error {
 			opts.Withhold[u] = true
 		}
 	}
+	opts.Taints = d.quarantineTaints()
 	objs, err := resources.Render(v, opts)
 	if err != nil {
 		return err
@@ -227,6 +233,7 @@ func (d *Driver) render(v *manifest.Verified) error {
 		d.devs[dev.Name] = dev
 	}
 	d.v, d.objs = v, objs
+	d.writeMetrics()
 	return nil
 }
 
@@ -280,6 +287,9 @@ func (d *Driver) Stop() {
 }
 
 func (d *Driver) publish(ctx context.Context) error {
+	if d.helper == nil {
+		return nil // not started: nothing published yet, Start publishes what is rendered then
+	}
 	objs := d.Objects()
 	return d.helper.PublishResources(ctx, resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{
 		objs.Pool: {Slices: toSlices(objs)},
@@ -524,7 +534,7 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 		d.logf("unprepare: %v: released units are withheld under generation %d, the one verified last", err, d.v.Manifest.Generation)
 	}
 	out := map[types.UID]error{}
-	held := maps.Clone(d.held)
+	held := d.units.clone()
 	changed := false
 	var release []kubeletplugin.NamespacedObject
 	for _, c := range claims {
@@ -545,22 +555,26 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 			gen = d.v.Manifest.Generation
 		}
 		for _, u := range s.units {
-			if cur, ok := held[u]; !ok || gen > cur {
-				held[u] = gen
+			if cur, ok := held.Units[u]; !ok {
+				held.Units[u] = &UnitState{Generation: gen, State: StateWithheld}
+				changed = true
+			} else if gen > cur.Generation {
+				cur.Generation = gen
 				changed = true
 			}
 		}
 		release = append(release, c)
 	}
 	if changed {
-		if err := d.writeHeld(held); err != nil {
+		if err := d.writeUnits(held); err != nil {
 			for _, c := range release {
 				out[c.UID] = fmt.Errorf("claim %s: %w: the claim stays prepared until its units are recorded withheld", c.NamespacedName, err)
 			}
 			d.mu.Unlock()
 			return out, nil
 		}
-		d.held = held
+		d.units = held
+		d.kickTurnaround()
 	}
 	for _, c := range release {
 		if err := d.cdi.RemoveSpec(specName(c.UID)); err != nil {
@@ -578,62 +592,6 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 		err = d.publish(ctx)
 	}
 	return out, err
-}
-
-func (d *Driver) readHeld() error {
-	if d.cfg.StateDir == "" {
-		return nil
-	}
-	p := filepath.Join(d.cfg.StateDir, withheldFile)
-	b, err := manifest.ReadRegular(p, MaxFile)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	if err == nil {
-		d.held, err = decodeHeld(b)
-	}
-	if err != nil {
-		return fmt.Errorf("withheld units %s: %w (the released units it names would be offered unrecycled: repair or remove it once the node is recycled)", p, err)
-	}
-	return nil
-}
-
-// decodeHeld is withheld.json: a JSON object of unit IDs to generations. Anything else
-// (null, another type, an empty unit) is refused at start: a nil map would panic the
-// next unprepare, and guessing would offer a released unit again.
-func decodeHeld(b []byte) (map[string]uint64, error) {
-	var held map[string]uint64
-	if err := json.Unmarshal(b, &held); err != nil {
-		return nil, err
-	}
-	if held == nil {
-		return nil, errors.New("not a JSON object of units (null)")
-	}
-	for u := range held {
-		if u == "" {
-			return nil, errors.New("an empty unit ID")
-		}
-	}
-	return held, nil
-}
-
-// writeHeld records held as the withheld units, before anything is let go of: a
-// restart must not offer a released unit again.
-func (d *Driver) writeHeld(held map[string]uint64) error {
-	if d.cfg.StateDir == "" {
-		return nil
-	}
-	b, err := json.Marshal(held)
-	if err == nil && len(b) > MaxFile {
-		err = fmt.Errorf("%d bytes, more than the %d the plugin reads back", len(b), MaxFile)
-	}
-	if err == nil {
-		err = manifest.WriteAtomic(d.cfg.StateDir, withheldFile, b)
-	}
-	if err != nil {
-		return fmt.Errorf("withheld units %s: %w", filepath.Join(d.cfg.StateDir, withheldFile), err)
-	}
-	return nil
 }
 
 // claimSpec is what a claim's CDI spec records for the plugin: the units it holds, the

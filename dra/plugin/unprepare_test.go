@@ -53,7 +53,7 @@ func offers(d *plugin.Driver) []string {
 }
 
 // TestUnprepareRecordsBeforeRelease (issue 40, finding 1), through the DRA gRPC: with
-// withheld.json unwritable (a directory in its place: it stops root as a full or
+// units.json unwritable (a directory in its place: it stops root as a full or
 // read-only disk would), unprepare lets go of nothing: the claim is refused, its CDI
 // spec and metadata stay, and the kubelet's retry is refused again. A plugin restarted
 // meanwhile does not offer the unit: while the file is a directory it refuses to start
@@ -83,7 +83,7 @@ func TestUnprepareRecordsBeforeRelease(t *testing.T) {
 	if len(specs) != 5 {
 		t.Fatalf("CDI specs of vm0: %v, want the unit's and four of metadata", specs)
 	}
-	heldFile := filepath.Join(data, "withheld.json")
+	heldFile := filepath.Join(data, "units.json")
 	if err := os.MkdirAll(filepath.Join(heldFile, "planted"), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -124,7 +124,7 @@ func TestUnprepareRecordsBeforeRelease(t *testing.T) {
 	if got := unprepare(t, k2, vm0); got != "" {
 		t.Fatalf("the kubelet's retry with the disk writable: %q", got)
 	}
-	if b, err := os.ReadFile(heldFile); err != nil || string(b) != `{"gpu0":7}` {
+	if b, err := os.ReadFile(heldFile); err != nil || string(b) != `{"version":1,"verified":0,"units":{"gpu0":{"generation":7,"state":"withheld","attempts":0}}}` {
 		t.Fatalf("%s: %q %v, want gpu0 withheld under generation 7", heldFile, b, err)
 	}
 	if m, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-vm0*")); len(m) != 0 {
@@ -153,7 +153,7 @@ func TestUnprepareRecordsBeforeRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	publishedDevices(t, client2, countIs(32))
-	if b, err := os.ReadFile(heldFile); err != nil || string(b) != `{}` {
+	if b, err := os.ReadFile(heldFile); err != nil || string(b) != `{"version":1,"verified":0,"units":{}}` {
 		t.Fatalf("%s after generation 8: %q %v, want no unit withheld", heldFile, b, err)
 	}
 }
@@ -221,8 +221,8 @@ func TestReleaseBeforeReload(t *testing.T) {
 	if got := unprepare(t, k, vm0); got != "" {
 		t.Fatalf("unprepare vm0: %q", got)
 	}
-	if b, err := os.ReadFile(filepath.Join(data, "withheld.json")); err != nil || string(b) != `{"gpu0":8}` {
-		t.Fatalf("withheld.json: %q %v, want gpu0 withheld under generation 8, the newest signed", b, err)
+	if b, err := os.ReadFile(filepath.Join(data, "units.json")); err != nil || !strings.Contains(string(b), `"gpu0":{"generation":8,"state":"withheld"`) {
+		t.Fatalf("units.json: %q %v, want gpu0 withheld under generation 8, the newest signed", b, err)
 	}
 	if err := d.Reload(ctx); err != nil {
 		t.Fatal(err)

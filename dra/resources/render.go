@@ -57,6 +57,10 @@ type Options struct {
 	// Withhold are units not to offer although the manifest says ready: released by a
 	// claim, they wait for recycle and a newer manifest.
 	Withhold map[string]bool
+	// Taints are units published although withheld or not ready, every device of each
+	// carrying the unit's taints: a quarantined unit, visible in the API with its
+	// reason, allocated to no claim without a toleration (and prepared for none).
+	Taints map[string][]resourceapi.DeviceTaint
 }
 
 // Objects are what a manifest renders to.
@@ -157,6 +161,7 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 	for i := range m.Units {
 		u := &m.Units[i]
 		switch {
+		case opts.Taints[u.ID] != nil:
 		case opts.Withhold[u.ID]:
 			continue
 		case u.Status == manifest.StatusReady:
@@ -253,7 +258,14 @@ func device(m *manifest.Manifest, u *manifest.Unit, f manifest.Function, shape S
 	if len(attrs) > resourceapi.ResourceSliceMaxAttributesAndCapacitiesPerDevice {
 		return resourceapi.Device{}, fmt.Errorf("%d attributes, the API takes %d", len(attrs), resourceapi.ResourceSliceMaxAttributesAndCapacitiesPerDevice)
 	}
-	return resourceapi.Device{Name: name, Attributes: attrs}, nil
+	dev := resourceapi.Device{Name: name, Attributes: attrs}
+	if t := opts.Taints[u.ID]; len(t) > 0 {
+		if len(t) > resourceapi.DeviceTaintsMaxLength {
+			return resourceapi.Device{}, fmt.Errorf("%d taints, the API takes %d", len(t), resourceapi.DeviceTaintsMaxLength)
+		}
+		dev.Taints = append([]resourceapi.DeviceTaint(nil), t...)
+	}
+	return dev, nil
 }
 
 // slices puts the devices into one pool (Objects.Pool) on the node, at most

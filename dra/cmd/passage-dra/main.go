@@ -14,10 +14,13 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -36,8 +39,11 @@ import (
 
 	"github.com/passage-boot/passage/dra/plugin"
 	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/hypervisor"
+	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/recycle"
 	"github.com/passage-boot/passage/topology"
 )
 
@@ -305,10 +311,17 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 		defer logMu.Unlock()
 		fmt.Fprintf(stderr, "%s: %s\n", fs.Name(), manifest.Printable(fmt.Sprintf(format, args...)))
 	}
+	if cfg.Turnaround != nil {
+		cfg.Turnaround.Kube = client
+		cfg.Turnaround.NodeName = o.res.NodeName
+	}
 	d, err := plugin.New(cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
 		return 1
+	}
+	if cfg.Turnaround != nil && cfg.Turnaround.NodeName == "" {
+		cfg.Turnaround.NodeName = d.Objects().Node
 	}
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -323,6 +336,13 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 	}
 	defer d.Stop()
 	fmt.Fprintf(stderr, "%s: node %s: publishing %d devices of manifest generation %d\n", fs.Name(), d.Objects().Node, len(d.Objects().Devices), d.Objects().Generation)
+	// The turnaround stops with ctx, before the plugin: a recycle cut short is taken up
+	// again from units.json by the next start.
+	turnCtx, stopTurn := context.WithCancel(ctx)
+	var turning sync.WaitGroup
+	turning.Go(func() { d.RunTurnaround(turnCtx) })
+	defer turning.Wait()
+	defer stopTurn()
 	tick := time.NewTicker(p.reload)
 	defer tick.Stop()
 	for {
@@ -348,6 +368,87 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 type pluginFlags struct {
 	kubeconfig, registry, dataDir string
 	reload                        time.Duration
+	turn                          turnFlags
+}
+
+// turnFlags say how the plugin recycles the units it withholds (plugin.Turnaround).
+type turnFlags struct {
+	on               bool
+	url, ca, profile string
+	keys             recycle.Keys
+	tries            int
+	backoff, timeout time.Duration
+}
+
+func (f *turnFlags) register(fs *flag.FlagSet) {
+	fs.BoolVar(&f.on, "turnaround", true, "recycle each released unit (erase, reset, a new signed generation, attested to the control plane) and offer it again once the control plane verified it; off: a released unit waits for passage recycle and a newer generation")
+	fs.StringVar(&f.url, "passage-url", "", "the control plane's `URL` (default: passage.url= of /proc/cmdline under --root; none: no turnaround)")
+	fs.StringVar(&f.ca, "passage-ca", "", "PEM `FILE` of the CA that issued the control plane's certificate (default: the system's roots)")
+	fs.StringVar(&f.profile, "profile", "", "role profile the recycle decides with (default: passage.profile= of /proc/cmdline, else b300); its erase policy, or passage.erase=, is the recycle's")
+	fs.StringVar(&f.keys.SigningKey, "signing-key", "/etc/passage/key", "the ed25519 private key `FILE` the recycled generations are signed with beside the TPM key, under --root")
+	fs.StringVar(&f.keys.Dir, "run-dir", initramfs.RunDir, "the directory of the manifest the recycle replaces, under --root (the one --manifest is in)")
+	fs.StringVar(&f.keys.GenerationFile, "generation-file", "", "file generation counter, when the TPM has none")
+	fs.StringVar(&f.keys.TPM, "tpm", "auto", "on or auto: the TPM that signs, counts and attests the recycled generations (the turnaround needs one)")
+	fs.IntVar(&f.tries, "recycle-tries", 3, "recycles of a unit before it is quarantined")
+	fs.DurationVar(&f.backoff, "recycle-backoff", 30*time.Second, "wait before a unit's second recycle, doubling for each further one (at most 10 minutes)")
+	fs.DurationVar(&f.timeout, "recycle-timeout", 30*time.Minute, "bound on one recycle")
+}
+
+// turnaround is the plugin's Turnaround from the flags and the node's cmdline; nil when
+// it is off or there is no control plane to attest to.
+func (f *turnFlags) turnaround(root string) (*plugin.Turnaround, error) {
+	if !f.on {
+		return nil, nil
+	}
+	var cl initramfs.Config
+	if b, err := os.ReadFile(filepath.Join(root, "proc/cmdline")); err == nil {
+		cl = initramfs.ParseCmdline(string(b))
+	}
+	url := f.url
+	if url == "" {
+		url = cl.URL
+	}
+	if url == "" {
+		return nil, nil
+	}
+	if f.tries <= 0 || f.backoff <= 0 || f.timeout <= 0 {
+		return nil, fmt.Errorf("--recycle-tries %d, --recycle-backoff %v, --recycle-timeout %v: each must be positive", f.tries, f.backoff, f.timeout)
+	}
+	if f.keys.TPM == "off" {
+		return nil, errors.New("--tpm off: the turnaround attests every recycled generation with the TPM (give --turnaround=false)")
+	}
+	profile := f.profile
+	if profile == "" {
+		profile = cl.Profile
+	}
+	if profile == "" {
+		profile = "b300"
+	}
+	prof, err := topology.LoadProfile(profile)
+	if err != nil {
+		return nil, fmt.Errorf("--profile: %w", err)
+	}
+	pol := cl.Erase
+	if pol == "" {
+		pol = prof.Erase
+	}
+	p, err := erase.ParsePolicy(pol)
+	if pol != "" && err != nil {
+		return nil, fmt.Errorf("erase policy %q: %w", pol, err)
+	}
+	t := &plugin.Turnaround{URL: url, Keys: f.keys, Profile: profile, Policy: p, Tries: f.tries, Backoff: f.backoff, Timeout: f.timeout}
+	if f.ca != "" {
+		pem, err := manifest.ReadRegular(f.ca, manifest.MaxKeyFileSize)
+		if err != nil {
+			return nil, fmt.Errorf("--passage-ca: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("--passage-ca %s: no PEM certificate", f.ca)
+		}
+		t.Client = &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}, TLSHandshakeTimeout: 10 * time.Second}}
+	}
+	return t, nil
 }
 
 // pluginConfig parses the plugin's flags into its Config (the options read after the
@@ -364,6 +465,7 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 	fs.StringVar(&p.registry, "registry-dir", kubeletplugin.KubeletRegistryDir, "the kubelet's plugin registration directory")
 	fs.StringVar(&p.dataDir, "plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")
 	fs.DurationVar(&p.reload, "reload", 30*time.Second, "verify the manifest again this often (a recycled unit returns with a newer generation)")
+	p.turn.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, p, 2
 	}
@@ -373,6 +475,9 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 	}
 	if err == nil && p.reload <= 0 {
 		err = fmt.Errorf("--reload %v: not a period", p.reload)
+	}
+	if err == nil {
+		cfg.Turnaround, err = p.turn.turnaround(cfg.Root)
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
