@@ -573,6 +573,12 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *
 	if err != nil {
 		return nonceRefusal(err)
 	}
+	// The nonce is spent: the verdict is written and the rule set even if the boot stops
+	// waiting (its try timed out under load). Cut off with the request, a spent nonce
+	// would leave no verdict, and the boot's retry, refused as a replay, none either: the
+	// node would stay unverified until its next boot (seen in the boot storm).
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), VerdictTimeout)
+	defer cancel()
 	verr := tpmErr
 	if verr == nil && s.Approved != nil {
 		_, verr = attest.VerifyFirmware(a.FirmwareLog, a.PCRs, s.Approved)
@@ -616,6 +622,10 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(VerdictBody{Record: t.Name, Verdict: verdict, Generation: gen})
 }
+
+// VerdictTimeout bounds the writes that record a verdict once its nonce is spent (the
+// record's status and the rule), which do not stop with the request.
+const VerdictTimeout = 30 * time.Second
 
 // Intake is the list of EKs recorded at intake: sha256 of the EK certificate's public
 // key (SubjectPublicKeyInfo DER) or the certificate's serial number.
