@@ -85,6 +85,7 @@ type fakeFunction struct {
 	BDF, Vendor, Device, Class, Driver, IOMMUGroup, PortType, ACSCap, ACSCtl string
 	Parents                                                                  []string
 	ATS, ATSEnabled                                                          bool
+	Resource                                                                 string // sysfs resource
 }
 
 func bootFake(t *testing.T, topo Topology, extra ...string) (*Run, []fakeFunction) {

@@ -69,35 +69,15 @@ func TestKubeVirtHookGuest(t *testing.T) {
 				t.Fatal(err)
 			}
 			argv := libvirttest.Virsh(t, uri, "domxml-to-native", "--format", "qemu-argv", "--xml", domFile)
-			var devices []string
-			var cdrom map[string]any // the hook's SATA CD-ROM, as libvirt attaches it
 			kept := 0
-			for _, mm := range jsonDevice.FindAllStringSubmatch(argv, -1) {
-				var d map[string]any
-				if err := json.Unmarshal([]byte(mm[1]), &d); err != nil {
-					t.Fatalf("libvirt's -device %s: %v", mm[1], err)
+			devices, cdrom := libvirtDevices(t, argv, nil, func(host pci.Address, id, bus string) string {
+				r, ok := role[host]
+				if !ok {
+					t.Fatalf("hostdev %s is no unit's function", host)
 				}
-				switch d["driver"] {
-				case "pxb-pcie", "pcie-root-port", "x3130-upstream", "xio3130-downstream":
-					devices = append(devices, "-device", keyval(d))
-				case "ide-cd":
-					cdrom = d
-				case "vfio-pci":
-					host, err := pci.ParseAddress(fmt.Sprint(d["host"]))
-					if err != nil {
-						t.Fatalf("hostdev %v: %v", d, err)
-					}
-					r, ok := role[host]
-					if !ok {
-						t.Fatalf("hostdev %s is no unit's function", host)
-					}
-					if d["addr"] != "0x0" {
-						t.Fatalf("hostdev %s at %v, want device 0 of its port", host, d["addr"])
-					}
-					devices = append(devices, "-device", topology.EmulatedDevice(topology.GuestFunction{Role: r, ID: fmt.Sprint(d["id"])}, fmt.Sprint(d["bus"])))
-					kept++
-				}
-			}
+				kept++
+				return topology.EmulatedDevice(topology.GuestFunction{Role: r, ID: id}, bus)
+			})
 			if kept != 4*len(c.nodes) {
 				t.Fatalf("%d hostdevs in libvirt's command line, want %d:\n%s", kept, 4*len(c.nodes), argv)
 			}
@@ -176,6 +156,38 @@ func TestKubeVirtHookGuest(t *testing.T) {
 	}
 }
 
+// libvirtDevices reads libvirt's command line for a domain: its PCI controllers as
+// libvirt wrote them (those keep says yes to; nil: all), each vfio-pci hostdev (device
+// 0 of its port) as standIn gives it for its host function, libvirt's device id and
+// its bus; and the SATA CD-ROM's ide-cd (nil: none), as libvirt attaches it.
+func libvirtDevices(t *testing.T, argv string, keep func(map[string]any) bool, standIn func(host pci.Address, id, bus string) string) (devices []string, cdrom map[string]any) {
+	t.Helper()
+	for _, mm := range jsonDevice.FindAllStringSubmatch(argv, -1) {
+		var d map[string]any
+		if err := json.Unmarshal([]byte(mm[1]), &d); err != nil {
+			t.Fatalf("libvirt's -device %s: %v", mm[1], err)
+		}
+		switch d["driver"] {
+		case "pxb-pcie", "pcie-root-port", "x3130-upstream", "xio3130-downstream":
+			if keep == nil || keep(d) {
+				devices = append(devices, "-device", keyval(d))
+			}
+		case "ide-cd":
+			cdrom = d
+		case "vfio-pci":
+			host, err := pci.ParseAddress(fmt.Sprint(d["host"]))
+			if err != nil {
+				t.Fatalf("hostdev %v: %v", d, err)
+			}
+			if d["addr"] != "0x0" {
+				t.Fatalf("hostdev %s at %v, want device 0 of its port", host, d["addr"])
+			}
+			devices = append(devices, "-device", standIn(host, fmt.Sprint(d["id"]), fmt.Sprint(d["bus"])))
+		}
+	}
+	return devices, cdrom
+}
+
 // keyval writes libvirt's JSON -device in QEMU's key=value form: QEMU 7.2 creates the
 // JSON-form devices after the key=value ones, so a stand-in (key=value) would find no
 // port to plug into.
@@ -202,9 +214,9 @@ func keyval(d map[string]any) string {
 }
 
 // hostless is the domain with what this machine cannot give libvirt's command line
-// taken out, nothing of the guest's PCI tree: the host NUMA binding (<numatune>: the
-// test machine has one node) and the hostdevs' backend left to libvirt's probing (no
-// vfio here: each hostdev names vfio, which its stand-in then replaces).
+// taken out, nothing of the guest's PCI tree (libvirttest.ForCommandLine: the host NUMA
+// binding, KVM, the hostdevs' backend probing; each hostdev's stand-in then replaces
+// it).
 func hostless(t *testing.T, path string) string {
 	t.Helper()
 	b, err := os.ReadFile(path)
@@ -215,12 +227,7 @@ func hostless(t *testing.T, path string) string {
 	if err := d.Unmarshal(string(b)); err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}
-	d.NUMATune = nil
-	for i := range d.Devices.Hostdevs {
-		if p := d.Devices.Hostdevs[i].SubsysPCI; p != nil {
-			p.Driver = &libvirtxml.DomainHostdevSubsysPCIDriver{Name: "vfio"}
-		}
-	}
+	libvirttest.ForCommandLine(&d)
 	s, err := d.Marshal()
 	if err != nil {
 		t.Fatal(err)

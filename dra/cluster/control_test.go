@@ -51,6 +51,7 @@ import (
 	"github.com/passage-boot/passage/dra/control/controltest"
 	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/stages"
 )
 
 const fixtures = "../../attest/testdata/"
@@ -70,6 +71,12 @@ func TestClusterControl(t *testing.T) {
 	defer cancel()
 	work := t.TempDir()
 	ctlBin := goBuild(t, work, "passage-control")
+	passageBin := filepath.Join(work, "passage")
+	build := exec.CommandContext(ctx, "go", "build", "-o", passageBin, "./cmd/passage")
+	build.Dir = filepath.Join("..", "..") // the main module
+	if b, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build passage: %v\n%s", err, b)
+	}
 	c := startCluster(t, ctx, work)
 	api := c.Client
 	createNamespace(t, ctx, api)
@@ -87,7 +94,7 @@ func TestClusterControl(t *testing.T) {
 	pool := replicaFiles(t, work, ca.PEM(t))
 	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
 	launch := func(i int, extra ...string) *replica {
-		return startReplica(t, ctx, ctlBin, ctlConfig, work, i, extra...)
+		return startReplica(t, ctx, ctlBin, ctlConfig, work, i, append([]string{"--reconcile-every", "1s"}, extra...)...)
 	}
 	r1, r2 := launch(1), launch(2)
 	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
@@ -144,6 +151,21 @@ func TestClusterControl(t *testing.T) {
 		}
 	}
 	tmpl := objs.Shapes[0].TemplateName()
+	// A pool published by a node whose boot never reached passage.url: the replicas'
+	// reconcile taints it, naming why.
+	ghost := objs.Slices[0].DeepCopy()
+	ghost.Name, ghost.Spec.Pool.Name, ghost.Spec.Pool.ResourceSliceCount = "b300-ghost-0", "b300-ghost", 1
+	if _, err := api.ResourceV1().ResourceSlices().Create(ctx, ghost, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ctx, 30*time.Second, "the reconcile's rule on b300-ghost", func() (bool, string) {
+		r := rule("b300-ghost")
+		if r == nil {
+			return false, "no rule"
+		}
+		return r.Spec.Taint.Key == control.TaintUnverified && strings.Contains(r.Annotations[control.ReasonAnnotation], "no boot of this node has posted"),
+			fmt.Sprintf("%s: %s", r.Spec.Taint.Key, r.Annotations[control.ReasonAnnotation])
+	})
 
 	createPod(t, ctx, api, "pod-0", "", tmpl)
 	waitUnschedulable(t, ctx, api, "pod-0", "cannot allocate all claims")
@@ -155,13 +177,13 @@ func TestClusterControl(t *testing.T) {
 	t.Logf("before verification: pod-0 Pending; rule %s %s=%s on pool %s; record %v: %v", r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect, *r.Spec.DeviceSelector.Pool, st["verdict"], st["reason"])
 
 	// A third replica keeps an intake list this TPM is not on, a nonce time of a second
-	// and at most two nonces: it refuses to enrol the TPM, a nonce two seconds old (from
+	// and at most two nonces: it refuses to enrol the TPM, a nonce over a second old (from
 	// another replica) as over its time, and a third nonce, each naming why.
 	intake := filepath.Join(work, "intake.txt")
 	if err := os.WriteFile(intake, []byte("sha256:"+strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	r3 := launch(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2")
+	r3 := launch(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2", "--max-unenrolled", "1")
 	if res, err := node.Publish(ctx, hc, r3.url, r3.url); err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not on the intake list") {
 		t.Fatalf("boot at the replica with an intake list: %v %+v", err, res)
 	}
@@ -169,13 +191,16 @@ func TestClusterControl(t *testing.T) {
 	if st, body, err := controltest.Post(ctx, hc, r3.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
 		t.Fatalf("envelope: %v %d %s", err, st, body)
 	}
-	time.Sleep(2 * time.Second)
+	// Past its time and, once twice that, swept from the API: either way refused naming
+	// the time (which of the two depends on when the replica's sweep ticks).
+	time.Sleep(1100 * time.Millisecond)
 	a, err := node.Attest(stale)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st, body, err := controltest.Post(ctx, hc, r3.url, control.AttestationType, a); err != nil || st != http.StatusForbidden || !strings.Contains(body, "over 1s") {
-		t.Fatalf("a nonce 2s old at the replica with --nonce-ttl 1s: %v %d %s", err, st, body)
+	if st, body, err := controltest.Post(ctx, hc, r3.url, control.AttestationType, a); err != nil || st != http.StatusForbidden ||
+		!(strings.Contains(body, "over 1s") || strings.Contains(body, "expired: nonces live 1s")) {
+		t.Fatalf("a nonce over 1s old at the replica with --nonce-ttl 1s: %v %d %s", err, st, body)
 	}
 	// And it keeps at most two nonces in the API: the third GET is a 503 naming why.
 	resp, err := hc.Get(r3.url)
@@ -187,15 +212,37 @@ func TestClusterControl(t *testing.T) {
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(full), "too many nonces outstanding") {
 		t.Fatalf("a third nonce GET at the replica with --max-nonces 2: %s (Retry-After %q) %s", resp.Status, resp.Header.Get("Retry-After"), full)
 	}
+	// It keeps at most one record not enrolled, counted through the API's metadata: b300-a
+	// is one, so an envelope for another hostname is a 503 naming the count, no record made.
+	other := controltest.NewNode(t, ca, "b300-z", log)
+	if st, body, err := controltest.Post(ctx, hc, r3.url, control.EnvelopeType, other.NextEnvelope(t)); err != nil || st != http.StatusServiceUnavailable ||
+		!strings.Contains(body, "record b300-z: records: 1 not yet enrolled, at most 1") {
+		t.Fatalf("a second unenrolled record at the replica with --max-unenrolled 1: %v %d %s", err, st, body)
+	}
+	if _, err := dyn.Resource(control.NodeResource).Get(ctx, "b300-z", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Fatalf("record b300-z after the refusal: %v", err)
+	}
+	other.PowerOff()
 	r3.cmd.Process.Kill()
 	<-r3.done
 
-	// The boot: nonce from one replica, POSTs to the other: enrolled and verified with
-	// no command run by hand; the taint goes and the pod binds.
-	res, err := node.Publish(ctx, hc, r1.url, r2.url)
-	if err != nil || res.Status != http.StatusOK || !res.Enrolled {
-		t.Fatalf("first boot: %v %+v", err, res)
+	// The node's first boot is the boot's own code: `passage boot --root` (the binary
+	// built from the main module) on a synthetic B300 whose hostname is b300-a, with
+	// passage.net=off and passage.url at r1, its TPM the swtpm, trusting the replicas'
+	// certificate as an initramfs's CA bundle would (SSL_CERT_FILE). Its publish stage
+	// enrols the TPM (428, activation, the attestation again) and is verified with no
+	// command run by hand; the taint goes and the pod binds.
+	boot, err := node.Boot(ctx, passageBin, r1.url, []string{"SSL_CERT_FILE=" + filepath.Join(work, "tls.crt")})
+	if err != nil {
+		t.Fatal(err)
 	}
+	if boot.Publish.Status != stages.OK || !slices.Contains(boot.Publish.Changes, "enrolled: credential activated in the TPM, record b300-a") {
+		t.Fatalf("first boot, passage boot --root: publish %s %s\nfindings %q\nchanges %q\n%s", boot.Publish.Status, boot.Publish.Error, boot.Publish.Findings, boot.Publish.Changes, boot.Console)
+	}
+	if st := record("b300-a"); st["verdict"] != control.VerdictVerified || fmt.Sprint(st["generation"]) != fmt.Sprint(boot.Generation) {
+		t.Fatalf("record after the boot's own publish (generation %d): %v %v %v", boot.Generation, st["verdict"], st["generation"], st["reason"])
+	}
+	t.Logf("first boot, passage boot --root: publish %s; %s", boot.Publish.Status, strings.Join(boot.Publish.Changes, "; "))
 	waitFor(t, ctx, 30*time.Second, "pod-0 bound after verification", func() (bool, string) {
 		p, err := api.CoreV1().Pods(ns).Get(ctx, "pod-0", metav1.GetOptions{})
 		if err != nil {
@@ -207,9 +254,9 @@ func TestClusterControl(t *testing.T) {
 		t.Fatalf("verified, the rule is still there: %+v", r.Spec.Taint)
 	}
 
-	// A replay to the other replica: refused naming the nonce.
-	stc, body, err := controltest.Post(ctx, hc, r1.url, control.AttestationType, res.Attestation)
-	if err != nil || stc != http.StatusForbidden || !strings.Contains(body, "nonce "+hex.EncodeToString(res.Nonce)) {
+	// The boot's attestation replayed to the other replica: refused naming the nonce.
+	stc, body, err := controltest.Post(ctx, hc, r2.url, control.AttestationType, boot.Attestation)
+	if err != nil || stc != http.StatusForbidden || !strings.Contains(body, "nonce "+hex.EncodeToString(boot.Nonce)+": already used") {
 		t.Fatalf("replay to the other replica: %v %d %s", err, stc, body)
 	}
 
@@ -255,7 +302,7 @@ func TestClusterControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	node.Reboot(bytes.ReplaceAll(log, []byte(ap.Authenticode[0]), bytes.Repeat([]byte{0x5a}, 32)))
-	res, err = node.Publish(ctx, hc, r2.url, r1.url)
+	res, err := node.Publish(ctx, hc, r2.url, r1.url)
 	if err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not approved") {
 		t.Fatalf("unapproved boot: %v %+v", err, res)
 	}
@@ -514,8 +561,12 @@ func deployControlRBAC(t testing.TB, ctx context.Context, c *cluster.Cluster, ku
 	if _, err := as.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
 		t.Fatalf("passage-control's account listing pods: %v, want forbidden", err)
 	}
-	if _, err := as.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
-		t.Fatalf("passage-control's account listing slices: %v, want forbidden", err)
+	// It reads the slices (Server.Reconcile) and writes none: they are the nodes'.
+	if _, err := as.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{}); err != nil {
+		t.Fatalf("passage-control's account listing slices: %v", err)
+	}
+	if err := as.ResourceV1().ResourceSlices().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Fatalf("passage-control's account deleting slices: %v, want forbidden", err)
 	}
 }
 

@@ -3,9 +3,13 @@ package control_test
 import (
 	"bytes"
 	"context"
+	"crypto/x509"
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -14,14 +18,13 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
-	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"k8s.io/client-go/kubernetes"
 	kubefake "k8s.io/client-go/kubernetes/fake"
 
@@ -77,10 +80,10 @@ func newEnv(t *testing.T) *env {
 	t.Helper()
 	e := &env{ca: attesttest.NewCA(t)}
 	e.log, e.ap = firmware(t)
-	e.dyn = dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schemaGVR]string{
-		control.NodeResource: "PassageNodeList", control.NonceResource: "PassageNonceList"})
+	store := controltest.FakeStore()
+	e.dyn = store.Client
 	e.kc = kubefake.NewClientset()
-	e.srv = &control.Server{Store: &control.Store{Client: e.dyn}, Taints: &control.Taints{Client: e.kc, Writes: func() { e.ruleWrites.Add(1) }},
+	e.srv = &control.Server{Store: store, Taints: &control.Taints{Client: e.kc, Writes: func() { e.ruleWrites.Add(1) }},
 		Approved: e.ap, Metrics: control.NewMetrics()}
 	ts := httptest.NewUnstartedServer(e.srv)
 	ts.StartTLS()
@@ -250,18 +253,14 @@ func TestRefusals(t *testing.T) {
 			}
 			e.srv.EKCA = other
 		},
-		run:  attestOnly("b300-x"),
+		run:  attestNew("b300-x"),
 		want: "ek certificate: issued by",
 	}, {
 		name: "EK not on the intake list",
 		setup: func(t *testing.T, e *env) {
-			in, err := control.ParseIntake([]byte("# intake\nsha256:" + strings.Repeat("ab", 32) + "\nserial:01\n"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			e.srv.Intake = in
+			e.srv.Intake = intake(t, "# intake\nsha256:"+strings.Repeat("ab", 32)+"\nserial:01 b300-x\n")
 		},
-		run:  attestOnly("b300-x"),
+		run:  attestNew("b300-x"),
 		want: "not on the intake list",
 	}, {
 		name: "wrong activation answer",
@@ -317,10 +316,33 @@ func TestRefusals(t *testing.T) {
 		},
 		want: "attestation of manifest sha256:",
 	}, {
+		name: "EK bound at intake to another record",
+		run: func(t *testing.T, e *env) (int, string) {
+			// The TPM recorded at intake as b300-a's boots with a manifest naming b300-b.
+			n := e.node(t, "b300-b")
+			e.srv.Intake = intake(t, ekKey(t, n)+" b300-a\n")
+			return attestOnly(n)(t, e)
+		},
+		want: ": recorded at intake for record b300-a, not b300-b",
+	}, {
 		name: "oversized body",
 		run: func(t *testing.T, e *env) (int, string) {
 			e.snapshot(t)
 			return e.post(t, control.EnvelopeType, bytes.Repeat([]byte{' '}, control.MaxBody+1))
+		},
+		want: "body: over 1048576 bytes",
+	}, {
+		name: "oversized attestation",
+		run: func(t *testing.T, e *env) (int, string) {
+			e.snapshot(t)
+			return e.post(t, control.AttestationType, bytes.Repeat([]byte{' '}, control.MaxAttestation+1))
+		},
+		want: fmt.Sprintf("body: over %d bytes", control.MaxAttestation),
+	}, {
+		name: "oversized activation answer",
+		run: func(t *testing.T, e *env) (int, string) {
+			e.snapshot(t)
+			return e.post(t, control.ActivationType, bytes.Repeat([]byte{' '}, control.MaxBody+1))
 		},
 		want: "body: over 1048576 bytes",
 	}} {
@@ -342,11 +364,15 @@ func TestRefusals(t *testing.T) {
 	}
 }
 
-// attestOnly makes a new node POST its envelope and attestation; the snapshot is taken
+// attestNew makes a new node POST its envelope and attestation (attestOnly).
+func attestNew(host string) func(t *testing.T, e *env) (int, string) {
+	return func(t *testing.T, e *env) (int, string) { return attestOnly(e.node(t, host))(t, e) }
+}
+
+// attestOnly makes the node POST its envelope and attestation; the snapshot is taken
 // between the two.
-func attestOnly(host string) func(t *testing.T, e *env) (int, string) {
+func attestOnly(n *controltest.Node) func(t *testing.T, e *env) (int, string) {
 	return func(t *testing.T, e *env) (int, string) {
-		n := e.node(t, host)
 		nonce := getNonce(t, e)
 		if st, body := e.post(t, control.EnvelopeType, n.NextEnvelope(t)); st != http.StatusAccepted {
 			t.Fatalf("envelope: %d %s", st, body)
@@ -358,6 +384,101 @@ func attestOnly(host string) func(t *testing.T, e *env) (int, string) {
 		e.snapshot(t)
 		return e.post(t, control.AttestationType, a)
 	}
+}
+
+func intake(t *testing.T, list string) *control.Intake {
+	t.Helper()
+	in, err := control.ParseIntake([]byte(list))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return in
+}
+
+// ekKey is the intake list's name of the node's EK.
+func ekKey(t *testing.T, n *controltest.Node) string {
+	t.Helper()
+	der, err := n.EKCert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return control.EKKey(c)
+}
+
+// TestIntakeBinding: an intake list binds each EK to the record it may enrol as; the
+// TPM of the other node claiming a name bound to another EK is refused at the
+// attestation, before any challenge, and the TPMs bound to their own names enrol; an
+// unbound entry enrols under any name not yet enrolled. Without a list, the first TPM
+// to enrol a name owns it: another TPM's manifest for it is refused, and so is that
+// TPM's activation answer for it.
+func TestIntakeBinding(t *testing.T) {
+	ctx := context.Background()
+	e := newEnv(t)
+	a, b, c := e.node(t, "b300-a"), e.node(t, "b300-a"), e.node(t, "b300-c")
+	e.srv.Intake = intake(t, ekKey(t, a)+" b300-a\n"+ekKey(t, b)+" b300-b\n"+ekKey(t, c)+"\n")
+	res, err := b.Publish(ctx, e.hc, e.url, e.url)
+	if err != nil || res.Status != http.StatusForbidden || res.Enrolled || !strings.Contains(res.Body, "recorded at intake for record b300-b, not b300-a") {
+		t.Fatalf("b's TPM as b300-a: %v %+v", err, res)
+	}
+	if rec := e.record(t, "b300-a"); rec.Status.Pending != nil || len(rec.Spec.EKPublic) != 0 {
+		t.Fatalf("b's refused claim wrote the record: %+v", rec)
+	}
+	for _, n := range []*controltest.Node{a, c} {
+		if res, err := n.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+			t.Fatalf("%s: %v %+v", n.Hostname, err, res)
+		}
+	}
+	b.Hostname = "b300-b"
+	if res, err := b.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("b300-b: %v %+v", err, res)
+	}
+
+	// No list: d enrols b300-d first; e's TPM then gets no challenge for it, and an
+	// answer it made for a challenge issued before d's enrolment is refused.
+	e2 := newEnv(t)
+	d, x := e2.node(t, "b300-d"), e2.node(t, "b300-d")
+	nonce := getNonce(t, e2)
+	if st, body := e2.post(t, control.EnvelopeType, x.NextEnvelope(t)); st != http.StatusAccepted {
+		t.Fatalf("x's envelope: %d %s", st, body)
+	}
+	att, _ := x.Attest(nonce)
+	st, body := e2.post(t, control.AttestationType, att)
+	if st != http.StatusPreconditionRequired {
+		t.Fatalf("x's first claim: %d %s", st, body)
+	}
+	var ch control.ChallengeBody
+	if err := json.Unmarshal([]byte(body), &ch); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := d.Publish(ctx, e2.hc, e2.url, e2.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("d: %v %+v", err, res)
+	}
+	answer, ak, err := x.Answer(ch.Challenge)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e2.snapshot(t)
+	ans, _ := json.Marshal(control.AnswerBody{Format: control.AnswerFormat, Record: "b300-d", AKName: hex.EncodeToString(ak), Answer: base64.StdEncoding.EncodeToString(answer)})
+	if st, body := e2.post(t, control.ActivationType, ans); st/100 != 4 {
+		t.Fatalf("x's answer after d enrolled b300-d: %d %s", st, body)
+	}
+	e2.unchanged(t)
+	if rec := e2.record(t, "b300-d"); !bytes.Equal(rec.Spec.EKCert, mustEK(t, d)) {
+		t.Fatal("b300-d's enrolment is not d's TPM")
+	}
+}
+
+func mustEK(t *testing.T, n *controltest.Node) []byte {
+	t.Helper()
+	der, err := n.EKCert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return der
 }
 
 var snapshots = map[*env]map[string]string{}
@@ -432,6 +553,86 @@ func (e *env) post(t *testing.T, ct string, body []byte) (int, string) {
 		t.Fatal(err)
 	}
 	return st, b
+}
+
+// TestUnenrolledBound: envelopes for made-up hostnames make records only up to
+// MaxUnenrolled: past it a POST that would make one is a 503 with Retry-After naming
+// why, nothing written, while an enrolled node's envelope is still taken. The sweep
+// deletes the records not enrolled within their time, and their rules, never an
+// enrolled one; a new node then enrols. The metrics count them.
+func TestUnenrolledBound(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	a, b := e.node(t, "b300-a"), e.node(t, "b300-b")
+	if res, err := a.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK {
+		t.Fatalf("b300-a: %v %+v", err, res)
+	}
+	e.srv.Store.MaxUnenrolled = 2
+	for _, host := range []string{"made-up-1", "made-up-2"} {
+		if st, body := e.post(t, control.EnvelopeType, unsignedEnvelope(t, host)); st != http.StatusAccepted {
+			t.Fatalf("%s: %d %s", host, st, body)
+		}
+	}
+	e.snapshot(t)
+	req, _ := http.NewRequest(http.MethodPost, e.url, bytes.NewReader(unsignedEnvelope(t, "made-up-3")))
+	req.Header.Set("Content-Type", control.EnvelopeType)
+	resp, err := e.hc.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" ||
+		!strings.Contains(string(body), "record made-up-3: records: 2 not yet enrolled, at most 2: too many records not yet enrolled") {
+		t.Fatalf("a third made-up hostname: %s (Retry-After %q) %s", resp.Status, resp.Header.Get("Retry-After"), body)
+	}
+	e.unchanged(t)
+	if res, err := b.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusServiceUnavailable {
+		t.Fatalf("a new node at the bound: %v %+v", err, res)
+	}
+	if st, body := e.post(t, control.EnvelopeType, a.NextEnvelope(t)); st != http.StatusAccepted {
+		t.Fatalf("the enrolled node's next envelope at the bound: %d %s", st, body)
+	}
+	metric := func(want ...string) {
+		t.Helper()
+		nodes, err := e.srv.Store.ListNodes(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m bytes.Buffer
+		e.srv.Metrics.Write(&m, nodes)
+		for _, w := range want {
+			if !strings.Contains(m.String(), w+"\n") {
+				t.Errorf("metrics lack %q:\n%s", w, m.String())
+			}
+		}
+	}
+	metric("passage_control_records_unenrolled 2", `passage_control_refusals_total{reason="unenrolled-full"} 2`)
+
+	if n, err := e.srv.SweepUnenrolled(ctx, 1); err != nil || n != 0 {
+		t.Fatalf("a sweep within the time: %d deleted (%v), want none", n, err)
+	}
+	e.srv.Store.Now = func() time.Time { return time.Now().Add(control.DefaultUnenrolledTTL + time.Minute) }
+	n, err := e.srv.SweepUnenrolled(ctx, 1)
+	e.srv.Store.Now = nil
+	if err != nil || n != 2 {
+		t.Fatalf("a sweep past the time: %d deleted (%v), want the 2 made up", n, err)
+	}
+	for _, host := range []string{"made-up-1", "made-up-2"} {
+		if _, err := e.srv.Store.Node(ctx, host); !errors.Is(err, control.ErrNoRecord) {
+			t.Errorf("record %s after the sweep: %v", host, err)
+		}
+		if r := e.rule(t, host); r != nil {
+			t.Errorf("rule of %s after the sweep: %+v", host, r.Spec.Taint)
+		}
+	}
+	if r := e.rule(t, "b300-a"); r == nil || r.Spec.Taint.Key != control.TaintUnverified {
+		t.Errorf("the enrolled node's rule (its manifest not attested) after the sweep: %+v", r)
+	}
+	if res, err := b.Publish(ctx, e.hc, e.url, e.url); err != nil || res.Status != http.StatusOK || !res.Enrolled {
+		t.Fatalf("the new node after the sweep: %v %+v", err, res)
+	}
+	metric("passage_control_records_unenrolled 0", "passage_control_records_swept_total 2")
 }
 
 // TestMetrics: the exposition after an enrolment and a refusal is what promtool accepts.

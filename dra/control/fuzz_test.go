@@ -7,11 +7,10 @@ import (
 	"strings"
 	"testing"
 
-	"k8s.io/apimachinery/pkg/runtime"
-	dynamicfake "k8s.io/client-go/dynamic/fake"
 	kubefake "k8s.io/client-go/kubernetes/fake"
 
 	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/dra/control/controltest"
 )
 
 // FuzzParseIntake: an intake list is outside bytes; it parses or is refused naming the
@@ -20,6 +19,8 @@ func FuzzParseIntake(f *testing.F) {
 	f.Add([]byte("sha256:" + strings.Repeat("ab", 32) + "\nserial:01 # a comment\n"))
 	f.Add([]byte("serial:\n"))
 	f.Add([]byte("sha256:zz\n"))
+	f.Add([]byte("serial:0a b300-a\nserial:a b300-b\n"))
+	f.Add([]byte("sha256:" + strings.Repeat("ab", 32) + " B300_A\n"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		in, err := control.ParseIntake(b)
 		if err != nil {
@@ -28,7 +29,7 @@ func FuzzParseIntake(f *testing.F) {
 			}
 			return
 		}
-		if err := in.Check([]byte("not a certificate")); err == nil {
+		if err := in.Check([]byte("not a certificate"), "b300-a"); err == nil {
 			t.Fatal("a non-certificate passed the intake list")
 		}
 	})
@@ -45,9 +46,7 @@ func FuzzPost(f *testing.F) {
 		f.Add(ct, []byte(`{"format":"passage-enrol-answer/1","record":"b300-a","ak_name":"00","answer":"AAAA"}`))
 		f.Add(ct, []byte(`{"payloadType":"application/vnd.passage.manifest+json","payload":"e30=","signatures":[]}`))
 	}
-	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schemaGVR]string{
-		control.NodeResource: "PassageNodeList", control.NonceResource: "PassageNonceList"})
-	srv := &control.Server{Store: &control.Store{Client: dyn}, Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
+	srv := &control.Server{Store: controltest.FakeStore(), Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
 	f.Fuzz(func(t *testing.T, ct string, body []byte) {
 		req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
 		req.Header.Set("Content-Type", ct)
@@ -60,4 +59,22 @@ func FuzzPost(f *testing.F) {
 			t.Fatalf("POST %q %q: %d %q", ct, body, w.Code, w.Body.String())
 		}
 	})
+}
+
+// TestParseIntake: the list's refusals name the line and what is wrong with it.
+func TestParseIntake(t *testing.T) {
+	key := "sha256:" + strings.Repeat("ab", 32)
+	for _, tc := range []struct{ list, want string }{
+		{key + " b300-a\n" + key + " b300-a # twice, the same\nserial:0A\n", ""},
+		{key + " b300-a\n" + key + " b300-b\n", `intake list line 2: sha256:` + strings.Repeat("ab", 32) + ` bound to "b300-b", and to "b300-a" on line 1`},
+		{"serial:0a\nserial:a b300-a\n", `intake list line 2: serial:a bound to "b300-a", and to "" on line 1`},
+		{key + " B300_A\n", `intake list line 1: record "B300_A"`},
+		{key + " b300-a extra\n", "intake list line 1: "},
+		{"md5:00\n", `intake list line 1: "md5"`},
+	} {
+		_, err := control.ParseIntake([]byte(tc.list))
+		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%q: %v, want %q", tc.list, err, tc.want)
+		}
+	}
 }

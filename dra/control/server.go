@@ -19,6 +19,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/google/go-tpm/tpm2"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/util/validation"
 
@@ -80,7 +81,9 @@ type Server struct {
 	// EKCA are the operator's EK certificate issuers.
 	EKCA *x509.CertPool
 	// Intake, when not nil, is the list of EKs recorded at intake: a TPM not on it is
-	// not enrolled.
+	// not enrolled, and one whose entry names a record enrols only as that record.
+	// Without it, the first TPM chained to EKCA to complete an enrolment under a
+	// record name owns that record from then on.
 	Intake *Intake
 	// Approved is the approved image; nil checks the TPM's word only (attest.VerifyTPM).
 	Approved *attest.Approved
@@ -255,6 +258,13 @@ func (s *Server) envelope(ctx context.Context, w http.ResponseWriter, body io.Re
 	err = retry(ctx, func() error {
 		n, err := s.Store.Node(ctx, name)
 		if errors.Is(err, ErrNoRecord) {
+			if err := s.Store.CheckRoom(ctx); errors.Is(err, ErrTooManyUnenrolled) {
+				// 503, which the boot's publish retries; an enrolment or the sweep makes room.
+				w.Header().Set("Retry-After", "60")
+				return refuse(http.StatusServiceUnavailable, "unenrolled full", "record %s: %v: retry later", name, err)
+			} else if err != nil {
+				return err
+			}
 			// Made with the manifest's label: the update below then has nothing to do.
 			n, err = s.Store.Create(ctx, &Node{Name: name, Spec: NodeSpec{Node: name}, Labels: map[string]string{ManifestLabel: manifestLabel(digest)}})
 			if apierrors.IsAlreadyExists(err) {
@@ -399,6 +409,20 @@ func (s *Server) attestation(ctx context.Context, w http.ResponseWriter, body io
 	return s.verify(ctx, w, t, &a)
 }
 
+// akName is the hex TPM name (nameAlg and digest) of a TPMT_PUBLIC, as a challenge
+// gives it.
+func akName(pub []byte) (string, error) {
+	p, err := tpm2.Unmarshal[tpm2.TPMTPublic](pub)
+	if err != nil {
+		return "", err
+	}
+	name, err := tpm2.ObjectName(p)
+	if err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(name.Buffer), nil
+}
+
 func ekID(pub []byte) string {
 	sum := sha256.Sum256(pub)
 	return "sha256:" + hex.EncodeToString(sum[:8]) + "..."
@@ -413,7 +437,7 @@ func (s *Server) challenge(ctx context.Context, w http.ResponseWriter, t *Node, 
 		return nonceRefusal(err)
 	}
 	if s.Intake != nil {
-		if err := s.Intake.Check(a.EKCert); err != nil {
+		if err := s.Intake.Check(a.EKCert, t.Name); err != nil {
 			return refuse(http.StatusForbidden, "intake", "%v", err)
 		}
 	}
@@ -499,7 +523,13 @@ func (s *Server) activation(ctx context.Context, w http.ResponseWriter, body io.
 		}
 		if n.Status.Pending == nil {
 			if n.enrolled() {
-				w.WriteHeader(http.StatusNoContent) // a retried answer that won before
+				// A retried answer that won before is 204 again; an answer for an AK the
+				// record was not enrolled with (another TPM's, challenged before this
+				// one's enrolment won) is refused.
+				if name, err := akName(n.Spec.AKPublic); err != nil || !strings.EqualFold(name, ans.AKName) {
+					return refuse(http.StatusForbidden, "record", "activation: record %s: enrolled with another AK (ek %s); ak_name %s was not enrolled", n.Name, ekID(n.Spec.EKPublic), manifest.Printable(ans.AKName))
+				}
+				w.WriteHeader(http.StatusNoContent)
 				return nil
 			}
 			return refuse(http.StatusConflict, "activation", "activation: record %s: no enrolment pending", n.Name)
@@ -514,6 +544,16 @@ func (s *Server) activation(ctx context.Context, w http.ResponseWriter, body io.
 		rec, err := attest.Complete(&p, secret)
 		if err != nil {
 			return refuse(http.StatusForbidden, "activation", "activation: wrong answer (%v)", err)
+		}
+		// The record is pinned to the first TPM that enrolled it: the challenge is never
+		// written on an enrolled record, and an answer never replaces its enrolment.
+		if n.enrolled() && !bytes.Equal(n.Spec.EKPublic, rec.EKPublic) {
+			return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM (ek %s), this is ek %s", n.Name, ekID(n.Spec.EKPublic), ekID(rec.EKPublic))
+		}
+		if s.Intake != nil {
+			if err := s.Intake.Check(rec.EKCert, n.Name); err != nil {
+				return refuse(http.StatusForbidden, "intake", "%v", err)
+			}
 		}
 		owners, err := s.Store.ByLabel(ctx, EKLabel, labelOf(rec.EKPublic))
 		if err != nil {
@@ -627,41 +667,90 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *
 // record's status and the rule), which do not stop with the request.
 const VerdictTimeout = 30 * time.Second
 
+// SweepUnenrolled deletes the records not enrolled within their time
+// (Store.SweepUnenrolled) and their DeviceTaintRules, leaving the node as one that never
+// POSTed. A record made again meanwhile (the node POSTed between the two deletes) gets
+// its rule back. It returns how many records it deleted.
+func (s *Server) SweepUnenrolled(ctx context.Context, page int64) (int, error) {
+	gone, err := s.Store.SweepUnenrolled(ctx, page)
+	for _, name := range gone {
+		if rerr := s.Taints.Clear(ctx, name); rerr != nil {
+			err = errors.Join(err, rerr)
+			continue
+		}
+		n, rerr := s.Store.Node(ctx, name)
+		if errors.Is(rerr, ErrNoRecord) {
+			continue
+		}
+		if rerr == nil && n.Status.Verdict != VerdictVerified {
+			rerr = s.Taints.Set(ctx, name, n.Spec.Node, VerdictUnverified, "", "posted again while its stale record was swept")
+		}
+		err = errors.Join(err, rerr)
+	}
+	s.Metrics.swept(len(gone))
+	return len(gone), err
+}
+
 // Intake is the list of EKs recorded at intake: sha256 of the EK certificate's public
-// key (SubjectPublicKeyInfo DER) or the certificate's serial number.
+// key (SubjectPublicKeyInfo DER) or the certificate's serial number, each either bound
+// to the one record (the manifest's hostname) its TPM may enrol as, or unbound (any
+// record not yet enrolled).
 type Intake struct {
-	keys, serials map[string]bool
+	// keys and serials map an entry to the record it binds ("" for none).
+	keys, serials map[string]string
 }
 
 // ParseIntake reads an intake list: one entry a line, "sha256:<hex>" (the EK's public
-// key) or "serial:<hex>" (the EK certificate's serial), '#' starting a comment.
+// key) or "serial:<hex>" (the EK certificate's serial), optionally followed by the
+// record name the TPM may enrol as; '#' starts a comment. An entry listed twice with
+// different records is refused: which one the operator meant is not for the control
+// plane to guess.
 func ParseIntake(b []byte) (*Intake, error) {
-	in := &Intake{keys: map[string]bool{}, serials: map[string]bool{}}
+	in := &Intake{keys: map[string]string{}, serials: map[string]string{}}
+	lineOf := map[string]int{}
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for line := 1; sc.Scan(); line++ {
-		f := strings.TrimSpace(sc.Text())
+		f := sc.Text()
 		if i := strings.IndexByte(f, '#'); i >= 0 {
-			f = strings.TrimSpace(f[:i])
+			f = f[:i]
 		}
-		if f == "" {
+		fields := strings.Fields(f)
+		if len(fields) == 0 {
 			continue
 		}
-		kind, v, ok := strings.Cut(f, ":")
-		v = strings.ToLower(strings.TrimSpace(v))
-		if _, err := hex.DecodeString(v); !ok || err != nil || v == "" {
-			return nil, fmt.Errorf("intake list line %d: %q: want sha256:<hex> or serial:<hex>", line, manifest.Printable(f))
+		if len(fields) > 2 {
+			return nil, fmt.Errorf("intake list line %d: %q: want sha256:<hex> or serial:<hex>, then at most a record name", line, manifest.Printable(strings.TrimSpace(f)))
 		}
+		kind, v, ok := strings.Cut(fields[0], ":")
+		v = strings.ToLower(v)
+		// A serial is a number in hex (x509's Text(16) writes "a", not "0a").
+		if !ok || v == "" || strings.Trim(v, "0123456789abcdef") != "" {
+			return nil, fmt.Errorf("intake list line %d: %q: want sha256:<hex> or serial:<hex>", line, manifest.Printable(fields[0]))
+		}
+		record := ""
+		if len(fields) == 2 {
+			record = fields[1]
+			if errs := validation.IsDNS1123Subdomain(record); len(errs) > 0 {
+				return nil, fmt.Errorf("intake list line %d: record %q: %s", line, manifest.Printable(record), strings.Join(errs, "; "))
+			}
+		}
+		var m map[string]string
 		switch kind {
 		case "sha256":
 			if len(v) != 64 {
 				return nil, fmt.Errorf("intake list line %d: sha256 of %d hex digits, want 64", line, len(v))
 			}
-			in.keys[v] = true
+			m = in.keys
 		case "serial":
-			in.serials[strings.TrimLeft(v, "0")] = true
+			v = strings.TrimLeft(v, "0")
+			m = in.serials
 		default:
 			return nil, fmt.Errorf("intake list line %d: %q: want sha256:<hex> or serial:<hex>", line, manifest.Printable(kind))
 		}
+		if prev, ok := m[v]; ok && prev != record {
+			return nil, fmt.Errorf("intake list line %d: %s:%s bound to %q, and to %q on line %d", line, kind, v, record, prev, lineOf[kind+v])
+		}
+		m[v], lineOf[kind+v] = record, line
 	}
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("intake list: %w", err)
@@ -675,15 +764,31 @@ func EKKey(cert *x509.Certificate) string {
 	return "sha256:" + hex.EncodeToString(sum[:])
 }
 
-// Check says whether the EK certificate's key or serial is on the list.
-func (in *Intake) Check(der []byte) error {
+// Check says whether the EK certificate may enrol as record: its key or serial is on
+// the list, and no entry that names it binds it to another record (a key entry and a
+// serial entry that disagree refuse it).
+func (in *Intake) Check(der []byte, record string) error {
 	c, err := x509.ParseCertificate(der)
 	if err != nil {
 		return fmt.Errorf("ek certificate: %v", err)
 	}
-	key := EKKey(c)
-	if in.keys[strings.TrimPrefix(key, "sha256:")] || in.serials[strings.TrimLeft(c.SerialNumber.Text(16), "0")] {
-		return nil
+	key, serial := EKKey(c), c.SerialNumber.Text(16)
+	found := false
+	for _, e := range []struct {
+		m  map[string]string
+		id string
+	}{{in.keys, strings.TrimPrefix(key, "sha256:")}, {in.serials, strings.TrimLeft(serial, "0")}} {
+		bound, ok := e.m[e.id]
+		if !ok {
+			continue
+		}
+		found = true
+		if bound != "" && bound != record {
+			return fmt.Errorf("ek %s (serial %s): recorded at intake for record %s, not %s", key, serial, bound, record)
+		}
 	}
-	return fmt.Errorf("ek %s (serial %s): not on the intake list", key, c.SerialNumber.Text(16))
+	if !found {
+		return fmt.Errorf("ek %s (serial %s): not on the intake list", key, serial)
+	}
+	return nil
 }

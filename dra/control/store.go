@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/metadata"
 
 	"github.com/passage-boot/passage/attest"
 )
@@ -30,8 +31,103 @@ type Store struct {
 	// write of the cluster. Past it, IssueNonce refuses (ErrTooManyNonces) until the
 	// sweep makes room, as attest.NonceStore refuses at its MaxOutstanding.
 	MaxNonces int64
-	Now       func() time.Time
-	writes    atomic.Int64
+	// Meta reads the records' metadata only: the unenrolled records are counted and
+	// swept without reading the envelopes they hold.
+	Meta metadata.Interface
+	// MaxUnenrolled bounds the records not yet enrolled (0: DefaultMaxUnenrolled): an
+	// envelope POST is unauthenticated and, for a hostname with no record, creates one
+	// holding that envelope (up to MaxBody) and a DeviceTaintRule, so with no bound a
+	// loop of POSTs for made-up hostnames fills etcd. Past it, a POST that would create a
+	// record is refused (ErrTooManyUnenrolled); the records already there are served.
+	MaxUnenrolled int64
+	// UnenrolledTTL is how long a record may stay unenrolled before the sweep deletes it
+	// (0: DefaultUnenrolledTTL).
+	UnenrolledTTL time.Duration
+	Now           func() time.Time
+	writes        atomic.Int64
+}
+
+// DefaultMaxUnenrolled is MaxUnenrolled when zero: new nodes enrolling at once (each is
+// unenrolled for the second or so its first publish takes); at most 1 GiB of envelopes
+// at MaxBody each, about 40 MiB at a B300 manifest's size.
+const DefaultMaxUnenrolled = 1024
+
+// DefaultUnenrolledTTL is UnenrolledTTL when zero: a first boot enrols within its
+// publish stage (seconds); an hour is many boots' retries.
+const DefaultUnenrolledTTL = time.Hour
+
+// ErrTooManyUnenrolled is the envelope POST's refusal at MaxUnenrolled.
+var ErrTooManyUnenrolled = errors.New("too many records not yet enrolled")
+
+// unenrolled selects the records with no enrolment: an enrolled record carries EKLabel.
+var unenrolled = "!" + EKLabel
+
+func (s *Store) maxUnenrolled() int64 {
+	if s.MaxUnenrolled > 0 {
+		return s.MaxUnenrolled
+	}
+	return DefaultMaxUnenrolled
+}
+
+func (s *Store) unenrolledTTL() time.Duration {
+	if s.UnenrolledTTL > 0 {
+		return s.UnenrolledTTL
+	}
+	return DefaultUnenrolledTTL
+}
+
+// CheckRoom says whether one more unenrolled record may be created: the count is read
+// from the API (metadata only, at most MaxUnenrolled of them), so every replica holds
+// the same bound; replicas racing may pass it by as many POSTs as are in flight at once.
+func (s *Store) CheckRoom(ctx context.Context) error {
+	max := s.maxUnenrolled()
+	var count int64
+	opts := metav1.ListOptions{LabelSelector: unenrolled, Limit: min(max, 500)}
+	for range maxSweepPages {
+		l, err := s.Meta.Resource(NodeResource).List(ctx, opts)
+		if err != nil {
+			return fmt.Errorf("records not yet enrolled: count: %w", err)
+		}
+		if count += int64(len(l.Items)); count >= max {
+			return fmt.Errorf("records: %d not yet enrolled, at most %d: %w", count, max, ErrTooManyUnenrolled)
+		}
+		if opts.Continue = l.Continue; opts.Continue == "" {
+			break
+		}
+	}
+	return nil
+}
+
+// SweepUnenrolled deletes the records created longer than UnenrolledTTL ago that are
+// still not enrolled, each delete conditional on the resourceVersion read (a record
+// enrolled or written meanwhile stays), walking them page pages at a time by their
+// metadata. It returns the names deleted, with the error that stopped the walk if one
+// did.
+func (s *Store) SweepUnenrolled(ctx context.Context, page int64) ([]string, error) {
+	var gone []string
+	opts := metav1.ListOptions{LabelSelector: unenrolled, Limit: page}
+	for range maxSweepPages {
+		l, err := s.Meta.Resource(NodeResource).List(ctx, opts)
+		if err != nil {
+			return gone, fmt.Errorf("records not yet enrolled: list: %w", err)
+		}
+		for i := range l.Items {
+			m := &l.Items[i]
+			if _, enrolled := m.Labels[EKLabel]; enrolled || s.now().Sub(m.CreationTimestamp.Time) < s.unenrolledTTL() {
+				continue
+			}
+			rv := m.ResourceVersion
+			s.writes.Add(1)
+			err := s.Client.Resource(NodeResource).Delete(ctx, m.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{ResourceVersion: &rv}})
+			if err == nil {
+				gone = append(gone, m.Name)
+			}
+		}
+		if opts.Continue = l.Continue; opts.Continue == "" {
+			return gone, nil
+		}
+	}
+	return gone, fmt.Errorf("records not yet enrolled: over %d pages of %d listed; the rest wait for the next sweep", maxSweepPages, page)
 }
 
 // DefaultMaxNonces is MaxNonces when zero: a fleet of tens of thousands of nodes all

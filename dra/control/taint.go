@@ -35,7 +35,8 @@ func RuleName(record string) string { return "passage-" + record }
 // what it publishes), so a taint there could be removed by the very node it judges, and
 // two writers would fight over one object; a rule is cluster-scoped, written only with
 // the control plane's RBAC, selects the pool whatever slices it has, and exists before
-// the node's plugin publishes anything.
+// the node's plugin publishes anything when the node's boot posted (Server.Reconcile puts
+// it on a pool whose node never did).
 type Taints struct {
 	Client kubernetes.Interface
 	// Writes counts the API writes (the benchmark's figure).
@@ -51,16 +52,11 @@ func (t *Taints) wrote() {
 // Set makes the record's rule say verdict: NoSchedule unverified, NoExecute
 // attestation-failed with the check and reason, or no rule when verified.
 func (t *Taints) Set(ctx context.Context, record, pool, verdict, check, reason string) error {
+	if verdict == VerdictVerified {
+		return t.Clear(ctx, record)
+	}
 	rules := t.Client.ResourceV1().DeviceTaintRules()
 	name := RuleName(record)
-	if verdict == VerdictVerified {
-		t.wrote()
-		err := rules.Delete(ctx, name, metav1.DeleteOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("device taint rule %s: delete: %w", name, err)
-		}
-		return nil
-	}
 	taint := resourcev1.DeviceTaint{Key: TaintUnverified, Effect: resourcev1.DeviceTaintEffectNoSchedule}
 	if verdict == VerdictFailed {
 		taint = resourcev1.DeviceTaint{Key: TaintFailed, Value: labelValue(check), Effect: resourcev1.DeviceTaintEffectNoExecute}
@@ -114,6 +110,17 @@ func (t *Taints) Set(ctx context.Context, record, pool, verdict, check, reason s
 		return nil
 	}
 	return fmt.Errorf("device taint rule %s: conflicts on every try", name)
+}
+
+// Clear deletes the record's rule, if there is one.
+func (t *Taints) Clear(ctx context.Context, record string) error {
+	name := RuleName(record)
+	t.wrote()
+	err := t.Client.ResourceV1().DeviceTaintRules().Delete(ctx, name, metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("device taint rule %s: delete: %w", name, err)
+	}
+	return nil
 }
 
 // labelValue makes s a label value (the taint's value): lower-case alphanumerics and

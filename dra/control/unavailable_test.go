@@ -2,8 +2,6 @@ package control_test
 
 import (
 	"bytes"
-	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"io"
 	"log"
@@ -18,8 +16,6 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/manifest"
-	"github.com/passage-boot/passage/manifest/manifesttest"
 )
 
 // TestUnavailable: an API that fails is a 503 (the boot retries) naming what was asked,
@@ -37,17 +33,7 @@ func TestUnavailable(t *testing.T) {
 		Metrics: control.NewMetrics(), Log: log.New(&logged, "", 0)}
 	ts := httptest.NewServer(srv)
 	defer ts.Close()
-	m := manifesttest.B300(1)
-	m.Node.Hostname = "b300-a"
-	payload, err := manifest.Marshal(m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Unsigned: a record not enrolled takes any well-formed envelope.
-	env, err := json.Marshal(manifest.Envelope{PayloadType: manifest.PayloadType, Payload: base64.StdEncoding.EncodeToString(payload)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	env := unsignedEnvelope(t, "b300-a")
 	for _, tc := range []struct {
 		what, method, ct string
 		body             []byte

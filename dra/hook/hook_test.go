@@ -259,12 +259,14 @@ func addBareRootPorts(t *testing.T, dom []byte, n int) []byte {
 }
 
 // TestOnDefineDomainThreeCalls plays virt-launcher through the hook's socket for 1 unit,
-// 2 units, and 2 units on two NUMA nodes with guest NUMA, on the domain KubeVirt's own
-// DRA host device code makes: call 1 the converter's domain, call 2 libvirt's read-back
-// of the hook's result after virsh define (and the variant where libvirt placed every
-// hostdev itself beside the hook's earlier controllers), call 3 that plus bare root
-// ports. Each returned domain, after api.DomainSpec, is valid (virt-xml-validate), is
-// defined by libvirt, and shows the same unit tree; the rest of the domain is untouched.
+// 2 units, 2 units on two NUMA nodes with guest NUMA, and 8 units (B300's BARs: a 46-bit
+// guest, so host-passthrough on a 46-bit node), on the domain KubeVirt's own DRA host
+// device code makes: call 1 the converter's domain, call 2 libvirt's read-back of the
+// hook's result after virsh define (and the variant where libvirt placed every hostdev
+// itself beside the hook's earlier controllers), call 3 that plus bare root ports. Each
+// returned domain, after api.DomainSpec, is valid (virt-xml-validate), is defined by
+// libvirt, and shows the same unit tree; the rest of the domain is untouched. The 8-unit
+// domain's last call on a node one bit narrower is refused, naming both widths.
 func TestOnDefineDomainThreeCalls(t *testing.T) {
 	m, path, keys := signed(t, nil)
 	l := startHook(t, Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID})
@@ -279,13 +281,26 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 		units []string
 		numa  bool
 		nodes []int // each unit's guest node (-1: no guest NUMA)
+		// cpu is spec.domain.cpu.model ("": none) and hostBits the node's width (0: the
+		// hook does not check the guest's).
+		cpu      string
+		hostBits int
 	}{
-		{"1unit", []string{"gpu0"}, false, []int{-1}},
-		{"2units", []string{"gpu0", "gpu1"}, false, []int{-1, -1}},
-		{"2units-2numa", []string{"gpu0", "gpu4"}, true, []int{0, 1}},
+		{"1unit", []string{"gpu0"}, false, []int{-1}, "", 0},
+		{"2units", []string{"gpu0", "gpu1"}, false, []int{-1, -1}, "", 0},
+		{"2units-2numa", []string{"gpu0", "gpu4"}, true, []int{0, 1}, "", 0},
+		{"8units", []string{"gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "gpu6", "gpu7"}, false,
+			[]int{-1, -1, -1, -1, -1, -1, -1, -1}, "host-passthrough", 46},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			l := l
+			if tc.hostBits != 0 {
+				l = startHook(t, Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID, HostPhysBits: tc.hostBits})
+			}
 			dom1 := kubevirtDomain(t, m, tc.units, tc.numa)
+			if tc.cpu != "" {
+				dom1 = withCPUMode(t, dom1, tc.cpu)
+			}
 			out1, err := l.define(t, dom1)
 			if err != nil {
 				t.Fatalf("call 1: %v", err)
@@ -369,6 +384,15 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 			}
 			golden(t, tc.name+".nccl-topo.img", b)
 			libvirttest.Virsh(t, uri, "undefine", "tenant_vm")
+			if tc.hostBits != 0 {
+				// The same guest on a node one bit narrower: refused at the last call
+				// before QEMU starts, as at the first (TestDefineDomainGuestWidth).
+				narrow := startHook(t, Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID, HostPhysBits: tc.hostBits - 1})
+				want := fmt.Sprintf("a %d-bit physical address width; the width given is %d bits", tc.hostBits, tc.hostBits-1)
+				if _, err := narrow.define(t, dom3); err == nil || !strings.Contains(err.Error(), want) {
+					t.Errorf("call 3 on a %d-bit node: %v, want %q", tc.hostBits-1, err, want)
+				}
+			}
 		})
 	}
 }
@@ -687,18 +711,11 @@ func checkNCCLDisk(t *testing.T, dom, nccl []byte, image string) {
 
 // checkNCCLDrive: libvirt's own QEMU command line for the final domain gives the guest
 // the image as a read-only ide-cd on the q35 AHCI with the disk's serial. What this
-// host cannot give is taken out first, nothing of the disk: the host NUMA binding (one
-// node here), KVM, and the hostdevs' backend probing (no vfio here).
+// host cannot give is taken out first, nothing of the disk (libvirttest.ForCommandLine).
 func checkNCCLDrive(t *testing.T, uri string, dom []byte) {
 	t.Helper()
 	d := mustParse(t, dom)
-	d.NUMATune = nil
-	d.Type = libvirttest.DefinedType(d.Type)
-	for i := range d.Devices.Hostdevs {
-		if p := d.Devices.Hostdevs[i].SubsysPCI; p != nil {
-			p.Driver = &libvirtxml.DomainHostdevSubsysPCIDriver{Name: "vfio"}
-		}
-	}
+	libvirttest.ForCommandLine(&d)
 	s, err := d.Marshal()
 	if err != nil {
 		t.Fatal(err)

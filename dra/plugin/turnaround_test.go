@@ -21,9 +21,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/schema"
-	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/passage-boot/passage/attest"
@@ -181,10 +178,8 @@ func newTurnRig(t *testing.T) *turnRig {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schema.GroupVersionResource]string{
-		control.NodeResource: "PassageNodeList", control.NonceResource: "PassageNonceList"})
 	r.kc = fake.NewClientset()
-	r.srv = &control.Server{Store: &control.Store{Client: dyn}, Taints: &control.Taints{Client: r.kc}, EKCA: pool, Metrics: control.NewMetrics()}
+	r.srv = &control.Server{Store: controltest.FakeStore(), Taints: &control.Taints{Client: r.kc}, EKCA: pool, Metrics: control.NewMetrics()}
 	ts := httptest.NewUnstartedServer(r.srv)
 	ts.StartTLS()
 	t.Cleanup(ts.Close)

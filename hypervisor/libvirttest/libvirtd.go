@@ -14,6 +14,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"libvirt.org/go/libvirtxml"
 )
 
 // Start starts libvirtd as root in a mount namespace of its own: tmpfs over
@@ -135,4 +137,24 @@ func DefinedType(typ string) string {
 		return "qemu"
 	}
 	return typ
+}
+
+// ForCommandLine takes out of d what this machine cannot give `virsh domxml-to-native`,
+// nothing of the guest's PCI tree, so a test can read libvirt's own command line for a
+// node's domain: the host NUMA binding (<numatune>: the test machine has one node), each
+// PCI hostdev's backend left to libvirt's probing (it names vfio; a test boots its
+// stand-in instead), and, without /dev/kvm, KVM itself: the type is DefinedType's, and
+// a host-passthrough CPU (KVM only: libvirt refuses it for type qemu) is TCG's nearest,
+// maximum. The guest's address width is then the test's to give (QEMU's phys-bits).
+func ForCommandLine(d *libvirtxml.Domain) {
+	d.NUMATune = nil
+	d.Type = DefinedType(d.Type)
+	if d.Type == "qemu" && d.CPU != nil && d.CPU.Mode == "host-passthrough" {
+		d.CPU.Mode = "maximum"
+	}
+	for i := range d.Devices.Hostdevs {
+		if p := d.Devices.Hostdevs[i].SubsysPCI; p != nil {
+			p.Driver = &libvirtxml.DomainHostdevSubsysPCIDriver{Name: "vfio"}
+		}
+	}
 }

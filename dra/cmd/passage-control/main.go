@@ -5,7 +5,7 @@
 //
 //	passage-control --tls-cert F --tls-key F --ek-ca F [--approved F] [--intake F]
 //	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F] [--nonce-ttl D]
-//	                [--kube-qps N] [--max-nonces N]
+//	                [--kube-qps N] [--max-nonces N] [--max-unenrolled N] [--unenrolled-ttl D]
 package main
 
 import (
@@ -24,6 +24,7 @@ import (
 
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -40,9 +41,9 @@ func main() {
 
 type flags struct {
 	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig string
-	nonceTTL                                                       time.Duration
+	nonceTTL, unenrolledTTL, reconcileEvery                        time.Duration
 	qps                                                            float64
-	maxNonces                                                      int64
+	maxNonces, maxUnenrolled                                       int64
 }
 
 // run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
@@ -56,11 +57,14 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.StringVar(&f.key, "tls-key", "", "its private key `FILE` (PEM)")
 	fs.StringVar(&f.ekCA, "ek-ca", "", "the EK CA certificates `FILE` (PEM): a TPM's EK certificate must chain to one")
 	fs.StringVar(&f.approved, "approved", "", "the approved image `FILE` (passage-approved/1); empty: only the TPM's word is checked (no firmware log)")
-	fs.StringVar(&f.intake, "intake", "", "the intake list `FILE` (sha256:<hex> of an EK's public key or serial:<hex>, one a line): only TPMs on it enrol")
+	fs.StringVar(&f.intake, "intake", "", "the intake list `FILE` (sha256:<hex> of an EK's public key or serial:<hex>, one a line, optionally followed by the one record name it may enrol as): only TPMs on it enrol")
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "`FILE` to reach the API server (default: in-cluster)")
 	fs.DurationVar(&f.nonceTTL, "nonce-ttl", attest.DefaultNonceTTL, "how long an issued nonce is accepted")
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
 	fs.Int64Var(&f.maxNonces, "max-nonces", control.DefaultMaxNonces, "the most PassageNonces kept in the API: a nonce GET past it is refused 503 until the sweep makes room")
+	fs.Int64Var(&f.maxUnenrolled, "max-unenrolled", control.DefaultMaxUnenrolled, "the most node records not yet enrolled: an envelope POST that would make one more is refused 503 until an enrolment or the sweep makes room")
+	fs.DurationVar(&f.reconcileEvery, "reconcile-every", 15*time.Second, "how often the pools passage-dra publishes are checked against their records: a pool whose published generation is not verified gets the unverified taint")
+	fs.DurationVar(&f.unenrolledTTL, "unenrolled-ttl", control.DefaultUnenrolledTTL, "how long a node record may stay unenrolled before the sweep deletes it (and its taint rule)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -83,6 +87,17 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	if f.maxNonces < 1 {
 		return fail(2, "--max-nonces %d: want at least 1", f.maxNonces)
+	}
+	if f.maxUnenrolled < 1 {
+		return fail(2, "--max-unenrolled %d: want at least 1", f.maxUnenrolled)
+	}
+	// A first boot's enrolment takes seconds; a record swept sooner than a minute could
+	// be one whose node is between its POSTs.
+	if f.reconcileEvery < time.Second {
+		return fail(2, "--reconcile-every %s: want at least 1s", f.reconcileEvery)
+	}
+	if f.unenrolledTTL < time.Minute {
+		return fail(2, "--unenrolled-ttl %s: want at least 1m", f.unenrolledTTL)
 	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
@@ -129,7 +144,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if err != nil {
 		return fail(2, "kubernetes client: %v", err)
 	}
-	srv.Store = &control.Store{Client: dyn, NonceTTL: f.nonceTTL, MaxNonces: f.maxNonces}
+	meta, err := metadata.NewForConfig(rc)
+	if err != nil {
+		return fail(2, "kubernetes client: %v", err)
+	}
+	srv.Store = &control.Store{Client: dyn, Meta: meta, NonceTTL: f.nonceTTL, MaxNonces: f.maxNonces,
+		MaxUnenrolled: f.maxUnenrolled, UnenrolledTTL: f.unenrolledTTL}
 	srv.Taints = &control.Taints{Client: kc}
 
 	ln, err := net.Listen("tcp", f.listen)
@@ -170,6 +190,10 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	// replicas sweeping at once delete each nonce once.
 	sweep := time.NewTicker(f.nonceTTL / 2)
 	defer sweep.Stop()
+	// Every replica reconciles the pools with their records (Server.Reconcile: each
+	// write idempotent, a verification landing meanwhile undone by none).
+	reconcile := time.NewTicker(f.reconcileEvery)
+	defer reconcile.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -185,11 +209,23 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 				return 0
 			}
 			return fail(1, "serve: %v", err)
+		case <-reconcile.C:
+			rctx, cancel := context.WithTimeout(ctx, time.Minute)
+			if _, err := srv.Reconcile(rctx, 500); err != nil {
+				logger.Printf("%v", err)
+			}
+			cancel()
 		case <-sweep.C:
 			sctx, cancel := context.WithTimeout(ctx, time.Minute)
 			n, err := srv.Store.Sweep(sctx, 500)
 			if n > 0 {
 				logger.Printf("sweep: %d expired nonces deleted", n)
+			}
+			if err != nil {
+				logger.Printf("sweep: %v", err)
+			}
+			if n, err = srv.SweepUnenrolled(sctx, 500); n > 0 {
+				logger.Printf("sweep: %d records not enrolled within %s deleted", n, f.unenrolledTTL)
 			}
 			if err != nil {
 				logger.Printf("sweep: %v", err)

@@ -60,6 +60,8 @@ func TestUsage(t *testing.T) {
 		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--nonce-ttl", "1ns"}, "--nonce-ttl 1ns: want at least 1s"},
 		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--kube-qps", "-1"}, "--kube-qps -1: want more than 0"},
 		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--max-nonces", "0"}, "--max-nonces 0: want at least 1"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--max-unenrolled", "0"}, "--max-unenrolled 0: want at least 1"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--unenrolled-ttl", "30s"}, "--unenrolled-ttl 30s: want at least 1m"},
 	} {
 		var stderr bytes.Buffer
 		if code := run(context.Background(), tc.args, &stderr, nil); code != 2 || !strings.Contains(stderr.String(), tc.want) {

@@ -1,8 +1,9 @@
 // Package controltest plays a node against passage-control in tests: a swtpm TPM with
 // an EK certificate from a private swtpm_localca, whose firmware PCRs are extended with
 // a real firmware event log (as the firmware would have), passage's signing key, and the
-// boot's publish exchange at passage.url (Node.Publish, the one function the boot's own
-// `passage boot --root` publish replaces).
+// boot's publish exchange at passage.url: Node.Publish through the boot's netboot
+// exchange for the many boots a test makes, and Node.Boot, the real `passage boot
+// --root` binary on a synthetic tree with this TPM, for the boot's own publish.
 package controltest
 
 import (
@@ -36,6 +37,7 @@ type Node struct {
 	Hostname string
 	state    string
 	dir      string
+	root     string // the synthetic tree Boot runs on, made on its first call
 	boot     string // this boot's id: a reboot starts passage's event log afresh
 	stop     func()
 	key      *tpmkey.TPM
@@ -66,10 +68,7 @@ func NewNode(t testing.TB, ca *attesttest.CA, hostname string, firmwareLog []byt
 func (n *Node) Reboot(firmwareLog []byte) {
 	t := n.t
 	t.Helper()
-	if n.key != nil {
-		n.key.Close()
-		n.stop()
-	}
+	n.PowerOff()
 	sock, stop := attesttest.Serve(t, n.state)
 	tp, err := linuxudstpm.Open(sock)
 	if err != nil {
@@ -83,6 +82,15 @@ func (n *Node) Reboot(firmwareLog []byte) {
 		t.Fatal(err)
 	}
 	n.key, n.stop, n.FirmwareLog, n.dir, n.boot = k, stop, firmwareLog, t.TempDir(), newBootID()
+}
+
+// PowerOff stops the TPM (the node is down) until the next Reboot.
+func (n *Node) PowerOff() {
+	if n.key != nil {
+		n.key.Close()
+		n.stop()
+		n.key = nil
+	}
 }
 
 // ExtendLog extends each sha256 digest of a TCG event log into its PCR, in log order:
@@ -209,6 +217,13 @@ func (n *Node) Attest(nonce []byte) ([]byte, error) {
 	}
 	a.NonceSource = attest.NonceControlPlane
 	return a.Marshal()
+}
+
+// Answer activates a credential challenge in this node's TPM: the secret and the AK's
+// name, as the boot answers.
+func (n *Node) Answer(ch *attest.Challenge) (secret, akName []byte, err error) {
+	secret, err = attest.Activate(n.key.Transport(), ch)
+	return secret, ch.AKName, err
 }
 
 // SigningKey is passage's TPM signing key (the manifests' signer).

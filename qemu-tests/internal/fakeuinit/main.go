@@ -54,6 +54,9 @@ type Function struct {
 	ATS          bool
 	ATSEnabled   bool
 	SecondaryBus string `json:",omitempty"`
+	// Resource is sysfs resource as the kernel prints it: per BAR start, end and flags,
+	// start 0 when the BAR is not assigned.
+	Resource string `json:",omitempty"`
 }
 
 func readTrim(p string) string {
@@ -133,6 +136,7 @@ func scanPCI() ([]Function, string) {
 		if cfg, err := os.ReadFile(d + "/config"); err == nil {
 			decodeConfig(&f, cfg)
 		}
+		f.Resource = readTrim(d + "/resource")
 		fns = append(fns, f)
 	}
 	sort.Slice(fns, func(i, j int) bool { return fns[i].BDF < fns[j].BDF })
