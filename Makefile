@@ -3,7 +3,7 @@ SHELL := /bin/bash
 BUILD := build
 GO ?= go
 
-.PHONY: all deps build test unit qemu-test cluster-bin cluster-test qemu-bench demo kernel initramfs ipxe uki bench fuzz clean
+.PHONY: all deps build test unit qemu-test cluster-bin cluster-test storm-bench qemu-bench demo kernel initramfs ipxe uki bench fuzz clean
 
 all: build
 
@@ -110,6 +110,16 @@ cluster-test: cluster-bin
 	cd dra && $(GO) vet -tags cluster ./cluster/
 	cd dra && PASSAGE_CONTROL_PLANE=$$(bash cluster/build.sh $(abspath $(BUILD))/controlplane) \
 		$(GO) test -count=1 -tags cluster -timeout 15m -v -run TestCluster ./cluster/
+
+# storm-bench is the boot storm (dra/cluster BenchmarkBootStorm): NODES soft-TPM nodes
+# (default 500; a comma list runs each) enrolling and attesting at once against two
+# passage-control replicas on the control plane cluster-test runs. Not part of test or
+# bench (it needs that control plane and minutes); the table goes to
+# $(BUILD)/storm-bench.txt.
+NODES ?= 500
+storm-bench: cluster-bin
+	cd dra && PASSAGE_CONTROL_PLANE=$$(bash cluster/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_STORM_NODES=$(NODES) \
+		$(GO) test -count=1 -tags cluster -timeout 90m -run '^$$' -bench BootStorm -benchtime 1x ./cluster/ | tee $(abspath $(BUILD))/storm-bench.txt
 
 # test: in sequence. The control plane's build is not run beside the QEMU suite: under
 # that load the emergency shell's console typing (TestEmergencyShell) failed.

@@ -145,15 +145,25 @@ const ChallengeFormat = "passage-attest-challenge/1"
 // enrolment exchange's netboot.Activator): the AK name it was sealed for and the
 // credential the TPM recovered. A challenge of another format is refused unanswered.
 func Answer(t transport.TPM, challenge []byte) (akName, secret []byte, err error) {
+	c, err := ParseChallenge(challenge)
+	if err != nil {
+		return nil, nil, err
+	}
+	secret, err = Activate(t, c)
+	return c.AKName, secret, err
+}
+
+// ParseChallenge reads a challenge (its JSON, as the control plane's 428 carries it) of
+// ChallengeFormat.
+func ParseChallenge(b []byte) (*Challenge, error) {
 	var c Challenge
-	if err := json.Unmarshal(challenge, &c); err != nil {
-		return nil, nil, fmt.Errorf("challenge: %w", err)
+	if err := json.Unmarshal(b, &c); err != nil {
+		return nil, fmt.Errorf("challenge: %w", err)
 	}
 	if c.Format != ChallengeFormat {
-		return nil, nil, fmt.Errorf("challenge format %q, want %q", c.Format, ChallengeFormat)
+		return nil, fmt.Errorf("challenge format %q, want %q", c.Format, ChallengeFormat)
 	}
-	secret, err = Activate(t, &c)
-	return c.AKName, secret, err
+	return &c, nil
 }
 
 // Activate answers a challenge: TPM2_ActivateCredential with the AK as the activated

@@ -44,6 +44,10 @@ const maxEvents = 1 << 16
 func le32(b *bytes.Buffer, v uint32) { binary.Write(b, binary.LittleEndian, v) }
 func le16(b *bytes.Buffer, v uint16) { binary.Write(b, binary.LittleEndian, v) }
 
+// Marshal is the log as WriteSigned writes it to its file, for a caller that keeps it in
+// memory (attest/softtpm's load generator, which measures thousands of manifests).
+func (l *EventLog) Marshal() ([]byte, error) { return l.marshalTCG() }
+
 // marshalTCG writes l in the crypto-agile format; its banks are the first event's.
 func (l *EventLog) marshalTCG() ([]byte, error) {
 	var banks []string

@@ -261,6 +261,16 @@ func (c *Cluster) SchedulingAttempts(namespace, name string) (int, error) {
 	return bytes.Count(b, []byte(`"Unable to schedule pod; no fit; waiting" pod="`+namespace+"/"+name+`"`)), nil
 }
 
+// PIDs are the running components' process ids by name (etcd, kube-apiserver,
+// kube-scheduler, kube-controller-manager): a benchmark reads their CPU time in /proc.
+func (c *Cluster) PIDs() map[string]int {
+	out := map[string]int{}
+	for _, p := range c.procs {
+		out[p.name] = p.cmd.Process.Pid
+	}
+	return out
+}
+
 // Logs names the components' log files.
 func (c *Cluster) Logs() []string {
 	var out []string

@@ -192,6 +192,25 @@ func (s *Server) nonce(ctx context.Context, w http.ResponseWriter) error {
 	return nil
 }
 
+// fresh is a retry body that writes through f the record read: first t, as the
+// request's list found it (the write carries its resourceVersion, so a record changed
+// since is a conflict, not overwritten), then, after a conflict, a new read of it. It
+// saves the read a first write does not need: one GET per attestation.
+func fresh(ctx context.Context, st *Store, t *Node, f func(n *Node) error) func() error {
+	first := true
+	return func() error {
+		n := t
+		if !first {
+			var err error
+			if n, err = st.Node(ctx, t.Name); err != nil {
+				return err
+			}
+		}
+		first = false
+		return f(n)
+	}
+}
+
 // retry runs f on a fresh read of the record until its write does not conflict.
 func retry(ctx context.Context, f func() error) error {
 	var err error
@@ -246,7 +265,8 @@ func (s *Server) envelope(ctx context.Context, w http.ResponseWriter, body io.Re
 			} else if err != nil {
 				return err
 			}
-			n, err = s.Store.Create(ctx, &Node{Name: name, Spec: NodeSpec{Node: name}})
+			// Made with the manifest's label: the update below then has nothing to do.
+			n, err = s.Store.Create(ctx, &Node{Name: name, Spec: NodeSpec{Node: name}, Labels: map[string]string{ManifestLabel: manifestLabel(digest)}})
 			if apierrors.IsAlreadyExists(err) {
 				return apierrors.NewConflict(NodeResource.GroupResource(), name, err)
 			}
@@ -437,19 +457,15 @@ func (s *Server) challenge(ctx context.Context, w http.ResponseWriter, t *Node, 
 		return fmt.Errorf("record %s: challenge of %d bytes, over %d", t.Name, len(body), maxChallenge)
 	}
 	now := s.Store.now().UTC()
-	err = retry(ctx, func() error {
-		n, err := s.Store.Node(ctx, t.Name)
-		if err != nil {
-			return err
-		}
+	err = retry(ctx, fresh(ctx, s.Store, t, func(n *Node) error {
 		if n.enrolled() {
 			return refuse(http.StatusConflict, "record", "record %s: enrolled meanwhile; POST the attestation again", t.Name)
 		}
 		n.Status.Pending = &PendingEnrolment{AKName: hex.EncodeToString(ch.AKName), Pending: pj, Issued: now}
 		n.Status.Verdict, n.Status.Reason, n.Status.Time = VerdictEnrolling, "credential challenge sent for ak "+hex.EncodeToString(ch.AKName[:min(len(ch.AKName), 8)])+"...", &now
-		_, err = s.Store.UpdateStatus(ctx, n)
+		_, err := s.Store.UpdateStatus(ctx, n)
 		return err
-	})
+	}))
 	if err != nil {
 		return err
 	}
@@ -597,6 +613,12 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *
 	if err != nil {
 		return nonceRefusal(err)
 	}
+	// The nonce is spent: the verdict is written and the rule set even if the boot stops
+	// waiting (its try timed out under load). Cut off with the request, a spent nonce
+	// would leave no verdict, and the boot's retry, refused as a replay, none either: the
+	// node would stay unverified until its next boot (seen in the boot storm).
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), VerdictTimeout)
+	defer cancel()
 	verr := tpmErr
 	if verr == nil && s.Approved != nil {
 		_, verr = attest.VerifyFirmware(a.FirmwareLog, a.PCRs, s.Approved)
@@ -611,21 +633,22 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *
 		}
 		verdict, reason = VerdictFailed, fmt.Sprintf("generation %d: %s", gen, verr)
 	}
-	err = retry(ctx, func() error {
-		n, err := s.Store.Node(ctx, t.Name)
-		if err != nil {
-			return err
-		}
-		if n.Status.Manifest == nil || n.Status.Manifest.Digest != t.Status.Manifest.Digest {
+	digest := t.Status.Manifest.Digest
+	err = retry(ctx, fresh(ctx, s.Store, t, func(n *Node) error {
+		if n.Status.Manifest == nil || n.Status.Manifest.Digest != digest {
 			return refuse(http.StatusConflict, "manifest", "record %s: a newer manifest was posted meanwhile", n.Name)
 		}
 		n.Status.Verdict, n.Status.Reason, n.Status.Time = verdict, reason, &now
 		if verr == nil {
 			n.Status.Generation, n.Status.ResetCount, n.Status.BootID = int64(res.Seen.Generation), int64(res.Seen.ResetCount), ver.Manifest.BootID
 		}
-		_, err = s.Store.UpdateStatus(ctx, n)
+		// An enrolled record has no enrolment pending: the activation's status write,
+		// which leaves a conflict be (its spec write enrolled the node), may not have
+		// cleared it.
+		n.Status.Pending = nil
+		_, err := s.Store.UpdateStatus(ctx, n)
 		return err
-	})
+	}))
 	if err != nil {
 		return err
 	}
@@ -639,6 +662,10 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(VerdictBody{Record: t.Name, Verdict: verdict, Generation: gen})
 }
+
+// VerdictTimeout bounds the writes that record a verdict once its nonce is spent (the
+// record's status and the rule), which do not stop with the request.
+const VerdictTimeout = 30 * time.Second
 
 // SweepUnenrolled deletes the records not enrolled within their time
 // (Store.SweepUnenrolled) and their DeviceTaintRules, leaving the node as one that never

@@ -1,0 +1,563 @@
+//go:build cluster
+
+package cluster_test
+
+import (
+	"bufio"
+	"context"
+	"crypto/rsa"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
+
+	"github.com/passage-boot/passage/attest/softtpm"
+	"github.com/passage-boot/passage/dra/cluster"
+	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/dra/control/controltest"
+	"github.com/passage-boot/passage/initramfs/netboot"
+)
+
+// BenchmarkBootStorm: N nodes booting for the first time at once, each enrolling its TPM
+// and attesting its boot, against two passage-control replicas (processes) on the real
+// control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager). Each
+// node runs the boot's own exchange (netboot, as stages/boot's publish stage: envelope,
+// nonce, attestation, 428, activation, attestation) over its own TLS connection to one
+// replica (half the nodes to each, as a Service balances connections), with the boot's
+// retry policy. The nodes' TPMs are done in software (attest/softtpm: EK certificates
+// under a test CA, quotes and certifications signed with keys in memory, credential
+// activation in software), which the replicas verify exactly as they verify a TPM's.
+//
+// It prints a table: nodes verified, wall time, nodes/s, p50/p99 from a node's first
+// request to its verdict, API writes and reads per node (the API server's own
+// apiserver_request_total, before and after), each phase's mean and p99, and the CPU
+// seconds of each process. A timing is reported, never judged; what is judged is that
+// every node the load generator saw verified has a verified record in the API.
+//
+// PASSAGE_STORM_NODES: the sizes, comma-separated (default 500). PASSAGE_STORM_QPS:
+// the replicas' --kube-qps (default theirs). PASSAGE_STORM_TRIES: the tries per
+// request (default the boot's, netboot.DefaultPublish). PASSAGE_STORM_INFLIGHT: at most
+// this many nodes booting at once (default: all). PASSAGE_STORM_EK_CACHE: the file the
+// RSA-2048 EK keys are kept in between runs (default in the user's cache directory):
+// making one takes tens of milliseconds of CPU, and they are test keys.
+//
+//	PASSAGE_CONTROL_PLANE=... go test -tags cluster -run '^$' -bench BootStorm -benchtime 1x -timeout 60m ./cluster/
+func BenchmarkBootStorm(b *testing.B) {
+	sizes := []int{500}
+	if s := os.Getenv("PASSAGE_STORM_NODES"); s != "" {
+		sizes = nil
+		for _, f := range strings.Split(s, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 1 {
+				b.Fatalf("PASSAGE_STORM_NODES %q: want sizes like 500,2000", s)
+			}
+			sizes = append(sizes, n)
+		}
+	}
+	for _, n := range sizes {
+		b.Run(fmt.Sprintf("nodes=%d", n), func(b *testing.B) { storm(b, n) })
+	}
+}
+
+func envInt(b *testing.B, name string, def int) int {
+	s := os.Getenv(name)
+	if s == "" {
+		return def
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 0 {
+		b.Fatalf("%s %q: want a number", name, s)
+	}
+	return n
+}
+
+func storm(b *testing.B, n int) {
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Minute)
+	defer cancel()
+	work := b.TempDir()
+	ctlBin := goBuild(b, work, "passage-control")
+	c := startCluster(b, ctx, work)
+	applyCRDs(b, ctx, c)
+	ctlConfig := filepath.Join(work, "passage-control.kubeconfig")
+	deployControlRBAC(b, ctx, c, ctlConfig)
+
+	ca, err := softtpm.NewCA()
+	if err != nil {
+		b.Fatal(err)
+	}
+	pool := replicaFiles(b, work, ca.PEM())
+	var extra []string
+	// A storm of first boots has every node unenrolled at once: an operator expecting
+	// one sizes --max-unenrolled to it (its default bounds what unauthenticated POSTs may
+	// put in etcd).
+	if n > control.DefaultMaxUnenrolled {
+		extra = append(extra, "--max-unenrolled", strconv.Itoa(n))
+	}
+	if q := os.Getenv("PASSAGE_STORM_QPS"); q != "" {
+		extra = append(extra, "--kube-qps", q)
+	}
+	replicas := []*replica{startReplica(b, ctx, ctlBin, ctlConfig, work, 1, extra...), startReplica(b, ctx, ctlBin, ctlConfig, work, 2, extra...)}
+
+	raw, err := os.ReadFile(fixtures + "ovmf-secureboot.log")
+	if err != nil {
+		b.Fatal(err)
+	}
+	fw, err := softtpm.NewFirmware(raw)
+	if err != nil {
+		b.Fatal(err)
+	}
+	setup := time.Now()
+	eks, ekNote := stormEKs(b, n)
+	nodes := make([]*controltest.SoftNode, n)
+	parallel(n, func(i int) error {
+		var err error
+		nodes[i], err = controltest.NewSoftNode(ctx, ca, eks[i], fw, fmt.Sprintf("storm-%05d", i), 1)
+		return err
+	}, b)
+	b.Logf("%d nodes manufactured and booted in %s (%s)", n, time.Since(setup).Round(time.Millisecond), ekNote)
+
+	policy := netboot.DefaultPublish
+	if t := envInt(b, "PASSAGE_STORM_TRIES", 0); t > 0 {
+		policy.Tries = t
+	}
+	inflight := envInt(b, "PASSAGE_STORM_INFLIGHT", 0)
+	if inflight == 0 {
+		inflight = n
+	}
+	admin, err := rest.HTTPClientFor(restConfig(b, c))
+	if err != nil {
+		b.Fatal(err)
+	}
+	pids := c.PIDs()
+	for i, r := range replicas {
+		pids[fmt.Sprintf("passage-control-%d", i+1)] = r.cmd.Process.Pid
+	}
+	pids["loadgen (this test)"] = os.Getpid()
+
+	// One storm, whatever b.N: a second of the same nodes would be their second boot, not
+	// this benchmark (-benchtime 1x; a storm outlasts the default benchtime anyway).
+	{
+		reqs0 := apiRequests(b, ctx, admin, c.Server)
+		cpu0 := cpuSeconds(pids)
+		times := make([]*controltest.BootTimes, n)
+		errs := make([]error, n)
+		sem := make(chan struct{}, inflight)
+		var wg sync.WaitGroup
+		b.ResetTimer()
+		start := time.Now()
+		for i, sn := range nodes {
+			sem <- struct{}{}
+			wg.Go(func() {
+				defer func() { <-sem }()
+				// Each node its own connection, to one replica: a Service balances
+				// connections, not requests.
+				hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+				defer hc.CloseIdleConnections()
+				times[i], errs[i] = sn.Boot(ctx, hc, replicas[i%len(replicas)].url, policy)
+			})
+		}
+		wg.Wait()
+		wall := time.Since(start)
+		b.StopTimer()
+		cpu1 := cpuSeconds(pids)
+		reqs1 := apiRequests(b, ctx, admin, c.Server)
+		inAPI := verifiedRecords(b, ctx, c)
+		// Every node that saw its attestation accepted has a verified record; a node whose
+		// last try timed out after the replica had verified it (its retry then refused as
+		// a replay) has one too, though it gave up.
+		var missing []string
+		gaveUp := 0
+		for i, sn := range nodes {
+			switch {
+			case errs[i] == nil && !inAPI[sn.Hostname]:
+				missing = append(missing, sn.Hostname)
+			case errs[i] != nil && inAPI[sn.Hostname]:
+				gaveUp++
+			}
+		}
+		r := stormReport(n, inflight, policy, wall, times, errs, reqs1.minus(reqs0), cpu0, cpu1, len(inAPI), gaveUp)
+		fmt.Print(r.table)
+		if out := os.Getenv("PASSAGE_STORM_OUT"); out != "" {
+			f, err := os.OpenFile(out, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+			if err == nil {
+				fmt.Fprint(f, r.table)
+				f.Close()
+			}
+		}
+		b.ReportMetric(r.nodesPerSec, "nodes/s")
+		b.ReportMetric(r.p50.Seconds(), "p50-s")
+		b.ReportMetric(r.p99.Seconds(), "p99-s")
+		b.ReportMetric(r.writesPerNode, "writes/node")
+		if len(missing) > 0 {
+			b.Errorf("%d nodes saw their attestation accepted and have no verified record: %v", len(missing), missing[:min(len(missing), 10)])
+		}
+	}
+}
+
+// parallel runs f(0..n-1) on every core; the first error fails b.
+func parallel(n int, f func(i int) error, b *testing.B) {
+	b.Helper()
+	next := make(chan int)
+	errs := make(chan error, runtime.GOMAXPROCS(0))
+	var wg sync.WaitGroup
+	for range runtime.GOMAXPROCS(0) {
+		wg.Go(func() {
+			for i := range next {
+				if err := f(i); err != nil {
+					select {
+					case errs <- err:
+					default:
+					}
+				}
+			}
+		})
+	}
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	select {
+	case err := <-errs:
+		b.Fatal(err)
+	default:
+	}
+}
+
+// stormEKs are n RSA-2048 EK keys: those the cache file holds, the rest made on every
+// core and added to it. It says what it cost.
+func stormEKs(b *testing.B, n int) ([]*rsa.PrivateKey, string) {
+	path := os.Getenv("PASSAGE_STORM_EK_CACHE")
+	if path == "" {
+		dir, err := os.UserCacheDir()
+		if err != nil {
+			dir = os.TempDir()
+		}
+		path = filepath.Join(dir, "passage", "storm-ek-rsa2048.pem")
+	}
+	start := time.Now()
+	var keys []*rsa.PrivateKey
+	if raw, err := os.ReadFile(path); err == nil {
+		for rest := raw; len(keys) < n; {
+			var blk *pem.Block
+			if blk, rest = pem.Decode(rest); blk == nil {
+				break
+			}
+			k, err := x509.ParsePKCS1PrivateKey(blk.Bytes)
+			if err != nil {
+				b.Fatalf("EK cache %s: %v (delete it)", path, err)
+			}
+			keys = append(keys, k)
+		}
+	}
+	cached, read := len(keys), time.Since(start)
+	if cached == n {
+		return keys, fmt.Sprintf("%d EKs read from %s in %s", n, path, read.Round(time.Millisecond))
+	}
+	made := make([]*rsa.PrivateKey, n-cached)
+	gen := time.Now()
+	parallel(len(made), func(i int) error {
+		var err error
+		made[i], err = softtpm.GenerateEK()
+		return err
+	}, b)
+	genTime := time.Since(gen)
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err == nil {
+		if f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600); err == nil {
+			w := bufio.NewWriter(f)
+			for _, k := range made {
+				pem.Encode(w, &pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(k)})
+			}
+			w.Flush()
+			f.Close()
+		}
+	}
+	return append(keys, made...), fmt.Sprintf("%d EKs read from %s in %s, %d made in %s on %d cores and added to it",
+		cached, path, read.Round(time.Millisecond), len(made), genTime.Round(time.Millisecond), runtime.GOMAXPROCS(0))
+}
+
+// requests are what the API server's /metrics says of the requests it served, summed:
+// {"total", verb, resource} is apiserver_request_total, {"seconds", verb, resource} the
+// sum of apiserver_request_duration_seconds (the time each took, queueing included),
+// {"apf-wait" or "apf-waited", priority level, ""} the sum and count of API Priority and
+// Fairness's queue waits, {"apf-rejected", priority level, ""} its rejections.
+type requests map[[3]string]float64
+
+// sampled maps the /metrics series read to requests' first key.
+var sampled = map[string]string{
+	"apiserver_request_total":                                   "total",
+	"apiserver_request_duration_seconds_sum":                    "seconds",
+	"apiserver_flowcontrol_request_wait_duration_seconds_sum":   "apf-wait",
+	"apiserver_flowcontrol_request_wait_duration_seconds_count": "apf-waited",
+	"apiserver_flowcontrol_rejected_requests_total":             "apf-rejected",
+}
+
+var (
+	labelRE = regexp.MustCompile(`(\w+)="([^"]*)"`)
+	nonceRE = regexp.MustCompile(`[0-9a-f]{64}`)
+	nodeRE  = regexp.MustCompile(`storm-[0-9]+`)
+	timeRE  = regexp.MustCompile(`at [0-9TZ:-]+`)
+)
+
+// apiRequests reads the API server's /metrics as the admin.
+func apiRequests(b *testing.B, ctx context.Context, hc *http.Client, server string) requests {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, server+"/metrics", nil)
+	resp, err := hc.Do(req)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	out := requests{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		name, rest, ok := strings.Cut(sc.Text(), "{")
+		metric := sampled[name]
+		if !ok || metric == "" {
+			continue
+		}
+		labels, val, ok := strings.Cut(rest, "} ")
+		if !ok {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.TrimSpace(val), 64)
+		if err != nil {
+			continue
+		}
+		l := map[string]string{}
+		for _, m := range labelRE.FindAllStringSubmatch(labels, -1) {
+			l[m[1]] = m[2]
+		}
+		if strings.HasPrefix(metric, "apf-") {
+			out[[3]string{metric, l["priority_level"], ""}] += v
+			continue
+		}
+		res := l["resource"]
+		if l["subresource"] != "" {
+			res += "/" + l["subresource"]
+		}
+		out[[3]string{metric, l["verb"], res}] += v
+	}
+	if err := sc.Err(); err != nil && !errors.Is(err, io.EOF) {
+		b.Fatal(err)
+	}
+	return out
+}
+
+func (r requests) minus(before requests) requests {
+	out := requests{}
+	for k, v := range r {
+		if d := v - before[k]; d > 0 {
+			out[k] = d
+		}
+	}
+	return out
+}
+
+var writeVerbs = map[string]bool{"POST": true, "PUT": true, "PATCH": true, "DELETE": true, "APPLY": true}
+
+// ours: the resources passage-control reads and writes.
+func ours(resource string) bool {
+	r, _, _ := strings.Cut(resource, "/")
+	return r == "passagenodes" || r == "passagenonces" || r == "devicetaintrules"
+}
+
+// cpuSeconds reads each process's user+system CPU time from /proc/<pid>/stat (fields 14
+// and 15, in clock ticks of 100 Hz: USER_HZ on Linux).
+func cpuSeconds(pids map[string]int) map[string]float64 {
+	out := map[string]float64{}
+	for name, pid := range pids {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		i := strings.LastIndexByte(string(b), ')')
+		f := strings.Fields(string(b[i+1:])) // f[0] is field 3 (state)
+		if len(f) < 13 {
+			continue
+		}
+		u, _ := strconv.ParseFloat(f[11], 64)
+		s, _ := strconv.ParseFloat(f[12], 64)
+		out[name] = (u + s) / 100
+	}
+	return out
+}
+
+// verifiedRecords are the PassageNodes whose verdict is verified.
+func verifiedRecords(b *testing.B, ctx context.Context, c *cluster.Cluster) map[string]bool {
+	dyn := dynamic.NewForConfigOrDie(restConfig(b, c))
+	n := map[string]bool{}
+	opts := metav1.ListOptions{Limit: 500}
+	for range 1000 {
+		l, err := dyn.Resource(control.NodeResource).List(ctx, opts)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, u := range l.Items {
+			if st, _ := u.Object["status"].(map[string]any); st["verdict"] == control.VerdictVerified {
+				n[u.GetName()] = true
+			}
+		}
+		if opts.Continue = l.GetContinue(); opts.Continue == "" {
+			break
+		}
+	}
+	return n
+}
+
+type report struct {
+	table                      string
+	verified                   int
+	nodesPerSec, writesPerNode float64
+	p50, p99                   time.Duration
+}
+
+func quantile(d []time.Duration, q float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return s[min(len(s)-1, int(math.Ceil(q*float64(len(s))))-1)]
+}
+
+func mean(d []time.Duration) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	var t time.Duration
+	for _, x := range d {
+		t += x
+	}
+	return t / time.Duration(len(d))
+}
+
+func stormReport(n, inflight int, p netboot.PublishPolicy, wall time.Duration, times []*controltest.BootTimes, errs []error,
+	reqs requests, cpu0, cpu1 map[string]float64, inAPI, gaveUp int) report {
+	var r report
+	var total []time.Duration
+	phases := make([][]time.Duration, controltest.Phases)
+	failures := map[string]int{}
+	requestsMade := 0
+	for i, t := range times {
+		if t != nil {
+			requestsMade += t.Requests
+		}
+		if errs[i] != nil {
+			// The reason without the node's name, so equal reasons count together.
+			msg := errs[i].Error()
+			if _, after, ok := strings.Cut(msg, ": "); ok && strings.HasPrefix(msg, "node ") {
+				msg = after
+			}
+			msg = nodeRE.ReplaceAllString(nonceRE.ReplaceAllString(msg, "<nonce>"), "storm-N")
+			msg = timeRE.ReplaceAllString(msg, "<time>")
+			failures[msg]++
+			continue
+		}
+		r.verified++
+		total = append(total, t.End.Sub(t.Start))
+		for ph := range controltest.Phases {
+			phases[ph] = append(phases[ph], t.Phase[ph])
+		}
+	}
+	r.p50, r.p99 = quantile(total, 0.50), quantile(total, 0.99)
+	r.nodesPerSec = float64(r.verified) / wall.Seconds()
+	var w, rd, wAll float64
+	for k, v := range reqs {
+		if k[0] != "total" {
+			continue
+		}
+		switch {
+		case writeVerbs[k[1]] && ours(k[2]):
+			w += v
+		case ours(k[2]):
+			rd += v
+		}
+		if writeVerbs[k[1]] {
+			wAll += v
+		}
+	}
+	per := func(x float64) float64 { return x / float64(max(r.verified, 1)) }
+	r.writesPerNode = per(w)
+
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "\nboot storm: %d nodes (at most %d at once), 2 passage-control replicas, %d cores; policy %d tries, %s each\n",
+		n, inflight, runtime.NumCPU(), p.Tries, p.PerTry)
+	fmt.Fprintf(&sb, "| nodes | verified | failed | wall | nodes/s | p50 first request→verified | p99 | requests/node | API writes/node | API reads/node |\n")
+	fmt.Fprintf(&sb, "|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&sb, "| %d | %d | %d | %s | %.1f | %s | %s | %.2f | %.2f | %.2f |\n", n, r.verified, n-r.verified,
+		wall.Round(10*time.Millisecond), r.nodesPerSec, r.p50.Round(time.Millisecond), r.p99.Round(time.Millisecond),
+		float64(requestsMade)/float64(n), r.writesPerNode, per(rd))
+	fmt.Fprintf(&sb, "records verified in the API: %d (%d of nodes that gave up); all API writes (every resource, every client): %.2f/node\n", inAPI, gaveUp, per(wAll))
+	fmt.Fprintf(&sb, "\n| phase (verified nodes) | mean | p99 |\n|---|---|---|\n")
+	for ph := range controltest.Phases {
+		fmt.Fprintf(&sb, "| %s | %s | %s |\n", ph, mean(phases[ph]).Round(time.Millisecond), quantile(phases[ph], 0.99).Round(time.Millisecond))
+	}
+	fmt.Fprintf(&sb, "\n| API requests (passage's resources) | count | per node | mean time in the API server |\n|---|---|---|---|\n")
+	var keys [][3]string
+	for k := range reqs {
+		if k[0] == "total" && ours(k[2]) {
+			keys = append(keys, k)
+		}
+	}
+	slices.SortFunc(keys, func(a, b [3]string) int { return strings.Compare(a[2]+" "+a[1], b[2]+" "+b[1]) })
+	for _, k := range keys {
+		secs := reqs[[3]string{"seconds", k[1], k[2]}]
+		fmt.Fprintf(&sb, "| %s %s | %.0f | %.2f | %s |\n", k[1], k[2], reqs[k], per(reqs[k]),
+			time.Duration(secs/reqs[k]*float64(time.Second)).Round(time.Millisecond))
+	}
+	fmt.Fprintf(&sb, "\n| API Priority and Fairness level | requests queued | mean wait | rejected |\n|---|---|---|---|\n")
+	var levels []string
+	for k := range reqs {
+		if k[0] == "apf-waited" || k[0] == "apf-rejected" {
+			levels = append(levels, k[1])
+		}
+	}
+	slices.Sort(levels)
+	for _, l := range slices.Compact(levels) {
+		n := reqs[[3]string{"apf-waited", l, ""}]
+		fmt.Fprintf(&sb, "| %s | %.0f | %s | %.0f |\n", l, n,
+			time.Duration(reqs[[3]string{"apf-wait", l, ""}]/max(n, 1)*float64(time.Second)).Round(time.Millisecond), reqs[[3]string{"apf-rejected", l, ""}])
+	}
+	fmt.Fprintf(&sb, "\n| process | CPU s | share of wall × cores |\n|---|---|---|\n")
+	var names []string
+	for name := range cpu1 {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		d := cpu1[name] - cpu0[name]
+		fmt.Fprintf(&sb, "| %s | %.1f | %.0f%% |\n", name, d, 100*d/(wall.Seconds()*float64(runtime.NumCPU())))
+	}
+	if len(failures) > 0 {
+		msgs := make([]string, 0, len(failures))
+		for msg := range failures {
+			msgs = append(msgs, msg)
+		}
+		slices.SortFunc(msgs, func(a, b string) int { return failures[b] - failures[a] })
+		fmt.Fprintf(&sb, "\nfailures (%d reasons; the 10 most frequent):\n", len(msgs))
+		for _, msg := range msgs[:min(10, len(msgs))] {
+			fmt.Fprintf(&sb, "- %d× %s\n", failures[msg], msg)
+		}
+	}
+	r.table = sb.String()
+	return r
+}
