@@ -43,11 +43,11 @@ func TestDefineDomainGuestWidth(t *testing.T) {
 		want     string // "" accepted
 	}{
 		{"8 units, host-model", withCPUMode(t, eight, "host-model"), 52,
-			"guest: 8 units need 8 TiB of 64-bit MMIO, a 46-bit physical address width; the width given is 40 bits, whose OVMF window is 128 GiB: their BARs would not all be mapped (cpu mode host-model: QEMU's default for a named CPU model; spec.domain.cpu.model: host-passthrough gives the host's 52)"},
+			"guest: 8 units need 7808 GiB of 64-bit MMIO, a 46-bit physical address width; the width given is 40 bits, whose OVMF window is 128 GiB: their BARs would not all be mapped (cpu mode host-model: QEMU's default for a named CPU model; spec.domain.cpu.model: host-passthrough gives the host's 52)"},
 		{"8 units, no cpu mode", eight, 52, "the width given is 40 bits"},
 		{"8 units, host-passthrough on a 45-bit host", withCPUMode(t, eight, "host-passthrough"), 45,
 			"a 46-bit physical address width; the width given is 45 bits, whose OVMF window is 4 TiB: their BARs would not all be mapped (cpu mode host-passthrough: the host's)"},
-		{"1 unit, host-model", withCPUMode(t, one, "host-model"), 52, "guest: 1 units need 1 TiB of 64-bit MMIO, a 43-bit physical address width; the width given is 40 bits"},
+		{"1 unit, host-model", withCPUMode(t, one, "host-model"), 52, "guest: 1 units need 528 GiB of 64-bit MMIO, a 43-bit physical address width; the width given is 40 bits"},
 		{"8 units, host-passthrough on a 52-bit host", withCPUMode(t, eight, "host-passthrough"), 52, ""},
 		{"1 unit, host-passthrough on a 43-bit host", withCPUMode(t, one, "host-passthrough"), 43, ""},
 		{"width unknown: not checked", eight, 0, ""},
