@@ -141,7 +141,7 @@ func TestGuestMMIOOtherPorts(t *testing.T) {
 		{"8 units alone", nil, nil, 7*tib + 640*gib, 46, ""},
 		{"8 units, 7 other ports", nil, others(7, true), 8*tib + 128*gib, 47,
 			"guest: 8 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 32 GiB of the window at 46 bits, 224 GiB in all, on the root bus ahead of the units' expanders) need 8320 GiB of 64-bit MMIO, a 47-bit address width; OVMF's window is at most 8 TiB"},
-		{"8 units, 7 ports without hotplug", nil, others(7, false), 8*tib + 128*gib, 47, "7 other root ports (OVMF pads each of the 0 hotplug-capable"},
+		{"8 units, 7 ports without hotplug", nil, others(7, false), 8*tib + 128*gib, 47, "beside the domain's 7 other root ports (none hotplug-capable;"},
 		{"7 units, 7 other ports", []UnitID{0, 1, 2, 3, 4, 5, 6}, others(7, true), 7*tib + 128*gib, 46, ""},
 		{"1 unit alone", []UnitID{0}, nil, 528 * gib, 43, ""},
 		// 28 GiB on pcie.0 at 43 bits push the unit to 512 GiB: 1040 GiB, past 1 TiB.

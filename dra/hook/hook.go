@@ -807,6 +807,9 @@ func (t *tree) otherPorts() []topology.OtherPort {
 		if p != 0 && t.ctl[p].Model != "pcie-expander-bus" {
 			continue
 		}
+		// KubeVirt v1.9.0's DomainSpec, which virt-launcher and parseDomain read the
+		// domain through, keeps no hotplug attribute: every port is hotplug-capable
+		// until a KubeVirt that keeps one (its main branch sets it on occupied ports).
 		hotplug := c.PCI == nil || c.PCI.Target == nil || c.PCI.Target.Hotplug != "off"
 		out = append(out, topology.OtherPort{Expander: p, Hotplug: hotplug, Index: idx})
 	}
