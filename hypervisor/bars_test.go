@@ -23,7 +23,7 @@ func TestSourcesBARs(t *testing.T) {
 		t.Fatalf("gpu0's BARs %+v", b)
 	}
 	r, err := Render(Input{Sources: src, Units: []topology.UnitID{0}}, FormatQEMU, topology.DomainOptions{})
-	if err != nil || r.MMIO.Prefetchable64 != 1<<40 || r.PhysBits != 43 || len(r.MMIO.Unknown) != 0 {
+	if err != nil || r.MMIO.Prefetchable64 != 528<<30 || r.PhysBits != 43 || len(r.MMIO.Unknown) != 0 {
 		t.Fatalf("1 unit: %+v, %v", r, err)
 	}
 

@@ -49,6 +49,9 @@ type Placement struct {
 	// devices it holds. Their bus numbers are allotted again, downward from 0xff as
 	// KubeVirt allots them, each with room for what it holds and for its units' switches.
 	Expanders []PlacedExpander
+	// OtherPorts are the domain's root ports that stay beside the plan's: the guest's
+	// 64-bit MMIO counts them (Guest.MMIO).
+	OtherPorts []OtherPort
 }
 
 // PlacedExpander is an expander the domain has.
@@ -136,6 +139,8 @@ type Guest struct {
 	GuestNodes map[int]int `json:"guest_nodes,omitempty"`
 	// Placed: laid out inside an existing domain (GuestOptions.In).
 	Placed bool `json:"placed,omitempty"`
+	// OtherPorts: the domain's root ports beside the plan's (Placement.OtherPorts).
+	OtherPorts []OtherPort `json:"other_ports,omitempty"`
 }
 
 // GuestPlan lays out the chosen units for a guest (PlanGuest over SourcesOf(units)).
@@ -262,7 +267,7 @@ func unitSwitch(gu *GuestUnit, u GuestSource, rp GuestPort, prefix string, chass
 // downward from 0xff so that the libvirt controller indexes (upward from FirstIndex)
 // stay below them.
 func placeIn(chosen []GuestSource, in *Placement) (*Guest, error) {
-	g := &Guest{NUMA: in.GuestNodes != nil, Placed: true}
+	g := &Guest{NUMA: in.GuestNodes != nil, Placed: true, OtherPorts: in.OtherPorts}
 	next := in.FirstIndex
 	if next < 1 {
 		return nil, fmt.Errorf("guest plan: first controller index %d: want 1 or more (0 is pcie-root)", next)

@@ -184,8 +184,8 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 				}
 			}
 		}
-		// The guest's width: 0,1 need 2 TiB of 64-bit MMIO (44 bits), 0,1,4 on two
-		// expanders 3 TiB (45 bits).
+		// The guest's width: 0,1 need 1 TiB + 544 GiB of 64-bit MMIO (44 bits), 0,1,4
+		// on two expanders 2 TiB + 576 GiB (45 bits).
 		bits := map[int]string{2: "44", 3: "45"}[units]
 		if want := "<maxphysaddr mode='emulate' bits='" + bits + "'/>"; !strings.Contains(dumped, want) {
 			t.Errorf("%s: libvirt does not keep %s:\n%s", c.name, want, dumped)

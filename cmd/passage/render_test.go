@@ -377,7 +377,8 @@ func BenchmarkRender(b *testing.B) {
 }
 
 // TestRenderSizesGuestForBARs: the manifest of the reference B300 signs each function's
-// BARs; render sizes the guest from them. Eight units need 8 TiB of 64-bit MMIO, which
+// BARs; render sizes the guest from them. Eight units need 7 TiB + 640 GiB of 64-bit
+// MMIO (each unit's switch 1 TiB apart, the last one's ports padded by OVMF), which
 // OVMF's window (the top 1/8 of the space) holds from 46 bits: render sets that width,
 // and refuses a narrower one given, naming both, before any guest exists.
 func TestRenderSizesGuestForBARs(t *testing.T) {
@@ -394,7 +395,7 @@ func TestRenderSizesGuestForBARs(t *testing.T) {
 		{[]string{"--format", "qemu", "--unit", "0"}, 0, "-cpu host,phys-bits=43 \\\n"},
 		{[]string{"--format", "libvirt", "--unit", "all", "--phys-bits", "48"}, 0, "<maxphysaddr mode=\"emulate\" bits=\"48\"></maxphysaddr>"},
 		{[]string{"--format", "qemu", "--unit", "all", "--phys-bits", "45"}, 1,
-			"REFUSED: guest: 8 units need 8 TiB of 64-bit MMIO, a 46-bit physical address width; the width given is 45 bits, whose OVMF window is 4 TiB: their BARs would not all be mapped\n"},
+			"REFUSED: guest: 8 units need 7808 GiB of 64-bit MMIO, a 46-bit physical address width; the width given is 45 bits, whose OVMF window is 4 TiB: their BARs would not all be mapped\n"},
 		{[]string{"--format", "libvirt", "--unit", "all", "--phys-bits", "40"}, 1, "a 46-bit physical address width; the width given is 40 bits"},
 		{[]string{"--format", "qemu", "--unit", "all", "--phys-bits", "-1"}, 2, "--phys-bits -1"},
 	} {

@@ -199,6 +199,7 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	place.OtherPorts = t.otherPorts()
 	// Admission is the manifest's verdict, as render reads it: every unit here is ready.
 	if _, _, err := topology.Admit(sources, ids, false); err != nil {
 		return nil, err
@@ -789,6 +790,31 @@ func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 		p.Expanders = append(p.Expanders, e)
 	}
 	return p, nil
+}
+
+// otherPorts are the root ports the strip left: KubeVirt's, for its own devices and
+// bare ones for hotplug (KUBEVIRT.md: call 3 adds those). OVMF pads each from the same
+// 64-bit window as the units (topology.MMIO), so the plan is sized with them. Only a
+// root port on a root bus counts: KubeVirt nests none.
+func (t *tree) otherPorts() []topology.OtherPort {
+	var out []topology.OtherPort
+	for _, idx := range t.post {
+		c := t.ctl[idx]
+		if c.Model != "pcie-root-port" || own(*c) {
+			continue
+		}
+		p := max(t.parentOf(idx), 0)
+		if p != 0 && t.ctl[p].Model != "pcie-expander-bus" {
+			continue
+		}
+		// KubeVirt v1.9.0's DomainSpec, which virt-launcher and parseDomain read the
+		// domain through, keeps no hotplug attribute: every port is hotplug-capable
+		// until a KubeVirt that keeps one (its main branch sets it on occupied ports).
+		hotplug := c.PCI == nil || c.PCI.Target == nil || c.PCI.Target.Hotplug != "off"
+		out = append(out, topology.OtherPort{Expander: p, Hotplug: hotplug, Index: idx})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Index < out[j].Index })
+	return out
 }
 
 // GuestBuses numbers the buses of a domain as the guest's firmware does: pcie.0 is bus

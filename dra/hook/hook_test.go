@@ -285,12 +285,22 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 		// hook does not check the guest's).
 		cpu      string
 		hostBits int
+		// The last call with host-passthrough on a node of accept bits passes, on one
+		// of refuse bits is refused naming refuseErr (0: not checked). The domain's
+		// other root ports by then (libvirt's for KubeVirt's devices, and 3 bare) take
+		// OVMF's padding from the units' window (topology.MMIO).
+		accept, refuse int
+		refuseErr      string
 	}{
-		{"1unit", []string{"gpu0"}, false, []int{-1}, "", 0},
-		{"2units", []string{"gpu0", "gpu1"}, false, []int{-1, -1}, "", 0},
-		{"2units-2numa", []string{"gpu0", "gpu4"}, true, []int{0, 1}, "", 0},
+		{"1unit", []string{"gpu0"}, false, []int{-1}, "", 0, 44, 43,
+			"guest: 1 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 8 GiB of the window at 44 bits, 56 GiB in all, on the root bus ahead of the units' expanders) need 1056 GiB of 64-bit MMIO, a 44-bit physical address width; the width given is 43 bits, whose OVMF window is 1 TiB"},
+		{"2units", []string{"gpu0", "gpu1"}, false, []int{-1, -1}, "", 0, 0, 0, ""},
+		{"2units-2numa", []string{"gpu0", "gpu4"}, true, []int{0, 1}, "", 0, 0, 0, ""},
+		// Eight units fill OVMF's 8 TiB window alone; the 224 GiB of padding on pcie.0
+		// moves their expander 512 GiB up: no width holds them.
 		{"8units", []string{"gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "gpu6", "gpu7"}, false,
-			[]int{-1, -1, -1, -1, -1, -1, -1, -1}, "host-passthrough", 46},
+			[]int{-1, -1, -1, -1, -1, -1, -1, -1}, "host-passthrough", 0, 0, 52,
+			"guest: 8 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 32 GiB of the window at 46 bits, 224 GiB in all, on the root bus ahead of the units' expanders) need 8320 GiB of 64-bit MMIO, a 47-bit address width; OVMF's window is at most 8 TiB (46 bits with 4-level paging)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := l
@@ -384,13 +394,18 @@ func TestOnDefineDomainThreeCalls(t *testing.T) {
 			}
 			golden(t, tc.name+".nccl-topo.img", b)
 			libvirttest.Virsh(t, uri, "undefine", "tenant_vm")
-			if tc.hostBits != 0 {
-				// The same guest on a node one bit narrower: refused at the last call
-				// before QEMU starts, as at the first (TestDefineDomainGuestWidth).
-				narrow := startHook(t, Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID, HostPhysBits: tc.hostBits - 1})
-				want := fmt.Sprintf("a %d-bit physical address width; the width given is %d bits", tc.hostBits, tc.hostBits-1)
-				if _, err := narrow.define(t, dom3); err == nil || !strings.Contains(err.Error(), want) {
-					t.Errorf("call 3 on a %d-bit node: %v, want %q", tc.hostBits-1, err, want)
+			hp := withCPUMode(t, dom3, "host-passthrough")
+			if tc.accept != 0 {
+				ok := startHook(t, Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID, HostPhysBits: tc.accept})
+				if _, err := ok.define(t, hp); err != nil {
+					t.Errorf("call 3 on a %d-bit node: %v", tc.accept, err)
+				}
+			}
+			if tc.refuse != 0 {
+				// Refused at the last call, before QEMU starts (TestDefineDomainGuestWidth).
+				narrow := startHook(t, Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID, HostPhysBits: tc.refuse})
+				if _, err := narrow.define(t, hp); err == nil || !strings.Contains(err.Error(), tc.refuseErr) {
+					t.Errorf("call 3 on a %d-bit node: %v, want %q", tc.refuse, err, tc.refuseErr)
 				}
 			}
 		})

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"libvirt.org/go/libvirtxml"
+
 	"kubevirt.io/kubevirt/pkg/virt-launcher/virtwrap/api"
 )
 
@@ -43,11 +45,11 @@ func TestDefineDomainGuestWidth(t *testing.T) {
 		want     string // "" accepted
 	}{
 		{"8 units, host-model", withCPUMode(t, eight, "host-model"), 52,
-			"guest: 8 units need 8 TiB of 64-bit MMIO, a 46-bit physical address width; the width given is 40 bits, whose OVMF window is 128 GiB: their BARs would not all be mapped (cpu mode host-model: QEMU's default for a named CPU model; spec.domain.cpu.model: host-passthrough gives the host's 52)"},
+			"guest: 8 units need 7808 GiB of 64-bit MMIO, a 46-bit physical address width; the width given is 40 bits, whose OVMF window is 128 GiB: their BARs would not all be mapped (cpu mode host-model: QEMU's default for a named CPU model; spec.domain.cpu.model: host-passthrough gives the host's 52)"},
 		{"8 units, no cpu mode", eight, 52, "the width given is 40 bits"},
 		{"8 units, host-passthrough on a 45-bit host", withCPUMode(t, eight, "host-passthrough"), 45,
 			"a 46-bit physical address width; the width given is 45 bits, whose OVMF window is 4 TiB: their BARs would not all be mapped (cpu mode host-passthrough: the host's)"},
-		{"1 unit, host-model", withCPUMode(t, one, "host-model"), 52, "guest: 1 units need 1 TiB of 64-bit MMIO, a 43-bit physical address width; the width given is 40 bits"},
+		{"1 unit, host-model", withCPUMode(t, one, "host-model"), 52, "guest: 1 units need 528 GiB of 64-bit MMIO, a 43-bit physical address width; the width given is 40 bits"},
 		{"8 units, host-passthrough on a 52-bit host", withCPUMode(t, eight, "host-passthrough"), 52, ""},
 		{"1 unit, host-passthrough on a 43-bit host", withCPUMode(t, one, "host-passthrough"), 43, ""},
 		{"width unknown: not checked", eight, 0, ""},
@@ -97,5 +99,51 @@ func TestHostPhysBits(t *testing.T) {
 	}
 	if _, err := HostPhysBits(filepath.Join(dir, "missing")); err == nil {
 		t.Error("missing cpuinfo: no error")
+	}
+}
+
+// withRootPorts adds n root ports on pcie.0 at 00:02.x, as libvirt places KubeVirt's.
+func withRootPorts(t *testing.T, dom []byte, n int) []byte {
+	t.Helper()
+	d, err := parseDomain(dom)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < n; i++ {
+		d.Devices.Controllers = append(d.Devices.Controllers, libvirtxml.DomainController{
+			Type: "pci", Index: ptr(uint(100 + i)), Model: "pcie-root-port",
+			Address: &libvirtxml.DomainAddress{PCI: &libvirtxml.DomainAddressPCI{Domain: ptr(uint(0)), Bus: ptr(uint(0)), Slot: ptr(uint(2)), Function: ptr(uint(i))}},
+		})
+	}
+	s, err := d.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return []byte(s)
+}
+
+// TestDefineDomainOtherPorts: the domain's other root ports sit on pcie.0, which OVMF
+// places ahead of the hook's expander in the 64-bit window. A unit alone fits 43 bits
+// (528 GiB of its 1 TiB); beside seven hotplug-capable ports (4 GiB of padding each at
+// 43 bits) the unit's expander starts at 512 GiB and needs 44.
+func TestDefineDomainOtherPorts(t *testing.T) {
+	m, path, keys := signed(t, nil)
+	one := withCPUMode(t, kubevirtDomain(t, m, []string{"gpu0"}, false), "host-passthrough")
+	for _, tc := range []struct {
+		name     string
+		dom      []byte
+		hostBits int
+		want     string // "" accepted
+	}{
+		{"alone at 43", one, 43, ""},
+		{"7 ports at 43", withRootPorts(t, one, 7), 43,
+			"guest: 1 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 8 GiB of the window at 44 bits, 56 GiB in all, on the root bus ahead of the units' expanders) need 1056 GiB of 64-bit MMIO, a 44-bit physical address width; the width given is 43 bits"},
+		{"7 ports at 44", withRootPorts(t, one, 7), 44, ""},
+	} {
+		c := Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID, HostPhysBits: tc.hostBits}
+		_, err := c.DefineDomain(tc.dom)
+		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%s: %v, want %q", tc.name, err, tc.want)
+		}
 	}
 }
