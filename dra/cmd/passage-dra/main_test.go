@@ -177,6 +177,8 @@ func TestDeployDecodesStrictly(t *testing.T) {
 			// The flags cmdPlugin registers, parsed from the DaemonSet's args.
 			var src sourceFlags
 			src.register(fs)
+			var turn turnFlags
+			turn.register(fs)
 			fs.String("node-name", "", "")
 			for _, f := range []string{"manifest", "root", "cdi-dir", "kubeconfig", "registry-dir", "plugin-dir", "hook-dir"} {
 				fs.String(f, "", "")
