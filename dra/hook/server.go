@@ -156,10 +156,24 @@ func serve(ctx context.Context, path string, info hooksinfo.InfoServer, cb hooks
 	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
 		return fmt.Errorf("socket %s: %w", path, err)
 	}
-	ln, err := net.Listen("unix", path)
+	// The socket is bound under a temporary name and renamed into place once it
+	// listens: virt-launcher (and a test) dial whatever socket appears in the directory,
+	// and a path that exists between bind and listen refuses the connection.
+	tmp := filepath.Join(filepath.Dir(path), "."+filepath.Base(path)+".tmp")
+	if err := os.Remove(tmp); err != nil && !os.IsNotExist(err) {
+		return fmt.Errorf("socket %s: %w", tmp, err)
+	}
+	ln, err := net.Listen("unix", tmp)
 	if err != nil {
 		return fmt.Errorf("socket %s: %w", path, err)
 	}
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := os.Rename(tmp, path); err != nil {
+		ln.Close()
+		os.Remove(tmp)
+		return fmt.Errorf("socket %s: %w", path, err)
+	}
+	defer os.Remove(path)
 	g := grpc.NewServer(grpc.ChainUnaryInterceptor(recoverPanic(l)))
 	hooksinfo.RegisterInfoServer(g, info)
 	hooksv1alpha3.RegisterCallbacksServer(g, cb)
