@@ -57,8 +57,8 @@ func largeBARStandIn(t *testing.T, dir string, objects *[]string) topology.QEMUD
 // TestLargeBARGuests boots, under OVMF, the guests render builds from a manifest whose
 // units carry B300 BAR sizes (GPU 512 GiB), at the width render sets, for 1, 2, 4 and 8
 // units, and the KubeVirt hook's whole final domains (largeBARHookGuest): 1 unit at the
-// width the hook demands beside KubeVirt's root ports and one bit less, and 8 units,
-// which the hook refuses at every width, at OVMF's widest; each with stand-ins of those
+// width the hook demands beside KubeVirt's root ports and one bit less, and 8 units at
+// the width the hook demands for them, OVMF's widest; each with stand-ins of those
 // sizes and no I/O BAR; checkLargeBARs holds every guest to the same checks. render
 // refuses each of its guests at one bit less; the hook's refusals are dra/hook's test
 // (TestOnDefineDomainThreeCalls).
@@ -78,12 +78,12 @@ func TestLargeBARGuests(t *testing.T) {
 		bits    int // 0: the planner's width for the domain
 		missing int // stand-ins left without BAR2, each a 512 GiB one
 	}{
-		// The hook refuses this domain (no width holds it): booted at OVMF's widest,
-		// one GPU is left out.
-		{"kubevirt-hook-8units-refused", "8units", topology.OVMFMaxWidth, 1},
+		// Eight units beside KubeVirt's seven root ports at OVMF's widest: the
+		// ports' padding goes in the last unit's alignment gap.
+		{"kubevirt-hook-8units", "8units", 0, 0},
 		{"kubevirt-hook-1unit", "1unit", 0, 0},
 		// One bit short of the width the hook demands for it.
-		{"kubevirt-hook-1unit-43bits", "1unit", 43, 1},
+		{"kubevirt-hook-1unit-42bits", "1unit", 42, 1},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
@@ -137,8 +137,8 @@ func TestLargeBARGuests(t *testing.T) {
 // units' 64-bit window (topology.MMIO). Under TCG the guest gets its width as phys-bits
 // (on a node host-passthrough gives it the host's): bits, or (0) the one the planner
 // demands for the units beside those ports, which is what the hook demands
-// (TestOnDefineDomainThreeCalls accepts 1unit at 44 bits and refuses it at 43, and
-// refuses 8units at every width). missing is how many stand-ins OVMF leaves without
+// (TestOnDefineDomainThreeCalls accepts 1unit at 43 bits and refuses it at 42, and
+// 8units at 46 and 45). missing is how many stand-ins OVMF leaves without
 // their BAR2 at that width: OVMF rejects the largest consumer, a GPU's.
 //
 // KubeVirt's root ports get io-reserve=0: Debian 12's OVMF (edk2-stable202211) pads
@@ -196,8 +196,13 @@ func largeBARHookGuest(t *testing.T, domain string, bits, missing int) {
 			units = append(units, fns)
 		}
 	}
-	// The hook's layout: the units under an expander of the plan's, beside the others.
-	g, err := topology.PlanGuest(src, topology.GuestOptions{Units: ids, In: &topology.Placement{FirstIndex: 1, OtherPorts: others}})
+	// The hook's layout without guest NUMA: the units' root ports on pcie.0 beside the
+	// others (the functions of slot 1 and on, where the hook put them).
+	var at []pci.Address
+	for i := range ids {
+		at = append(at, pci.Address{Device: uint8(1 + i/8), Function: uint8(i % 8)})
+	}
+	g, err := topology.PlanGuest(src, topology.GuestOptions{Units: ids, In: &topology.Placement{FirstIndex: 1, OtherPorts: others, RootPorts: at, RootBus: 1}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -41,9 +41,20 @@ type Placement struct {
 	Free       []int
 	FirstIndex int
 	// GuestNodes maps host NUMA nodes to the domain's guest NUMA cells; nil: the domain
-	// has none, and every unit goes under one expander of the plan's own, bound to no
-	// node.
+	// has none, and every unit's root port goes on pcie.0 (RootSlots), as render's flat
+	// layout puts it.
 	GuestNodes map[int]int
+	// RootPorts are the pcie.0 slots and functions free for the plan's root ports
+	// without guest NUMA, in firmware's order, with no bridge of the domain among them:
+	// firmware numbers the units' buses consecutively from RootBus on. On pcie.0 the
+	// units share OVMF's first root bridge with the domain's own root ports, which it
+	// lays out in descending alignment: the units' 512 GiB BARs first, the other ports'
+	// padding after them, in the last unit's alignment gap. Under an expander of their
+	// own (a root bridge OVMF places after pcie.0) that padding would move every unit up
+	// by a GPU BAR's alignment, and eight units, which fill OVMF's 8 TiB window exactly,
+	// would no longer fit (topology.MMIO).
+	RootPorts []pci.Address
+	RootBus   int
 	// Expanders are the domain's pxb-pcie expanders (KubeVirt's PCINUMAAwareTopology
 	// makes one per guest node): a unit goes under the one of its guest node, after the
 	// devices it holds. Their bus numbers are allotted again, downward from 0xff as
@@ -61,6 +72,8 @@ type PlacedExpander struct {
 	// NextSlot is its first slot after the devices it holds; Reserved the bus numbers
 	// the bridges among those take (firmware numbers them first: lower slots).
 	NextSlot, Reserved int
+	// BusNr is the bus number the domain gives it (0: none).
+	BusNr int
 }
 
 // GuestPort is one emulated port of the guest plan.
@@ -297,6 +310,9 @@ func placeIn(chosen []GuestSource, in *Placement) (*Guest, error) {
 			byNode[e.GuestNUMA] = s
 		}
 	}
+	if !g.NUMA {
+		return placeFlat(g, chosen, in, index)
+	}
 	// Expanders the plan adds take their indexes first: their root ports plug into them.
 	for i, u := range chosen {
 		node := -1
@@ -353,6 +369,44 @@ func placeIn(chosen []GuestSource, in *Placement) (*Guest, error) {
 		return nil, fmt.Errorf("guest plan: expander bus numbers reach down to %#x, below the controller indexes (up to %d)", top+1, next-1)
 	}
 	g.Units = units
+	return g, nil
+}
+
+// placeFlat puts each unit's root port on pcie.0, at the next of in.RootPorts, its
+// buses numbered from in.RootBus (placeIn without guest NUMA).
+func placeFlat(g *Guest, chosen []GuestSource, in *Placement, index func() int) (*Guest, error) {
+	if len(in.RootPorts) < len(chosen) {
+		return nil, fmt.Errorf("guest plan: %d units need a root port each on pcie.0, with none of the domain's bridges among them; %d places are free", len(chosen), len(in.RootPorts))
+	}
+	bus := in.RootBus
+	if bus < 1 {
+		return nil, fmt.Errorf("guest plan: first guest bus %d: want 1 or more (0 is pcie.0)", bus)
+	}
+	for i, u := range chosen {
+		at := in.RootPorts[i]
+		if at.Domain != 0 || at.Bus != 0 || at.Device < 1 || at.Device > 0x1f || at.Function > 7 {
+			return nil, fmt.Errorf("guest plan: %s: not a place for a root port on pcie.0", at)
+		}
+		if len(u.Functions) > 32 {
+			return nil, fmt.Errorf("guest plan: %s: %d functions do not fit one switch", u.ID, len(u.Functions))
+		}
+		if need := 2 + len(u.Functions); bus+need-1 > 0xff {
+			return nil, fmt.Errorf("guest plan: %s: out of guest bus numbers", u.ID)
+		}
+		prefix := fmt.Sprintf("u%d", u.ID)
+		gu := GuestUnit{Unit: u.ID, HostNUMA: u.NUMANode, GuestNUMA: -1, UpLink: u.UpLink}
+		rp := GuestPort{ID: prefix + "rp", Model: "pcie-root-port", Bus: "pcie.0", Dev: int(at.Device),
+			Addr: at, Secondary: bus, Index: index(), Parent: 0}
+		unitSwitch(&gu, u, rp, prefix, 0, index)
+		bus += 2 + len(u.Functions)
+		g.Units = append(g.Units, gu)
+	}
+	// The domain's expanders keep their bus numbers: the units' must end below them.
+	for _, e := range in.Expanders {
+		if e.BusNr > 0 && e.BusNr < bus {
+			return nil, fmt.Errorf("guest plan: the units' guest buses %#x-%#x reach the domain's expander %d at bus %#x", in.RootBus, bus-1, e.Index, e.BusNr)
+		}
+	}
 	return g, nil
 }
 

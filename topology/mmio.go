@@ -261,10 +261,10 @@ func (m MMIO) others(width int) string {
 		return ""
 	}
 	if m.OtherHotplug == 0 {
-		return fmt.Sprintf(" beside the domain's %d other root ports (none hotplug-capable; what is below them goes on the root bus ahead of the units' expanders)", m.OtherPorts)
+		return fmt.Sprintf(" beside the domain's %d other root ports (none hotplug-capable)", m.OtherPorts)
 	}
 	pad := prefPadding(OVMFWindow(width))
-	return fmt.Sprintf(" beside the domain's %d other root ports (OVMF pads each of the %d hotplug-capable ones with %s of the window at %d bits, %s in all, on the root bus ahead of the units' expanders)",
+	return fmt.Sprintf(" beside the domain's %d other root ports (OVMF pads each of the %d hotplug-capable ones with %s of the window at %d bits, %s in all)",
 		m.OtherPorts, m.OtherHotplug, Bytes(pad), width, Bytes(pad*uint64(m.OtherHotplug)))
 }
 

@@ -4,6 +4,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/passage-boot/passage/pci"
 )
 
 // TestGuestMMIOB300 sizes guests of the reference B300's units as edk2 does. Per unit the
@@ -113,12 +115,15 @@ func TestAperturePadding(t *testing.T) {
 	}
 }
 
-// TestGuestMMIOOtherPorts: the hook's placement puts the units under an expander of its
-// own, and KubeVirt's root ports sit on pcie.0, which OVMF places first. Seven of them,
-// padded 32 GiB each at 46 bits, take 224 GiB there, and the expander's units start at
-// the next 512 GiB boundary: 8 units then end 128 GiB past the 8 TiB window, and no
-// width OVMF uses holds them; 7 units still fit at 46 bits. Without hotplug the seven
-// ports still hold KubeVirt's virtio devices' 64-bit BARs: the same push.
+// TestGuestMMIOOtherPorts: KubeVirt's root ports sit on pcie.0, padded 32 GiB each at 46
+// bits when hotplug-capable. Without guest NUMA the hook's placement puts the units' root
+// ports on pcie.0 beside them: one root bridge, laid out in descending alignment, so the
+// padding goes after the last unit, in its alignment gap, and 8 units still fit OVMF's 8
+// TiB window. Under an expander of their own (with guest NUMA, the domain's per-node
+// ones), a root bridge OVMF places after pcie.0, the same ports push the units to the
+// next 512 GiB boundary: 8 units end 128 GiB past the window and no width OVMF uses
+// holds them, with or without hotplug (the ports' virtio devices' 64-bit BARs push as
+// well).
 func TestGuestMMIOOtherPorts(t *testing.T) {
 	_, tree := reference(t, "b300")
 	l := mustLabel(t, tree, "b300")
@@ -130,30 +135,39 @@ func TestGuestMMIOOtherPorts(t *testing.T) {
 		}
 		return o
 	}
+	all := []UnitID{0, 1, 2, 3, 4, 5, 6, 7}
 	for _, tc := range []struct {
 		name   string
 		units  []UnitID
 		others []OtherPort
+		numa   bool // the units under per-node expanders (all on host node 0 and 1)
 		want   uint64
 		width  int
 		err    string
 	}{
-		{"8 units alone", nil, nil, 7*tib + 640*gib, 46, ""},
-		{"8 units, 7 other ports", nil, others(7, true), 8*tib + 128*gib, 47,
-			"guest: 8 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 32 GiB of the window at 46 bits, 224 GiB in all, on the root bus ahead of the units' expanders) need 8320 GiB of 64-bit MMIO, a 47-bit address width; OVMF's window is at most 8 TiB"},
-		{"8 units, 7 ports without hotplug", nil, others(7, false), 8*tib + 128*gib, 47, "beside the domain's 7 other root ports (none hotplug-capable;"},
-		{"7 units, 7 other ports", []UnitID{0, 1, 2, 3, 4, 5, 6}, others(7, true), 7*tib + 128*gib, 46, ""},
-		{"1 unit alone", []UnitID{0}, nil, 528 * gib, 43, ""},
-		// 28 GiB on pcie.0 at 43 bits push the unit to 512 GiB: 1040 GiB, past 1 TiB.
-		{"1 unit, 7 other ports", []UnitID{0}, others(7, true), 512*gib + 544*gib, 44, ""},
+		{"8 units alone", nil, nil, false, 7*tib + 640*gib, 46, ""},
+		{"8 units, 7 other ports", nil, others(7, true), false, 7*tib + 864*gib, 46, ""},
+		{"8 units, 7 ports without hotplug", nil, others(7, false), false, 7*tib + 640*gib + 7<<20, 46, ""},
+		{"7 units, 7 other ports", []UnitID{0, 1, 2, 3, 4, 5, 6}, others(7, true), false, 6*tib + 864*gib, 46, ""},
+		{"1 unit alone", []UnitID{0}, nil, false, 528 * gib, 43, ""},
+		// 28 GiB after the unit at 43 bits: 556 GiB of the 1 TiB window.
+		{"1 unit, 7 other ports", []UnitID{0}, others(7, true), false, 556 * gib, 43, ""},
+		{"8 units on 2 expanders alone", all, nil, true, 7*tib + 640*gib, 46, ""},
+		{"8 units on 2 expanders, 7 other ports", all, others(7, true), true, 8*tib + 128*gib, 47,
+			"guest: 8 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 32 GiB of the window at 46 bits, 224 GiB in all) need 8320 GiB of 64-bit MMIO, a 47-bit address width; OVMF's window is at most 8 TiB"},
+		{"8 units on 2 expanders, 7 ports without hotplug", all, others(7, false), true, 8*tib + 128*gib, 47, "beside the domain's 7 other root ports (none hotplug-capable)"},
 	} {
-		g, err := GuestPlan(l.Units, GuestOptions{Units: tc.units, In: &Placement{FirstIndex: 2, OtherPorts: tc.others}})
+		in := &Placement{FirstIndex: 2, OtherPorts: tc.others, RootPorts: rootPorts(8), RootBus: 8}
+		if tc.numa {
+			in.GuestNodes = map[int]int{0: 0, 1: 1}
+		}
+		g, err := GuestPlan(l.Units, GuestOptions{Units: tc.units, In: in})
 		if err != nil {
 			t.Fatal(err)
 		}
 		m := g.MMIO()
 		if m.Prefetchable64 != tc.want || m.Width != tc.width || m.OtherPorts != len(tc.others) {
-			t.Errorf("%s: %+v, want %s at %d bits", tc.name, m, Bytes(tc.want), tc.width)
+			t.Errorf("%s: %+v (%s), want %s at %d bits", tc.name, m, Bytes(m.Prefetchable64), Bytes(tc.want), tc.width)
 		}
 		err = m.CheckWidth(46, len(g.Units))
 		if tc.err == "" && err != nil || tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)) {
@@ -170,4 +184,13 @@ func TestOVMFWidthLimit(t *testing.T) {
 	if OVMFWindow(40) != 128<<30 || OVMFWindow(52) != 8<<40 {
 		t.Errorf("windows %d %d", OVMFWindow(40), OVMFWindow(52))
 	}
+}
+
+// rootPorts are n places for root ports on pcie.0: functions of slots 0x10 on.
+func rootPorts(n int) []pci.Address {
+	var out []pci.Address
+	for i := 0; i < n; i++ {
+		out = append(out, pci.Address{Device: uint8(0x10 + i/8), Function: uint8(i % 8)})
+	}
+	return out
 }

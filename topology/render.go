@@ -137,6 +137,9 @@ func (g *Guest) LibvirtControllers() []libvirtxml.DomainController {
 		if p.Model == "x3130-upstream" {
 			at.Device = 0
 		}
+		if g.Placed && p.Bus == "pcie.0" {
+			at.Function = p.Addr.Function
+		}
 		c := libvirtController(p.Index, model, qemuModel, target, at)
 		if g.Placed {
 			c.PCI.Model, c.PCI.Target = nil, nil

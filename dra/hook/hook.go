@@ -195,7 +195,7 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 	if t, err = t.strip(isMine); err != nil {
 		return nil, err
 	}
-	place, err := t.placement(d)
+	place, err := t.placement(d, len(ids))
 	if err != nil {
 		return nil, err
 	}
@@ -234,6 +234,9 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 		}
 	}
 	d.Devices.Controllers = append(d.Devices.Controllers, added...)
+	if err := addressRootPorts(d.Devices, g); err != nil {
+		return nil, err
+	}
 	for _, u := range g.Units {
 		for _, f := range u.Functions {
 			h := &d.Devices.Hostdevs[mine[f.HostID]]
@@ -302,6 +305,7 @@ func parseDomain(in []byte) (libvirtxml.Domain, error) {
 const (
 	maxPCIIndex = 255
 	maxBusNr    = 254
+	maxSlot     = 0x1f
 	// maxNUMANode is Linux's MAX_NUMNODES at its largest (NODES_SHIFT 10).
 	maxNUMANode = 1<<10 - 1
 	// MaxDomain bounds the domain XML: virt-launcher's gRPC client sends at most gRPC's
@@ -734,7 +738,7 @@ func (t *tree) parentOf(idx int) int {
 
 // placement reads what the domain leaves to the plan: the first free controller index,
 // its guest NUMA cells and the host nodes they are bound to, and its expanders.
-func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
+func (t *tree) placement(d libvirtxml.Domain, units int) (*topology.Placement, error) {
 	p := &topology.Placement{FirstIndex: 1}
 	for idx := range t.ctl {
 		if idx+1 > p.FirstIndex {
@@ -787,9 +791,125 @@ func (t *tree) placement(d libvirtxml.Domain) (*topology.Placement, error) {
 			}
 		}
 		e.Reserved = reserved[e.Index]
+		if c.PCI != nil && c.PCI.Target != nil && c.PCI.Target.BusNr != nil {
+			e.BusNr = int(*c.PCI.Target.BusNr)
+		}
 		p.Expanders = append(p.Expanders, e)
 	}
+	// The units' root ports without guest NUMA go on pcie.0 where no bridge of the
+	// domain is numbered among them (RootPorts): before its first bridge, in firmware's
+	// order, or else after its last. Before is where they stay from call to call:
+	// libvirt puts the root ports it adds itself into the functions of the units' slots
+	// after theirs (it aggregates root ports into multifunction slots), or in later
+	// slots.
+	type place struct{ slot, fn int }
+	taken := map[place]bool{}
+	first, last := place{maxSlot + 1, 0}, place{0, 7}
+	before := func(a, b place) bool { return a.slot < b.slot || a.slot == b.slot && a.fn < b.fn }
+	for _, k := range t.children(0) {
+		at := place{k.slot, k.fn}
+		taken[at] = true
+		if k.index >= 0 && t.ctl[k.index].Model != "pcie-expander-bus" {
+			if before(at, first) {
+				first = at
+			}
+			if before(last, at) {
+				last = at
+			}
+		}
+	}
+	// free lists the places from..to (inclusive) the plan may take: function 0 of a free
+	// slot, and the other functions of a slot whose function 0 it takes.
+	free := func(from, to place) []pci.Address {
+		var out []pci.Address
+		for s := max(from.slot, 1); s <= min(to.slot, maxSlot); s++ {
+			mine := false
+			for f := 0; f <= 7; f++ {
+				at := place{s, f}
+				if before(at, from) || before(to, at) {
+					continue
+				}
+				if taken[at] {
+					if f == 0 {
+						break
+					}
+					continue
+				}
+				if f == 0 {
+					mine = true
+				}
+				if mine {
+					out = append(out, pci.Address{Device: uint8(s), Function: uint8(f)})
+				}
+			}
+		}
+		return out
+	}
+	p.RootPorts, p.RootBus = nil, 1
+	if first.slot <= maxSlot {
+		// Up to the one before the first bridge.
+		end := place{first.slot, first.fn - 1}
+		if first.fn == 0 {
+			end = place{first.slot - 1, 7}
+		}
+		p.RootPorts = free(place{1, 0}, end)
+	} else {
+		p.RootPorts = free(place{1, 0}, place{maxSlot, 7})
+	}
+	if len(p.RootPorts) < units {
+		var err error
+		if _, p.RootBus, err = t.buses(); err != nil {
+			return nil, err
+		}
+		p.RootPorts = free(place{last.slot + 1, 0}, place{maxSlot, 7})
+	}
 	return p, nil
+}
+
+// addressRootPorts gives each root port without an address (virt-launcher's bare ones
+// for hotplug, KUBEVIRT.md's third call) a free pcie.0 slot above the units' root ports,
+// in index order: left to libvirt, it would take the lowest free slot, perhaps one below
+// them, and move the units' guest bus numbers after the hook has written them into the
+// NCCL file.
+func addressRootPorts(devs *libvirtxml.DomainDeviceList, g *topology.Guest) error {
+	t, err := newTree(devs)
+	if err != nil {
+		return err
+	}
+	used := map[int]bool{0: true}
+	for _, k := range t.children(0) {
+		used[k.slot] = true
+	}
+	var slots []int
+	for s := 1; s <= maxSlot; s++ {
+		if !used[s] {
+			slots = append(slots, s)
+		}
+	}
+	if !g.NUMA {
+		top := 0
+		for _, u := range g.Units {
+			top = max(top, u.RootPort.Dev)
+		}
+		for len(slots) > 0 && slots[0] <= top {
+			slots = slots[1:]
+		}
+	}
+	var bare []*libvirtxml.DomainController
+	for i := range devs.Controllers {
+		c := &devs.Controllers[i]
+		if c.Type == "pci" && c.Index != nil && c.Model == "pcie-root-port" && c.Address == nil {
+			bare = append(bare, c)
+		}
+	}
+	sort.Slice(bare, func(i, j int) bool { return *bare[i].Index < *bare[j].Index })
+	if len(bare) > len(slots) {
+		return fmt.Errorf("controller pci %d: %d root ports without an address, %d pcie.0 slots free above the units' root ports", *bare[0].Index, len(bare), len(slots))
+	}
+	for i, c := range bare {
+		c.Address = &libvirtxml.DomainAddress{PCI: &libvirtxml.DomainAddressPCI{Domain: ptr(uint(0)), Bus: ptr(uint(0)), Slot: ptr(uint(slots[i])), Function: ptr(uint(0))}}
+	}
+	return nil
 }
 
 // otherPorts are the root ports the strip left: KubeVirt's, for its own devices and
@@ -838,7 +958,15 @@ func guestBuses(devs *libvirtxml.DomainDeviceList) (map[int]int, error) {
 	if err != nil {
 		return nil, err
 	}
-	buses := map[int]int{0: 0}
+	buses, _, err := t.buses()
+	return buses, err
+}
+
+// buses numbers the tree's buses (GuestBuses); next is the first bus number after the
+// ones pcie.0's bridges take.
+func (t *tree) buses() (buses map[int]int, next int, err error) {
+	devs := t.devs
+	buses = map[int]int{0: 0}
 	var walk func(index, bus int, next *int)
 	walk = func(index, bus int, next *int) {
 		buses[index] = bus
@@ -851,20 +979,21 @@ func guestBuses(devs *libvirtxml.DomainDeviceList) (map[int]int, error) {
 			walk(ch.index, n, next)
 		}
 	}
-	next := 1
+	next = 1
 	walk(0, 0, &next)
+	after := next
 	for _, c := range devs.Controllers {
 		if c.Type != "pci" || c.Index == nil || c.Model != "pcie-expander-bus" {
 			continue
 		}
 		if c.PCI == nil || c.PCI.Target == nil || c.PCI.Target.BusNr == nil {
-			return nil, fmt.Errorf("controller %d: pcie-expander-bus without busNr", *c.Index)
+			return nil, 0, fmt.Errorf("controller %d: pcie-expander-bus without busNr", *c.Index)
 		}
 		nr := int(*c.PCI.Target.BusNr)
 		n := nr + 1
 		walk(int(*c.Index), nr, &n)
 	}
-	return buses, nil
+	return buses, after, nil
 }
 
 // NCCL renders the guest's NCCL topology file with each bus ID read from domain (the

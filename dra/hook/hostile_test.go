@@ -120,7 +120,7 @@ func TestHostileDomains(t *testing.T) {
 			[]string{"controller pci 256", "above libvirt's 255"}, nil},
 		{"a chain of 200 PCI controllers", func(s *api.DomainSpec) { s.Devices.Controllers = append(s.Devices.Controllers, chain(200)...) }, nil, nil},
 		{"a chain of 255 PCI controllers", func(s *api.DomainSpec) { s.Devices.Controllers = append(s.Devices.Controllers, chain(255)...) },
-			[]string{"guest plan", "below the controller indexes"}, nil},
+			[]string{"guest plan", "out of guest bus numbers"}, nil},
 		{"3000 controllers of other types", func(s *api.DomainSpec) { s.Devices.Controllers = append(s.Devices.Controllers, many...) }, nil, nil},
 		{"an expander busNr of 300", func(s *api.DomainSpec) {
 			nr := uint32(300)

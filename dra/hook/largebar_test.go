@@ -122,10 +122,11 @@ func withRootPorts(t *testing.T, dom []byte, n int) []byte {
 	return []byte(s)
 }
 
-// TestDefineDomainOtherPorts: the domain's other root ports sit on pcie.0, which OVMF
-// places ahead of the hook's expander in the 64-bit window. A unit alone fits 43 bits
-// (528 GiB of its 1 TiB); beside seven hotplug-capable ports (4 GiB of padding each at
-// 43 bits) the unit's expander starts at 512 GiB and needs 44.
+// TestDefineDomainOtherPorts: the domain's other root ports sit on pcie.0 with the units'
+// (no guest NUMA): OVMF lays the one root bridge out in descending alignment, so their
+// padding (4 GiB each at 43 bits) goes after the unit, in its alignment gap. A unit alone
+// and a unit beside seven hotplug-capable ports both fit 43 bits (528 and 556 GiB of the
+// 1 TiB window); neither fits 42.
 func TestDefineDomainOtherPorts(t *testing.T) {
 	m, path, keys := signed(t, nil)
 	one := withCPUMode(t, kubevirtDomain(t, m, []string{"gpu0"}, false), "host-passthrough")
@@ -136,9 +137,10 @@ func TestDefineDomainOtherPorts(t *testing.T) {
 		want     string // "" accepted
 	}{
 		{"alone at 43", one, 43, ""},
-		{"7 ports at 43", withRootPorts(t, one, 7), 43,
-			"guest: 1 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 8 GiB of the window at 44 bits, 56 GiB in all, on the root bus ahead of the units' expanders) need 1056 GiB of 64-bit MMIO, a 44-bit physical address width; the width given is 43 bits"},
-		{"7 ports at 44", withRootPorts(t, one, 7), 44, ""},
+		{"alone at 42", one, 42, "guest: 1 units need 528 GiB of 64-bit MMIO, a 43-bit physical address width; the width given is 42 bits"},
+		{"7 ports at 42", withRootPorts(t, one, 7), 42,
+			"guest: 1 units beside the domain's 7 other root ports (OVMF pads each of the 7 hotplug-capable ones with 4 GiB of the window at 43 bits, 28 GiB in all) need 556 GiB of 64-bit MMIO, a 43-bit physical address width; the width given is 42 bits"},
+		{"7 ports at 43", withRootPorts(t, one, 7), 43, ""},
 	} {
 		c := Config{Manifest: path, Keys: keys, NodeUUID: m.Node.DMIUUID, HostPhysBits: tc.hostBits}
 		_, err := c.DefineDomain(tc.dom)
