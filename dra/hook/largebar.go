@@ -20,11 +20,11 @@ const namedModelWidth = 40
 
 // checkGuestWidth refuses a domain whose guest cannot map every BAR of the units the
 // plan gives it: OVMF's 64-bit window follows the guest's physical address width
-// (topology.MMIO), and what virt-launcher keeps of a domain (KubeVirt's api.DomainSpec)
-// holds neither libvirt's <maxphysaddr> nor <qemu:commandline> on its way back, so the
-// hook cannot set a width: it can only read the one the domain's CPU mode gives and
-// refuse before the guest starts, rather than let the tenant find a GPU with "BAR0 is
-// 0M". hostBits is the node's own width (0: unknown, not checked).
+// (topology.MMIO), and what virt-launcher keeps of a domain between its calls
+// (KubeVirt's api.DomainSpec) holds neither libvirt's <maxphysaddr> nor
+// <qemu:commandline>, so the hook sets no width: it reads the one the domain's CPU mode
+// gives and refuses before the guest starts, rather than let the tenant find a GPU with
+// "BAR0 is 0M". hostBits is the node's own width (0: unknown, not checked).
 func checkGuestWidth(d *libvirtxml.Domain, g *topology.Guest, hostBits int) error {
 	if hostBits == 0 || g == nil || len(g.Units) == 0 {
 		return nil
