@@ -122,18 +122,19 @@ storm-bench: cluster-bin
 		$(GO) test -count=1 -tags cluster -timeout 90m -run '^$$' -bench BootStorm -benchtime 1x ./cluster/ | tee $(abspath $(BUILD))/storm-bench.txt
 
 # test: the unit tests, the QEMU suite, then the cluster tests. The control plane's build
-# (cold: about 25 minutes of CPU) starts first, beside them, under SCHED_IDLE (chrt
-# --idle): it gets only CPU time nothing else wants (the QEMU suite runs one TCG thread,
-# the race tests wait on subprocesses), so it neither slows them nor takes a core from a
-# guest. (An earlier run at nice 10 beside the QEMU suite made TestEmergencyShell's console
-# typing fail.) Warm, it finds its binaries and ends at once. Its output is in
+# (cold: about 25 minutes of CPU) runs beside the QEMU suite, under SCHED_IDLE (chrt
+# --idle): the suite's guests run on one TCG thread, so a core is mostly free, and the
+# build gets only CPU time nothing else wants. Started with the unit tests instead, it
+# slowed them by about as much as it saved (a cold clean-clone run, 2026-12-05). Warm,
+# it finds its binaries and ends at once. Its output is in
 # $(BUILD)/controlplane-build.log; if it fails, the log is printed and test fails.
 test: deps
-	@mkdir -p $(BUILD); \
+	@$(MAKE) --no-print-directory unit || exit 1; \
+	mkdir -p $(BUILD); \
 	setsid chrt --idle 0 bash dra/cluster/build.sh $(abspath $(BUILD))/controlplane >$(BUILD)/controlplane-build.log 2>&1 & cp=$$!; \
 	trap 'kill -- -$$cp 2>/dev/null' EXIT; \
-	$(MAKE) --no-print-directory unit qemu-test || exit 1; \
-	start=$$SECONDS; echo "test: the control plane's build (beside the unit and QEMU tests, at idle priority): waiting"; \
+	$(MAKE) --no-print-directory qemu-test || exit 1; \
+	start=$$SECONDS; echo "test: the control plane's build (beside the QEMU suite, at idle priority): waiting"; \
 	wait $$cp || { echo "test: the control plane's build failed:"; cat $(BUILD)/controlplane-build.log; exit 1; }; \
 	trap - EXIT; echo "test: the control plane's build done after $$((SECONDS - start)) s more"; \
 	$(MAKE) --no-print-directory cluster-test
