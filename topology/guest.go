@@ -41,7 +41,7 @@ type Placement struct {
 	Free       []int
 	FirstIndex int
 	// GuestNodes maps host NUMA nodes to the domain's guest NUMA cells; nil: the domain
-	// has none, and every unit's root port goes on pcie.0 (RootSlots), as render's flat
+	// has none, and every unit's root port goes on pcie.0 (RootPorts), as render's flat
 	// layout puts it.
 	GuestNodes map[int]int
 	// RootPorts are the pcie.0 slots and functions free for the plan's root ports

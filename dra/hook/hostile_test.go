@@ -135,6 +135,40 @@ func TestHostileDomains(t *testing.T) {
 			gpu := s.Devices.HostDevices[gpuAt(s, "0000:22:00.0")]
 			s.Devices.HostDevices[nvme].Source = gpu.Source
 		}, []string{"hostdev 0000:22:00.0 (gpu0 gpu)", "listed twice"}, nil},
+		{"40 root ports without an address", func(s *api.DomainSpec) {
+			for i := 0; i < 40; i++ {
+				s.Devices.Controllers = append(s.Devices.Controllers, api.Controller{Type: "pci", Index: fmt.Sprint(100 + i), Model: "pcie-root-port"})
+			}
+		}, []string{"controller pci 100", "40 root ports without an address", "pcie.0 slots free above the units' root ports"}, nil},
+		{"3 root ports without an address", func(s *api.DomainSpec) {
+			for i := 0; i < 3; i++ {
+				s.Devices.Controllers = append(s.Devices.Controllers, api.Controller{Type: "pci", Index: fmt.Sprint(100 + i), Model: "pcie-root-port"})
+			}
+		}, nil, func(t *testing.T, out []byte) {
+			// Each gets function 0 of a pcie.0 slot of its own, above the unit's root port.
+			d := mustParse(t, out)
+			var unitSlot uint
+			for _, c := range d.Devices.Controllers {
+				if own(c) && c.Model == "pcie-root-port" {
+					unitSlot = *c.Address.PCI.Slot
+				}
+			}
+			seen := map[uint]bool{}
+			for _, c := range d.Devices.Controllers {
+				if c.Index == nil || *c.Index < 100 || *c.Index > 102 {
+					continue
+				}
+				if c.Address == nil || c.Address.PCI == nil || *c.Address.PCI.Bus != 0 || *c.Address.PCI.Function != 0 ||
+					*c.Address.PCI.Slot <= unitSlot || seen[*c.Address.PCI.Slot] {
+					t.Errorf("root port %d: address %+v, want function 0 of a slot of its own above the unit's %#x", *c.Index, c.Address, unitSlot)
+					continue
+				}
+				seen[*c.Address.PCI.Slot] = true
+			}
+			if len(seen) != 3 {
+				t.Errorf("%d of 3 bare root ports addressed", len(seen))
+			}
+		}},
 		{"a source bus above 0xff", func(s *api.DomainSpec) {
 			s.Devices.HostDevices[gpuAt(s, "0000:22:00.0")].Source.Address.Bus = "0x122"
 		}, []string{"source address", "bus 0x122 is above PCI's 0xff"}, nil},
