@@ -27,22 +27,9 @@ import (
 // so whichever of the two writes last, the rule ends as the verdict says. It returns
 // the pools it found untaintable by their records (tainted now or already).
 func (s *Server) Reconcile(ctx context.Context, page int64) (int, error) {
-	pools := map[string]int64{}
-	opts := metav1.ListOptions{Limit: page, FieldSelector: "spec.driver=" + resources.DriverName}
-	for {
-		l, err := s.Taints.Client.ResourceV1().ResourceSlices().List(ctx, opts)
-		if err != nil {
-			return 0, fmt.Errorf("reconcile: resource slices: %w", err)
-		}
-		for _, sl := range l.Items {
-			if sl.Spec.Driver != resources.DriverName {
-				continue
-			}
-			pools[sl.Spec.Pool.Name] = max(pools[sl.Spec.Pool.Name], sl.Spec.Pool.Generation)
-		}
-		if opts.Continue = l.Continue; opts.Continue == "" {
-			break
-		}
+	pools, err := s.pools(ctx, page)
+	if err != nil {
+		return 0, fmt.Errorf("reconcile: %w", err)
 	}
 	tainted := 0
 	var errs []error
@@ -104,4 +91,27 @@ func (s *Server) unverified(ctx context.Context, pool string, gen int64) (string
 		return n.Status.Reason, true, nil
 	}
 	return fmt.Sprintf("generation %d published and not attested", gen), true, nil
+}
+
+// pools are the pools passage-dra publishes slices for, each at its newest generation,
+// read in at most maxSweepPages pages of page slices.
+func (s *Server) pools(ctx context.Context, page int64) (map[string]int64, error) {
+	pools := map[string]int64{}
+	opts := metav1.ListOptions{Limit: page, FieldSelector: "spec.driver=" + resources.DriverName}
+	for range maxSweepPages {
+		l, err := s.Taints.Client.ResourceV1().ResourceSlices().List(ctx, opts)
+		if err != nil {
+			return nil, fmt.Errorf("resource slices: %w", err)
+		}
+		for _, sl := range l.Items {
+			if sl.Spec.Driver != resources.DriverName {
+				continue
+			}
+			pools[sl.Spec.Pool.Name] = max(pools[sl.Spec.Pool.Name], sl.Spec.Pool.Generation)
+		}
+		if opts.Continue = l.Continue; opts.Continue == "" {
+			return pools, nil
+		}
+	}
+	return nil, fmt.Errorf("resource slices: over %d pages of %d listed", maxSweepPages, page)
 }

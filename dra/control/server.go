@@ -673,7 +673,22 @@ const VerdictTimeout = 30 * time.Second
 // its rule back. It returns how many records it deleted.
 func (s *Server) SweepUnenrolled(ctx context.Context, page int64) (int, error) {
 	gone, err := s.Store.SweepUnenrolled(ctx, page)
+	var published map[string]int64
+	if len(gone) > 0 {
+		var perr error
+		if published, perr = s.pools(ctx, page); perr != nil {
+			// Unknown which pools publish: every swept record's rule stays.
+			return len(gone), errors.Join(err, fmt.Errorf("swept %d records, their rules kept: %w", len(gone), perr))
+		}
+	}
 	for _, name := range gone {
+		// A pool passage-dra still publishes keeps its devices untainted only once a
+		// record verifies it: its rule says unverified, never nothing. Only a record
+		// no pool stands behind (a made-up hostname) loses its rule with it.
+		if _, ok := published[name]; ok {
+			err = errors.Join(err, s.Taints.Set(ctx, name, name, VerdictUnverified, "", "its record was swept, not enrolled"))
+			continue
+		}
 		if rerr := s.Taints.Clear(ctx, name); rerr != nil {
 			err = errors.Join(err, rerr)
 			continue
