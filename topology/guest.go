@@ -295,6 +295,9 @@ func placeIn(chosen []GuestSource, in *Placement) (*Guest, error) {
 		next++
 		return next - 1
 	}
+	if !g.NUMA {
+		return placeFlat(g, chosen, in, index)
+	}
 	type slot struct {
 		x        *Expander
 		nextSlot int
@@ -310,33 +313,21 @@ func placeIn(chosen []GuestSource, in *Placement) (*Guest, error) {
 			byNode[e.GuestNUMA] = s
 		}
 	}
-	if !g.NUMA {
-		return placeFlat(g, chosen, in, index)
-	}
 	// Expanders the plan adds take their indexes first: their root ports plug into them.
 	for i, u := range chosen {
-		node := -1
-		if g.NUMA {
-			n, ok := in.GuestNodes[u.NUMANode]
-			if !ok {
-				return nil, fmt.Errorf("guest plan: %s: host NUMA node %d has no guest NUMA cell bound to it", u.ID, u.NUMANode)
-			}
-			node = n
+		node, ok := in.GuestNodes[u.NUMANode]
+		if !ok {
+			return nil, fmt.Errorf("guest plan: %s: host NUMA node %d has no guest NUMA cell bound to it", u.ID, u.NUMANode)
 		}
 		s := byNode[node]
 		if s == nil {
 			s = &slot{x: &Expander{ID: fmt.Sprintf("pxbn%d", node), NUMANode: node, Index: index()}}
-			if node < 0 {
-				s.x.ID = "pxb"
-			}
 			xs = append(xs, s)
 			byNode[node] = s
 		}
 		s.units = append(s.units, i)
 	}
-	if g.NUMA {
-		g.GuestNodes = in.GuestNodes
-	}
+	g.GuestNodes = in.GuestNodes
 	units := make([]GuestUnit, len(chosen))
 	top := 0xff
 	for _, s := range xs {
