@@ -78,6 +78,21 @@ type Attestation struct {
 	// PassageLog is passage's own event log of PCR 13 (the manifest's event log file,
 	// a TCG PC Client crypto-agile log like the firmware's).
 	PassageLog []byte `json:"passage_log"`
+	// Envelope is the DSSE envelope of the manifest this attestation is for, when the
+	// attestation is delivered to a control plane: it is taken with the quote that names
+	// it (passage's event log ends in its payload's digest) or not at all.
+	Envelope json.RawMessage `json:"envelope,omitempty"`
+}
+
+// WithEnvelope is the attestation body b carrying envelope: what a node delivers to a
+// control plane, which takes a manifest only with the quote that names it.
+func WithEnvelope(b, envelope []byte) ([]byte, error) {
+	a, err := ParseAttestation(b)
+	if err != nil {
+		return nil, err
+	}
+	a.Envelope = envelope
+	return a.Marshal()
 }
 
 // Where a node's nonce came from (Attestation.NonceSource).
@@ -174,6 +189,12 @@ func pcrDigest(pcrs map[int]HexBytes, sel []int) ([]byte, error) {
 type Refusal struct {
 	Check string
 	Err   error
+	// Evidence says the refusal rests on what the node's TPM vouched for: a quote that
+	// verified, over event logs that replay into it, showing a boot that is not approved
+	// or a rollback. Any other refusal (a log that does not replay, an event whose data
+	// is not what its digest says, a forged or stale quote) anyone on the way could
+	// have caused, and it says nothing about the node.
+	Evidence bool
 }
 
 func (r *Refusal) Error() string { return r.Check + ": " + r.Err.Error() }
@@ -181,6 +202,17 @@ func (r *Refusal) Unwrap() error { return r.Err }
 
 func refuse(check, format string, a ...any) error {
 	return &Refusal{Check: check, Err: fmt.Errorf(format, a...)}
+}
+
+// evidence is a refusal that is evidence against the node (Refusal.Evidence).
+func evidence(check, format string, a ...any) error {
+	return &Refusal{Check: check, Err: fmt.Errorf(format, a...), Evidence: true}
+}
+
+// IsEvidence says whether err is a refusal that is evidence against the node.
+func IsEvidence(err error) bool {
+	var r *Refusal
+	return errors.As(err, &r) && r.Evidence
 }
 
 // CheckOf names the check err refused on ("" when err is not a refusal).

@@ -139,7 +139,7 @@ func checkEvents(events []goattest.Event, ap *Approved) ([]byte, error) {
 		switch rules[uint32(e.Type)] {
 		case approvedImage:
 			if !slices.ContainsFunc(ap.Authenticode, func(h HexBytes) bool { return bytes.Equal(h, e.Digest) }) {
-				return nil, refuse(check, "%s: an image that is not approved was loaded (Authenticode sha256 %x)", name, e.Digest)
+				return nil, evidence(check, "%s: an image that is not approved was loaded (Authenticode sha256 %x)", name, e.Digest)
 			}
 			image = e.Digest
 		case overData:
@@ -168,7 +168,7 @@ func checkPCR12(events []goattest.Event, ap *Approved) error {
 		}
 		n++
 		if !slices.ContainsFunc(ap.PCR12Events, func(h HexBytes) bool { return bytes.Equal(h, e.Digest) }) {
-			return refuse("PCR 12", "%s, digest %x: not an event the approved policy names (pcr12_event_sha256; a command line or credential the UKI did not carry)", eventName(e, n), e.Digest)
+			return evidence("PCR 12", "%s, digest %x: not an event the approved policy names (pcr12_event_sha256; a command line or credential the UKI did not carry)", eventName(e, n), e.Digest)
 		}
 	}
 	return nil
@@ -230,15 +230,15 @@ func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*Firmwar
 		return nil, refuse("PCR 7", "Secure Boot state: %v", err)
 	}
 	if !sb.Enabled {
-		return nil, refuse("PCR 7", "Secure Boot is off")
+		return nil, evidence("PCR 7", "Secure Boot is off")
 	}
 	if len(sb.PostSeparatorAuthority) == 0 {
-		return nil, refuse("PCR 7", "no db certificate verified an image after the separator")
+		return nil, evidence("PCR 7", "no db certificate verified an image after the separator")
 	}
 	res := &FirmwareResult{}
 	for _, c := range sb.PostSeparatorAuthority {
 		if !slices.ContainsFunc(ap.certs, func(a *x509.Certificate) bool { return bytes.Equal(a.Raw, c.Raw) }) {
-			return nil, refuse("PCR 7", "an image was verified by %q, not an approved db certificate", c.Subject.String())
+			return nil, evidence("PCR 7", "an image was verified by %q, not an approved db certificate", c.Subject.String())
 		}
 		res.Authority = c.Subject.String()
 	}
@@ -248,10 +248,10 @@ func VerifyFirmware(raw []byte, quoted map[int]HexBytes, ap *Approved) (*Firmwar
 		return nil, err
 	}
 	if res.Image == nil {
-		return nil, refuse("PCR 4", "no approved image was loaded (no EV_EFI_BOOT_SERVICES_APPLICATION event)")
+		return nil, evidence("PCR 4", "no approved image was loaded (no EV_EFI_BOOT_SERVICES_APPLICATION event)")
 	}
 	if !slices.ContainsFunc(ap.PCR11, func(h HexBytes) bool { return bytes.Equal(h, quoted[11]) }) {
-		return nil, refuse("PCR 11", "%x is not an approved UKI's", []byte(quoted[11]))
+		return nil, evidence("PCR 11", "%x is not an approved UKI's", []byte(quoted[11]))
 	}
 	if err := checkPCR12(events, ap); err != nil {
 		return nil, err

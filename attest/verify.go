@@ -277,11 +277,11 @@ func checkSeen(prev Seen, reset uint32, gen uint64) (Seen, error) {
 	const check = "reset count"
 	switch {
 	case gen < prev.Generation:
-		return prev, refuse(check, "generation %d is older than %d already seen", gen, prev.Generation)
+		return prev, evidence(check, "generation %d is older than %d already seen", gen, prev.Generation)
 	case reset < prev.ResetCount:
-		return prev, refuse(check, "TPM reset count %d is lower than %d already seen (TPM cleared or another TPM)", reset, prev.ResetCount)
+		return prev, evidence(check, "TPM reset count %d is lower than %d already seen (TPM cleared or another TPM)", reset, prev.ResetCount)
 	case reset > prev.ResetCount && gen <= prev.Generation:
-		return prev, refuse(check, "a later boot (reset count %d after %d) with generation %d, not newer than %d", reset, prev.ResetCount, gen, prev.Generation)
+		return prev, evidence(check, "a later boot (reset count %d after %d) with generation %d, not newer than %d", reset, prev.ResetCount, gen, prev.Generation)
 	}
 	return Seen{ResetCount: reset, Generation: gen}, nil
 }

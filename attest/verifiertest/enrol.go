@@ -218,6 +218,9 @@ func (cp *Enrolling) attestation(w http.ResponseWriter, body []byte) {
 	cp.mu.Lock()
 	rec, env := cp.records[name], cp.env
 	cp.mu.Unlock()
+	if len(a.Envelope) > 0 {
+		env = a.Envelope // the envelope the attestation carries, as passage-control takes it
+	}
 	if rec == nil {
 		cp.challenge(w, name, a)
 		return

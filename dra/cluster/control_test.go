@@ -14,7 +14,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
-	"errors"
 	"fmt"
 	"io"
 	"math/big"
@@ -117,13 +116,17 @@ func TestClusterControl(t *testing.T) {
 		return r
 	}
 
-	// The node's manifest is POSTed; no attestation yet. Its slices are what passage-dra
-	// renders from that manifest (resources.Render), published by the test. Its
-	// Kubernetes name is not its hostname (the DaemonSet's --node-name=$(NODE_NAME)): the
-	// record and its rule know it by the manifest's hostname, the slices' pool.
+	// The node's manifest is POSTed bare (kept by no one: it counts only inside an
+	// attestation); no attestation yet. Its slices are what passage-dra renders from that
+	// manifest (resources.Render), published by the test. Its Kubernetes name is not its
+	// hostname (the DaemonSet's --node-name=$(NODE_NAME)): the record and its rule know it
+	// by the manifest's hostname, the slices' pool.
 	addNode(t, ctx, api, "worker-a")
 	if st, body, err := controltest.Post(ctx, hc, r1.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
 		t.Fatalf("envelope: %v %d %s", err, st, body)
+	}
+	if _, err := dyn.Resource(control.NodeResource).Get(ctx, "b300-a", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Fatalf("a bare envelope made a record: %v", err)
 	}
 	key, err := manifest.NewVerifier(node.SigningKey())
 	if err != nil {
@@ -163,7 +166,7 @@ func TestClusterControl(t *testing.T) {
 		if r == nil {
 			return false, "no rule"
 		}
-		return r.Spec.Taint.Key == control.TaintUnverified && strings.Contains(r.Annotations[control.ReasonAnnotation], "no boot of this node has posted"),
+		return r.Spec.Taint.Key == control.TaintUnverified && strings.Contains(r.Annotations[control.ReasonAnnotation], "no record: the node has not enrolled"),
 			fmt.Sprintf("%s: %s", r.Spec.Taint.Key, r.Annotations[control.ReasonAnnotation])
 	})
 
@@ -173,66 +176,30 @@ func TestClusterControl(t *testing.T) {
 	if r == nil || r.Spec.Taint.Key != control.TaintUnverified || r.Spec.Taint.Effect != resourceapi.DeviceTaintEffectNoSchedule || *r.Spec.DeviceSelector.Pool != "b300-a" {
 		t.Fatalf("before verification, the rule on b300-a's devices: %+v", r)
 	}
-	st := record("b300-a")
-	t.Logf("before verification: pod-0 Pending; rule %s %s=%s on pool %s; record %v: %v", r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect, *r.Spec.DeviceSelector.Pool, st["verdict"], st["reason"])
+	t.Logf("before verification: pod-0 Pending; rule %s %s=%s on pool %s (%s)", r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect, *r.Spec.DeviceSelector.Pool, r.Annotations[control.ReasonAnnotation])
 
-	// A third replica keeps an intake list this TPM is not on, a nonce time of a second
-	// and at most two nonces: it refuses to enrol the TPM, a nonce over a second old (from
-	// another replica) as over its time, and a third nonce, each naming why.
+	// A third replica keeps an intake list this TPM is not on and a nonce time of a
+	// second: it refuses to enrol the TPM, and a nonce over a second old (from another
+	// replica: they share the key) as over its time, each naming why.
 	intake := filepath.Join(work, "intake.txt")
 	if err := os.WriteFile(intake, []byte("sha256:"+strings.Repeat("ab", 32)+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	r3 := launch(3, "--intake", intake, "--nonce-ttl", "1s", "--max-nonces", "2", "--max-unenrolled", "1")
+	r3 := launch(3, "--intake", intake, "--nonce-ttl", "1s")
 	if res, err := node.Publish(ctx, hc, r3.url, r3.url); err != nil || res.Status != http.StatusForbidden || !strings.Contains(res.Body, "not on the intake list") {
 		t.Fatalf("boot at the replica with an intake list: %v %+v", err, res)
 	}
 	stale := getNonceFrom(t, hc, r1.url)
-	if st, body, err := controltest.Post(ctx, hc, r3.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
-		t.Fatalf("envelope: %v %d %s", err, st, body)
-	}
-	// Past its time and, once twice that, swept from the API: either way refused naming
-	// the time (which of the two depends on when the replica's sweep ticks).
+	node.NextEnvelope(t)
 	time.Sleep(1100 * time.Millisecond)
 	a, err := node.Attest(stale)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if st, body, err := controltest.Post(ctx, hc, r3.url, control.AttestationType, a); err != nil || st != http.StatusForbidden ||
-		!(strings.Contains(body, "over 1s") || strings.Contains(body, "expired: nonces live 1s")) {
+		!strings.Contains(body, "accepted for 1s") {
 		t.Fatalf("a nonce over 1s old at the replica with --nonce-ttl 1s: %v %d %s", err, st, body)
 	}
-	// And it keeps at most two nonces in the API: at most two more GETs are served, then
-	// a 503 naming why. (The nonces already there may be swept meanwhile, 2 s after their
-	// issue, which is why the GETs are counted to the 503 rather than the third assumed.)
-	served := 0
-	for {
-		resp, err := hc.Get(r3.url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		full, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode == http.StatusOK && served < 4 {
-			served++
-			continue
-		}
-		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" || !strings.Contains(string(full), "too many nonces outstanding") {
-			t.Fatalf("a nonce GET at the replica with --max-nonces 2, after %d served: %s (Retry-After %q) %s", served, resp.Status, resp.Header.Get("Retry-After"), full)
-		}
-		break
-	}
-	// It keeps at most one record not enrolled, counted through the API's metadata: b300-a
-	// is one, so an envelope for another hostname is a 503 naming the count, no record made.
-	other := controltest.NewNode(t, ca, "b300-z", log)
-	if st, body, err := controltest.Post(ctx, hc, r3.url, control.EnvelopeType, other.NextEnvelope(t)); err != nil || st != http.StatusServiceUnavailable ||
-		!strings.Contains(body, "record b300-z: records: 1 not yet enrolled, at most 1") {
-		t.Fatalf("a second unenrolled record at the replica with --max-unenrolled 1: %v %d %s", err, st, body)
-	}
-	if _, err := dyn.Resource(control.NodeResource).Get(ctx, "b300-z", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-		t.Fatalf("record b300-z after the refusal: %v", err)
-	}
-	other.PowerOff()
 	r3.cmd.Process.Kill()
 	<-r3.done
 
@@ -264,9 +231,9 @@ func TestClusterControl(t *testing.T) {
 		t.Fatalf("verified, the rule is still there: %+v", r.Spec.Taint)
 	}
 
-	// The boot's attestation replayed to the other replica: refused naming the nonce.
+	// The boot's attestation replayed to the other replica: refused, its nonce spent.
 	stc, body, err := controltest.Post(ctx, hc, r2.url, control.AttestationType, boot.Attestation)
-	if err != nil || stc != http.StatusForbidden || !strings.Contains(body, "nonce "+hex.EncodeToString(boot.Nonce)+": already used") {
+	if err != nil || stc != http.StatusForbidden || !strings.Contains(body, "nonce: spent") {
 		t.Fatalf("replay to the other replica: %v %d %s", err, stc, body)
 	}
 
@@ -274,9 +241,7 @@ func TestClusterControl(t *testing.T) {
 	// accepts it.
 	for i := range 20 {
 		nonce := getNonceFrom(t, hc, r1.url)
-		if st, body, err := controltest.Post(ctx, hc, r2.url, control.EnvelopeType, node.NextEnvelope(t)); err != nil || st != http.StatusAccepted {
-			t.Fatalf("round %d envelope: %v %d %s", i, err, st, body)
-		}
+		node.NextEnvelope(t)
 		a, err := node.Attest(nonce)
 		if err != nil {
 			t.Fatal(err)
@@ -330,7 +295,26 @@ func TestClusterControl(t *testing.T) {
 		}
 		return p.DeletionTimestamp != nil, "no deletionTimestamp"
 	})
-	st = record("b300-a")
+	st := record("b300-a")
+	// The attack: the last verified boot's attestation and envelope (no secrets) sent
+	// again to each replica after the failed verdict: refused, the verdict and its
+	// NoExecute rule as they were.
+	for _, u := range []string{r1.url, r2.url} {
+		for _, body := range [][]byte{boot.Attestation, a} {
+			if code, reason, err := controltest.Post(ctx, hc, u, control.AttestationType, body); err != nil || code/100 != 4 {
+				t.Fatalf("an old verified attestation after the failure: %v %d %s", err, code, reason)
+			}
+		}
+		if code, _, err := controltest.Post(ctx, hc, u, control.EnvelopeType, node.LastEnvelope); err != nil || code != http.StatusAccepted {
+			t.Fatalf("an envelope after the failure: %v %d", err, code)
+		}
+	}
+	if after := record("b300-a"); after["verdict"] != control.VerdictFailed || fmt.Sprint(after["generation"]) != fmt.Sprint(st["generation"]) {
+		t.Fatalf("replays after the failed verdict moved the record: %v generation %v", after["verdict"], after["generation"])
+	}
+	if r2 := rule("b300-a"); r2 == nil || r2.Spec.Taint.Key != control.TaintFailed || r2.ResourceVersion != r.ResourceVersion {
+		t.Fatalf("replays after the failed verdict moved the rule: %+v", r2)
+	}
 	t.Logf("unapproved boot: rule %s=%s:%s (%s); record %v: %v; pod-0 deleted by the eviction controller",
 		r.Spec.Taint.Key, r.Spec.Taint.Value, r.Spec.Taint.Effect, r.Annotations[control.ReasonAnnotation], st["verdict"], st["reason"])
 	forceDelete(t, ctx, api, "pod-0")
@@ -347,14 +331,7 @@ func TestClusterControl(t *testing.T) {
 	if err != nil || res.Status != http.StatusOK {
 		t.Fatalf("boot across a killed replica: %v %+v", err, res)
 	}
-	nu, err := dyn.Resource(control.NonceResource).Get(ctx, hex.EncodeToString(res.Nonce), metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if spec, _ := nu.Object["spec"].(map[string]any); spec["used"] == nil || spec["record"] != "b300-a" {
-		t.Fatalf("the nonce after the killed replica: %v", nu.Object["spec"])
-	}
-	if st := record("b300-a"); st["verdict"] != control.VerdictVerified {
+	if st := record("b300-a"); st["verdict"] != control.VerdictVerified || st["nonce"] == nil {
 		t.Fatalf("record after the killed replica: %v", st)
 	}
 	if r := rule("b300-a"); r != nil {
@@ -391,102 +368,6 @@ func TestClusterControl(t *testing.T) {
 	}
 }
 
-// TestClusterNonceCAS: the API server's compare-and-swap makes a nonce single-use
-// across replicas: many stores racing to use one nonce, many times, exactly one wins.
-func TestClusterNonceCAS(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	c := startCluster(t, ctx, t.TempDir())
-	applyCRDs(t, ctx, c)
-	var stores []*control.Store
-	for range 4 { // each its own client, as separate replicas are
-		stores = append(stores, &control.Store{Client: dynamic.NewForConfigOrDie(restConfig(t, c))})
-	}
-	for round := range 50 {
-		nonce, err := stores[0].IssueNonce(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var wg sync.WaitGroup
-		errs := make([]error, len(stores))
-		start := make(chan struct{})
-		for i, s := range stores {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				<-start
-				_, errs[i] = s.UseNonce(ctx, nonce, fmt.Sprintf("r%d", i))
-			}()
-		}
-		close(start)
-		wg.Wait()
-		won := 0
-		for _, err := range errs {
-			if err == nil {
-				won++
-			} else if !strings.Contains(err.Error(), "nonce "+hex.EncodeToString(nonce)) {
-				t.Fatalf("round %d: %v", round, err)
-			}
-		}
-		if won != 1 {
-			t.Fatalf("round %d: %d stores used the nonce (%v), want exactly 1", round, won, errs)
-		}
-	}
-}
-
-// TestClusterNonceSweep: a sweep walks every nonce, page by page, on the API server's
-// paging (which the fake client does not do): the expired ones are deleted wherever
-// they fall in the name order, the live ones stay.
-func TestClusterNonceSweep(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	c := startCluster(t, ctx, t.TempDir())
-	applyCRDs(t, ctx, c)
-	now := time.Now()
-	old := &control.Store{Client: dynamic.NewForConfigOrDie(restConfig(t, c)), Now: func() time.Time { return now.Add(-time.Hour) }}
-	s := &control.Store{Client: old.Client, Now: func() time.Time { return now }}
-	const expired, live, page = 25, 12, 5
-	for range expired {
-		if _, err := old.IssueNonce(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	var keep []string
-	for range live {
-		n, err := s.IssueNonce(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		keep = append(keep, hex.EncodeToString(n))
-	}
-	// At MaxNonces the store refuses to issue, counting on the API server's side (a list
-	// of one and the count of the rest); the sweep makes room again.
-	full := &control.Store{Client: old.Client, MaxNonces: expired + live}
-	if _, err := full.IssueNonce(ctx); !errors.Is(err, control.ErrTooManyNonces) || !strings.Contains(err.Error(), fmt.Sprintf("%d in the API", expired+live)) {
-		t.Fatalf("issue at %d nonces with MaxNonces %d: %v, want refused naming the count", expired+live, expired+live, err)
-	}
-	n, err := s.Sweep(ctx, page)
-	if err != nil || n != expired {
-		t.Fatalf("sweep by pages of %d: %d deleted (%v), want the %d expired", page, n, err, expired)
-	}
-	l, err := old.Client.Resource(control.NonceResource).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var left []string
-	for _, u := range l.Items {
-		left = append(left, u.GetName())
-	}
-	slices.Sort(keep)
-	slices.Sort(left)
-	if !slices.Equal(left, keep) {
-		t.Fatalf("after the sweep: %v, want the live %v", left, keep)
-	}
-	if _, err := full.IssueNonce(ctx); err != nil {
-		t.Fatalf("issue after the sweep: %v", err)
-	}
-}
-
 func clientcmdConfig(path string) (*rest.Config, error) {
 	return clientcmd.BuildConfigFromFlags("", path)
 }
@@ -519,7 +400,7 @@ func applyCRDs(t testing.TB, ctx context.Context, c *cluster.Cluster) {
 			t.Fatalf("passage-control-crd.yaml document %d: %v", i+1, err)
 		}
 	}
-	for _, gvr := range []schema.GroupVersionResource{control.NodeResource, control.NonceResource} {
+	for _, gvr := range []schema.GroupVersionResource{control.NodeResource, control.EKResource} {
 		waitFor(t, ctx, 30*time.Second, gvr.Resource+" served", func() (bool, string) {
 			_, err := dyn.Resource(gvr).List(ctx, metav1.ListOptions{})
 			return err == nil, fmt.Sprint(err)
@@ -636,10 +517,13 @@ func getNonceFrom(t testing.TB, hc *http.Client, url string) []byte {
 
 // replicaFiles writes what startReplica's replicas read from work: a serving
 // certificate for 127.0.0.1 (tls.crt, tls.key) and the EK CA (ek-ca.pem). It returns the
-// pool a client trusts the replicas with.
+// pool a client trusts the replicas with. Every replica of a test shares exchange.key,
+// as a Deployment's share their Secret.
 func replicaFiles(t testing.TB, work string, ekCA []byte) *x509.CertPool {
 	t.Helper()
-	files := map[string][]byte{"ek-ca.pem": ekCA}
+	key := make([]byte, control.MinKey)
+	rand.Read(key)
+	files := map[string][]byte{"ek-ca.pem": ekCA, "exchange.key": key}
 	files["tls.crt"], files["tls.key"] = serving(t)
 	for name, b := range files {
 		if err := os.WriteFile(filepath.Join(work, name), b, 0o600); err != nil {
@@ -663,7 +547,7 @@ func startReplica(t testing.TB, ctx context.Context, bin, kubeconfig, work strin
 	r.cmd = exec.Command(bin, "--kubeconfig", kubeconfig, "--listen", fmt.Sprintf("127.0.0.1:%d", ports[0]),
 		"--metrics", fmt.Sprintf("127.0.0.1:%d", ports[1]), "--tls-cert", filepath.Join(work, "tls.crt"),
 		"--tls-key", filepath.Join(work, "tls.key"), "--ek-ca", filepath.Join(work, "ek-ca.pem"),
-		"--approved", fixtures+"ovmf-secureboot.approved.json")
+		"--approved", fixtures+"ovmf-secureboot.approved.json", "--exchange-key", filepath.Join(work, "exchange.key"))
 	r.cmd.Args = append(r.cmd.Args, extra...)
 	r.cmd.Stdout, r.cmd.Stderr = out, out
 	if err := r.cmd.Start(); err != nil {

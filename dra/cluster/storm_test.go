@@ -105,12 +105,6 @@ func storm(b *testing.B, n int) {
 	}
 	pool := replicaFiles(b, work, ca.PEM())
 	var extra []string
-	// A storm of first boots has every node unenrolled at once: an operator expecting
-	// one sizes --max-unenrolled to it (its default bounds what unauthenticated POSTs may
-	// put in etcd).
-	if n > control.DefaultMaxUnenrolled {
-		extra = append(extra, "--max-unenrolled", strconv.Itoa(n))
-	}
 	if q := os.Getenv("PASSAGE_STORM_QPS"); q != "" {
 		extra = append(extra, "--kube-qps", q)
 	}

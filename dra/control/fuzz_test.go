@@ -46,7 +46,11 @@ func FuzzPost(f *testing.F) {
 		f.Add(ct, []byte(`{"format":"passage-enrol-answer/1","record":"b300-a","ak_name":"00","answer":"AAAA"}`))
 		f.Add(ct, []byte(`{"payloadType":"application/vnd.passage.manifest+json","payload":"e30=","signatures":[]}`))
 	}
-	srv := &control.Server{Store: controltest.FakeStore(), Taints: &control.Taints{Client: kubefake.NewClientset()}, Metrics: control.NewMetrics()}
+	keys, err := control.NewKeys(bytes.Repeat([]byte("k"), control.MinKey))
+	if err != nil {
+		f.Fatal(err)
+	}
+	srv := &control.Server{Store: controltest.FakeStore(), Taints: &control.Taints{Client: kubefake.NewClientset()}, Keys: keys, Metrics: control.NewMetrics()}
 	f.Fuzz(func(t *testing.T, ct string, body []byte) {
 		req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
 		req.Header.Set("Content-Type", ct)

@@ -18,7 +18,6 @@ type Metrics struct {
 	mu        sync.Mutex
 	nonces    int64
 	enrolls   int64
-	sweeps    int64
 	refusals  map[string]int64
 	verdicts  map[string]int64
 	durations []float64 // bucket counts of nonce-to-verdict seconds, by bucketBounds
@@ -49,15 +48,6 @@ func (m *Metrics) enrolled() {
 	}
 	m.mu.Lock()
 	m.enrolls++
-	m.mu.Unlock()
-}
-
-func (m *Metrics) swept(n int) {
-	if m == nil {
-		return
-	}
-	m.mu.Lock()
-	m.sweeps += int64(n)
 	m.mu.Unlock()
 }
 
@@ -96,12 +86,8 @@ func (m *Metrics) Write(w io.Writer, nodes []*Node) error {
 	defer m.mu.Unlock()
 	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
 	if nodes != nil {
-		by := map[string]int{VerdictUnverified: 0, VerdictEnrolling: 0, VerdictVerified: 0, VerdictFailed: 0}
-		unenrolledCount := 0
+		by := map[string]int{VerdictUnverified: 0, VerdictVerified: 0, VerdictFailed: 0}
 		for _, n := range nodes {
-			if !n.enrolled() {
-				unenrolledCount++
-			}
 			v := n.Status.Verdict
 			if v == "" {
 				v = VerdictUnverified
@@ -112,15 +98,11 @@ func (m *Metrics) Write(w io.Writer, nodes []*Node) error {
 		for _, v := range sortedKeys(by) {
 			p("passage_control_nodes{verdict=%q} %d\n", v, by[v])
 		}
-		p("# HELP passage_control_records_unenrolled Node records whose TPM is not enrolled (bounded by --max-unenrolled, swept after --unenrolled-ttl).\n# TYPE passage_control_records_unenrolled gauge\n")
-		p("passage_control_records_unenrolled %d\n", unenrolledCount)
 	}
 	p("# HELP passage_control_nonces_issued_total Nonces this replica issued.\n# TYPE passage_control_nonces_issued_total counter\n")
 	p("passage_control_nonces_issued_total %d\n", m.nonces)
 	p("# HELP passage_control_enrolments_total TPMs this replica enrolled (activation answers accepted).\n# TYPE passage_control_enrolments_total counter\n")
 	p("passage_control_enrolments_total %d\n", m.enrolls)
-	p("# HELP passage_control_records_swept_total Unenrolled records this replica's sweep deleted.\n# TYPE passage_control_records_swept_total counter\n")
-	p("passage_control_records_swept_total %d\n", m.sweeps)
 	p("# HELP passage_control_verdicts_total Attestation verdicts this replica reached.\n# TYPE passage_control_verdicts_total counter\n")
 	for _, v := range []string{VerdictVerified, VerdictFailed} {
 		p("passage_control_verdicts_total{verdict=%q} %d\n", v, m.verdicts[v])

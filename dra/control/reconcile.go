@@ -74,7 +74,7 @@ func (s *Server) unverified(ctx context.Context, pool string, gen int64) (string
 	n, err := s.Store.Node(ctx, pool)
 	switch {
 	case errors.Is(err, ErrNoRecord):
-		return fmt.Sprintf("generation %d published and no boot of this node has posted its manifest", gen), true, nil
+		return fmt.Sprintf("generation %d published; no record: the node has not enrolled", gen), true, nil
 	case err != nil:
 		return "", false, fmt.Errorf("reconcile: %w", err)
 	}

@@ -2,11 +2,9 @@ package control_test
 
 import (
 	"context"
-	"errors"
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -55,7 +53,7 @@ func TestReconcile(t *testing.T) {
 	}
 	r := e.rule(t, "ghost")
 	if r == nil || r.Spec.Taint.Key != control.TaintUnverified || r.Spec.Taint.Effect != resourcev1.DeviceTaintEffectNoSchedule ||
-		*r.Spec.DeviceSelector.Pool != "ghost" || !strings.Contains(r.Annotations[control.ReasonAnnotation], "no boot of this node has posted") {
+		*r.Spec.DeviceSelector.Pool != "ghost" || !strings.Contains(r.Annotations[control.ReasonAnnotation], "no record: the node has not enrolled") {
 		t.Fatalf("the pool nobody posted for: %+v", r)
 	}
 
@@ -94,42 +92,5 @@ func TestReconcile(t *testing.T) {
 	}
 	if r := e.rule(t, "b300-a"); r != nil {
 		t.Fatalf("verified while the rule was written, the rule stays: %+v", r.Annotations)
-	}
-}
-
-// TestSweepKeepsPublishedRule: a record swept because its node never enrolled loses its
-// rule only if no pool stands behind it. A node whose passage-dra still publishes slices
-// keeps the unverified taint on its devices through the sweep (it was once cleared here
-// and left to the next reconcile, up to --reconcile-every later); a made-up hostname's
-// rule goes with its record.
-func TestSweepKeepsPublishedRule(t *testing.T) {
-	e := newEnv(t)
-	ctx := context.Background()
-	for _, host := range []string{"b300-c", "made-up-1"} {
-		if st, body := e.post(t, control.EnvelopeType, unsignedEnvelope(t, host)); st != http.StatusAccepted {
-			t.Fatalf("%s: %d %s", host, st, body)
-		}
-	}
-	s := &resourcev1.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: "c-1"},
-		Spec: resourcev1.ResourceSliceSpec{Driver: resources.DriverName, Pool: resourcev1.ResourcePool{Name: "b300-c", Generation: 1, ResourceSliceCount: 1}}}
-	if _, err := e.kc.ResourceV1().ResourceSlices().Create(ctx, s, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	e.srv.Store.Now = func() time.Time { return time.Now().Add(control.DefaultUnenrolledTTL + time.Minute) }
-	n, err := e.srv.SweepUnenrolled(ctx, 1)
-	e.srv.Store.Now = nil
-	if err != nil || n != 2 {
-		t.Fatalf("sweep: %d deleted (%v), want 2", n, err)
-	}
-	for _, host := range []string{"b300-c", "made-up-1"} {
-		if _, err := e.srv.Store.Node(ctx, host); !errors.Is(err, control.ErrNoRecord) {
-			t.Errorf("record %s after the sweep: %v", host, err)
-		}
-	}
-	if r := e.rule(t, "b300-c"); r == nil || r.Spec.Taint.Key != control.TaintUnverified {
-		t.Errorf("the publishing node's rule after the sweep: %+v, want %s", r, control.TaintUnverified)
-	}
-	if r := e.rule(t, "made-up-1"); r != nil {
-		t.Errorf("the made-up hostname's rule after the sweep: %+v", r.Spec.Taint)
 	}
 }

@@ -14,8 +14,10 @@ import (
 	"fmt"
 	"io"
 	"log"
+	mrand "math/rand/v2"
 	"mime"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -40,10 +42,8 @@ const (
 	AnswerFormat    = netboot.AnswerFormat
 )
 
-// Body bounds: an envelope or an answer is at most MaxBody (the record keeps the
-// envelope, and an object in the API is at most about 1.5 MiB); an attestation carries
-// the firmware's event log, up to attest.MaxFirmwareLog, so it is bounded by
-// attest.MaxFile.
+// Body bounds: an answer is small; an attestation carries the firmware's event log, up
+// to attest.MaxFile in all, and the manifest's envelope within it.
 const (
 	MaxBody        = 1 << 20
 	MaxAttestation = attest.MaxFile
@@ -51,11 +51,13 @@ const (
 	maxRefusal     = 1 << 10
 )
 
-// ChallengeBody is the 428 answer to an unenrolled TPM's attestation.
+// ChallengeBody is the 428 answer to an unenrolled TPM's attestation. State is the
+// control plane's half of the enrolment, sealed: the answer brings it back.
 type ChallengeBody struct {
 	Format    string            `json:"format"`
 	Record    string            `json:"record"`
 	Challenge *attest.Challenge `json:"challenge"`
+	State     []byte            `json:"state"`
 }
 
 // AnswerBody is the boot's activation answer.
@@ -64,6 +66,7 @@ type AnswerBody struct {
 	Record string `json:"record"`
 	AKName string `json:"ak_name"`
 	Answer string `json:"answer"` // base64
+	State  []byte `json:"state"`
 }
 
 // VerdictBody is the 200 answer to an accepted attestation.
@@ -78,6 +81,10 @@ type VerdictBody struct {
 type Server struct {
 	Store  *Store
 	Taints *Taints
+	// Keys are the replicas' shared secrets: nonces and sealed enrolment state.
+	Keys *Keys
+	// NonceTTL is how long an issued nonce is accepted (0: attest.DefaultNonceTTL).
+	NonceTTL time.Duration
 	// EKCA are the operator's EK certificate issuers.
 	EKCA *x509.CertPool
 	// Intake, when not nil, is the list of EKs recorded at intake: a TPM not on it is
@@ -90,6 +97,16 @@ type Server struct {
 	Metrics  *Metrics
 	Log      *log.Logger
 }
+
+func (s *Server) ttl() time.Duration {
+	if s.NonceTTL > 0 {
+		return s.NonceTTL
+	}
+	return attest.DefaultNonceTTL
+}
+
+// EnrolTTL is how long a challenge's sealed state is taken back.
+const EnrolTTL = 10 * time.Minute
 
 // refusal is an answer other than 2xx: its status and the reason, text/plain.
 type refusal struct {
@@ -105,8 +122,21 @@ func refuse(status int, check, format string, a ...any) *refusal {
 	return &refusal{status: status, check: check, reason: fmt.Sprintf(format, a...)}
 }
 
-// ServeHTTP is the exchange: GET a nonce; POST an envelope, an attestation or an
-// activation answer by their Content-Type.
+// ServeHTTP is the exchange: GET a nonce; POST an attestation or an activation answer by
+// its Content-Type. What each costs the API server, at most (a conflict repeats a
+// write's read and write, up to retry's bound):
+//
+//	GET nonce                       nothing
+//	POST envelope                   nothing (the attestation carries it)
+//	POST attestation, not enrolled  1 read (the record, absent): 428 and sealed state
+//	POST attestation, enrolled      1 read (the record); if judged: 1 status write, and
+//	                                1 rule write (delete when verified) — none when the
+//	                                record already holds this verdict for this manifest
+//	POST activation                 2 creates (the EK claim, the record)
+//
+// So a first boot is 4 writes (claim, record, status, rule), a reboot 2 (status,
+// rule); nothing a request costs grows with the fleet, and nothing is written before a
+// TPM has answered for it.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var err error
@@ -114,13 +144,13 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch r.Method {
 	case http.MethodGet:
 		what = "nonce"
-		err = s.nonce(ctx, w)
+		err = s.nonce(w)
 	case http.MethodPost:
 		ct, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 		switch ct {
 		case EnvelopeType:
 			what = "envelope"
-			err = s.envelope(ctx, w, r.Body)
+			err = s.envelope(w, r.Body)
 		case AttestationType:
 			what = "attestation"
 			err = s.attestation(ctx, w, r.Body)
@@ -128,11 +158,11 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			what = "activation"
 			err = s.activation(ctx, w, r.Body)
 		default:
-			err = refuse(http.StatusUnsupportedMediaType, "content type", "content type %q: POST %s, %s or %s", ct, EnvelopeType, AttestationType, ActivationType)
+			err = refuse(http.StatusUnsupportedMediaType, "content type", "content type %q: POST %s or %s", manifest.Printable(ct), AttestationType, ActivationType)
 		}
 	default:
 		w.Header().Set("Allow", "GET, POST")
-		err = refuse(http.StatusMethodNotAllowed, "method", "method %s: GET a nonce or POST", r.Method)
+		err = refuse(http.StatusMethodNotAllowed, "method", "method %q: GET a nonce or POST", manifest.Printable(r.Method))
 	}
 	if err == nil {
 		return
@@ -146,10 +176,13 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// authenticated, as attest.NonceHandler keeps its files to itself.
 		rf = &refusal{status: http.StatusServiceUnavailable, check: "unavailable", reason: err.Error()}
 		public = what + ": the control plane's store did not answer; retry (the reason is in its log)"
+		w.Header().Set("Retry-After", retryAfter())
 	}
 	s.Metrics.refused(rf.check)
 	if s.Log != nil {
-		s.Log.Printf("%s %s (%s): %d %s", r.Method, r.URL.Path, r.Header.Get("Content-Type"), rf.status, rf.reason)
+		// %q: nothing a client sent reaches the log raw (a newline in the path would
+		// forge a line).
+		s.Log.Printf("%s %q (%q): %d %s", manifest.Printable(r.Method), r.URL.Path, r.Header.Get("Content-Type"), rf.status, manifest.Printable(rf.reason))
 	}
 	if public == "" {
 		public = rf.reason
@@ -164,6 +197,12 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	io.WriteString(w, reason+"\n")
 }
 
+// retryAfter is a 503's Retry-After: 1 to 4 seconds, spread so a storm's retries do
+// not arrive together again.
+func retryAfter() string {
+	return strconv.Itoa(1 + mrand.IntN(4))
+}
+
 func readBody(body io.Reader, limit int64) ([]byte, error) {
 	b, err := io.ReadAll(io.LimitReader(body, limit+1))
 	if err != nil {
@@ -175,13 +214,9 @@ func readBody(body io.Reader, limit int64) ([]byte, error) {
 	return b, nil
 }
 
-func (s *Server) nonce(ctx context.Context, w http.ResponseWriter) error {
-	n, err := s.Store.IssueNonce(ctx)
-	if errors.Is(err, ErrTooManyNonces) {
-		// 503, which the boot's nonce fetch retries; the sweep makes room.
-		w.Header().Set("Retry-After", "60")
-		return refuse(http.StatusServiceUnavailable, "nonces full", "%v: retry later", err)
-	}
+// nonce issues a nonce: a MAC over the time and randomness, stored nowhere.
+func (s *Server) nonce(w http.ResponseWriter) error {
+	n, err := s.Keys.Nonce(s.Store.now())
 	if err != nil {
 		return err
 	}
@@ -192,26 +227,19 @@ func (s *Server) nonce(ctx context.Context, w http.ResponseWriter) error {
 	return nil
 }
 
-// fresh is a retry body that writes through f the record read: first t, as the
-// request's list found it (the write carries its resourceVersion, so a record changed
-// since is a conflict, not overwritten), then, after a conflict, a new read of it. It
-// saves the read a first write does not need: one GET per attestation.
-func fresh(ctx context.Context, st *Store, t *Node, f func(n *Node) error) func() error {
-	first := true
-	return func() error {
-		n := t
-		if !first {
-			var err error
-			if n, err = st.Node(ctx, t.Name); err != nil {
-				return err
-			}
-		}
-		first = false
-		return f(n)
+// envelope answers a bare envelope POST (a boot of before the exchange carried it in the
+// attestation, or one with no TPM): 202, nothing kept. An envelope no quote names is
+// anyone's to send; the attestation delivers it.
+func (s *Server) envelope(w http.ResponseWriter, body io.Reader) error {
+	if _, err := readBody(body, MaxBody); err != nil {
+		return err
 	}
+	w.WriteHeader(http.StatusAccepted)
+	io.WriteString(w, "not kept: an envelope counts only inside the attestation that names it\n")
+	return nil
 }
 
-// retry runs f on a fresh read of the record until its write does not conflict.
+// retry runs f until its write does not conflict (f reads afresh each time).
 func retry(ctx context.Context, f func() error) error {
 	var err error
 	for i := range 8 {
@@ -227,105 +255,16 @@ func retry(ctx context.Context, f func() error) error {
 	return err
 }
 
-// envelope keeps a POSTed manifest in its node's record (made on the first POST): the
-// attestation, on whichever replica it lands, is verified against it. An enrolled
-// node's envelope must carry its certified signing key's signature. A new manifest
-// makes the node unverified until its attestation comes.
-func (s *Server) envelope(ctx context.Context, w http.ResponseWriter, body io.Reader) error {
-	b, err := readBody(body, MaxBody)
-	if err != nil {
-		return err
-	}
-	var env manifest.Envelope
-	if err := json.Unmarshal(b, &env); err != nil {
-		return refuse(http.StatusBadRequest, "envelope", "envelope: %v", err)
-	}
-	payload, err := base64.StdEncoding.DecodeString(env.Payload)
-	if err != nil {
-		return refuse(http.StatusBadRequest, "envelope", "envelope: payload: %v", err)
-	}
-	m, err := manifest.Unmarshal(payload)
-	if err != nil {
-		return refuse(http.StatusBadRequest, "envelope", "envelope: payload: %v", err)
-	}
-	name := m.Node.Hostname
+// CheckRecordName refuses a record name (a manifest's hostname) that is not an object
+// name, or whose derived names (the DeviceTaintRule's) would not be.
+func CheckRecordName(name string) error {
 	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 {
-		return refuse(http.StatusBadRequest, "envelope", "envelope: node hostname %q: not a record name: %s", manifest.Printable(name), strings.Join(errs, "; "))
+		return fmt.Errorf("%q: not a record name: %s", manifest.Printable(name), strings.Join(errs, "; "))
 	}
-	digest := manifest.Digest(payload)
-	held := &HeldManifest{Envelope: b, Digest: digest, Generation: int64(m.Generation), BootID: m.BootID, Posted: s.Store.now().UTC()}
-	var verdict string
-	err = retry(ctx, func() error {
-		n, err := s.Store.Node(ctx, name)
-		if errors.Is(err, ErrNoRecord) {
-			if err := s.Store.CheckRoom(ctx); errors.Is(err, ErrTooManyUnenrolled) {
-				// 503, which the boot's publish retries; an enrolment or the sweep makes room.
-				w.Header().Set("Retry-After", "60")
-				return refuse(http.StatusServiceUnavailable, "unenrolled full", "record %s: %v: retry later", name, err)
-			} else if err != nil {
-				return err
-			}
-			// Made with the manifest's label: the update below then has nothing to do.
-			n, err = s.Store.Create(ctx, &Node{Name: name, Spec: NodeSpec{Node: name}, Labels: map[string]string{ManifestLabel: manifestLabel(digest)}})
-			if apierrors.IsAlreadyExists(err) {
-				return apierrors.NewConflict(NodeResource.GroupResource(), name, err)
-			}
-		}
-		if err != nil {
-			return err
-		}
-		if n.enrolled() {
-			if _, _, err := s.verifyEnvelope(n, b); err != nil {
-				return err
-			}
-			if int64(m.Generation) < n.Status.Generation {
-				return refuse(http.StatusConflict, "reset count", "record %s: generation %d is older than %d already verified", name, m.Generation, n.Status.Generation)
-			}
-		}
-		if n.Status.Manifest != nil && n.Status.Manifest.Digest == digest {
-			verdict = n.Status.Verdict
-			return nil // a retried POST
-		}
-		reason := fmt.Sprintf("generation %d posted, not attested", m.Generation)
-		if !n.enrolled() {
-			reason = fmt.Sprintf("generation %d posted; TPM not enrolled", m.Generation)
-		}
-		now := s.Store.now().UTC()
-		verdict = VerdictUnverified
-		// The label goes through the main resource, the status through its subresource
-		// (an update of the one leaves the other as it was).
-		if n.Labels == nil {
-			n.Labels = map[string]string{}
-		}
-		if n.Labels[ManifestLabel] != manifestLabel(digest) {
-			n.Labels[ManifestLabel] = manifestLabel(digest)
-			if n, err = s.Store.Update(ctx, n); err != nil {
-				return err
-			}
-		}
-		n.Status.Manifest = held
-		n.Status.Verdict, n.Status.Reason, n.Status.Time = verdict, reason, &now
-		_, err = s.Store.UpdateStatus(ctx, n)
-		return err
-	})
-	if err != nil {
-		return err
+	if len(name) > MaxRecordName {
+		return fmt.Errorf("%q: %d characters, at most %d (its DeviceTaintRule is %s<name>)", manifest.Printable(name), len(name), MaxRecordName, rulePrefix)
 	}
-	if verdict != VerdictVerified {
-		if err := s.Taints.Set(ctx, name, name, VerdictUnverified, "", fmt.Sprintf("generation %d not attested", m.Generation)); err != nil {
-			return err
-		}
-	}
-	w.WriteHeader(http.StatusAccepted)
 	return nil
-}
-
-func manifestLabel(digest string) string {
-	h := strings.TrimPrefix(digest, "sha256:")
-	if len(h) > 63 {
-		h = h[:63]
-	}
-	return h
 }
 
 func (n *Node) enrolled() bool { return len(n.Spec.EKPublic) > 0 }
@@ -356,8 +295,11 @@ func (s *Server) verifyEnvelope(n *Node, env []byte) (*manifest.Verified, crypto
 	return ver, v.Public(), nil
 }
 
-// attestation verifies a boot's attestation of the manifest its record holds, or, for a
-// TPM not yet enrolled, answers 428 with the credential challenge.
+// attestation judges a boot's attestation and the envelope it carries, or, for a TPM
+// not yet enrolled, answers 428 with the credential challenge. Everything a stranger
+// can send is refused before the API is asked anything but the record's read: the
+// nonce's MAC and age, the envelope's shape and name, and (enrolled) the quote, the
+// envelope's signature and the nonce not spent.
 func (s *Server) attestation(ctx context.Context, w http.ResponseWriter, body io.Reader) error {
 	b, err := readBody(body, MaxAttestation)
 	if err != nil {
@@ -368,45 +310,42 @@ func (s *Server) attestation(ctx context.Context, w http.ResponseWriter, body io
 		return refuse(http.StatusBadRequest, "attestation", "attestation: %v", err)
 	}
 	if a.Format != attest.Format {
-		return refuse(http.StatusBadRequest, "attestation", "attestation: format %q, want %q", a.Format, attest.Format)
+		return refuse(http.StatusBadRequest, "attestation", "attestation: format %q, want %q", manifest.Printable(a.Format), attest.Format)
 	}
-	if len(a.Nonce) == 0 || len(a.Nonce) > 64 {
-		return refuse(http.StatusBadRequest, "attestation", "attestation: nonce of %d bytes", len(a.Nonce))
+	if len(a.Envelope) == 0 {
+		return refuse(http.StatusBadRequest, "envelope", "attestation: carries no envelope (the manifest it is for goes in it)")
 	}
-	l, err := manifest.ParseEventLog(a.PassageLog)
-	if err != nil || len(l.Events) == 0 {
-		return refuse(http.StatusBadRequest, "attestation", "attestation: passage's event log names no manifest (%v)", err)
+	var env manifest.Envelope
+	if err := json.Unmarshal(a.Envelope, &env); err != nil {
+		return refuse(http.StatusBadRequest, "envelope", "attestation: envelope: %v", err)
 	}
-	digest := l.Events[len(l.Events)-1].PayloadDigest
-	holders, err := s.Store.ByLabel(ctx, ManifestLabel, manifestLabel(digest))
+	payload, err := base64.StdEncoding.DecodeString(env.Payload)
+	if err != nil {
+		return refuse(http.StatusBadRequest, "envelope", "attestation: envelope: payload: %v", err)
+	}
+	m, err := manifest.Unmarshal(payload)
+	if err != nil {
+		return refuse(http.StatusBadRequest, "envelope", "attestation: envelope: payload: %v", err)
+	}
+	name := m.Node.Hostname
+	if err := CheckRecordName(name); err != nil {
+		return refuse(http.StatusBadRequest, "envelope", "attestation: node hostname %v", err)
+	}
+	issued, err := s.Keys.CheckNonce(a.Nonce, s.Store.now(), s.ttl())
+	if err != nil {
+		return refuse(http.StatusForbidden, "nonce", "record %s: %v", name, err)
+	}
+	n, err := s.Store.Node(ctx, name)
+	if errors.Is(err, ErrNoRecord) || (err == nil && !n.enrolled()) {
+		return s.challenge(w, name, &a)
+	}
 	if err != nil {
 		return err
 	}
-	var t *Node
-	for _, n := range holders {
-		if n.Status.Manifest != nil && n.Status.Manifest.Digest == digest {
-			t = n
-		}
+	if !bytes.Equal(n.Spec.EKPublic, a.EKPublic) {
+		return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM (ek %s), this is ek %s", name, ekID(n.Spec.EKPublic), ekID(a.EKPublic))
 	}
-	if t == nil {
-		return refuse(http.StatusConflict, "manifest", "attestation of manifest %s: no record holds it (POST its envelope first)", digest)
-	}
-	owners, err := s.Store.ByLabel(ctx, EKLabel, labelOf(a.EKPublic))
-	if err != nil {
-		return err
-	}
-	for _, o := range owners {
-		if o.Name != t.Name && bytes.Equal(o.Spec.EKPublic, a.EKPublic) {
-			return refuse(http.StatusForbidden, "record", "record %s: this TPM is enrolled as record %s", t.Name, o.Name)
-		}
-	}
-	if !t.enrolled() {
-		return s.challenge(ctx, w, t, &a)
-	}
-	if !bytes.Equal(t.Spec.EKPublic, a.EKPublic) {
-		return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM (ek %s), this is ek %s", t.Name, ekID(t.Spec.EKPublic), ekID(a.EKPublic))
-	}
-	return s.verify(ctx, w, t, &a)
+	return s.verify(ctx, w, n, &a, issued, payload)
 }
 
 // akName is the hex TPM name (nameAlg and digest) of a TPMT_PUBLIC, as a challenge
@@ -428,16 +367,23 @@ func ekID(pub []byte) string {
 	return "sha256:" + hex.EncodeToString(sum[:8]) + "..."
 }
 
-// challenge starts an unenrolled TPM's enrolment: the nonce must be live (it is not used
-// up: the boot POSTs the same attestation after activating), the EK certificate chained
-// to the EK CA and on the intake list when one is kept; the control plane's half goes
-// in the record, the challenge to the boot.
-func (s *Server) challenge(ctx context.Context, w http.ResponseWriter, t *Node, a *attest.Attestation) error {
-	if err := s.Store.CheckNonce(ctx, a.Nonce); err != nil {
-		return nonceRefusal(err)
-	}
+// enrolState is a challenge's sealed state: the record the TPM asked for and the
+// control plane's half of the enrolment (no secret: the credential's digest).
+type enrolState struct {
+	Record  string          `json:"record"`
+	AKName  string          `json:"ak_name"`
+	Pending *attest.Pending `json:"pending"`
+}
+
+const enrolFormat = "passage-control/enrol-state/1"
+
+// challenge starts an unenrolled TPM's enrolment, writing nothing: the nonce was live
+// (it is not spent: the boot POSTs the same attestation after activating), the EK
+// certificate chains to the EK CA and is on the intake list when one is kept, the quote
+// and certification are the AK's; the control plane's half goes sealed in the challenge.
+func (s *Server) challenge(w http.ResponseWriter, name string, a *attest.Attestation) error {
 	if s.Intake != nil {
-		if err := s.Intake.Check(a.EKCert, t.Name); err != nil {
+		if err := s.Intake.Check(a.EKCert, name); err != nil {
 			return refuse(http.StatusForbidden, "intake", "%v", err)
 		}
 	}
@@ -445,29 +391,16 @@ func (s *Server) challenge(ctx context.Context, w http.ResponseWriter, t *Node, 
 	if err != nil {
 		return refuse(http.StatusForbidden, strings.ToLower(attest.CheckOf(err)), "%s", lowerFirst(err.Error()))
 	}
-	pj, err := json.Marshal(p)
+	st, err := s.Keys.Seal(enrolFormat, enrolState{Record: name, AKName: hex.EncodeToString(ch.AKName), Pending: p}, s.Store.now().Add(EnrolTTL))
 	if err != nil {
 		return err
 	}
-	body, err := json.Marshal(ChallengeBody{Format: ChallengeFormat, Record: t.Name, Challenge: ch})
+	body, err := json.Marshal(ChallengeBody{Format: ChallengeFormat, Record: name, Challenge: ch, State: st})
 	if err != nil {
 		return err
 	}
 	if len(body) > maxChallenge {
-		return fmt.Errorf("record %s: challenge of %d bytes, over %d", t.Name, len(body), maxChallenge)
-	}
-	now := s.Store.now().UTC()
-	err = retry(ctx, fresh(ctx, s.Store, t, func(n *Node) error {
-		if n.enrolled() {
-			return refuse(http.StatusConflict, "record", "record %s: enrolled meanwhile; POST the attestation again", t.Name)
-		}
-		n.Status.Pending = &PendingEnrolment{AKName: hex.EncodeToString(ch.AKName), Pending: pj, Issued: now}
-		n.Status.Verdict, n.Status.Reason, n.Status.Time = VerdictEnrolling, "credential challenge sent for ak "+hex.EncodeToString(ch.AKName[:min(len(ch.AKName), 8)])+"...", &now
-		_, err := s.Store.UpdateStatus(ctx, n)
-		return err
-	}))
-	if err != nil {
-		return err
+		return fmt.Errorf("record %s: challenge of %d bytes, over %d", name, len(body), maxChallenge)
 	}
 	w.Header().Set("Content-Type", ChallengeType)
 	w.Header().Set("Cache-Control", "no-store")
@@ -484,16 +417,10 @@ func lowerFirst(s string) string {
 	return s
 }
 
-func nonceRefusal(err error) error {
-	var nr *NonceRefusal
-	if errors.As(err, &nr) {
-		return refuse(http.StatusForbidden, "nonce", "%v", err)
-	}
-	return err
-}
-
-// activation finishes an enrolment: the answer must be the credential sealed to the
-// EK for the AK; the record then holds EK, AK and signing key.
+// activation finishes an enrolment: the answer must be the credential sealed to the EK
+// for the AK, and the state the challenge carried. Then, and only then, the TPM claims
+// its one record (a create the API server serialises) and the record is created with
+// EK, AK and signing key.
 func (s *Server) activation(ctx context.Context, w http.ResponseWriter, body io.Reader) error {
 	b, err := readBody(body, MaxBody)
 	if err != nil {
@@ -504,207 +431,166 @@ func (s *Server) activation(ctx context.Context, w http.ResponseWriter, body io.
 		return refuse(http.StatusBadRequest, "activation", "activation: %v", err)
 	}
 	if ans.Format != AnswerFormat {
-		return refuse(http.StatusBadRequest, "activation", "activation: format %q, want %q", ans.Format, AnswerFormat)
+		return refuse(http.StatusBadRequest, "activation", "activation: format %q, want %q", manifest.Printable(ans.Format), AnswerFormat)
 	}
 	secret, err := base64.StdEncoding.DecodeString(ans.Answer)
 	if err != nil {
 		return refuse(http.StatusBadRequest, "activation", "activation: answer: %v", err)
 	}
-	if errs := validation.IsDNS1123Subdomain(ans.Record); len(errs) > 0 {
-		return refuse(http.StatusBadRequest, "activation", "activation: record %q: %s", manifest.Printable(ans.Record), strings.Join(errs, "; "))
+	var st enrolState
+	if err := s.Keys.Open(enrolFormat, ans.State, s.Store.now(), &st); err != nil {
+		return refuse(http.StatusForbidden, "activation", "activation: %v", err)
 	}
-	return retry(ctx, func() error {
-		n, err := s.Store.Node(ctx, ans.Record)
-		if errors.Is(err, ErrNoRecord) {
-			return refuse(http.StatusNotFound, "activation", "activation: record %s: none", ans.Record)
+	if st.Record != ans.Record || !strings.EqualFold(st.AKName, ans.AKName) || st.Pending == nil {
+		return refuse(http.StatusForbidden, "activation", "activation: record %q, ak_name %q: not the challenge's", manifest.Printable(ans.Record), manifest.Printable(ans.AKName))
+	}
+	rec, err := attest.Complete(st.Pending, secret)
+	if err != nil {
+		return refuse(http.StatusForbidden, "activation", "activation: wrong answer (%v)", err)
+	}
+	name := st.Record
+	if s.Intake != nil {
+		if err := s.Intake.Check(rec.EKCert, name); err != nil {
+			return refuse(http.StatusForbidden, "intake", "%v", err)
 		}
-		if err != nil {
-			return err
-		}
-		if n.Status.Pending == nil {
-			if n.enrolled() {
-				// A retried answer that won before is 204 again; an answer for an AK the
-				// record was not enrolled with (another TPM's, challenged before this
-				// one's enrolment won) is refused.
-				if name, err := akName(n.Spec.AKPublic); err != nil || !strings.EqualFold(name, ans.AKName) {
-					return refuse(http.StatusForbidden, "record", "activation: record %s: enrolled with another AK (ek %s); ak_name %s was not enrolled", n.Name, ekID(n.Spec.EKPublic), manifest.Printable(ans.AKName))
-				}
-				w.WriteHeader(http.StatusNoContent)
-				return nil
-			}
-			return refuse(http.StatusConflict, "activation", "activation: record %s: no enrolment pending", n.Name)
-		}
-		if !strings.EqualFold(n.Status.Pending.AKName, ans.AKName) {
-			return refuse(http.StatusForbidden, "activation", "activation: record %s: ak_name %s is not the challenged AK", n.Name, manifest.Printable(ans.AKName))
-		}
-		var p attest.Pending
-		if err := json.Unmarshal(n.Status.Pending.Pending, &p); err != nil {
-			return fmt.Errorf("record %s: pending enrolment: %w", n.Name, err)
-		}
-		rec, err := attest.Complete(&p, secret)
-		if err != nil {
-			return refuse(http.StatusForbidden, "activation", "activation: wrong answer (%v)", err)
-		}
-		// The record is pinned to the first TPM that enrolled it: the challenge is never
-		// written on an enrolled record, and an answer never replaces its enrolment.
-		if n.enrolled() && !bytes.Equal(n.Spec.EKPublic, rec.EKPublic) {
-			return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM (ek %s), this is ek %s", n.Name, ekID(n.Spec.EKPublic), ekID(rec.EKPublic))
-		}
-		if s.Intake != nil {
-			if err := s.Intake.Check(rec.EKCert, n.Name); err != nil {
-				return refuse(http.StatusForbidden, "intake", "%v", err)
-			}
-		}
-		owners, err := s.Store.ByLabel(ctx, EKLabel, labelOf(rec.EKPublic))
-		if err != nil {
-			return err
-		}
-		for _, o := range owners {
-			if o.Name != n.Name && bytes.Equal(o.Spec.EKPublic, rec.EKPublic) {
-				return refuse(http.StatusForbidden, "record", "record %s: this TPM is enrolled as record %s", n.Name, o.Name)
-			}
-		}
-		now := s.Store.now().UTC()
-		n.Spec.EKCert, n.Spec.EKPublic, n.Spec.AKPublic, n.Spec.SigningKeyPublic = rec.EKCert, rec.EKPublic, rec.AKPublic, rec.SigningKeyPublic
-		n.Spec.Enrolled = &now
-		if n.Labels == nil {
-			n.Labels = map[string]string{}
-		}
-		n.Labels[EKLabel] = labelOf(rec.EKPublic)
-		st := n.Status
-		if n, err = s.Store.Update(ctx, n); err != nil {
-			return err
-		}
-		n.Status = st
-		n.Status.Pending = nil
-		n.Status.ResetCount = int64(rec.Seen.ResetCount)
-		n.Status.Verdict, n.Status.Reason, n.Status.Time = VerdictUnverified, "enrolled; attestation not yet accepted", &now
-		if _, err := s.Store.UpdateStatus(ctx, n); err != nil && !apierrors.IsConflict(err) {
-			return err
-		}
-		s.Metrics.enrolled()
-		w.WriteHeader(http.StatusNoContent)
-		return nil
-	})
-}
-
-// verify holds an enrolled node's attestation to its record: attest.VerifyTPM, the
-// nonce used up by one compare-and-swap, attest.VerifyFirmware against the approved
-// image. Only a refusal of an attestation the enrolled TPM itself made (its quote
-// verified: a rollback, passage's log not replaying, an unapproved image or PCR policy)
-// changes the verdict to attestation-failed: a refusal anyone could provoke (a forged
-// quote, a replayed or unissued nonce) says nothing about the node's boot, and tainting
-// on it would let anyone holding an old attestation evict the node's pods.
-func (s *Server) verify(ctx context.Context, w http.ResponseWriter, t *Node, a *attest.Attestation) error {
-	ver, signer, err := s.verifyEnvelope(t, t.Status.Manifest.Envelope)
+	}
+	made, err := s.Store.ClaimEK(ctx, rec.EKPublic, name)
+	if errors.Is(err, ErrClaimed) {
+		return refuse(http.StatusForbidden, "record", "record %s: this TPM is enrolled as another record (%v)", name, err)
+	}
 	if err != nil {
 		return err
 	}
+	now := s.Store.now().UTC()
+	n := &Node{Name: name, Labels: map[string]string{EKLabel: labelOf(rec.EKPublic)}, Spec: NodeSpec{Node: name,
+		EKCert: rec.EKCert, EKPublic: rec.EKPublic, AKPublic: rec.AKPublic, SigningKeyPublic: rec.SigningKeyPublic, Enrolled: &now}}
+	err = retry(ctx, func() error {
+		_, err := s.Store.Create(ctx, n)
+		if !apierrors.IsAlreadyExists(err) {
+			return err
+		}
+		cur, err := s.Store.Node(ctx, name)
+		if errors.Is(err, ErrNoRecord) {
+			return apierrors.NewConflict(NodeResource.GroupResource(), name, err) // deleted meanwhile: create again
+		}
+		if err != nil {
+			return err
+		}
+		switch {
+		case !cur.enrolled():
+			// A record of before the exchange enrolled on activation: it becomes this one.
+			cur.Spec, cur.Labels = n.Spec, n.Labels
+			_, err = s.Store.Update(ctx, cur)
+			return err
+		case bytes.Equal(cur.Spec.EKPublic, rec.EKPublic):
+			return nil // a retried or concurrent answer of this enrolment
+		}
+		return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM (ek %s), this is ek %s", name, ekID(cur.Spec.EKPublic), ekID(rec.EKPublic))
+	})
+	if err != nil {
+		if made {
+			// This TPM owns no record: its claim goes, so it can enrol as the one it may.
+			err = errors.Join(err, s.Store.Unclaim(context.WithoutCancel(ctx), rec.EKPublic))
+		}
+		return err
+	}
+	s.Metrics.enrolled()
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+// verify judges an enrolled node's attestation of the envelope it carries:
+// attest.VerifyTPM (the quote over this nonce, the signing key, PCR 13 replaying to
+// this manifest, no rollback), the nonce not spent for this record, then
+// attest.VerifyFirmware against the approved image. A refusal anyone could provoke
+// (a forged or stale quote, a log that does not replay, a spent nonce) is answered and
+// changes nothing; only evidence (attest.IsEvidence: the TPM's own word over logs that
+// replay, showing a rollback or an unapproved boot) makes the verdict
+// attestation-failed. A record moves forward only: nothing older than its generation is
+// taken, and a failed generation is left only by a newer verified one. The status write
+// carries the resourceVersion read, so it also spends the nonce exactly once.
+func (s *Server) verify(ctx context.Context, w http.ResponseWriter, n *Node, a *attest.Attestation, issued time.Time, payload []byte) error {
+	ver, signer, err := s.verifyEnvelope(n, a.Envelope)
+	if err != nil {
+		return err
+	}
+	gen := int64(ver.Manifest.Generation)
+	digest := manifest.Digest(payload)
 	m := attest.Manifest{Payload: ver.Payload, Generation: ver.Manifest.Generation, Signer: signer}
-	res, tpmErr := attest.VerifyTPM(t.record(), a, m, attest.Policy{EKCA: s.EKCA, Nonce: a.Nonce})
-	if tpmErr != nil {
-		switch attest.CheckOf(tpmErr) {
-		case "reset count", "PCR 13":
-		default:
-			return refuse(http.StatusForbidden, strings.ToLower(attest.CheckOf(tpmErr)), "record %s: %s", t.Name, lowerFirst(tpmErr.Error()))
+	res, verr := attest.VerifyTPM(n.record(), a, m, attest.Policy{EKCA: s.EKCA, Nonce: a.Nonce})
+	if verr != nil && !attest.IsEvidence(verr) {
+		return refuse(http.StatusForbidden, strings.ToLower(attest.CheckOf(verr)), "record %s: %s (nothing changed)", n.Name, lowerFirst(verr.Error()))
+	}
+	if verr == nil && s.Approved != nil {
+		if _, verr = attest.VerifyFirmware(a.FirmwareLog, a.PCRs, s.Approved); verr != nil && !attest.IsEvidence(verr) {
+			return refuse(http.StatusForbidden, strings.ToLower(attest.CheckOf(verr)), "record %s: %s (nothing changed)", n.Name, lowerFirst(verr.Error()))
 		}
 	}
-	issued, err := s.Store.UseNonce(ctx, a.Nonce, t.Name)
-	if err != nil {
-		return nonceRefusal(err)
-	}
-	// The nonce is spent: the verdict is written and the rule set even if the boot stops
-	// waiting (its try timed out under load). Cut off with the request, a spent nonce
-	// would leave no verdict, and the boot's retry, refused as a replay, none either: the
-	// node would stay unverified until its next boot (seen in the boot storm).
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), VerdictTimeout)
-	defer cancel()
-	verr := tpmErr
-	if verr == nil && s.Approved != nil {
-		_, verr = attest.VerifyFirmware(a.FirmwareLog, a.PCRs, s.Approved)
-	}
-	now := s.Store.now().UTC()
-	gen := int64(ver.Manifest.Generation)
 	verdict, reason, check := VerdictVerified, fmt.Sprintf("generation %d attested", gen), ""
 	if verr != nil {
-		check = attest.CheckOf(verr)
-		if check == "" {
+		if check = attest.CheckOf(verr); check == "" {
 			check = "firmware"
 		}
 		verdict, reason = VerdictFailed, fmt.Sprintf("generation %d: %s", gen, verr)
 	}
-	digest := t.Status.Manifest.Digest
-	err = retry(ctx, fresh(ctx, s.Store, t, func(n *Node) error {
-		if n.Status.Manifest == nil || n.Status.Manifest.Digest != digest {
-			return refuse(http.StatusConflict, "manifest", "record %s: a newer manifest was posted meanwhile", n.Name)
+	// Once the judgement is written the rule must follow even if the boot stops
+	// waiting: cut off with the request, a verdict would stand with the rule of before.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), VerdictTimeout)
+	defer cancel()
+	first := true
+	same := false
+	err = retry(ctx, func() error {
+		if !first {
+			var err error
+			if n, err = s.Store.Node(ctx, n.Name); err != nil {
+				return err
+			}
 		}
-		n.Status.Verdict, n.Status.Reason, n.Status.Time = verdict, reason, &now
-		if verr == nil {
-			n.Status.Generation, n.Status.ResetCount, n.Status.BootID = int64(res.Seen.Generation), int64(res.Seen.ResetCount), ver.Manifest.BootID
+		first = false
+		if !bytes.Equal(n.Spec.EKPublic, a.EKPublic) {
+			return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM meanwhile", n.Name)
 		}
-		// An enrolled record has no enrolment pending: the activation's status write,
-		// which leaves a conflict be (its spec write enrolled the node), may not have
-		// cleared it.
-		n.Status.Pending = nil
-		_, err := s.Store.UpdateStatus(ctx, n)
+		if n.Status.Nonce != nil && !issued.After(*n.Status.Nonce) {
+			return refuse(http.StatusForbidden, "nonce", "record %s: nonce: spent (an attestation over a nonce issued at or after it was recorded; fetch a new one)", n.Name)
+		}
+		switch st := n.Status; {
+		case gen < st.Generation:
+			return refuse(http.StatusConflict, "generation", "record %s: generation %d is older than %d already judged (nothing changed)", n.Name, gen, st.Generation)
+		case st.Verdict == VerdictFailed && verdict == VerdictVerified && gen <= st.Generation:
+			return refuse(http.StatusConflict, "generation", "record %s: generation %d failed attestation; only a newer generation verified restores it (nothing changed)", n.Name, st.Generation)
+		case st.Verdict == verdict && st.Generation == gen && st.Digest == digest:
+			same = true // judged so already: nothing to write
+			return nil
+		}
+		now := s.Store.now().UTC()
+		nonce := issued.UTC()
+		n.Status = NodeStatus{Verdict: verdict, Reason: reason, Time: &now, Generation: gen, Digest: digest, Nonce: &nonce,
+			ResetCount: n.Status.ResetCount, BootID: ver.Manifest.BootID}
+		if res != nil {
+			n.Status.ResetCount = int64(res.Seen.ResetCount)
+		}
+		_, err := s.Store.UpdateStatus(wctx, n)
 		return err
-	}))
+	})
 	if err != nil {
 		return err
 	}
-	if err := s.Taints.Set(ctx, t.Name, t.Spec.Node, verdict, check, reason); err != nil {
-		return err
+	if !same {
+		if err := s.Taints.Set(wctx, n.Name, n.Spec.Node, verdict, check, reason); err != nil {
+			return err
+		}
+		s.Metrics.verdict(verdict, s.Store.now().Sub(issued))
 	}
-	s.Metrics.verdict(verdict, now.Sub(issued))
 	if verr != nil {
-		return refuse(http.StatusForbidden, strings.ToLower(check), "record %s: %s", t.Name, lowerFirst(verr.Error()))
+		return refuse(http.StatusForbidden, strings.ToLower(check), "record %s: %s", n.Name, lowerFirst(verr.Error()))
 	}
 	w.Header().Set("Content-Type", "application/json")
-	return json.NewEncoder(w).Encode(VerdictBody{Record: t.Name, Verdict: verdict, Generation: gen})
+	return json.NewEncoder(w).Encode(VerdictBody{Record: n.Name, Verdict: verdict, Generation: gen})
 }
 
-// VerdictTimeout bounds the writes that record a verdict once its nonce is spent (the
-// record's status and the rule), which do not stop with the request.
+// VerdictTimeout bounds the writes that record a verdict, which do not stop with the
+// request.
 const VerdictTimeout = 30 * time.Second
-
-// SweepUnenrolled deletes the records not enrolled within their time
-// (Store.SweepUnenrolled) and their DeviceTaintRules, leaving the node as one that never
-// POSTed. A record made again meanwhile (the node POSTed between the two deletes) gets
-// its rule back. It returns how many records it deleted.
-func (s *Server) SweepUnenrolled(ctx context.Context, page int64) (int, error) {
-	gone, err := s.Store.SweepUnenrolled(ctx, page)
-	var published map[string]int64
-	if len(gone) > 0 {
-		var perr error
-		if published, perr = s.pools(ctx, page); perr != nil {
-			// Unknown which pools publish: every swept record's rule stays.
-			return len(gone), errors.Join(err, fmt.Errorf("swept %d records, their rules kept: %w", len(gone), perr))
-		}
-	}
-	for _, name := range gone {
-		// A pool passage-dra still publishes keeps its devices untainted only once a
-		// record verifies it: its rule says unverified, never nothing. Only a record
-		// no pool stands behind (a made-up hostname) loses its rule with it.
-		if _, ok := published[name]; ok {
-			err = errors.Join(err, s.Taints.Set(ctx, name, name, VerdictUnverified, "", "its record was swept, not enrolled"))
-			continue
-		}
-		if rerr := s.Taints.Clear(ctx, name); rerr != nil {
-			err = errors.Join(err, rerr)
-			continue
-		}
-		n, rerr := s.Store.Node(ctx, name)
-		if errors.Is(rerr, ErrNoRecord) {
-			continue
-		}
-		if rerr == nil && n.Status.Verdict != VerdictVerified {
-			rerr = s.Taints.Set(ctx, name, n.Spec.Node, VerdictUnverified, "", "posted again while its stale record was swept")
-		}
-		err = errors.Join(err, rerr)
-	}
-	s.Metrics.swept(len(gone))
-	return len(gone), err
-}
 
 // Intake is the list of EKs recorded at intake: sha256 of the EK certificate's public
 // key (SubjectPublicKeyInfo DER) or the certificate's serial number, each either bound

@@ -27,7 +27,9 @@ const (
 const ReasonAnnotation = Group + "/reason"
 
 // RuleName is the DeviceTaintRule of a record.
-func RuleName(record string) string { return "passage-" + record }
+const rulePrefix = "passage-"
+
+func RuleName(record string) string { return rulePrefix + record }
 
 // Taints writes the DeviceTaintRule that makes the scheduler follow a record's verdict.
 // A DeviceTaintRule and not taints in the slices: the slices are the node's own

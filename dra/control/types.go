@@ -1,11 +1,14 @@
-// Package control is passage's control plane at passage.url: it issues nonces, keeps the
-// manifests boots POST, enrols each node's TPM with no human step (the EK certificate
-// against the operator's EK CA and intake list, a credential challenge the boot
-// activates), verifies each boot's attestation with package attest, and makes the
-// scheduler follow the verdict through a DeviceTaintRule on the node's pool. Its state
-// is in the Kubernetes API and nowhere else: a node's record is a PassageNode, a nonce is
-// a PassageNonce used up by one resourceVersion compare-and-swap, so any replica serves
-// any request and a replica killed between a node's GET and its POST loses nothing.
+// Package control is passage's control plane at passage.url: it issues nonces, enrols
+// each node's TPM with no human step (the EK certificate against the operator's EK CA
+// and intake list, a credential challenge the boot activates), verifies each boot's
+// attestation with package attest, and makes the scheduler follow the verdict through a
+// DeviceTaintRule on the node's pool. Its state is in the Kubernetes API and nowhere
+// else, and it writes there only on evidence a stranger cannot make: a nonce is a MAC
+// under a key the replicas share (checked without being stored, spent by the
+// compare-and-swap of the write that records the attestation), an enrolment's state
+// travels sealed in its challenge, and a record is created or changed only by a
+// correct activation answer or an attestation whose quote verifies (README, "Control
+// plane"; docs/DESIGN.md, "Who can send what").
 package control
 
 import (
@@ -26,33 +29,34 @@ const Group = resources.DriverName
 // Version is the resources' API version.
 const Version = "v1alpha1"
 
-// The resources: PassageNode (a node's record) and PassageNonce (one issued nonce).
+// The resources: PassageNode (a node's record, named by the manifest's hostname) and
+// PassageEK (a TPM's claim on its one record, named by its EK's digest: created if
+// absent, so one TPM never enrols as two records whatever arrives at once).
 var (
-	NodeResource  = schema.GroupVersionResource{Group: Group, Version: Version, Resource: "passagenodes"}
-	NonceResource = schema.GroupVersionResource{Group: Group, Version: Version, Resource: "passagenonces"}
+	NodeResource = schema.GroupVersionResource{Group: Group, Version: Version, Resource: "passagenodes"}
+	EKResource   = schema.GroupVersionResource{Group: Group, Version: Version, Resource: "passageeks"}
 )
 
 // Verdicts a record shows (status.verdict, the printer column).
 const (
-	// VerdictUnverified: a manifest was POSTed, no attestation of it accepted yet.
+	// VerdictUnverified: enrolled, no attestation of the node's current boot accepted
+	// (the reconciler's word for a pool published at a newer generation than verified).
 	VerdictUnverified = "unverified"
-	// VerdictEnrolling: the TPM was challenged; the answer has not come.
-	VerdictEnrolling = "enrolling"
 	// VerdictVerified: this generation's attestation was accepted.
 	VerdictVerified = "verified"
-	// VerdictFailed: an attestation the node's enrolled TPM made was refused.
+	// VerdictFailed: an attestation the node's enrolled TPM made, over a log that
+	// replays, shows an unapproved boot or a rollback.
 	VerdictFailed = "attestation-failed"
 )
 
 // EKLabel holds the first 63 hex digits of sha256 of the record's EK public area (a label
-// value is at most 63 characters): the attestation POST finds a TPM's record by it, and
-// compares the whole key after.
+// value is at most 63 characters), for an operator's selector; the exchange finds a
+// TPM's record by name, never by a list.
 const EKLabel = Group + "/ek-sha256"
 
-// ManifestLabel holds the first 63 hex digits of the sha256 of the payload of the
-// manifest the record holds: an unenrolled TPM's attestation names its manifest only
-// through passage's event log, whose last event is that digest.
-const ManifestLabel = Group + "/manifest-sha256"
+// MaxRecordName bounds a record's name (the manifest's hostname): the longest object
+// name (253) less the DeviceTaintRule's prefix, so every name derived from it fits.
+const MaxRecordName = 253 - len(rulePrefix)
 
 // Node is a PassageNode: spec is the node's identity (set at enrolment, never by the
 // node), status what the control plane last saw and decided.
@@ -70,7 +74,7 @@ type NodeSpec struct {
 	// Node is the manifest's hostname: the node's ResourceSlice pool, which passage-dra
 	// names so whatever the Kubernetes node is called (resources.Objects.Pool).
 	Node string `json:"node"`
-	// EKCert is the EK certificate (DER); empty until enrolled.
+	// EKCert is the EK certificate (DER).
 	EKCert []byte `json:"ekCert,omitempty"`
 	// EKPublic, AKPublic, SigningKeyPublic are TPMT_PUBLIC areas (attest.NodeRecord).
 	EKPublic         []byte `json:"ekPublic,omitempty"`
@@ -80,49 +84,31 @@ type NodeSpec struct {
 	Enrolled *time.Time `json:"enrolled,omitempty"`
 }
 
-// NodeStatus is what the control plane last saw and decided.
+// NodeStatus is what the control plane last decided, from an attestation only.
 type NodeStatus struct {
 	Verdict string `json:"verdict,omitempty"`
 	Reason  string `json:"reason,omitempty"`
 	// Time is when the verdict was reached.
 	Time *time.Time `json:"time,omitempty"`
-	// Generation and ResetCount are the newest accepted (attest.Seen): the rollback
-	// check holds the next attestation to them.
+	// Generation is the newest generation an attestation was judged for, verified or
+	// failed; ResetCount and BootID are that attestation's. Nothing older is taken
+	// (attest.Seen), and a failed generation is left only by a newer verified one.
 	Generation int64  `json:"generation,omitempty"`
 	ResetCount int64  `json:"resetCount,omitempty"`
 	BootID     string `json:"bootID,omitempty"`
-	// Manifest is the envelope last POSTed for the node: the attestation POST, on any
-	// replica, verifies against it.
-	Manifest *HeldManifest `json:"manifest,omitempty"`
-	// Pending is the control plane's half of an enrolment between the 428 challenge
-	// and the answer (attest.Pending JSON: no secret, the credential's digest).
-	Pending *PendingEnrolment `json:"pending,omitempty"`
+	// Digest is the sha256 of the judged manifest's payload ("sha256:<hex>").
+	Digest string `json:"digest,omitempty"`
+	// Nonce is when the nonce of the attestation judged was issued: a nonce issued no
+	// later is spent for this record. The status write carries the resourceVersion
+	// read, so of two attestations racing with one nonce only one is recorded.
+	Nonce *time.Time `json:"nonce,omitempty"`
 }
 
-// HeldManifest is a POSTed manifest envelope, kept until its attestation comes.
-type HeldManifest struct {
-	Envelope   []byte `json:"envelope"`
-	Digest     string `json:"digest"` // sha256:<hex> of the payload
-	Generation int64  `json:"generation"`
-	BootID     string `json:"bootID"`
-	// Issued is when the nonce the boot took was issued, if known: for the
-	// nonce-to-verdict time.
-	Posted time.Time `json:"posted"`
-}
-
-// PendingEnrolment is an issued challenge.
-type PendingEnrolment struct {
-	AKName  string          `json:"akName"` // hex
-	Pending json.RawMessage `json:"pending"`
-	Issued  time.Time       `json:"issued"`
-}
-
-// Nonce is a PassageNonce: its name is the nonce in hex.
-type Nonce struct {
-	Issued time.Time  `json:"issued"`
-	Used   *time.Time `json:"used,omitempty"`
-	// Record is the record the attestation that used it was for.
-	Record string `json:"record,omitempty"`
+// EKClaim is a PassageEK: the record its TPM enrolled as.
+type EKClaim struct {
+	Record string `json:"record"`
+	// EKPublic is the claiming TPM's EK public area (the name is its digest).
+	EKPublic []byte `json:"ekPublic"`
 }
 
 func toObject(gvr schema.GroupVersionResource, kind, name, rv string, labels map[string]string, content any) (*unstructured.Unstructured, error) {

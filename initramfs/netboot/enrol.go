@@ -43,6 +43,9 @@ type EnrolChallenge struct {
 	// Challenge is an attest.Challenge (its JSON): package attest parses it, the TPM
 	// answers it.
 	Challenge json.RawMessage `json:"challenge"`
+	// State is the control plane's half of the enrolment, sealed under its key: the
+	// answer carries it back as it came, so no replica keeps it (base64 in JSON).
+	State []byte `json:"state,omitempty"`
 }
 
 // ParseChallenge reads a 428's body (no key given twice in an object, nor in two cases:
@@ -100,12 +103,14 @@ type EnrolAnswer struct {
 	AKName string `json:"ak_name"`
 	// Answer is the credential TPM2_ActivateCredential recovered (base64 in JSON).
 	Answer []byte `json:"answer"`
+	// State is the challenge's, unchanged.
+	State []byte `json:"state,omitempty"`
 }
 
 // NewAnswer is the answer to c: its record, the AK name the challenge was sealed for (hex)
 // and the secret the TPM recovered.
 func NewAnswer(c *EnrolChallenge, akName, secret []byte) EnrolAnswer {
-	return EnrolAnswer{Format: AnswerFormat, Record: c.Record, AKName: hex.EncodeToString(akName), Answer: secret}
+	return EnrolAnswer{Format: AnswerFormat, Record: c.Record, AKName: hex.EncodeToString(akName), Answer: secret, State: c.State}
 }
 
 // PostActivation POSTs the answer to url (ActivationType), bounded and retried as Publish

@@ -775,6 +775,9 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 		r.Changef("%s: quoted again over the control plane's nonce", name)
 	}
 	body, err := ReadBeneath(b.Root, path, attest.MaxFile)
+	if err == nil {
+		body, err = attest.WithEnvelope(body, signed.Envelope)
+	}
 	if err != nil {
 		r.Degrade("%s not posted: %v", name, err)
 		return nil

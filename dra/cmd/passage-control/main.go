@@ -1,11 +1,12 @@
 // Command passage-control is passage's control plane at passage.url: it issues nonces,
-// keeps the manifests boots POST, enrols TPMs with no human step and verifies each
-// boot's attestation, keeping every record and nonce in the Kubernetes API (package
-// control). Run two or more replicas behind one Service: any replica serves any request.
+// enrols TPMs with no human step and verifies each boot's attestation and the manifest
+// it carries, keeping every record in the Kubernetes API (package control). Run two or
+// more replicas behind one Service, each with the same --exchange-key: any replica
+// serves any request.
 //
-//	passage-control --tls-cert F --tls-key F --ek-ca F [--approved F] [--intake F]
-//	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F] [--nonce-ttl D]
-//	                [--kube-qps N] [--max-nonces N] [--max-unenrolled N] [--unenrolled-ttl D]
+//	passage-control --tls-cert F --tls-key F --ek-ca F --exchange-key F [--approved F]
+//	                [--intake F] [--listen ADDR] [--metrics ADDR] [--kubeconfig F]
+//	                [--nonce-ttl D] [--kube-qps N]
 package main
 
 import (
@@ -24,7 +25,6 @@ import (
 
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -40,10 +40,9 @@ func main() {
 }
 
 type flags struct {
-	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig string
-	nonceTTL, unenrolledTTL, reconcileEvery                        time.Duration
-	qps                                                            float64
-	maxNonces, maxUnenrolled                                       int64
+	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig, exchangeKey string
+	nonceTTL, reconcileEvery                                                    time.Duration
+	qps                                                                         float64
 }
 
 // run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
@@ -61,10 +60,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.StringVar(&f.kubeconfig, "kubeconfig", "", "`FILE` to reach the API server (default: in-cluster)")
 	fs.DurationVar(&f.nonceTTL, "nonce-ttl", attest.DefaultNonceTTL, "how long an issued nonce is accepted")
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
-	fs.Int64Var(&f.maxNonces, "max-nonces", control.DefaultMaxNonces, "the most PassageNonces kept in the API: a nonce GET past it is refused 503 until the sweep makes room")
-	fs.Int64Var(&f.maxUnenrolled, "max-unenrolled", control.DefaultMaxUnenrolled, "the most node records not yet enrolled: an envelope POST that would make one more is refused 503 until an enrolment or the sweep makes room")
+	fs.StringVar(&f.exchangeKey, "exchange-key", "", "the `FILE` of the key every replica shares (at least 32 random bytes, a Secret): nonces are its MACs and an enrolment's state travels sealed under it, so neither is stored")
 	fs.DurationVar(&f.reconcileEvery, "reconcile-every", 15*time.Second, "how often the pools passage-dra publishes are checked against their records: a pool whose published generation is not verified gets the unverified taint")
-	fs.DurationVar(&f.unenrolledTTL, "unenrolled-ttl", control.DefaultUnenrolledTTL, "how long a node record may stay unenrolled before the sweep deletes it (and its taint rule)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -73,11 +70,10 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 		logger.Printf(format, a...)
 		return code
 	}
-	if f.cert == "" || f.key == "" || f.ekCA == "" || fs.NArg() > 0 {
-		return fail(2, "usage: --tls-cert, --tls-key and --ek-ca are needed, and no arguments")
+	if f.cert == "" || f.key == "" || f.ekCA == "" || f.exchangeKey == "" || fs.NArg() > 0 {
+		return fail(2, "usage: --tls-cert, --tls-key, --ek-ca and --exchange-key are needed, and no arguments")
 	}
-	// The sweep ticks every half TTL: time.NewTicker panics on a non-positive period, and
-	// a nonce shorter than a second outlives no boot's quote.
+	// A nonce shorter than a second outlives no boot's quote.
 	if f.nonceTTL < time.Second {
 		return fail(2, "--nonce-ttl %s: want at least 1s", f.nonceTTL)
 	}
@@ -85,19 +81,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if f.qps <= 0 {
 		return fail(2, "--kube-qps %g: want more than 0", f.qps)
 	}
-	if f.maxNonces < 1 {
-		return fail(2, "--max-nonces %d: want at least 1", f.maxNonces)
-	}
-	if f.maxUnenrolled < 1 {
-		return fail(2, "--max-unenrolled %d: want at least 1", f.maxUnenrolled)
-	}
-	// A first boot's enrolment takes seconds; a record swept sooner than a minute could
-	// be one whose node is between its POSTs.
 	if f.reconcileEvery < time.Second {
 		return fail(2, "--reconcile-every %s: want at least 1s", f.reconcileEvery)
-	}
-	if f.unenrolledTTL < time.Minute {
-		return fail(2, "--unenrolled-ttl %s: want at least 1m", f.unenrolledTTL)
 	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
@@ -111,7 +96,11 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if err != nil {
 		return fail(2, "--ek-ca %s: %v", f.ekCA, err)
 	}
-	srv := &control.Server{EKCA: pool, Metrics: control.NewMetrics(), Log: logger}
+	keys, err := control.ReadKeys(f.exchangeKey)
+	if err != nil {
+		return fail(2, "--exchange-key: %v", err)
+	}
+	srv := &control.Server{EKCA: pool, Keys: keys, NonceTTL: f.nonceTTL, Metrics: control.NewMetrics(), Log: logger}
 	if f.approved != "" {
 		if srv.Approved, err = attest.ReadApproved(f.approved); err != nil {
 			return fail(2, "--approved: %v", err)
@@ -144,12 +133,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if err != nil {
 		return fail(2, "kubernetes client: %v", err)
 	}
-	meta, err := metadata.NewForConfig(rc)
-	if err != nil {
-		return fail(2, "kubernetes client: %v", err)
-	}
-	srv.Store = &control.Store{Client: dyn, Meta: meta, NonceTTL: f.nonceTTL, MaxNonces: f.maxNonces,
-		MaxUnenrolled: f.maxUnenrolled, UnenrolledTTL: f.unenrolledTTL}
+	srv.Store = &control.Store{Client: dyn}
 	srv.Taints = &control.Taints{Client: kc}
 
 	ln, err := net.Listen("tcp", f.listen)
@@ -186,10 +170,6 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if ready != nil {
 		ready(ln.Addr().String(), maddr)
 	}
-	// Expired nonces are swept by every replica; each delete is conditional, so two
-	// replicas sweeping at once delete each nonce once.
-	sweep := time.NewTicker(f.nonceTTL / 2)
-	defer sweep.Stop()
 	// Every replica reconciles the pools with their records (Server.Reconcile: each
 	// write idempotent, a verification landing meanwhile undone by none).
 	reconcile := time.NewTicker(f.reconcileEvery)
@@ -213,22 +193,6 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 			rctx, cancel := context.WithTimeout(ctx, time.Minute)
 			if _, err := srv.Reconcile(rctx, 500); err != nil {
 				logger.Printf("%v", err)
-			}
-			cancel()
-		case <-sweep.C:
-			sctx, cancel := context.WithTimeout(ctx, time.Minute)
-			n, err := srv.Store.Sweep(sctx, 500)
-			if n > 0 {
-				logger.Printf("sweep: %d expired nonces deleted", n)
-			}
-			if err != nil {
-				logger.Printf("sweep: %v", err)
-			}
-			if n, err = srv.SweepUnenrolled(sctx, 500); n > 0 {
-				logger.Printf("sweep: %d records not enrolled within %s deleted", n, f.unenrolledTTL)
-			}
-			if err != nil {
-				logger.Printf("sweep: %v", err)
 			}
 			cancel()
 		}

@@ -186,6 +186,7 @@ func (n *SoftNode) Boot(ctx context.Context, hc *http.Client, url string, p netb
 	if err != nil {
 		return bt, err
 	}
+	a.Envelope = n.signed.Envelope
 	body, err := a.Marshal()
 	if err != nil {
 		return bt, err
