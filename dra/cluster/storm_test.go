@@ -312,7 +312,7 @@ var (
 )
 
 // apiRequests reads the API server's /metrics as the admin.
-func apiRequests(b *testing.B, ctx context.Context, hc *http.Client, server string) requests {
+func apiRequests(b testing.TB, ctx context.Context, hc *http.Client, server string) requests {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, server+"/metrics", nil)
 	resp, err := hc.Do(req)
 	if err != nil {
@@ -371,7 +371,7 @@ var writeVerbs = map[string]bool{"POST": true, "PUT": true, "PATCH": true, "DELE
 // ours: the resources passage-control reads and writes.
 func ours(resource string) bool {
 	r, _, _ := strings.Cut(resource, "/")
-	return r == "passagenodes" || r == "passagenonces" || r == "devicetaintrules"
+	return r == "passagenodes" || r == "passageeks" || r == "devicetaintrules"
 }
 
 // cpuSeconds reads each process's user+system CPU time from /proc/<pid>/stat (fields 14

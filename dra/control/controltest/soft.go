@@ -210,3 +210,41 @@ func (n *SoftNode) answer(_ string, challenge json.RawMessage) (akName, secret [
 	secret, err = n.tpm.Activate(c)
 	return c.AKName, secret, err
 }
+
+// Reboot boots fw again (PCR 13 reset, the reset count one up) and signs generation
+// gen's manifest naming hostname: the node's next boot, before its publish stage.
+func (n *SoftNode) Reboot(ctx context.Context, fw *softtpm.Firmware, hostname string, gen uint64) error {
+	n.tpm.Reboot(fw)
+	return n.Sign(ctx, hostname, gen)
+}
+
+// Sign signs and measures generation gen's manifest naming hostname in this boot (a
+// running host's next generation, or a manifest for another name: an attack's).
+func (n *SoftNode) Sign(ctx context.Context, hostname string, gen uint64) error {
+	m := manifesttest.B300(gen)
+	m.Node.Hostname = hostname
+	s, log, err := n.tpm.SignManifest(ctx, m, "manifest.dsse.json")
+	if err != nil {
+		return fmt.Errorf("node %s: sign: %w", hostname, err)
+	}
+	n.Hostname, n.signed, n.log = hostname, s, log
+	return nil
+}
+
+// Attestation is the attestation over nonce carrying the last manifest's envelope, as
+// the boot POSTs it.
+func (n *SoftNode) Attestation(nonce []byte) (*attest.Attestation, error) {
+	a, err := n.tpm.Attest(nonce, n.log)
+	if err != nil {
+		return nil, err
+	}
+	a.Envelope = n.signed.Envelope
+	return a, nil
+}
+
+// Answer activates a credential challenge in the soft TPM (the activation's secret and
+// the AK's name, as the boot answers).
+func (n *SoftNode) Answer(c *attest.Challenge) (secret, akName []byte, err error) {
+	secret, err = n.tpm.Activate(c)
+	return secret, c.AKName, err
+}
