@@ -39,7 +39,8 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #                              this unsigned script carries none: its ACS is written by passage, which a
 #                              locked-down (Secure Boot) kernel refuses
 #   passage.net=auto           management NIC for DHCPv4 (IFACE|auto|off); passage.net_timeout=30s
-#   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish)
+#   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish); https, or
+#                              plain http only to loopback or with passage.url_insecure=1
 #   passage.push=URL           Prometheus Pushgateway for the manifest's metrics (none: no push)
 #   passage.out=/run           or DEV:PATH on a block device, which also keeps the generation counter
 #   passage.handoff=switch_root   switch_root|poweroff|shell|hold once the manifest is written

@@ -113,6 +113,7 @@ type Config struct {
 	ATS          ATSPolicy     // passage.ats=
 	Net          string        // passage.net=
 	URL          string        // passage.url=
+	URLInsecure  bool          // passage.url_insecure=: publish to a plain-http passage.url that is not loopback
 	Push         string        // passage.push=
 	Out          Out           // passage.out=
 	Handoff      Handoff       // passage.handoff=
@@ -347,6 +348,17 @@ var params = map[string]setter{
 		c.URL = v
 		return nil
 	},
+	"url_insecure": func(c *Config, v string) error {
+		switch v {
+		case "on", "1":
+			c.URLInsecure = true
+		case "off", "0":
+			c.URLInsecure = false
+		default:
+			return fmt.Errorf("want on or off")
+		}
+		return nil
+	},
 	"push": func(c *Config, v string) error {
 		if !strings.HasPrefix(v, "http://") && !strings.HasPrefix(v, "https://") {
 			return fmt.Errorf("want the http:// or https:// URL of a Prometheus Pushgateway")
@@ -531,6 +543,23 @@ func (c Config) ErrorStrings() []string {
 		out[i] = e.Error()
 	}
 	return out
+}
+
+// SecureURL says why the boot will not publish to passage.url, or nil: a plain-http URL
+// to a host that is not loopback is refused unless insecure (passage.url_insecure=1).
+// The attestation's event logs travel unsigned: on plain http anyone on the path can
+// change them, and while no change can make a boot verified, a box that rewrites an
+// event's type can make an approved boot read as an unapproved one and get the node
+// evicted. Over https only the node and the control plane see them.
+func SecureURL(raw string, insecure bool) error {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return fmt.Errorf("passage.url %q: %w", raw, err)
+	}
+	if u.Scheme != "http" || insecure || LoopbackURL(raw) == nil {
+		return nil
+	}
+	return fmt.Errorf("passage.url %s is plain http: anyone on the path could change what the control plane judges; use https, or passage.url_insecure=1 to publish anyway", raw)
 }
 
 // LoopbackURL says why passage.url cannot be published to with passage.net=off, or nil

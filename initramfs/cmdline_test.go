@@ -228,3 +228,27 @@ func TestLoopbackURL(t *testing.T) {
 		}
 	}
 }
+
+// TestSecureURL: the boot publishes over https anywhere, over plain http to loopback
+// (a verifier on the node itself), and to any other host only when told it may.
+func TestSecureURL(t *testing.T) {
+	for _, tc := range []struct {
+		url      string
+		insecure bool
+		ok       bool
+	}{
+		{"https://control.example/", false, true},
+		{"http://127.0.0.1:8080/m", false, true},
+		{"http://localhost/m", false, true},
+		{"http://10.0.2.100/m", false, false},
+		{"http://10.0.2.100/m", true, true},
+	} {
+		err := SecureURL(tc.url, tc.insecure)
+		if (err == nil) != tc.ok || (err != nil && !strings.Contains(err.Error(), "passage.url_insecure=1")) {
+			t.Errorf("%s insecure=%v: %v", tc.url, tc.insecure, err)
+		}
+	}
+	if c := ParseCmdline("passage.url=http://10.0.2.100/m passage.url_insecure=1"); !c.URLInsecure {
+		t.Error("passage.url_insecure=1 not taken")
+	}
+}

@@ -23,6 +23,7 @@
 //	passage.net=IFACE|auto|off auto              management NIC to bring up with DHCPv4; auto tries every link that stays on a host driver
 //	passage.net_timeout=DUR   30s                bound on link-up plus DHCP for the network stage
 //	passage.url=URL           (none)             http(s) control plane: GET a nonce, POST the envelope and the attestation, answer its enrolment challenge (428); none skips publish; with passage.net=off only a loopback host (127.0.0.0/8, ::1, localhost)
+//	passage.url_insecure=1    (off)              publish to a plain-http passage.url whose host is not loopback (without it: refused; the event logs travel unsigned)
 //	passage.push=URL          (none)             Prometheus Pushgateway the manifest's metrics are PUT to, after the manifest; none skips push
 //	passage.out=/run|DEV:PATH /run               also copy /run/passage/* into PATH on block device DEV (e.g. /dev/vda1:/passage); the generation counter lives there
 //	passage.handoff=MODE      hold               switch_root, poweroff, shell or hold, once the manifest is written

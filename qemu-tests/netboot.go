@@ -112,7 +112,9 @@ func (n *NetBoot) args(work, kernel, initrd, cmdline string, topology []string) 
 			return nil, fmt.Errorf("netboot: build internal/fwd: %v: %s", err, out)
 		}
 		guestfwd = ",guestfwd=tcp:10.0.2.100:80-cmd:" + fwd + " " + n.ControlPlane
-		cmdline += " passage.url=" + ControlPlaneURL
+		// The test's control plane is plain http on the management network: the boot
+		// publishes there only when told it may.
+		cmdline += " passage.url=" + ControlPlaneURL + " passage.url_insecure=1"
 	}
 	if out, err := exec.Command("bash", script, tftp, kernel, initrd, cmdline, key, cert).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("netboot: uki.sh: %v: %s", err, out)

@@ -104,7 +104,11 @@ func newTurnRig(t *testing.T) *turnRig {
 		t.Fatal(err)
 	}
 	r.kc = fake.NewClientset()
-	r.srv = &control.Server{Store: controltest.FakeStore(), Taints: &control.Taints{Client: r.kc}, EKCA: pool, Metrics: control.NewMetrics()}
+	keys, err := control.NewKeys(make([]byte, control.MinKey))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.srv = &control.Server{Store: controltest.FakeStore(), Taints: &control.Taints{Client: r.kc}, EKCA: pool, Keys: keys, Metrics: control.NewMetrics()}
 	ts := httptest.NewUnstartedServer(r.srv)
 	ts.StartTLS()
 	t.Cleanup(ts.Close)

@@ -725,6 +725,9 @@ func (b *Boot) publish(ctx context.Context, _ *stages.State, r *stages.Result) e
 			return stages.Skip("%v", err)
 		}
 	}
+	if err := initramfs.SecureURL(b.Config.URL, b.Config.URLInsecure); err != nil {
+		return err
+	}
 	signed := b.signed()
 	if signed == nil {
 		return stages.Skip("no signed envelope to publish")

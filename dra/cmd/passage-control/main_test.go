@@ -9,6 +9,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/hex"
 	"encoding/pem"
 	"io"
 	"math/big"
@@ -19,6 +20,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/passage-boot/passage/dra/control"
 )
 
 func selfSigned(t *testing.T, dir string) (cert, key string) {
@@ -40,6 +43,18 @@ func selfSigned(t *testing.T, dir string) (cert, key string) {
 	return cert, key
 }
 
+// exchangeKey writes a shared key of 32 random bytes into dir.
+func exchangeKey(t *testing.T, dir string) string {
+	t.Helper()
+	k := make([]byte, 32)
+	rand.Read(k)
+	p := filepath.Join(dir, "exchange.key")
+	if err := os.WriteFile(p, k, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 // TestUsage: what it needs is refused by name, exit 2, before anything listens.
 func TestUsage(t *testing.T) {
 	dir := t.TempDir()
@@ -48,20 +63,21 @@ func TestUsage(t *testing.T) {
 	os.WriteFile(empty, []byte("no certificate here\n"), 0o600)
 	badIntake := filepath.Join(dir, "intake.txt")
 	os.WriteFile(badIntake, []byte("md5:00\n"), 0o600)
+	xk, short := exchangeKey(t, dir), filepath.Join(dir, "short.key")
+	os.WriteFile(short, []byte("0123456789"), 0o600)
 	for _, tc := range []struct {
 		args []string
 		want string
 	}{
-		{nil, "--tls-cert, --tls-key and --ek-ca are needed"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", empty}, "--ek-ca " + empty + ": no PEM CERTIFICATE"},
-		{[]string{"--tls-cert", cert, "--tls-key", cert, "--ek-ca", cert}, "--tls-cert/--tls-key"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--intake", badIntake}, "intake list line 1"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--nonce-ttl", "0s"}, "--nonce-ttl 0s: want at least 1s"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--nonce-ttl", "1ns"}, "--nonce-ttl 1ns: want at least 1s"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--kube-qps", "-1"}, "--kube-qps -1: want more than 0"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--max-nonces", "0"}, "--max-nonces 0: want at least 1"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--max-unenrolled", "0"}, "--max-unenrolled 0: want at least 1"},
-		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--unenrolled-ttl", "30s"}, "--unenrolled-ttl 30s: want at least 1m"},
+		{nil, "--tls-cert, --tls-key, --ek-ca and --exchange-key are needed"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert}, "--exchange-key are needed"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--exchange-key", short}, "--exchange-key: exchange key: 10 bytes, want at least 32"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", empty, "--exchange-key", xk}, "--ek-ca " + empty + ": no PEM CERTIFICATE"},
+		{[]string{"--tls-cert", cert, "--tls-key", cert, "--ek-ca", cert, "--exchange-key", xk}, "--tls-cert/--tls-key"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--exchange-key", xk, "--intake", badIntake}, "intake list line 1"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--exchange-key", xk, "--nonce-ttl", "0s"}, "--nonce-ttl 0s: want at least 1s"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--exchange-key", xk, "--nonce-ttl", "1ns"}, "--nonce-ttl 1ns: want at least 1s"},
+		{[]string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--exchange-key", xk, "--kube-qps", "-1"}, "--kube-qps -1: want more than 0"},
 	} {
 		var stderr bytes.Buffer
 		if code := run(context.Background(), tc.args, &stderr, nil); code != 2 || !strings.Contains(stderr.String(), tc.want) {
@@ -71,7 +87,7 @@ func TestUsage(t *testing.T) {
 }
 
 // TestServes: with an API server it cannot reach, it still serves https and /healthz, a
-// nonce GET is a 503 naming why (the boot retries 5xx), and it stops when told.
+// nonce GET is answered (a nonce asks the API nothing), and it stops when told.
 func TestServes(t *testing.T) {
 	dir := t.TempDir()
 	cert, key := selfSigned(t, dir)
@@ -88,7 +104,7 @@ current-context: c
 	done := make(chan int, 1)
 	var stderr bytes.Buffer
 	go func() {
-		done <- run(ctx, []string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--kubeconfig", kc,
+		done <- run(ctx, []string{"--tls-cert", cert, "--tls-key", key, "--ek-ca", cert, "--exchange-key", exchangeKey(t, dir), "--kubeconfig", kc,
 			"--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"}, &stderr, func(a, m string) { addrs <- [2]string{a, m} })
 	}()
 	var a [2]string
@@ -112,7 +128,7 @@ current-context: c
 	}
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "nonce") {
+	if n, err := hex.DecodeString(strings.TrimSpace(string(body))); resp.StatusCode != http.StatusOK || err != nil || len(n) != control.NonceSize {
 		t.Fatalf("nonce with the API unreachable: %s %q", resp.Status, body)
 	}
 	cancel()
