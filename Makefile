@@ -112,11 +112,11 @@ cluster-test: cluster-bin
 		$(GO) test -count=1 -tags cluster -timeout 15m -v -run TestCluster ./cluster/
 
 # storm-bench is the boot storm (dra/cluster BenchmarkBootStorm): NODES soft-TPM nodes
-# (default 500; a comma list runs each) enrolling and attesting at once against two
+# (default 1000,5000,10000; a comma list runs each) enrolling and attesting at once against two
 # passage-control replicas on the control plane cluster-test runs. Not part of test or
 # bench (it needs that control plane and minutes); the table goes to
 # $(BUILD)/storm-bench.txt.
-NODES ?= 500
+NODES ?= 1000,5000,10000
 storm-bench: cluster-bin
 	cd dra && PASSAGE_CONTROL_PLANE=$$(bash cluster/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_STORM_NODES=$(NODES) \
 		$(GO) test -count=1 -tags cluster -timeout 90m -run '^$$' -bench BootStorm -benchtime 1x ./cluster/ | tee $(abspath $(BUILD))/storm-bench.txt

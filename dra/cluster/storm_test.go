@@ -4,6 +4,7 @@ package cluster_test
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"crypto/rsa"
 	"crypto/tls"
@@ -22,10 +23,12 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 
@@ -147,15 +150,22 @@ func storm(b *testing.B, n int) {
 	pids["loadgen (this test)"] = os.Getpid()
 
 	// One storm, whatever b.N: a second of the same nodes would be their second boot, not
-	// this benchmark (-benchtime 1x; a storm outlasts the default benchtime anyway).
-	{
+	// this benchmark (-benchtime 1x; a storm outlasts the default benchtime anyway). It is
+	// the nodes' first boots at once, then their reboots at once, then the floor: what this
+	// API server and etcd sustain for the writes a boot makes, measured in the same run.
+	b.ResetTimer()
+	var tables []string
+	var rounds []report
+	for _, round := range []string{"first boot", "reboot"} {
+		if round == "reboot" {
+			parallel(n, func(i int) error { return nodes[i].Reboot(ctx, fw, nodes[i].Hostname, 2) }, b)
+		}
 		reqs0 := apiRequests(b, ctx, admin, c.Server)
 		cpu0 := cpuSeconds(pids)
 		times := make([]*controltest.BootTimes, n)
 		errs := make([]error, n)
 		sem := make(chan struct{}, inflight)
 		var wg sync.WaitGroup
-		b.ResetTimer()
 		start := time.Now()
 		for i, sn := range nodes {
 			sem <- struct{}{}
@@ -170,13 +180,16 @@ func storm(b *testing.B, n int) {
 		}
 		wg.Wait()
 		wall := time.Since(start)
-		b.StopTimer()
 		cpu1 := cpuSeconds(pids)
 		reqs1 := apiRequests(b, ctx, admin, c.Server)
-		inAPI := verifiedRecords(b, ctx, c)
-		// Every node that saw its attestation accepted has a verified record; a node whose
-		// last try timed out after the replica had verified it (its retry then refused as
-		// a replay) has one too, though it gave up.
+		gen := int64(1)
+		if round == "reboot" {
+			gen = 2
+		}
+		inAPI := verifiedRecords(b, ctx, c, gen)
+		// Every node that saw its attestation accepted has a verified record of this
+		// generation; a node whose last try timed out after the replica had verified it
+		// has one too, though it gave up.
 		var missing []string
 		gaveUp := 0
 		for i, sn := range nodes {
@@ -187,23 +200,100 @@ func storm(b *testing.B, n int) {
 				gaveUp++
 			}
 		}
-		r := stormReport(n, inflight, policy, wall, times, errs, reqs1.minus(reqs0), cpu0, cpu1, len(inAPI), gaveUp)
+		r := stormReport(round, n, inflight, policy, wall, times, errs, reqs1.minus(reqs0), cpu0, cpu1, len(inAPI), gaveUp)
+		tables = append(tables, r.table)
+		rounds = append(rounds, r)
 		fmt.Print(r.table)
-		if out := os.Getenv("PASSAGE_STORM_OUT"); out != "" {
-			f, err := os.OpenFile(out, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
-			if err == nil {
-				fmt.Fprint(f, r.table)
-				f.Close()
-			}
-		}
-		b.ReportMetric(r.nodesPerSec, "nodes/s")
-		b.ReportMetric(r.p50.Seconds(), "p50-s")
-		b.ReportMetric(r.p99.Seconds(), "p99-s")
-		b.ReportMetric(r.writesPerNode, "writes/node")
+		b.ReportMetric(r.nodesPerSec, strings.ReplaceAll(round, " ", "-")+"-nodes/s")
+		b.ReportMetric(r.writesPerNode, strings.ReplaceAll(round, " ", "-")+"-writes/node")
 		if len(missing) > 0 {
-			b.Errorf("%d nodes saw their attestation accepted and have no verified record: %v", len(missing), missing[:min(len(missing), 10)])
+			b.Errorf("%s: %d nodes saw their attestation accepted and have no verified record: %v", round, len(missing), missing[:min(len(missing), 10)])
 		}
 	}
+	b.StopTimer()
+	fl := measureFloor(b, ctx, c, 32, 15*time.Second)
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "\nthe floor, in the same run (32 clients, %s each, objects of a record's size, %d bytes):\n", 15*time.Second, fl.size)
+	fmt.Fprintf(&sb, "| API server and etcd alone | per second |\n|---|---|\n| creates | %.0f |\n| status read-modify-writes | %.0f |\n", fl.creates, fl.updates)
+	fmt.Fprintf(&sb, "\n| storm | API writes/s | the floor's writes/s (creates for first boots, status writes for reboots) | ratio |\n|---|---|---|---|\n")
+	for i, r := range rounds {
+		floor := fl.creates
+		if i == 1 {
+			floor = fl.updates
+		}
+		fmt.Fprintf(&sb, "| %s | %.0f | %.0f | %.2f |\n", r.round, r.writesPerSec, floor, r.writesPerSec/floor)
+	}
+	tables = append(tables, sb.String())
+	fmt.Print(sb.String())
+	if out := os.Getenv("PASSAGE_STORM_OUT"); out != "" {
+		f, err := os.OpenFile(out, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+		if err == nil {
+			fmt.Fprint(f, strings.Join(tables, ""))
+			f.Close()
+		}
+	}
+}
+
+// floor is what the API server and etcd sustain with no passage in the way.
+type floor struct {
+	size             int
+	creates, updates float64
+}
+
+// measureFloor creates PassageNodes the size of an enrolled record from clients
+// goroutines for d, then read-modify-writes their status for d, and says how many of
+// each the API server did a second.
+func measureFloor(b *testing.B, ctx context.Context, c *cluster.Cluster, clients int, d time.Duration) floor {
+	dyn := dynamic.NewForConfigOrDie(restConfig(b, c))
+	// An enrolled record's spec: an EK certificate of about 1.2 KB, its RSA-2048 public
+	// area, the AK's and the signing key's ECC areas.
+	spec := map[string]any{"node": "floor", "ekCert": make([]byte, 1200), "ekPublic": make([]byte, 280),
+		"akPublic": make([]byte, 90), "signingKeyPublic": make([]byte, 90), "enrolled": time.Now().UTC().Format(time.RFC3339)}
+	status := map[string]any{"verdict": "verified", "reason": "generation 1 attested", "generation": int64(1), "digest": "sha256:" + strings.Repeat("0", 64)}
+	obj := func(name string) *unstructured.Unstructured {
+		u := &unstructured.Unstructured{Object: map[string]any{"apiVersion": control.NodeResource.GroupVersion().String(), "kind": "PassageNode",
+			"metadata": map[string]any{"name": name}, "spec": spec}}
+		return u
+	}
+	raw, _ := obj("floor-00000").MarshalJSON()
+	var made sync.Map
+	var creates, updates atomic.Int64
+	run := func(f func(w, i int)) {
+		stop := time.Now().Add(d)
+		var wg sync.WaitGroup
+		for w := range clients {
+			wg.Go(func() {
+				for i := 0; time.Now().Before(stop); i++ {
+					f(w, i)
+				}
+			})
+		}
+		wg.Wait()
+	}
+	run(func(w, i int) {
+		name := fmt.Sprintf("floor-%02d-%06d", w, i)
+		if _, err := dyn.Resource(control.NodeResource).Create(ctx, obj(name), metav1.CreateOptions{}); err == nil {
+			creates.Add(1)
+			made.Store(w*1_000_000+i, name)
+		}
+	})
+	var names []string
+	made.Range(func(_, v any) bool { names = append(names, v.(string)); return true })
+	if len(names) == 0 {
+		b.Fatal("floor: no creates")
+	}
+	run(func(w, i int) {
+		name := names[(w*7919+i)%len(names)]
+		u, err := dyn.Resource(control.NodeResource).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return
+		}
+		u.Object["status"] = status
+		if _, err := dyn.Resource(control.NodeResource).UpdateStatus(ctx, u, metav1.UpdateOptions{}); err == nil {
+			updates.Add(1)
+		}
+	})
+	return floor{size: len(raw), creates: float64(creates.Load()) / d.Seconds(), updates: float64(updates.Load()) / d.Seconds()}
 }
 
 // parallel runs f(0..n-1) on every core; the first error fails b.
@@ -299,6 +389,7 @@ type requests map[[3]string]float64
 var sampled = map[string]string{
 	"apiserver_request_total":                                   "total",
 	"apiserver_request_duration_seconds_sum":                    "seconds",
+	"apiserver_request_duration_seconds_bucket":                 "bucket",
 	"apiserver_flowcontrol_request_wait_duration_seconds_sum":   "apf-wait",
 	"apiserver_flowcontrol_request_wait_duration_seconds_count": "apf-waited",
 	"apiserver_flowcontrol_rejected_requests_total":             "apf-rejected",
@@ -340,6 +431,13 @@ func apiRequests(b testing.TB, ctx context.Context, hc *http.Client, server stri
 		for _, m := range labelRE.FindAllStringSubmatch(labels, -1) {
 			l[m[1]] = m[2]
 		}
+		if metric == "bucket" {
+			res := l["resource"]
+			if ours(res) {
+				out[[3]string{metric, l["le"], ""}] += v
+			}
+			continue
+		}
 		if strings.HasPrefix(metric, "apf-") {
 			out[[3]string{metric, l["priority_level"], ""}] += v
 			continue
@@ -354,6 +452,34 @@ func apiRequests(b testing.TB, ctx context.Context, hc *http.Client, server stri
 		b.Fatal(err)
 	}
 	return out
+}
+
+// p99Latency is the 99th percentile of the API server's time for passage's resources'
+// requests, from its histogram's buckets (the bucket's upper bound).
+func p99Latency(r requests) time.Duration {
+	type bucket struct{ le, n float64 }
+	var bs []bucket
+	for k, v := range r {
+		if k[0] != "bucket" {
+			continue
+		}
+		le, err := strconv.ParseFloat(k[1], 64)
+		if err != nil {
+			le = math.Inf(1)
+		}
+		bs = append(bs, bucket{le, v})
+	}
+	slices.SortFunc(bs, func(a, b bucket) int { return cmp.Compare(a.le, b.le) })
+	if len(bs) == 0 {
+		return 0
+	}
+	total := bs[len(bs)-1].n
+	for _, b := range bs {
+		if b.n >= 0.99*total {
+			return time.Duration(b.le * float64(time.Second))
+		}
+	}
+	return 0
 }
 
 func (r requests) minus(before requests) requests {
@@ -395,8 +521,9 @@ func cpuSeconds(pids map[string]int) map[string]float64 {
 	return out
 }
 
-// verifiedRecords are the PassageNodes whose verdict is verified.
-func verifiedRecords(b *testing.B, ctx context.Context, c *cluster.Cluster) map[string]bool {
+// verifiedRecords are the PassageNodes whose verdict is verified at generation gen or
+// later.
+func verifiedRecords(b *testing.B, ctx context.Context, c *cluster.Cluster, gen int64) map[string]bool {
 	dyn := dynamic.NewForConfigOrDie(restConfig(b, c))
 	n := map[string]bool{}
 	opts := metav1.ListOptions{Limit: 500}
@@ -406,7 +533,8 @@ func verifiedRecords(b *testing.B, ctx context.Context, c *cluster.Cluster) map[
 			b.Fatal(err)
 		}
 		for _, u := range l.Items {
-			if st, _ := u.Object["status"].(map[string]any); st["verdict"] == control.VerdictVerified {
+			st, _ := u.Object["status"].(map[string]any)
+			if g, _ := st["generation"].(int64); st["verdict"] == control.VerdictVerified && g >= gen {
 				n[u.GetName()] = true
 			}
 		}
@@ -418,10 +546,11 @@ func verifiedRecords(b *testing.B, ctx context.Context, c *cluster.Cluster) map[
 }
 
 type report struct {
-	table                      string
-	verified                   int
-	nodesPerSec, writesPerNode float64
-	p50, p99                   time.Duration
+	round                                    string
+	table                                    string
+	verified                                 int
+	nodesPerSec, writesPerNode, writesPerSec float64
+	p50, p99                                 time.Duration
 }
 
 func quantile(d []time.Duration, q float64) time.Duration {
@@ -444,9 +573,10 @@ func mean(d []time.Duration) time.Duration {
 	return t / time.Duration(len(d))
 }
 
-func stormReport(n, inflight int, p netboot.PublishPolicy, wall time.Duration, times []*controltest.BootTimes, errs []error,
+func stormReport(round string, n, inflight int, p netboot.PublishPolicy, wall time.Duration, times []*controltest.BootTimes, errs []error,
 	reqs requests, cpu0, cpu1 map[string]float64, inAPI, gaveUp int) report {
-	var r report
+	r := report{round: round}
+	shed := 0
 	var total []time.Duration
 	phases := make([][]time.Duration, controltest.Phases)
 	failures := map[string]int{}
@@ -454,6 +584,7 @@ func stormReport(n, inflight int, p netboot.PublishPolicy, wall time.Duration, t
 	for i, t := range times {
 		if t != nil {
 			requestsMade += t.Requests
+			shed += t.Shed
 		}
 		if errs[i] != nil {
 			// The reason without the node's name, so equal reasons count together.
@@ -491,16 +622,18 @@ func stormReport(n, inflight int, p netboot.PublishPolicy, wall time.Duration, t
 	}
 	per := func(x float64) float64 { return x / float64(max(r.verified, 1)) }
 	r.writesPerNode = per(w)
+	r.writesPerSec = w / wall.Seconds()
 
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "\nboot storm: %d nodes (at most %d at once), 2 passage-control replicas, %d cores; policy %d tries, %s each\n",
-		n, inflight, runtime.NumCPU(), p.Tries, p.PerTry)
+	fmt.Fprintf(&sb, "\nboot storm, %s: %d nodes (at most %d at once), 2 passage-control replicas, %d cores; policy %d tries, %s each\n",
+		round, n, inflight, runtime.NumCPU(), p.Tries, p.PerTry)
 	fmt.Fprintf(&sb, "| nodes | verified | failed | wall | nodes/s | p50 first request→verified | p99 | requests/node | API writes/node | API reads/node |\n")
 	fmt.Fprintf(&sb, "|---|---|---|---|---|---|---|---|---|---|\n")
 	fmt.Fprintf(&sb, "| %d | %d | %d | %s | %.1f | %s | %s | %.2f | %.2f | %.2f |\n", n, r.verified, n-r.verified,
 		wall.Round(10*time.Millisecond), r.nodesPerSec, r.p50.Round(time.Millisecond), r.p99.Round(time.Millisecond),
 		float64(requestsMade)/float64(n), r.writesPerNode, per(rd))
-	fmt.Fprintf(&sb, "records verified in the API: %d (%d of nodes that gave up); all API writes (every resource, every client): %.2f/node\n", inAPI, gaveUp, per(wAll))
+	fmt.Fprintf(&sb, "records verified in the API: %d (%d of nodes that gave up); all API writes (every resource, every client): %.2f/node; 503s answered: %d; API server p99 request latency (passage's resources): %s\n",
+		inAPI, gaveUp, per(wAll), shed, p99Latency(reqs).Round(time.Millisecond))
 	fmt.Fprintf(&sb, "\n| phase (verified nodes) | mean | p99 |\n|---|---|---|\n")
 	for ph := range controltest.Phases {
 		fmt.Fprintf(&sb, "| %s | %s | %s |\n", ph, mean(phases[ph]).Round(time.Millisecond), quantile(phases[ph], 0.99).Round(time.Millisecond))

@@ -67,8 +67,8 @@ func (p Phase) String() string {
 type BootTimes struct {
 	Start, End time.Time
 	Phase      [Phases]time.Duration
-	// Requests counts the requests made, retries included.
-	Requests int
+	// Requests counts the requests made, retries included; Shed those answered 503.
+	Requests, Shed int
 	Enrolled bool
 }
 
@@ -83,6 +83,7 @@ type request struct {
 type stamps struct {
 	next http.RoundTripper
 	reqs []request
+	shed int
 }
 
 func (s *stamps) RoundTrip(r *http.Request) (*http.Response, error) {
@@ -98,6 +99,9 @@ func (s *stamps) RoundTrip(r *http.Request) (*http.Response, error) {
 	start := time.Now()
 	resp, err := s.next.RoundTrip(r)
 	s.reqs = append(s.reqs, request{kind: kind, start: start, end: time.Now()})
+	if err == nil && resp.StatusCode == http.StatusServiceUnavailable {
+		s.shed++
+	}
 	return resp, err
 }
 
@@ -115,7 +119,7 @@ func (s *stamps) last(kind Phase, from, to time.Time) time.Time {
 
 // phases splits the boot's time at the end of each phase's last request.
 func (bt *BootTimes) phases(s *stamps, quoted time.Time) {
-	bt.Requests = len(s.reqs)
+	bt.Requests, bt.Shed = len(s.reqs), s.shed
 	end := bt.End
 	if end.IsZero() {
 		end = time.Now()
