@@ -23,6 +23,7 @@
 //	passage.net=IFACE|auto|off auto              management NIC to bring up with DHCPv4; auto tries every link that stays on a host driver
 //	passage.net_timeout=DUR   30s                bound on link-up plus DHCP for the network stage
 //	passage.url=URL           (none)             http(s) control plane: GET a nonce, POST the envelope and the attestation, answer its enrolment challenge (428); none skips publish; with passage.net=off only a loopback host (127.0.0.0/8, ::1, localhost)
+//	passage.publish_for=DUR   (5 tries)          keep trying passage.url for up to DUR (a 503/429's Retry-After waited, each wait jittered) instead of 5 tries; the publish stage's deadline becomes DUR plus one try (10s)
 //	passage.push=URL          (none)             Prometheus Pushgateway the manifest's metrics are PUT to, after the manifest; none skips push
 //	passage.out=/run|DEV:PATH /run               also copy /run/passage/* into PATH on block device DEV (e.g. /dev/vda1:/passage); the generation counter lives there
 //	passage.handoff=MODE      hold               switch_root, poweroff, shell or hold, once the manifest is written
