@@ -334,7 +334,7 @@ func (d *Driver) recycleUnit(ctx context.Context, id string, times map[string]ti
 		return 0, "recycle", err
 	}
 	o := recycle.Options{Root: d.cfg.Root, Profile: t.Profile, Units: []topology.UnitID{uid}, Policy: t.Policy,
-		Writes: &d.turn.writes, Sysfs: t.Sysfs, Open: t.Open, Erase: t.Erase, Log: logWriter{d, "turnaround " + id + ": "}}
+		Writes: &d.turn.writes, Who: "passage-dra turnaround " + id, Sysfs: t.Sysfs, Open: t.Open, Erase: t.Erase, Log: logWriter{d, "turnaround " + id + ": "}}
 	d.turn.rec.Fill(&o)
 	var mu sync.Mutex
 	marks := map[string]time.Time{}
