@@ -552,7 +552,9 @@ func copyFiles(src, dst string) error {
 	sort.Slice(ents, func(i, j int) bool { return ents[i].Name() < ents[j].Name() })
 	var errs []string
 	for _, e := range ents {
-		if !e.Type().IsRegular() {
+		// Not a dot name: a write's temporary (manifest.WriteAtomic), the generation
+		// lock; neither is one of the boot's files.
+		if !e.Type().IsRegular() || strings.HasPrefix(e.Name(), ".") {
 			continue
 		}
 		data, err := os.ReadFile(filepath.Join(src, e.Name()))
