@@ -152,7 +152,8 @@ func (d *Driver) kickTurnaround() {
 }
 
 // RunTurnaround recycles the released units until ctx ends, each in its own goroutine
-// (a unit whose recycle fails or waits holds no other), and acts on ClearAnnotation. It
+// (a unit whose recycle fails or waits holds no other), and acts on ClearAnnotation.
+// First, beside them, it attests the generation the host is on (AttestCurrent). It
 // returns once every unit's goroutine has stopped; units.json says how far each got,
 // and a restarted plugin goes on from there. Without Config.Turnaround it returns at once.
 func (d *Driver) RunTurnaround(ctx context.Context) {
@@ -165,6 +166,8 @@ func (d *Driver) RunTurnaround(ctx context.Context) {
 	done := make(chan string)
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	// The generation the host booted on, in case the boot could not deliver it.
+	wg.Go(func() { d.AttestCurrent(ctx) })
 	tick := time.NewTicker(t.Poll)
 	defer tick.Stop()
 	for {
