@@ -41,6 +41,8 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   passage.net=auto           management NIC for DHCPv4 (IFACE|auto|off); passage.net_timeout=30s
 #   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish); https, or
 #                              plain http only to loopback or with passage.url_insecure=1
+#   passage.publish_for=30m    keep trying passage.url that long in a boot storm (Retry-After and jitter honoured;
+#                              default: 5 tries within passage.stage_timeout); the handoff waits for it
 #   passage.push=URL           Prometheus Pushgateway for the manifest's metrics (none: no push)
 #   passage.out=/run           or DEV:PATH on a block device, which also keeps the generation counter
 #   passage.handoff=switch_root   switch_root|poweroff|shell|hold once the manifest is written

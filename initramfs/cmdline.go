@@ -124,6 +124,7 @@ type Config struct {
 	Emit         Emit          // passage.emit=
 	StageTimeout time.Duration // passage.stage_timeout=
 	NetTimeout   time.Duration // passage.net_timeout=
+	PublishFor   time.Duration // passage.publish_for=: how long publish keeps trying (0: 5 tries)
 	HostModules  []string      // passage.host_modules=
 	Log          string        // passage.log=
 	// Erase is passage.erase= (off, auto, require); "" takes the profile's default.
@@ -403,6 +404,7 @@ var params = map[string]setter{
 	"emit":          func(c *Config, v string) error { return oneOf(&c.Emit, v, EmitConsole, EmitOff) },
 	"stage_timeout": func(c *Config, v string) error { return duration(&c.StageTimeout, v) },
 	"net_timeout":   func(c *Config, v string) error { return duration(&c.NetTimeout, v) },
+	"publish_for":   func(c *Config, v string) error { return duration(&c.PublishFor, v) },
 	"erase": func(c *Config, v string) error {
 		if v != "off" && v != "auto" && v != "require" {
 			return fmt.Errorf("want one of off|auto|require")

@@ -24,6 +24,7 @@
 //	passage.net_timeout=DUR   30s                bound on link-up plus DHCP for the network stage
 //	passage.url=URL           (none)             http(s) control plane: GET a nonce, POST the envelope and the attestation, answer its enrolment challenge (428); none skips publish; with passage.net=off only a loopback host (127.0.0.0/8, ::1, localhost)
 //	passage.url_insecure=1    (off)              publish to a plain-http passage.url whose host is not loopback (without it: refused; the event logs travel unsigned)
+//	passage.publish_for=DUR   (5 tries)          keep trying passage.url for up to DUR (a 503/429's Retry-After waited, each wait jittered) instead of 5 tries; the publish stage's deadline becomes DUR plus one try (10s)
 //	passage.push=URL          (none)             Prometheus Pushgateway the manifest's metrics are PUT to, after the manifest; none skips push
 //	passage.out=/run|DEV:PATH /run               also copy /run/passage/* into PATH on block device DEV (e.g. /dev/vda1:/passage); the generation counter lives there
 //	passage.handoff=MODE      hold               switch_root, poweroff, shell or hold, once the manifest is written

@@ -1,6 +1,7 @@
 package recycle
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -96,8 +97,24 @@ func (r *Recorder) Fill(o *Options) {
 
 // Attest writes the attestation of the manifest whose payload is payload (the newest
 // in Dir, just measured) as the boot does (stages/boot.WriteAttestation): quoted over
-// nonce, or over the payload digest when nonce is empty.
+// nonce, or over the payload digest when nonce is empty. It holds the node's generation
+// lock (manifest.LockGenerations) while it reads the event log and quotes PCR 13, so no
+// other process's generation lands between the two; a caller that holds it already (an
+// Options.Attest, inside a generation's write) calls AttestHeld.
 func (r *Recorder) Attest(dir string, payload, nonce []byte) error {
+	if r.TPM == nil {
+		return fmt.Errorf("no TPM to quote with (%v)", r.TPMErr)
+	}
+	lock, err := manifest.LockGenerations(context.Background(), dir, "attest", 0)
+	if err != nil {
+		return err
+	}
+	defer lock.Unlock()
+	return r.AttestHeld(dir, payload, nonce)
+}
+
+// AttestHeld is Attest for a caller holding the generation lock of dir.
+func (r *Recorder) AttestHeld(dir string, payload, nonce []byte) error {
 	if r.TPM == nil {
 		return fmt.Errorf("no TPM to quote with (%v)", r.TPMErr)
 	}

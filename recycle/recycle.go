@@ -51,6 +51,7 @@ type Options struct {
 	// PCR 13 ending in it: stages/boot.WriteAttestation), so a verifier's verify --attest
 	// takes the newest manifest without anyone quoting by hand. Without it (no TPM) any
 	// earlier attestation beside the manifest is removed: it would be of an older one.
+	// It is called with the generation lock held (Recorder.AttestHeld, not Attest).
 	Attest func(dir string, signed *manifest.Signed) error
 	// Counters give the generation, first that answers (manifest.NextGeneration).
 	Counters []manifest.Counter
@@ -63,6 +64,12 @@ type Options struct {
 	// generation written from a manifest read before another's write would carry that
 	// unit's old verdict forward.
 	Writes sync.Locker
+	// Who names this writer in the node's generation lock (manifest.LockGenerations),
+	// which every generation's write holds, Writes or not: other processes (passage
+	// recycle, unbind, the plugin) share the counter, the event log and PCR 13 too.
+	// "" is "recycle". LockWait bounds the wait for it (0: manifest.DefaultLockWait).
+	Who      string
+	LockWait time.Duration
 	// Crash, when set, is called between steps with the step's name; a non-nil error
 	// stops the run there, as a crash would (tests).
 	Crash func(step string) error
@@ -418,6 +425,19 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 		o.Writes.Lock()
 		defer o.Writes.Unlock()
 	}
+	// After Writes: this process's writers queue in Go, only one of them in flock.
+	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
+		return nil, nil, nil, err
+	}
+	who := o.Who
+	if who == "" {
+		who = "recycle"
+	}
+	lock, err := manifest.LockGenerations(ctx, o.Dir, who, o.LockWait)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	defer lock.Unlock()
 	prev := o.previous()
 	m, err = manifest.Build(o.Root, time.Now())
 	if err != nil {
@@ -457,9 +477,6 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 		return m, nil, nil, fmt.Errorf("%w: %v", ErrNoCounter, gerr)
 	}
 	m.Generation, m.GenerationSource = gen, src
-	if err := os.MkdirAll(o.Dir, 0o755); err != nil {
-		return nil, nil, nil, err
-	}
 	signed, err = manifest.WriteSigned(ctx, m, o.Dir, EnvelopeName, o.Measurer, o.Signers...)
 	if signed == nil {
 		return m, nil, nil, err

@@ -61,7 +61,7 @@ func (f *recordFlags) apply(cmd, root string, o *recycle.Options, stderr io.Writ
 		// verifier's nonce when the operator brought one, else over its payload digest
 		// (offline: the attestation says which).
 		o.Attest = func(dir string, signed *manifest.Signed) error {
-			return rec.Attest(dir, signed.Payload, nonce)
+			return rec.AttestHeld(dir, signed.Payload, nonce) // within the generation's write
 		}
 	case nonce != nil:
 		fmt.Fprintf(stderr, "passage %s: --nonce: no TPM to quote with: %v\n", cmd, rec.TPMErr)

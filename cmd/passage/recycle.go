@@ -53,7 +53,8 @@ func runRecycle(args []string, stdout, stderr io.Writer, env recycleEnv) int {
 			*profile = initramfs.ParseCmdline(string(b)).Profile
 		}
 	}
-	o := recycle.Options{Root: *root, Profile: *profile, Units: ids, Policy: p, Log: stdout, Sysfs: env.sysfs, Open: env.open}
+	o := recycle.Options{Root: *root, Profile: *profile, Units: ids, Policy: p, Log: stdout, Sysfs: env.sysfs, Open: env.open,
+		Who: "passage recycle " + units.String()}
 	o.Erase.Erase.Overwrite = *overwrite
 	done, code := rf.apply("recycle", *root, &o, stderr)
 	defer done()

@@ -211,7 +211,7 @@ func withdraw(root, profile string, fns []*pci.Device, rf recordFlags, stdout, s
 		}
 		return 0, nil
 	}
-	o := recycle.Options{Root: root, Profile: profile}
+	o := recycle.Options{Root: root, Profile: profile, Who: "passage unbind"}
 	done, code := rf.apply("unbind", root, &o, stderr)
 	defer done()
 	if code != 0 {

@@ -152,7 +152,8 @@ func (d *Driver) kickTurnaround() {
 }
 
 // RunTurnaround recycles the released units until ctx ends, each in its own goroutine
-// (a unit whose recycle fails or waits holds no other), and acts on ClearAnnotation. It
+// (a unit whose recycle fails or waits holds no other), and acts on ClearAnnotation.
+// First, beside them, it attests the generation the host is on (AttestCurrent). It
 // returns once every unit's goroutine has stopped; units.json says how far each got,
 // and a restarted plugin goes on from there. Without Config.Turnaround it returns at once.
 func (d *Driver) RunTurnaround(ctx context.Context) {
@@ -165,6 +166,8 @@ func (d *Driver) RunTurnaround(ctx context.Context) {
 	done := make(chan string)
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	// The generation the host booted on, in case the boot could not deliver it.
+	wg.Go(func() { d.AttestCurrent(ctx) })
 	tick := time.NewTicker(t.Poll)
 	defer tick.Stop()
 	for {
@@ -334,7 +337,7 @@ func (d *Driver) recycleUnit(ctx context.Context, id string, times map[string]ti
 		return 0, "recycle", err
 	}
 	o := recycle.Options{Root: d.cfg.Root, Profile: t.Profile, Units: []topology.UnitID{uid}, Policy: t.Policy,
-		Writes: &d.turn.writes, Sysfs: t.Sysfs, Open: t.Open, Erase: t.Erase, Log: logWriter{d, "turnaround " + id + ": "}}
+		Writes: &d.turn.writes, Who: "passage-dra turnaround " + id, Sysfs: t.Sysfs, Open: t.Open, Erase: t.Erase, Log: logWriter{d, "turnaround " + id + ": "}}
 	d.turn.rec.Fill(&o)
 	var mu sync.Mutex
 	marks := map[string]time.Time{}

@@ -83,8 +83,9 @@ func File(w io.Writer, name string, content []byte) error {
 	return nil
 }
 
-// Dir writes a block for every regular file directly in dir, sorted by name. Files that
-// vanish or cannot be read are reported in the error after the others are written.
+// Dir writes a block for every regular file directly in dir, sorted by name, except
+// those whose name starts with a dot (a write's temporary, the generation lock). Files
+// that vanish or cannot be read are reported in the error after the others are written.
 func Dir(w io.Writer, dir string) error {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
@@ -93,7 +94,7 @@ func Dir(w io.Writer, dir string) error {
 	sort.Slice(ents, func(i, j int) bool { return ents[i].Name() < ents[j].Name() })
 	var errs []string
 	for _, e := range ents {
-		if !e.Type().IsRegular() {
+		if !e.Type().IsRegular() || strings.HasPrefix(e.Name(), ".") {
 			continue
 		}
 		b, err := os.ReadFile(filepath.Join(dir, e.Name()))

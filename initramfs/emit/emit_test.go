@@ -66,3 +66,21 @@ func TestEncoderRefuses(t *testing.T) {
 		t.Errorf("refused calls wrote %q", con.String())
 	}
 }
+
+// TestDirSkipsDotNames: the generation lock and a write's leftover temporary are not the
+// boot's files: Dir emits neither.
+func TestDirSkipsDotNames(t *testing.T) {
+	dir := t.TempDir()
+	for name, body := range map[string]string{"manifest.dsse.json": "{}", ".generation.lock": "pid 1 (passage) boot since 2026-03-01T00:00:00Z\n", ".manifest.dsse.json.tmp123": "{"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out strings.Builder
+	if err := Dir(&out, dir); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "manifest.dsse.json") || strings.Contains(out.String(), ".generation.lock") || strings.Contains(out.String(), ".tmp123") {
+		t.Errorf("Dir emitted:\n%s", out.String())
+	}
+}

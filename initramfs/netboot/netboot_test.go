@@ -186,6 +186,9 @@ type recorder struct {
 	waits []time.Duration
 }
 
+// noJitter is a PublishPolicy.Rand that takes none: the waits are exactly the schedule's.
+func noJitter(int64) int64 { return 0 }
+
 func (r *recorder) sleep(ctx context.Context, d time.Duration) error {
 	r.mu.Lock()
 	r.waits = append(r.waits, d)
@@ -230,7 +233,7 @@ func TestPublish(t *testing.T) {
 			defer srv.Close()
 			rec := &recorder{}
 			p := DefaultPublish
-			p.Tries, p.Sleep = tt.tries, rec.sleep
+			p.Tries, p.Sleep, p.Rand = tt.tries, rec.sleep, noJitter
 			att, err := Publish(context.Background(), srv.Client(), srv.URL, envelope, p)
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("err = %v", err)

@@ -204,7 +204,7 @@ func (b *Boot) Stages() []stages.Stage {
 		{Name: "host", Run: b.host},
 		{Name: "manifest", Always: true, Run: b.manifest},
 		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
-		{Name: "publish", Needs: b.publishNeeds(), Run: b.publish},
+		{Name: "publish", Needs: b.publishNeeds(), Timeout: b.publishTimeout(), Run: b.publish},
 		{Name: "push", Needs: []string{"network", "manifest"}, Timeout: c.NetTimeout, Run: b.push},
 	}
 }
@@ -706,10 +706,36 @@ func (b *Boot) publishClient() *http.Client {
 	return &http.Client{Transport: &http.Transport{DialContext: d.DialContext, TLSHandshakeTimeout: 10 * time.Second}}
 }
 
-func (b *Boot) publishPolicy(r *stages.Result) netboot.PublishPolicy {
-	p := netboot.DefaultPublish
+// PublishForMaxBackoff is the longest backoff step of a publish bounded by
+// passage.publish_for: a boot that may try for half an hour backs off further than one
+// that has five tries (a control plane's Retry-After sets the wait when it gives one).
+const PublishForMaxBackoff = 30 * time.Second
+
+// publishTimeout is the publish stage's deadline: with passage.publish_for, its budget
+// plus one try (a request begun as the budget ends may finish); without, the runner's
+// (passage.stage_timeout).
+func (b *Boot) publishTimeout() time.Duration {
+	if b.Config.PublishFor <= 0 {
+		return 0
+	}
+	p := b.basePublishPolicy()
+	return b.Config.PublishFor + p.PerTry
+}
+
+func (b *Boot) basePublishPolicy() netboot.PublishPolicy {
 	if b.PublishPolicy != nil {
-		p = *b.PublishPolicy
+		return *b.PublishPolicy
+	}
+	return netboot.DefaultPublish
+}
+
+// publishPolicy is what bounds each exchange of the publish stage: DefaultPublish (or
+// the test's), bounded by passage.publish_for in time instead of in tries when given.
+func (b *Boot) publishPolicy(r *stages.Result) netboot.PublishPolicy {
+	p := b.basePublishPolicy()
+	if b.Config.PublishFor > 0 {
+		p.For = b.Config.PublishFor
+		p.MaxBackoff = max(p.MaxBackoff, PublishForMaxBackoff)
 	}
 	p.Waiting = r.Wait
 	p.Note = func(s string) { r.Findingf("%s", s) }

@@ -99,6 +99,7 @@ func TestPublishEnrolBounded(t *testing.T) {
 			var waits []time.Duration
 			p := netboot.DefaultPublish
 			p.Sleep = func(_ context.Context, d time.Duration) error { waits = append(waits, d); return nil }
+			p.Rand = func(int64) int64 { return 0 } // no jitter: the waits are the schedule's
 			b := &Boot{Root: root, OpenTPM: open, PublishPolicy: &p,
 				Config: initramfs.ParseCmdline("passage.erase=off passage.profile=b300 passage.tpm=on passage.key=/etc/passage/passage.key passage.net=off passage.url=" + cp.URL)}
 			rs, _ := run(t, b, "scan", "decide", "manifest", "publish")

@@ -296,6 +296,15 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	if serr != nil {
 		r.Findingf("%v", serr)
 	}
+	// The node's generation lock, as every generation writer holds it (recycle, unbind,
+	// the plugin), from the log's append through the quote. In the initramfs nothing
+	// else writes (the counter was advanced before it, StartTPM), so it is had at once;
+	// were it not, the manifest is written anyway: a boot without one cannot go on.
+	if lock, lerr := manifest.LockGenerations(ctx, dir, "boot", bootLockWait); lerr != nil {
+		r.Findingf("%v: written without it", lerr)
+	} else {
+		defer lock.Unlock()
+	}
 	signed, err := manifest.WriteSigned(ctx, m, dir, EnvelopeName, tpm.measurer, signers...)
 	if signed == nil {
 		b.Mark("manifest-written")
@@ -343,6 +352,10 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	return nil
 }
+
+// bootLockWait bounds the manifest stage's wait for the generation lock: nothing else
+// should hold it in the initramfs.
+const bootLockWait = 2 * time.Second
 
 // writeAttestation attests the manifest just measured (package attest) offline: the
 // nonce is its payload digest, so the attestation is fresh exactly when the manifest is
@@ -539,7 +552,9 @@ func copyFiles(src, dst string) error {
 	sort.Slice(ents, func(i, j int) bool { return ents[i].Name() < ents[j].Name() })
 	var errs []string
 	for _, e := range ents {
-		if !e.Type().IsRegular() {
+		// Not a dot name: a write's temporary (manifest.WriteAtomic), the generation
+		// lock; neither is one of the boot's files.
+		if !e.Type().IsRegular() || strings.HasPrefix(e.Name(), ".") {
 			continue
 		}
 		data, err := os.ReadFile(filepath.Join(src, e.Name()))
