@@ -53,13 +53,14 @@ func (g *Guest) Domain(opt DomainOptions) ([]byte, error) {
 		OS:         &libvirtxml.DomainOS{Type: &libvirtxml.DomainOSType{Arch: "x86_64", Machine: "q35", Type: "hvm"}},
 		Features:   &libvirtxml.DomainFeatureList{ACPI: &libvirtxml.DomainFeature{}, APIC: &libvirtxml.DomainFeatureAPIC{}},
 		OnPoweroff: "destroy", OnReboot: "restart", OnCrash: "destroy"}
-	if opt.Type == "kvm" {
-		d.CPU = &libvirtxml.DomainCPU{Mode: "host-passthrough"}
+	// OVMF takes a width above 40 bits only from a CPU with 1 GiB pages (pdpe1gb);
+	// type qemu's default model, qemu64, has none. host-passthrough (KVM) and maximum
+	// (TCG: QEMU's max, every feature TCG emulates) have them.
+	d.CPU = &libvirtxml.DomainCPU{Mode: "host-passthrough"}
+	if opt.Type == "qemu" {
+		d.CPU.Mode = "maximum"
 	}
 	if opt.PhysBits > 0 {
-		if d.CPU == nil {
-			d.CPU = &libvirtxml.DomainCPU{}
-		}
 		// https://libvirt.org/formatdomain.html#cpu-model-and-topology: mode
 		// emulate gives the guest exactly bits (QEMU's phys-bits), with KVM as under
 		// TCG; passthrough's limit needs libvirt 9.2. The host must have that width
@@ -76,7 +77,14 @@ func (g *Guest) Domain(opt DomainOptions) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	devs.Controllers = append([]libvirtxml.DomainController{{Type: "pci", Index: ptr(uint(0)), Model: "pcie-root"}}, devs.Controllers...)
+	// No USB controller and no balloon: libvirt would add both by default, each on a
+	// root port of its own in pcie.0's first free slots, which firmware numbers before
+	// the plan's (every unit's guest bus moves: the NCCL file names the plan's) and OVMF
+	// pads for hotplug from the units' 64-bit window. A balloon cannot take back memory
+	// that vfio has pinned anyway.
+	devs.Controllers = append([]libvirtxml.DomainController{{Type: "pci", Index: ptr(uint(0)), Model: "pcie-root"},
+		{Type: "usb", Model: "none"}}, devs.Controllers...)
+	devs.MemBalloon = &libvirtxml.DomainMemBalloon{Model: "none"}
 	d.Devices = devs
 	return marshalXML(" passage guest: "+g.unitList()+"; each function already on vfio-pci (managed='no') ", &d, "domain")
 }
@@ -101,9 +109,6 @@ func (g *Guest) numaCells(d *libvirtxml.Domain, opt DomainOptions) error {
 	n := len(host)
 	if opt.VCPUs < n || opt.MemoryMiB < n {
 		return fmt.Errorf("libvirt domain: %d vCPUs and %d MiB do not cover %d NUMA cells", opt.VCPUs, opt.MemoryMiB, n)
-	}
-	if d.CPU == nil {
-		d.CPU = &libvirtxml.DomainCPU{}
 	}
 	numa := &libvirtxml.DomainNuma{}
 	// A guest cell stands for a host node; one whose host node is not known (numa_node

@@ -88,7 +88,7 @@ type GuestPort struct {
 	Addr      pci.Address `json:"addr"`
 	Secondary int         `json:"secondary"`
 	// Index is its libvirt controller index and Parent the index of the bus it plugs
-	// into (render's: the guest bus numbers themselves).
+	// into (in render's flat layout: the guest bus numbers themselves).
 	Index  int `json:"index"`
 	Parent int `json:"parent"`
 }
@@ -207,6 +207,12 @@ func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 		}
 	}
 	bus := opt.FirstBus
+	// libvirt controller indexes, dense from 1: libvirt fills every gap in the indexes
+	// with a pcie-root-port of its own (for expanders at bus 0x80 and on, over a hundred
+	// hotplug ports on pcie.0, each of which OVMF pads). Without NUMA they are the guest
+	// bus numbers themselves.
+	next := 0
+	index := func() int { next++; return next }
 	for i, u := range chosen {
 		gu := GuestUnit{Unit: u.ID, HostNUMA: u.NUMANode, UpLink: u.UpLink}
 		chassis := i + 1
@@ -215,7 +221,7 @@ func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 		if opt.NUMA {
 			gu.GuestNUMA = g.GuestNodes[u.NUMANode]
 			x := Expander{ID: prefix + "pxb", BusNr: opt.ExpanderBus0 + i*opt.ExpanderStride, NUMANode: gu.GuestNUMA, Dev: opt.RootSlot + i}
-			x.Index = x.BusNr
+			x.Index = index()
 			if x.BusNr > 0xff {
 				return nil, fmt.Errorf("guest plan: %s: expander bus %#x past 0xff", u.ID, x.BusNr)
 			}
@@ -239,8 +245,11 @@ func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 			return nil, fmt.Errorf("guest plan: %s: %d functions do not fit one switch", u.ID, len(fns))
 		}
 		rp.Secondary = bus
-		rp.Index, rp.Parent = rp.Secondary, int(rp.Addr.Bus)
-		unitSwitch(&gu, u, rp, prefix, chassis, nil)
+		rp.Index, rp.Parent = index(), 0
+		if opt.NUMA {
+			rp.Parent = g.Expanders[len(g.Expanders)-1].Index
+		}
+		unitSwitch(&gu, u, rp, prefix, chassis, index)
 		bus += need
 		g.Units = append(g.Units, gu)
 	}
@@ -249,23 +258,16 @@ func PlanGuest(units []GuestSource, opt GuestOptions) (*Guest, error) {
 
 // unitSwitch lays out one unit's switch below its root port rp (rp.Secondary set):
 // the upstream port on rp's bus, one downstream port per function, each function at
-// device 0 of its port. Controller indexes are the guest bus numbers, or with index
-// the next ones it gives.
+// device 0 of its port. Controller indexes are the next ones index gives.
 func unitSwitch(gu *GuestUnit, u GuestSource, rp GuestPort, prefix string, chassis int, index func() int) {
 	bus := rp.Secondary
-	idx := func(secondary int) int {
-		if index == nil {
-			return secondary
-		}
-		return index()
-	}
 	us := GuestPort{ID: prefix + "us", Model: "x3130-upstream", Bus: rp.ID, Addr: pci.Address{Bus: uint8(bus)}, Secondary: bus + 1,
-		Index: idx(bus + 1), Parent: rp.Index}
+		Index: index(), Parent: rp.Index}
 	gu.RootPort, gu.Upstream = rp, us
 	for k, f := range u.Functions {
 		ds := GuestPort{ID: fmt.Sprintf("%sds%d", prefix, k), Model: "xio3130-downstream", Bus: us.ID, Dev: k,
 			Addr: pci.Address{Bus: uint8(bus + 1), Device: uint8(k)}, Secondary: bus + 2 + k, Parent: us.Index}
-		ds.Index = idx(ds.Secondary)
+		ds.Index = index()
 		if chassis > 0 {
 			ds.Chassis, ds.Slot = chassis, k+1
 		}

@@ -162,11 +162,18 @@ func (g *Guest) LibvirtControllers() []libvirtxml.DomainController {
 		}
 		cs = append(cs, c)
 	}
+	// libvirt hands a port's chassis and port to QEMU as chassis and port, and gives it
+	// no slot: QEMU's slot stays 0, so the chassis alone must tell the ports apart
+	// (QEMU refuses a second port in one chassis slot: "Can't add chassis slot, error
+	// -16"). The plan's chassis/slot pairs share a chassis per unit; the controller
+	// index is unique in the domain, and it is the chassis libvirt itself gives the
+	// ports it adds. port is the PCIe Port Number (Link Capabilities): 0 for a root
+	// port, 1 and on for a switch's downstream ports, the plan's slots.
 	chassis := func(p GuestPort) *libvirtxml.DomainControllerPCITarget {
 		if p.Chassis == 0 {
 			return nil
 		}
-		return &libvirtxml.DomainControllerPCITarget{Chassis: ptr(uint(p.Chassis)), Port: ptr(uint(p.Slot))}
+		return &libvirtxml.DomainControllerPCITarget{Chassis: ptr(uint(p.Index)), Port: ptr(uint(p.Slot))}
 	}
 	for _, u := range g.Units {
 		rp := u.RootPort

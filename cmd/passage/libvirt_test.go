@@ -26,7 +26,13 @@ type libvirtXML struct {
 		Index   int        `xml:"index,attr"`
 		Model   string     `xml:"model,attr"`
 		Address *lvAddrXML `xml:"address"`
+		Target  *struct {
+			Chassis *int `xml:"chassis,attr"`
+		} `xml:"target"`
 	} `xml:"devices>controller"`
+	Balloon struct {
+		Model string `xml:"model,attr"`
+	} `xml:"devices>memballoon"`
 	Hostdevs []struct {
 		Managed string    `xml:"managed,attr"`
 		Source  lvAddrXML `xml:"source>address"`
@@ -150,7 +156,19 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 			}
 		}
 		controllers := 0
+		chassis := map[int]int{} // chassis -> controller index
 		for _, ctl := range want.Controllers {
+			if ctl.Type != "pci" {
+				continue
+			}
+			// libvirt gives QEMU no slot (it stays 0): each port needs a chassis of
+			// its own, or QEMU refuses the second one in it.
+			if ctl.Target != nil && ctl.Target.Chassis != nil {
+				if other, ok := chassis[*ctl.Target.Chassis]; ok {
+					t.Errorf("%s: controllers %d and %d in chassis %d", c.name, other, ctl.Index, *ctl.Target.Chassis)
+				}
+				chassis[*ctl.Target.Chassis] = ctl.Index
+			}
 			addr := ""
 			if ctl.Address != nil {
 				addr = ctl.Address.key(t)
@@ -159,6 +177,11 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 				t.Errorf("%s: controller index %d: libvirt keeps %q, rendered %q", c.name, ctl.Index, kept[ctl.Index], w)
 			}
 			controllers++
+		}
+		// libvirt adds no PCI controller of its own (a USB controller or a balloon
+		// would each get a root port before the plan's) and no balloon.
+		if len(kept) != controllers || got.Balloon.Model != "none" {
+			t.Errorf("%s: libvirt keeps %d PCI controllers, %d rendered; memballoon %q", c.name, len(kept), controllers, got.Balloon.Model)
 		}
 		hostdevs := map[string]string{}
 		for _, h := range got.Hostdevs {
