@@ -379,9 +379,11 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 				// Stopped first: its publisher would put the slices back.
 				d.Stop()
 				fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
-				if werr := plugin.Withdraw(context.WithoutCancel(ctx), client, d.Objects().Node); werr != nil {
+				wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+				if werr := plugin.Withdraw(wctx, client, d.Objects().Node); werr != nil {
 					fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), werr)
 				}
+				cancel()
 				return 1
 			}
 			if !errors.Is(err, kubeletplugin.ErrRecoverable) {
