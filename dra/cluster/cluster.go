@@ -116,7 +116,10 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 		"--tls-cert-file="+f("serving.crt"), "--tls-private-key-file="+f("serving.key"),
 		"--service-account-key-file="+f("sa.pub"), "--service-account-signing-key-file="+f("sa.key"),
 		"--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.96.0.0/16",
-		"--token-auth-file="+f("tokens.csv"), "--authorization-mode=Node,RBAC", "--cert-dir="+f("apiserver-certs"))...)
+		"--token-auth-file="+f("tokens.csv"), "--authorization-mode=Node,RBAC", "--cert-dir="+f("apiserver-certs"),
+		// As kubeadm runs it: without, the API server refuses deploy/daemonset.yaml's
+		// privileged container ("disallowed by cluster policy").
+		"--allow-privileged=true")...)
 	if err != nil {
 		return err
 	}
