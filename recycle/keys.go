@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"path/filepath"
 
 	"github.com/passage-boot/passage/manifest"
@@ -44,7 +45,7 @@ type Recorder struct {
 }
 
 // OpenRecorder reads the signing key and opens the TPM (unless Keys.TPM is "off") under
-// root. An error names what could not be had; errors.Is(err, ErrTPM) when it is the TPM
+// root. A missing key file is no error when the TPM opens: it then signs alone. An error names what could not be had; errors.Is(err, ErrTPM) when it is the TPM
 // that Keys.TPM "on" demands.
 func OpenRecorder(root string, k Keys) (*Recorder, error) {
 	// Both beneath the root: a link in the tree leads nowhere outside it.
@@ -53,17 +54,22 @@ func OpenRecorder(root string, k Keys) (*Recorder, error) {
 		return nil, fmt.Errorf("dir: %w", err)
 	}
 	r := &Recorder{Dir: dir, root: root}
+	// A node that signs with its TPM may have no key file (the boot signs with what it
+	// has): its absence is an error only when there is no TPM to sign instead.
 	data, err := boot.ReadBeneath(root, k.SigningKey, manifest.MaxKeyFileSize)
-	if err != nil {
+	noKey := errors.Is(err, fs.ErrNotExist) && k.TPM != "off"
+	if err != nil && !noKey {
 		return nil, fmt.Errorf("signing key %s: %w", filepath.Join(root, k.SigningKey), err)
 	}
-	s, err := manifest.ParseSigner(k.SigningKey, data)
-	if err != nil {
-		return nil, err
-	}
-	r.Signers = append(r.Signers, s)
-	if v, err := manifest.NewVerifier(s.Public()); err == nil {
-		r.Verifier = v
+	if !noKey {
+		s, err := manifest.ParseSigner(k.SigningKey, data)
+		if err != nil {
+			return nil, err
+		}
+		r.Signers = append(r.Signers, s)
+		if v, err := manifest.NewVerifier(s.Public()); err == nil {
+			r.Verifier = v
+		}
 	}
 	if k.TPM != "off" {
 		ts, meas, err := tpmkey.ForBoot(root)
@@ -78,6 +84,14 @@ func OpenRecorder(root string, k Keys) (*Recorder, error) {
 			if c, ok := ts.(manifest.Counter); ok {
 				r.Counters = append(r.Counters, c)
 			}
+			if r.Verifier == nil && r.TPM != nil {
+				// The previous generation is checked with the key that signed it.
+				if v, err := manifest.NewVerifier(r.TPM.Public()); err == nil {
+					r.Verifier = v
+				}
+			}
+		case noKey:
+			return nil, fmt.Errorf("signing key %s: no such file, and no TPM to sign with instead: %v", filepath.Join(root, k.SigningKey), err)
 		case k.TPM == "on":
 			return nil, fmt.Errorf("%w: %v", ErrTPM, err)
 		default:

@@ -41,6 +41,7 @@ type Cluster struct {
 	Client    *kubernetes.Clientset
 	Started   time.Time // when etcd was started
 	procs     []*proc
+	opts      Options
 	caPEM     []byte
 	adminTokn string
 }
@@ -51,12 +52,28 @@ type proc struct {
 	done      chan struct{}
 }
 
+// Options start a control plane other than the default one: a cluster whose API server
+// lacks what a component needs.
+type Options struct {
+	// FeatureGates is --feature-gates of kube-apiserver, kube-scheduler and
+	// kube-controller-manager ("DRADeviceTaints=false,DRADeviceTaintRules=false").
+	FeatureGates string
+	// RuntimeConfig is kube-apiserver's --runtime-config
+	// ("resource.k8s.io/v1/devicetaintrules=false").
+	RuntimeConfig string
+}
+
 // Start starts the control plane from the binaries in bin (kube-apiserver,
 // kube-scheduler, kube-controller-manager, etcd) with its files in dir. Each wait is
 // bounded, and its error carries the component's log tail. On error what was started
 // is stopped.
 func Start(ctx context.Context, bin, dir string) (*Cluster, error) {
-	c := &Cluster{Dir: dir, Started: time.Now()}
+	return StartWith(ctx, bin, dir, Options{})
+}
+
+// StartWith is Start with o's flags.
+func StartWith(ctx context.Context, bin, dir string, o Options) (*Cluster, error) {
+	c := &Cluster{Dir: dir, Started: time.Now(), opts: o}
 	if err := c.start0(ctx, bin, dir); err != nil {
 		c.Stop()
 		return nil, err
@@ -92,14 +109,17 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 	}
 	c.Server = fmt.Sprintf("https://127.0.0.1:%d", ports[2])
 	f := func(n string) string { return filepath.Join(dir, n) }
-	api, err := c.start(bin, "kube-apiserver", "--etcd-servers="+etcdURL,
+	api, err := c.start(bin, "kube-apiserver", c.flags(true, "--etcd-servers="+etcdURL,
 		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[2]),
 		// Otherwise it advertises the machine's other address for the kubernetes service.
 		"--endpoint-reconciler-type=none",
 		"--tls-cert-file="+f("serving.crt"), "--tls-private-key-file="+f("serving.key"),
 		"--service-account-key-file="+f("sa.pub"), "--service-account-signing-key-file="+f("sa.key"),
 		"--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.96.0.0/16",
-		"--token-auth-file="+f("tokens.csv"), "--authorization-mode=Node,RBAC", "--cert-dir="+f("apiserver-certs"))
+		"--token-auth-file="+f("tokens.csv"), "--authorization-mode=Node,RBAC", "--cert-dir="+f("apiserver-certs"),
+		// As kubeadm runs it: without, the API server refuses deploy/daemonset.yaml's
+		// privileged container ("disallowed by cluster policy").
+		"--allow-privileged=true")...)
 	if err != nil {
 		return err
 	}
@@ -125,8 +145,8 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 	}
 	// -v=2: the scheduler logs each attempt that finds no fit, naming the pod
 	// (SchedulingAttempts reads it).
-	sched, err := c.start(bin, "kube-scheduler", "--kubeconfig="+f("scheduler.kubeconfig"), "--leader-elect=false",
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[3]), "--cert-dir="+f("scheduler-certs"), "-v=2")
+	sched, err := c.start(bin, "kube-scheduler", c.flags(false, "--kubeconfig="+f("scheduler.kubeconfig"), "--leader-elect=false",
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[3]), "--cert-dir="+f("scheduler-certs"), "-v=2")...)
 	if err != nil {
 		return err
 	}
@@ -143,11 +163,11 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 		}
 	}
 	// The node controller is left out: with no kubelet it marks the nodes NotReady.
-	cm, err := c.start(bin, "kube-controller-manager", "--kubeconfig="+f("controller-manager.kubeconfig"), "--leader-elect=false",
+	cm, err := c.start(bin, "kube-controller-manager", c.flags(false, "--kubeconfig="+f("controller-manager.kubeconfig"), "--leader-elect=false",
 		// device-taint-eviction-controller deletes the pods using a device a NoExecute
 		// DeviceTaintRule taints (passage-control's attestation-failed).
 		"--controllers=resourceclaim-controller,garbage-collector-controller,device-taint-eviction-controller",
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[4]), "--cert-dir="+f("cm-certs"))
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[4]), "--cert-dir="+f("cm-certs"))...)
 	if err != nil {
 		return err
 	}
@@ -160,6 +180,18 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 		}
 	}
 	return nil
+}
+
+// flags are a component's args with the Options' flags: --feature-gates for every
+// component, --runtime-config for the API server.
+func (c *Cluster) flags(apiserver bool, args ...string) []string {
+	if c.opts.FeatureGates != "" {
+		args = append(args, "--feature-gates="+c.opts.FeatureGates)
+	}
+	if apiserver && c.opts.RuntimeConfig != "" {
+		args = append(args, "--runtime-config="+c.opts.RuntimeConfig)
+	}
+	return args
 }
 
 func get(hc *http.Client, url, token string) error {

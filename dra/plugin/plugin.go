@@ -676,9 +676,21 @@ func split(list string) []string {
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: background errors are reported on
-// Errors (the command exits on one that is not recoverable).
+// Errors (the command exits on one that is not recoverable). The helper calls every
+// publishing error recoverable; a slice stored without its quarantine taints is not
+// (taintsDropped): the plugin must not go on as if the taint held, and that error is
+// never dropped for a full channel.
 func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
 	utilruntime.HandleErrorWithContext(ctx, err, msg)
+	if terr := taintsDropped(err); terr != nil {
+		e := fmt.Errorf("%s: %w", msg, terr)
+		select {
+		case d.errs <- e:
+		default:
+			go func() { d.errs <- e }()
+		}
+		return
+	}
 	select {
 	case d.errs <- fmt.Errorf("%s: %w", msg, err):
 	default:

@@ -340,6 +340,14 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 1
 	}
+	// The turnaround quarantines a unit with a taint in the slices: before anything is
+	// published, the API server must be seen keeping one.
+	if cfg.Turnaround != nil {
+		if err := plugin.CheckDeviceTaints(ctx, client, d.Objects().Node, d.Objects().Pool); err != nil {
+			fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
+			return 1
+		}
+	}
 	if err := d.Start(ctx, kubeletplugin.KubeClient(client), kubeletplugin.RegistrarDirectoryPath(p.registry),
 		kubeletplugin.PluginDataDirectoryPath(p.dataDir)); err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
@@ -367,6 +375,17 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 				fmt.Fprintf(stderr, "%s: reload: %v\n", fs.Name(), err)
 			}
 		case err := <-d.Errors():
+			if errors.Is(err, plugin.ErrTaintsDropped) {
+				// Stopped first: its publisher would put the slices back.
+				d.Stop()
+				fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
+				wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+				if werr := plugin.Withdraw(wctx, client, d.Objects().Node); werr != nil {
+					fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), werr)
+				}
+				cancel()
+				return 1
+			}
 			if !errors.Is(err, kubeletplugin.ErrRecoverable) {
 				fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 				return 1
@@ -451,9 +470,11 @@ func (f *turnFlags) turnaround(root string) (*plugin.Turnaround, error) {
 	}
 	t := &plugin.Turnaround{URL: url, Keys: f.keys, Profile: profile, Policy: p, Tries: f.tries, Backoff: f.backoff, Timeout: f.timeout, Poll: f.poll}
 	if f.ca != "" {
+		// A missing CA (the DaemonSet's optional ConfigMap not made) is refused, not
+		// replaced with the system's roots: the flag says which CA the operator trusts.
 		pem, err := manifest.ReadRegular(f.ca, manifest.MaxKeyFileSize)
 		if err != nil {
-			return nil, fmt.Errorf("--passage-ca: %w", err)
+			return nil, fmt.Errorf("--passage-ca: %w: the turnaround attests to %s and trusts only this CA (the DaemonSet's ConfigMap passage-control-ca, ca.crt); give it, or --turnaround=false", err, url)
 		}
 		pool := x509.NewCertPool()
 		if !pool.AppendCertsFromPEM(pem) {

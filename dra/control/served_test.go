@@ -1,0 +1,39 @@
+package control
+
+import (
+	"strings"
+	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	fakediscovery "k8s.io/client-go/discovery/fake"
+	"k8s.io/client-go/kubernetes/fake"
+)
+
+// TestCheckServed: passage-control starts only where the API server's discovery lists
+// devicetaintrules in resource.k8s.io/v1, and otherwise refuses naming the resource and
+// the group version (the real API server's answer: cluster TestClusterServed).
+func TestCheckServed(t *testing.T) {
+	v1 := func(names ...string) []*metav1.APIResourceList {
+		l := &metav1.APIResourceList{GroupVersion: "resource.k8s.io/v1"}
+		for _, n := range names {
+			l.APIResources = append(l.APIResources, metav1.APIResource{Name: n})
+		}
+		return []*metav1.APIResourceList{l}
+	}
+	for _, c := range []struct {
+		name      string
+		resources []*metav1.APIResourceList
+		refused   string
+	}{
+		{"1.37", v1("deviceclasses", "devicetaintrules", "devicetaintrules/status", "resourceclaims", "resourceslices"), ""},
+		{"v1 without devicetaintrules", v1("deviceclasses", "resourceclaims", "resourceslices"), "does not serve devicetaintrules in resource.k8s.io/v1"},
+		{"no resource.k8s.io/v1", []*metav1.APIResourceList{{GroupVersion: "resource.k8s.io/v1beta2", APIResources: []metav1.APIResource{{Name: "devicetaintrules"}}}}, "discovery of resource.k8s.io/v1"},
+	} {
+		kc := fake.NewClientset()
+		kc.Discovery().(*fakediscovery.FakeDiscovery).Resources = c.resources
+		err := CheckServed(kc.Discovery())
+		if c.refused == "" && err != nil || c.refused != "" && (err == nil || !strings.Contains(err.Error(), c.refused)) {
+			t.Errorf("%s: %v, want refused: %q", c.name, err, c.refused)
+		}
+	}
+}
