@@ -113,6 +113,10 @@ func (n *Node) Boot(ctx context.Context, passage, url string, env []string) (*Bo
 	if err != nil {
 		return nil, err
 	}
+	// What the boot POSTed: the attestation carrying its envelope.
+	if res.Attestation, err = attest.WithEnvelope(res.Attestation, envb); err != nil {
+		return nil, fmt.Errorf("the boot's attestation: %w", err)
+	}
 	var e manifest.Envelope
 	if err := json.Unmarshal(envb, &e); err != nil {
 		return nil, fmt.Errorf("the boot's envelope: %w", err)
