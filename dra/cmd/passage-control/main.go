@@ -6,6 +6,7 @@
 //	passage-control --tls-cert F --tls-key F --ek-ca F [--approved F] [--intake F]
 //	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F] [--nonce-ttl D]
 //	                [--kube-qps N] [--max-nonces N] [--max-unenrolled N] [--unenrolled-ttl D]
+//	                [--max-in-flight N] [--request-deadline D]
 package main
 
 import (
@@ -44,6 +45,8 @@ type flags struct {
 	nonceTTL, unenrolledTTL, reconcileEvery                        time.Duration
 	qps                                                            float64
 	maxNonces, maxUnenrolled                                       int64
+	maxInFlight                                                    int
+	deadline                                                       time.Duration
 }
 
 // run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
@@ -65,6 +68,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.Int64Var(&f.maxUnenrolled, "max-unenrolled", control.DefaultMaxUnenrolled, "the most node records not yet enrolled: an envelope POST that would make one more is refused 503 until an enrolment or the sweep makes room")
 	fs.DurationVar(&f.reconcileEvery, "reconcile-every", 15*time.Second, "how often the pools passage-dra publishes are checked against their records: a pool whose published generation is not verified gets the unverified taint")
 	fs.DurationVar(&f.unenrolledTTL, "unenrolled-ttl", control.DefaultUnenrolledTTL, "how long a node record may stay unenrolled before the sweep deletes it (and its taint rule)")
+	fs.IntVar(&f.maxInFlight, "max-in-flight", control.DefaultMaxInFlight, "requests doing API work at once (each may hold an 8 MiB attestation): one more is answered 503 with Retry-After at once")
+	fs.DurationVar(&f.deadline, "request-deadline", control.DefaultDeadline, "a request's answer, 503 with Retry-After if its work is not done, comes within this, and so does each API call; under a boot's 10 s try")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -98,6 +103,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	if f.unenrolledTTL < time.Minute {
 		return fail(2, "--unenrolled-ttl %s: want at least 1m", f.unenrolledTTL)
+	}
+	if f.maxInFlight < 1 {
+		return fail(2, "--max-in-flight %d: want at least 1", f.maxInFlight)
+	}
+	if f.deadline < 100*time.Millisecond {
+		return fail(2, "--request-deadline %s: want at least 100ms", f.deadline)
 	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
@@ -136,6 +147,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 		return fail(2, "kubernetes client: %v", err)
 	}
 	rc.QPS, rc.Burst = float32(f.qps), int(2*f.qps)
+	// A hung API server fails a call at the deadline, not at the TCP keepalive's.
+	rc.Timeout = f.deadline
 	dyn, err := dynamic.NewForConfig(rc)
 	if err != nil {
 		return fail(2, "kubernetes client: %v", err)
@@ -163,19 +176,30 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 			return fail(1, "--metrics: %v", err)
 		}
 	}
+	limit := control.NewLimit(srv, f.maxInFlight, f.deadline, srv.Metrics)
+	limit.Log = logger
+	health := &control.Health{Limit: limit, Probe: func(ctx context.Context) error {
+		return kc.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).Error()
+	}}
+	go health.Run(ctx)
+	// A boot's try is 10 s: a request read or answered much later than its deadline
+	// serves no one.
 	hs := &http.Server{
-		Handler: srv, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: 60 * time.Second, WriteTimeout: 60 * time.Second,
-		MaxHeaderBytes: 16 << 10, TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12},
-		ErrorLog: logger,
+		Handler: limit, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: f.deadline + 5*time.Second, WriteTimeout: f.deadline + 5*time.Second,
+		IdleTimeout: time.Minute, MaxHeaderBytes: 16 << 10,
+		TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12},
+		ErrorLog:  logger,
 	}
 	errs := make(chan error, 2)
 	go func() { errs <- hs.ServeTLS(ln, "", "") }()
 	var ms *http.Server
 	if mln != nil {
 		mux := http.NewServeMux()
-		mux.Handle("/metrics", srv.Metrics.Handler(srv.Store))
-		mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok\n") })
-		ms = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		mux.Handle("/metrics", srv.Metrics.Handler())
+		mux.HandleFunc("/healthz", health.Healthz)
+		mux.HandleFunc("/readyz", health.Readyz)
+		ms = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+			WriteTimeout: 10 * time.Second, IdleTimeout: time.Minute, MaxHeaderBytes: 8 << 10, ErrorLog: logger}
 		go func() { errs <- ms.Serve(mln) }()
 	}
 	maddr := ""
