@@ -6,7 +6,7 @@
 //	passage-control --tls-cert F --tls-key F --ek-ca F [--approved F] [--intake F]
 //	                [--listen ADDR] [--metrics ADDR] [--kubeconfig F] [--nonce-ttl D]
 //	                [--kube-qps N] [--max-nonces N] [--max-unenrolled N] [--unenrolled-ttl D]
-//	                [--max-in-flight N] [--request-deadline D]
+//	                [--max-in-flight N] [--request-deadline D] [--max-conns N]
 package main
 
 import (
@@ -23,6 +23,7 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/net/netutil"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
@@ -45,7 +46,7 @@ type flags struct {
 	nonceTTL, unenrolledTTL, reconcileEvery                        time.Duration
 	qps                                                            float64
 	maxNonces, maxUnenrolled                                       int64
-	maxInFlight                                                    int
+	maxInFlight, maxConns                                          int
 	deadline                                                       time.Duration
 }
 
@@ -70,6 +71,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.DurationVar(&f.unenrolledTTL, "unenrolled-ttl", control.DefaultUnenrolledTTL, "how long a node record may stay unenrolled before the sweep deletes it (and its taint rule)")
 	fs.IntVar(&f.maxInFlight, "max-in-flight", control.DefaultMaxInFlight, "requests doing API work at once (each may hold an 8 MiB attestation): one more is answered 503 with Retry-After at once")
 	fs.DurationVar(&f.deadline, "request-deadline", control.DefaultDeadline, "a request's answer, 503 with Retry-After if its work is not done, comes within this, and so does each API call; under a boot's 10 s try")
+	fs.IntVar(&f.maxConns, "max-conns", 1024, "connections open at once on --listen (each holds its TLS and read buffers, some 40 KiB): past it a connection waits in the kernel's backlog")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -106,6 +108,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	if f.maxInFlight < 1 {
 		return fail(2, "--max-in-flight %d: want at least 1", f.maxInFlight)
+	}
+	if f.maxConns < f.maxInFlight {
+		return fail(2, "--max-conns %d: want at least --max-in-flight (%d)", f.maxConns, f.maxInFlight)
 	}
 	if f.deadline < 100*time.Millisecond {
 		return fail(2, "--request-deadline %s: want at least 100ms", f.deadline)
@@ -191,7 +196,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 		ErrorLog:  logger,
 	}
 	errs := make(chan error, 2)
-	go func() { errs <- hs.ServeTLS(ln, "", "") }()
+	go func() { errs <- hs.ServeTLS(netutil.LimitListener(ln, f.maxConns), "", "") }()
 	var ms *http.Server
 	if mln != nil {
 		mux := http.NewServeMux()
