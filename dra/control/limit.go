@@ -118,15 +118,24 @@ func (l *Limit) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}()
 		l.Handler.ServeHTTP(a, r.WithContext(ctx))
 	}()
-	select {
-	case p := <-done:
+	finished := func(p any) {
 		if p != nil {
 			// As http.TimeoutHandler does: the server recovers it on its own goroutine
 			// (and ErrAbortHandler keeps its meaning).
 			panic(p)
 		}
 		a.writeTo(w, l)
+	}
+	select {
+	case p := <-done:
+		finished(p)
 	case <-ctx.Done():
+		select {
+		case p := <-done: // finished as the deadline passed: its answer stands
+			finished(p)
+			return
+		default:
+		}
 		a.abandon()
 		if r.Context().Err() != nil {
 			return // the client left: no one to answer
