@@ -388,7 +388,8 @@ func stormEKs(b *testing.B, n int) ([]*rsa.PrivateKey, string) {
 // requests are what the API server's /metrics says of the requests it served, summed:
 // {"total", verb, resource} is apiserver_request_total, {"seconds", verb, resource} the
 // sum of apiserver_request_duration_seconds (the time each took, queueing included),
-// {"apf-wait" or "apf-waited", priority level, ""} the sum and count of API Priority and
+// {"ok", verb, resource} the requests of apiserver_request_total that succeeded (a 2xx
+// code), {"apf-wait" or "apf-waited", priority level, ""} the sum and count of API Priority and
 // Fairness's queue waits, {"apf-rejected", priority level, ""} its rejections.
 type requests map[[3]string]float64
 
@@ -454,6 +455,9 @@ func apiRequests(b testing.TB, ctx context.Context, hc *http.Client, server stri
 			res += "/" + l["subresource"]
 		}
 		out[[3]string{metric, l["verb"], res}] += v
+		if metric == "total" && strings.HasPrefix(l["code"], "2") {
+			out[[3]string{"ok", l["verb"], res}] += v
+		}
 	}
 	if err := sc.Err(); err != nil && !errors.Is(err, io.EOF) {
 		b.Fatal(err)

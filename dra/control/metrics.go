@@ -1,7 +1,7 @@
 package control
 
 import (
-	"context"
+	"bytes"
 	"fmt"
 	"io"
 	"net/http"
@@ -10,10 +10,14 @@ import (
 	"time"
 )
 
-// Metrics are one replica's counters, and at scrape time the records' verdicts read from
-// the API (so every replica reports the same nodes by verdict; sum the counters across
-// replicas). Written in the Prometheus text format by hand: the exposition is small, and
-// promtool check metrics judges it.
+// Metrics are one replica's counters, kept in the process: sum them across replicas. A
+// scrape reads nothing from the API. The fleet's records by verdict are not here: the
+// verdict is in each record's status, so counting them means reading every record whole
+// on every scrape (an informer would hold them all, whole, in every replica), which is
+// what let a scrape take a replica's memory. `kubectl get passagenodes` shows verdicts,
+// and the API server's apiserver_storage_objects{resource="passagenodes.passage-boot.github.io"}
+// counts the records. Written in the Prometheus text format by hand: the exposition is
+// small, and promtool check metrics judges it.
 type Metrics struct {
 	mu        sync.Mutex
 	nonces    int64
@@ -23,6 +27,10 @@ type Metrics struct {
 	durations []float64 // bucket counts of nonce-to-verdict seconds, by bucketBounds
 	durSum    float64
 	durCount  int64
+	// Limit's: requests in its Handler now, its slots, requests shed by ShedFull or
+	// ShedDeadline.
+	inFlight, slots int64
+	sheds           map[string]int64
 }
 
 // bucketBounds are the nonce-to-verdict histogram's upper bounds, seconds.
@@ -30,7 +38,44 @@ var bucketBounds = []float64{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300}
 
 // NewMetrics makes empty counters.
 func NewMetrics() *Metrics {
-	return &Metrics{refusals: map[string]int64{}, verdicts: map[string]int64{}, durations: make([]float64, len(bucketBounds))}
+	return &Metrics{refusals: map[string]int64{}, verdicts: map[string]int64{}, durations: make([]float64, len(bucketBounds)),
+		sheds: map[string]int64{ShedFull: 0, ShedDeadline: 0}}
+}
+
+func (m *Metrics) setSlots(n int) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	m.slots = int64(n)
+	m.mu.Unlock()
+}
+
+func (m *Metrics) enter() {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	m.inFlight++
+	m.mu.Unlock()
+}
+
+func (m *Metrics) leave() {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	m.inFlight--
+	m.mu.Unlock()
+}
+
+func (m *Metrics) shed(reason string) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	m.sheds[reason]++
+	m.mu.Unlock()
 }
 
 func (m *Metrics) issued() {
@@ -80,25 +125,19 @@ func (m *Metrics) verdict(v string, d time.Duration) {
 	m.durCount++
 }
 
-// Write writes the exposition; nodes, when not nil, are the records to count by verdict.
-func (m *Metrics) Write(w io.Writer, nodes []*Node) error {
+// Write writes the exposition. It is made under the lock and written after: a slow
+// reader holds up no request's counting.
+func (m *Metrics) Write(w io.Writer) error {
+	var b bytes.Buffer
+	m.write(&b)
+	_, err := w.Write(b.Bytes())
+	return err
+}
+
+func (m *Metrics) write(w io.Writer) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
-	if nodes != nil {
-		by := map[string]int{VerdictUnverified: 0, VerdictVerified: 0, VerdictFailed: 0}
-		for _, n := range nodes {
-			v := n.Status.Verdict
-			if v == "" {
-				v = VerdictUnverified
-			}
-			by[v]++
-		}
-		p("# HELP passage_control_nodes Node records by their verdict.\n# TYPE passage_control_nodes gauge\n")
-		for _, v := range sortedKeys(by) {
-			p("passage_control_nodes{verdict=%q} %d\n", v, by[v])
-		}
-	}
 	p("# HELP passage_control_nonces_issued_total Nonces this replica issued.\n# TYPE passage_control_nonces_issued_total counter\n")
 	p("passage_control_nonces_issued_total %d\n", m.nonces)
 	p("# HELP passage_control_enrolments_total TPMs this replica enrolled (activation answers accepted).\n# TYPE passage_control_enrolments_total counter\n")
@@ -118,7 +157,14 @@ func (m *Metrics) Write(w io.Writer, nodes []*Node) error {
 	p("passage_control_nonce_to_verdict_seconds_bucket{le=\"+Inf\"} %d\n", m.durCount)
 	p("passage_control_nonce_to_verdict_seconds_sum %g\n", m.durSum)
 	p("passage_control_nonce_to_verdict_seconds_count %d\n", m.durCount)
-	return nil
+	p("# HELP passage_control_requests_in_flight Requests in the exchange now, those answered at their deadline and not yet finished included.\n# TYPE passage_control_requests_in_flight gauge\n")
+	p("passage_control_requests_in_flight %d\n", m.inFlight)
+	p("# HELP passage_control_requests_in_flight_limit Requests that may do API work at once (--max-in-flight).\n# TYPE passage_control_requests_in_flight_limit gauge\n")
+	p("passage_control_requests_in_flight_limit %d\n", m.slots)
+	p("# HELP passage_control_requests_shed_total Requests answered 503 with Retry-After by the bounds: full (every slot held, not read) or deadline (not finished in time).\n# TYPE passage_control_requests_shed_total counter\n")
+	for _, r := range sortedKeys(m.sheds) {
+		p("passage_control_requests_shed_total{reason=%q} %d\n", r, m.sheds[r])
+	}
 }
 
 func sortedKeys[V any](m map[string]V) []string {
@@ -130,17 +176,10 @@ func sortedKeys[V any](m map[string]V) []string {
 	return out
 }
 
-// Handler serves /metrics: the counters and the records listed from the API (a list
-// that fails leaves the gauge out, the counters are still served).
-func (m *Metrics) Handler(s *Store) http.Handler {
+// Handler serves /metrics: the counters, nothing read from the API.
+func (m *Metrics) Handler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), 10*time.Second)
-		defer cancel()
-		nodes, err := s.ListNodes(ctx)
-		if err != nil {
-			nodes = nil
-		}
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-		m.Write(w, nodes)
+		m.Write(w)
 	})
 }

@@ -1,9 +1,11 @@
 package control
 
 import (
+	"errors"
 	"fmt"
 
 	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/discovery"
 )
 
@@ -32,5 +34,15 @@ func CheckServed(dc discovery.DiscoveryInterface) error {
 			return nil
 		}
 	}
-	return fmt.Errorf("the API server does not serve %s in %s: passage-control writes its verdicts as DeviceTaintRules and refuses to start without them (Kubernetes 1.37 or later serves them by default: resource.k8s.io/v1 has them from 1.37 on, 1.36 only in v1beta2 and off; do not turn off runtime-config resource.k8s.io/v1/%s, and keep feature gates DRADeviceTaints and DRADeviceTaintRules on in kube-apiserver, kube-scheduler and kube-controller-manager)", ServedResource, gv, ServedResource)
+	return fmt.Errorf("%w: the API server does not serve %s in %s: passage-control writes its verdicts as DeviceTaintRules and refuses to start without them (Kubernetes 1.37 or later serves them by default: resource.k8s.io/v1 has them from 1.37 on, 1.36 only in v1beta2 and off; do not turn off runtime-config resource.k8s.io/v1/%s, and keep feature gates DRADeviceTaints and DRADeviceTaintRules on in kube-apiserver, kube-scheduler and kube-controller-manager)", ErrNotServed, ServedResource, gv, ServedResource)
+}
+
+// ErrNotServed is an API server that answered without DeviceTaintRules.
+var ErrNotServed = errors.New("not served")
+
+// Unreachable says whether err is CheckServed's for an API server that did not answer
+// (no connection, a timeout), rather than one that answered without the resource.
+func Unreachable(err error) bool {
+	var se apierrors.APIStatus
+	return err != nil && !errors.Is(err, ErrNotServed) && !errors.As(err, &se)
 }

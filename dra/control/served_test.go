@@ -1,9 +1,13 @@
 package control
 
 import (
+	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
+	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	fakediscovery "k8s.io/client-go/discovery/fake"
 	"k8s.io/client-go/kubernetes/fake"
@@ -35,5 +39,17 @@ func TestCheckServed(t *testing.T) {
 		if c.refused == "" && err != nil || c.refused != "" && (err == nil || !strings.Contains(err.Error(), c.refused)) {
 			t.Errorf("%s: %v, want refused: %q", c.name, err, c.refused)
 		}
+	}
+}
+
+// TestUnreachable: an API server that did not answer is told apart from one that
+// answered without DeviceTaintRules (passage-control serves on in the first case and
+// refuses to start in the second).
+func TestUnreachable(t *testing.T) {
+	if !Unreachable(fmt.Errorf("discovery: %w", errors.New("dial tcp 127.0.0.1:1: connect: connection refused"))) {
+		t.Error("a refused connection is not unreachable")
+	}
+	if Unreachable(fmt.Errorf("x: %w", ErrNotServed)) || Unreachable(apierrors.NewNotFound(resourcev1.Resource("devicetaintrules"), "v1")) {
+		t.Error("an answer counted as unreachable")
 	}
 }

@@ -231,12 +231,25 @@ func (s *Server) nonce(w http.ResponseWriter) error {
 // attestation, or one with no TPM): 202, nothing kept. An envelope no quote names is
 // anyone's to send; the attestation delivers it.
 func (s *Server) envelope(w http.ResponseWriter, body io.Reader) error {
-	if _, err := readBody(body, MaxBody); err != nil {
-		return err
+	// Discarded unread: the bound on memory holds for any number of these at once.
+	if n, err := io.Copy(io.Discard, io.LimitReader(body, MaxBody+1)); err != nil {
+		return refuse(http.StatusBadRequest, "body", "body: %v", err)
+	} else if n > MaxBody {
+		return refuse(http.StatusRequestEntityTooLarge, "body", "body: over %d bytes", MaxBody)
 	}
 	w.WriteHeader(http.StatusAccepted)
 	io.WriteString(w, "not kept: an envelope counts only inside the attestation that names it\n")
 	return nil
+}
+
+// Cheap says whether r asks the API nothing: a nonce GET or a bare envelope POST (whose
+// body is discarded unread). Limit lets these past its bound on API work.
+func Cheap(r *http.Request) bool {
+	if r.Method == http.MethodGet {
+		return true
+	}
+	ct, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	return r.Method == http.MethodPost && ct == EnvelopeType
 }
 
 // retry runs f until its write does not conflict (f reads afresh each time).
@@ -454,6 +467,10 @@ func (s *Server) activation(ctx context.Context, w http.ResponseWriter, body io.
 			return refuse(http.StatusForbidden, "intake", "%v", err)
 		}
 	}
+	// From the claim on, the enrolment is finished even if the boot stops waiting: cut
+	// off, it would leave a claim without its record, for the retry to find.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), VerdictTimeout)
+	defer cancel()
 	made, err := s.Store.ClaimEK(ctx, rec.EKPublic, name)
 	if errors.Is(err, ErrClaimed) {
 		return refuse(http.StatusForbidden, "record", "record %s: this TPM is enrolled as another record (%v)", name, err)
@@ -490,7 +507,7 @@ func (s *Server) activation(ctx context.Context, w http.ResponseWriter, body io.
 	if err != nil {
 		if made {
 			// This TPM owns no record: its claim goes, so it can enrol as the one it may.
-			err = errors.Join(err, s.Store.Unclaim(context.WithoutCancel(ctx), rec.EKPublic))
+			err = errors.Join(err, s.Store.Unclaim(ctx, rec.EKPublic))
 		}
 		return err
 	}
@@ -550,6 +567,12 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, n *Node, a *
 		if !bytes.Equal(n.Spec.EKPublic, a.EKPublic) {
 			return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM meanwhile", n.Name)
 		}
+		if st := n.Status; st.Verdict == verdict && st.Generation == gen && st.Digest == digest {
+			// Judged so already (a retry whose first try was recorded, the host attesting
+			// the generation its boot delivered): nothing to write, and the same answer.
+			same = true
+			return nil
+		}
 		if n.Status.Nonce != nil && !issued.After(*n.Status.Nonce) {
 			return refuse(http.StatusForbidden, "nonce", "record %s: nonce: spent (an attestation over a nonce issued at or after it was recorded; fetch a new one)", n.Name)
 		}
@@ -558,9 +581,6 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, n *Node, a *
 			return refuse(http.StatusConflict, "generation", "record %s: generation %d is older than %d already judged (nothing changed)", n.Name, gen, st.Generation)
 		case st.Verdict == VerdictFailed && verdict == VerdictVerified && gen <= st.Generation:
 			return refuse(http.StatusConflict, "generation", "record %s: generation %d failed attestation; only a newer generation verified restores it (nothing changed)", n.Name, st.Generation)
-		case st.Verdict == verdict && st.Generation == gen && st.Digest == digest:
-			same = true // judged so already: nothing to write
-			return nil
 		}
 		now := s.Store.now().UTC()
 		nonce := issued.UTC()

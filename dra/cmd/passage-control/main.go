@@ -6,7 +6,8 @@
 //
 //	passage-control --tls-cert F --tls-key F --ek-ca F --exchange-key F [--approved F]
 //	                [--intake F] [--listen ADDR] [--metrics ADDR] [--kubeconfig F]
-//	                [--nonce-ttl D] [--kube-qps N]
+//	                [--nonce-ttl D] [--kube-qps N] [--max-in-flight N]
+//	                [--request-deadline D] [--max-conns N]
 package main
 
 import (
@@ -23,6 +24,7 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/net/netutil"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -41,8 +43,9 @@ func main() {
 
 type flags struct {
 	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig, exchangeKey string
-	nonceTTL, reconcileEvery                                                    time.Duration
+	nonceTTL, reconcileEvery, deadline                                          time.Duration
 	qps                                                                         float64
+	maxInFlight, maxConns                                                       int
 }
 
 // run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
@@ -62,6 +65,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
 	fs.StringVar(&f.exchangeKey, "exchange-key", "", "the `FILE` of the key every replica shares (at least 32 random bytes, a Secret): nonces are its MACs and an enrolment's state travels sealed under it, so neither is stored")
 	fs.DurationVar(&f.reconcileEvery, "reconcile-every", 15*time.Second, "how often the pools passage-dra publishes are checked against their records: a pool whose published generation is not verified gets the unverified taint")
+	fs.IntVar(&f.maxInFlight, "max-in-flight", control.DefaultMaxInFlight, "requests doing API work at once (each may hold an 8 MiB attestation): one more is answered 503 with Retry-After at once")
+	fs.DurationVar(&f.deadline, "request-deadline", control.DefaultDeadline, "a request's answer, 503 with Retry-After if its work is not done, comes within this, and so does each API call; under a boot's 10 s try")
+	fs.IntVar(&f.maxConns, "max-conns", 1024, "connections open at once on --listen (each holds its TLS and read buffers, some 40 KiB): past it a connection waits in the kernel's backlog")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -83,6 +89,15 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	if f.reconcileEvery < time.Second {
 		return fail(2, "--reconcile-every %s: want at least 1s", f.reconcileEvery)
+	}
+	if f.maxInFlight < 1 {
+		return fail(2, "--max-in-flight %d: want at least 1", f.maxInFlight)
+	}
+	if f.maxConns < f.maxInFlight {
+		return fail(2, "--max-conns %d: want at least --max-in-flight (%d)", f.maxConns, f.maxInFlight)
+	}
+	if f.deadline < 100*time.Millisecond {
+		return fail(2, "--request-deadline %s: want at least 100ms", f.deadline)
 	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
@@ -125,6 +140,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 		return fail(2, "kubernetes client: %v", err)
 	}
 	rc.QPS, rc.Burst = float32(f.qps), int(2*f.qps)
+	// A hung API server fails a call at the deadline, not at the TCP keepalive's.
+	rc.Timeout = f.deadline
 	dyn, err := dynamic.NewForConfig(rc)
 	if err != nil {
 		return fail(2, "kubernetes client: %v", err)
@@ -132,6 +149,16 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	kc, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return fail(2, "kubernetes client: %v", err)
+	}
+	// An API server that answers and does not serve DeviceTaintRules is refused here:
+	// no verdict would reach the scheduler. One that does not answer yet is not: the
+	// replica serves what needs no API and says not ready until it does.
+	if err := control.CheckServed(kc.Discovery()); err != nil {
+		if control.Unreachable(err) {
+			logger.Printf("start: %v (serving anyway; /readyz says not ready until the API server answers)", err)
+		} else {
+			return fail(1, "%v", err)
+		}
 	}
 	srv.Store = &control.Store{Client: dyn}
 	srv.Taints = &control.Taints{Client: kc}
@@ -147,19 +174,33 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 			return fail(1, "--metrics: %v", err)
 		}
 	}
+	limit := control.NewLimit(srv, f.maxInFlight, f.deadline, srv.Metrics)
+	limit.Log = logger
+	// A nonce and a bare envelope ask the API nothing (and an envelope's body is
+	// discarded unread): they are not held to the bound on API work.
+	limit.Exempt = control.Cheap
+	health := &control.Health{Limit: limit, Probe: func(ctx context.Context) error {
+		return kc.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).Error()
+	}}
+	go health.Run(ctx)
+	// A boot's try is 10 s: a request read or answered much later than its deadline
+	// serves no one.
 	hs := &http.Server{
-		Handler: srv, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: 60 * time.Second, WriteTimeout: 60 * time.Second,
-		MaxHeaderBytes: 16 << 10, TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12},
-		ErrorLog: logger,
+		Handler: limit, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: f.deadline + 5*time.Second, WriteTimeout: f.deadline + 5*time.Second,
+		IdleTimeout: time.Minute, MaxHeaderBytes: 16 << 10,
+		TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12},
+		ErrorLog:  logger,
 	}
 	errs := make(chan error, 2)
-	go func() { errs <- hs.ServeTLS(ln, "", "") }()
+	go func() { errs <- hs.ServeTLS(netutil.LimitListener(ln, f.maxConns), "", "") }()
 	var ms *http.Server
 	if mln != nil {
 		mux := http.NewServeMux()
-		mux.Handle("/metrics", srv.Metrics.Handler(srv.Store))
-		mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok\n") })
-		ms = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		mux.Handle("/metrics", srv.Metrics.Handler())
+		mux.HandleFunc("/healthz", health.Healthz)
+		mux.HandleFunc("/readyz", health.Readyz)
+		ms = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+			WriteTimeout: 10 * time.Second, IdleTimeout: time.Minute, MaxHeaderBytes: 8 << 10, ErrorLog: logger}
 		go func() { errs <- ms.Serve(mln) }()
 	}
 	maddr := ""

@@ -69,7 +69,7 @@ type BootTimes struct {
 	Phase      [Phases]time.Duration
 	// Requests counts the requests made, retries included; Shed those answered 503.
 	Requests, Shed int
-	Enrolled bool
+	Enrolled       bool
 }
 
 // request is one request a boot made: its kind (the phase it belongs to, the two
