@@ -446,7 +446,9 @@ func deployControlRBAC(t testing.TB, ctx context.Context, c *cluster.Cluster, ku
 		}
 		switch o := obj.(type) {
 		case *corev1.Namespace:
-			_, err = api.CoreV1().Namespaces().Create(ctx, o, metav1.CreateOptions{})
+			if _, err = api.CoreV1().Namespaces().Create(ctx, o, metav1.CreateOptions{}); apierrors.IsAlreadyExists(err) {
+				err = nil
+			}
 		case *corev1.ServiceAccount:
 			sa = o
 			_, err = api.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})

@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
@@ -63,10 +64,15 @@ func TestClusterServed(t *testing.T) {
 		opts cluster.Options
 		// refused: the components refuse to start (else they start).
 		refused bool
+		// gateOff: passage-control alone refuses, naming this gate.
+		gateOff string
 	}{
 		{name: "default"},
 		{name: "taints-off", opts: cluster.Options{FeatureGates: "DRADeviceTaints=false,DRADeviceTaintRules=false",
 			RuntimeConfig: "resource.k8s.io/v1/devicetaintrules=false"}, refused: true},
+		// v1 DeviceTaintRules still served, ignored by the scheduler: only the API
+		// server's own feature series tells.
+		{name: "rules-gate-off", opts: cluster.Options{FeatureGates: "DRADeviceTaintRules=false"}, gateOff: "DRADeviceTaintRules"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir := filepath.Join(work, c.name)
@@ -88,11 +94,24 @@ func TestClusterServed(t *testing.T) {
 				dryRunDeploy(t, ctx, cl)
 			}
 
-			// passage-control's check, as its main makes it.
+			// passage-control's checks, as its main makes them, with its own account.
 			err = control.CheckServed(api.Discovery())
 			t.Logf("passage-control's CheckServed: %v", err)
 			if c.refused != (err != nil) || c.refused && !strings.Contains(err.Error(), "does not serve devicetaintrules in resource.k8s.io/v1") {
 				t.Fatalf("CheckServed: %v, want refused: %v", err, c.refused)
+			}
+			if !c.refused {
+				ctlConfig := filepath.Join(dir, "passage-control.kubeconfig")
+				deployControlRBAC(t, ctx, cl, ctlConfig)
+				rc, err := clientcmdConfig(ctlConfig)
+				if err != nil {
+					t.Fatal(err)
+				}
+				err = control.CheckGates(ctx, kubernetes.NewForConfigOrDie(rc).Discovery().RESTClient())
+				t.Logf("passage-control's CheckGates: %v", err)
+				if (c.gateOff != "") != (err != nil) || c.gateOff != "" && !strings.Contains(err.Error(), "feature gate "+c.gateOff+" is off") {
+					t.Fatalf("CheckGates: %v, want refused naming %q", err, c.gateOff)
+				}
 			}
 
 			// passage-dra, as the DaemonSet's account, its turnaround on: a node with a

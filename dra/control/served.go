@@ -1,12 +1,17 @@
 package control
 
 import (
+	"bufio"
+	"bytes"
+	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/rest"
 )
 
 // ServedResource is what the control plane's verdicts are written as: DeviceTaintRules
@@ -45,4 +50,40 @@ var ErrNotServed = errors.New("not served")
 func Unreachable(err error) bool {
 	var se apierrors.APIStatus
 	return err != nil && !errors.Is(err, ErrNotServed) && !errors.As(err, &se)
+}
+
+// Gates are the kube-apiserver feature gates passage-control needs on: with
+// DRADeviceTaintRules off, a 1.37 API server still serves v1 DeviceTaintRules (its
+// registry has no gate) while the scheduler ignores them; with DRADeviceTaints off,
+// no taint reaches the allocator at all.
+var Gates = []string{"DRADeviceTaints", "DRADeviceTaintRules"}
+
+// CheckGates reads the API server's own kubernetes_feature_enabled series (its /metrics;
+// passage-control's role may get that path and nothing else of it) and refuses when a
+// gate of Gates is off, naming it: discovery cannot see that the rules it serves are
+// ignored. An API server that does not answer is Unreachable; one whose metrics do not
+// name a gate is taken at its discovery's word.
+func CheckGates(ctx context.Context, rc rest.Interface) error {
+	body, err := rc.Get().AbsPath("/metrics").Do(ctx).Raw()
+	if err != nil {
+		return fmt.Errorf("the API server's /metrics (its feature gates): %w", err)
+	}
+	var off []string
+	sc := bufio.NewScanner(bytes.NewReader(body))
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "kubernetes_feature_enabled{") {
+			continue
+		}
+		for _, g := range Gates {
+			if strings.Contains(line, `name="`+g+`"`) && strings.HasSuffix(line, " 0") {
+				off = append(off, g)
+			}
+		}
+	}
+	if len(off) > 0 {
+		return fmt.Errorf("%w: feature gate %s is off on kube-apiserver: DeviceTaintRules would be stored and ignored, and no verdict would reach the scheduler (turn it on in kube-apiserver, kube-scheduler and kube-controller-manager)", ErrNotServed, strings.Join(off, " and "))
+	}
+	return nil
 }

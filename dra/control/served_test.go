@@ -1,8 +1,12 @@
 package control
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -10,7 +14,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	fakediscovery "k8s.io/client-go/discovery/fake"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/rest"
 )
 
 // TestCheckServed: passage-control starts only where the API server's discovery lists
@@ -51,5 +57,28 @@ func TestUnreachable(t *testing.T) {
 	}
 	if Unreachable(fmt.Errorf("x: %w", ErrNotServed)) || Unreachable(apierrors.NewNotFound(resourcev1.Resource("devicetaintrules"), "v1")) {
 		t.Error("an answer counted as unreachable")
+	}
+}
+
+// TestCheckGates: a gate the API server's own feature series says is off is refused by
+// name; both on, or a server whose metrics name neither, passes.
+func TestCheckGates(t *testing.T) {
+	for _, tc := range []struct{ metrics, want string }{
+		{"kubernetes_feature_enabled{name=\"DRADeviceTaints\",stage=\"\"} 1\nkubernetes_feature_enabled{name=\"DRADeviceTaintRules\",stage=\"\"} 1\n", ""},
+		{"kubernetes_feature_enabled{name=\"DRADeviceTaints\",stage=\"\"} 1\nkubernetes_feature_enabled{name=\"DRADeviceTaintRules\",stage=\"\"} 0\n", "feature gate DRADeviceTaintRules is off"},
+		{"# nothing about gates\n", ""},
+	} {
+		ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				http.NotFound(w, r)
+				return
+			}
+			io.WriteString(w, tc.metrics)
+		}))
+		err := CheckGates(context.Background(), kubernetes.NewForConfigOrDie(&rest.Config{Host: ts.URL}).Discovery().RESTClient())
+		ts.Close()
+		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want) || Unreachable(err)) {
+			t.Errorf("%q: %v, want %q", tc.metrics, err, tc.want)
+		}
 	}
 }

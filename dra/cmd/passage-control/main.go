@@ -153,7 +153,13 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	// An API server that answers and does not serve DeviceTaintRules is refused here:
 	// no verdict would reach the scheduler. One that does not answer yet is not: the
 	// replica serves what needs no API and says not ready until it does.
-	if err := control.CheckServed(kc.Discovery()); err != nil {
+	sctx, scancel := context.WithTimeout(ctx, f.deadline)
+	err = control.CheckServed(kc.Discovery())
+	if err == nil {
+		err = control.CheckGates(sctx, kc.Discovery().RESTClient())
+	}
+	scancel()
+	if err != nil {
 		if control.Unreachable(err) {
 			logger.Printf("start: %v (serving anyway; /readyz says not ready until the API server answers)", err)
 		} else {
