@@ -27,7 +27,7 @@ const ServedResource = "devicetaintrules"
 // and on from 1.37. --runtime-config=resource.k8s.io/v1/devicetaintrules=false turns
 // the resource off. Measured on v1.37.2: --feature-gates=DRADeviceTaintRules=false
 // leaves the v1 resource served (the registry has no gate), with the scheduler then
-// ignoring the rules; discovery cannot see that, and this check does not catch it.
+// ignoring the rules; discovery cannot see that: CheckGates does.
 func CheckServed(dc discovery.DiscoveryInterface) error {
 	gv := resourcev1.SchemeGroupVersion.String()
 	list, err := dc.ServerResourcesForGroupVersion(gv)
