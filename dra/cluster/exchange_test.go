@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -45,6 +46,8 @@ import (
 //   - a flipped bit in the passage event log or the firmware's (an on-path box on plain
 //     http): refused, the verdict and its rule as they were;
 //   - a hostname whose rule name would overflow: 400, nothing written;
+//   - the API server stopped (SIGSTOP) for 12 s in the middle of 20 first boots: 503s
+//     with Retry-After, and every node verified when it returns;
 //   - a newline in the request path: never a line of the replica's log.
 func TestClusterExchange(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
@@ -323,7 +326,62 @@ func TestClusterExchange(t *testing.T) {
 		t.Fatalf("the long hostname wrote: %d records, %d EK claims", r, e)
 	}
 
-	// 5. A newline in the request path reaches no log line raw.
+	// 5. The API server stopped (SIGSTOP) in the middle of a storm of first boots: the
+	// replicas answer 503 with Retry-After within a boot's try, the boots wait as told
+	// (passage.publish_for's policy), and when it returns every node is verified.
+	storm := make([]*controltest.SoftNode, 20)
+	for i := range storm {
+		ek, err := softtpm.GenerateEK()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if storm[i], err = controltest.NewSoftNode(ctx, ca, ek, fw, fmt.Sprintf("storm-%02d", i), 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	policy := netboot.DefaultPublish
+	policy.For, policy.MaxBackoff = 2*time.Minute, 30*time.Second
+	stormErrs := make([]error, len(storm))
+	stormTimes := make([]*controltest.BootTimes, len(storm))
+	var wg sync.WaitGroup
+	for i, n := range storm {
+		wg.Go(func() {
+			shc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+			stormTimes[i], stormErrs[i] = n.Boot(ctx, shc, replicas[i%2].url, policy)
+		})
+	}
+	apiPID := c.PIDs()["kube-apiserver"]
+	time.Sleep(200 * time.Millisecond)
+	if err := syscall.Kill(apiPID, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Now()
+	time.Sleep(12 * time.Second)
+	syscall.Kill(apiPID, syscall.SIGCONT)
+	wg.Wait()
+	shed := 0
+	for i, err := range stormErrs {
+		if err != nil {
+			t.Fatalf("storm node %d across the API server's stop: %v", i, err)
+		}
+		shed += stormTimes[i].Shed
+	}
+	if shed == 0 {
+		t.Fatalf("no 503 answered while the API server was stopped for 12 s")
+	}
+	for _, n := range storm {
+		u, err := dyn.Resource(control.NodeResource).Get(ctx, n.Hostname, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st, _ := u.Object["status"].(map[string]any); st["verdict"] != control.VerdictVerified {
+			t.Fatalf("record %s after the API server returned: %v", n.Hostname, st)
+		}
+	}
+	t.Logf("API server stopped 12 s (from %s) under %d first boots: %d answers 503 with Retry-After, every node verified when it returned",
+		stopped.Format("15:04:05"), len(storm), shed)
+
+	// 6. A newline in the request path reaches no log line raw.
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, replicas[0].url+"%0aFORGED-LINE", bytes.NewReader(nil))
 	req.Header.Set("Content-Type", "text/plain")
 	if resp, err := hc.Do(req); err == nil {
