@@ -43,7 +43,7 @@ func CheckServed(dc discovery.DiscoveryInterface) error {
 }
 
 // ErrNotServed is an API server that answered without DeviceTaintRules.
-var ErrNotServed = errors.New("not served")
+var ErrNotServed = errors.New("passage-control cannot start")
 
 // Unreachable says whether err is CheckServed's for an API server that did not answer
 // (no connection, a timeout), rather than one that answered without the resource.
