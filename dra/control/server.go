@@ -21,7 +21,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/google/go-tpm/tpm2"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/util/validation"
 
@@ -359,20 +358,6 @@ func (s *Server) attestation(ctx context.Context, w http.ResponseWriter, body io
 		return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM (ek %s), this is ek %s", name, ekID(n.Spec.EKPublic), ekID(a.EKPublic))
 	}
 	return s.verify(ctx, w, n, &a, issued, payload)
-}
-
-// akName is the hex TPM name (nameAlg and digest) of a TPMT_PUBLIC, as a challenge
-// gives it.
-func akName(pub []byte) (string, error) {
-	p, err := tpm2.Unmarshal[tpm2.TPMTPublic](pub)
-	if err != nil {
-		return "", err
-	}
-	name, err := tpm2.ObjectName(p)
-	if err != nil {
-		return "", err
-	}
-	return hex.EncodeToString(name.Buffer), nil
 }
 
 func ekID(pub []byte) string {
