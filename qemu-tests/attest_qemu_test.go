@@ -154,8 +154,13 @@ func TestScenario9Attest(t *testing.T) {
 	}
 	// The boot fetched a nonce before it quoted: the attestation it posted and kept is
 	// over the control plane's nonce, not the payload digest.
+	// What it posted is that attestation carrying the manifest's envelope.
 	sent := srv.Posted("application/vnd.passage.attestation+json")
-	if a.NonceSource != attest.NonceControlPlane || len(a.Nonce) != attest.NonceSize || string(sent) != string(run.Files["manifest.dsse.json"+attest.Suffix]) {
+	want, err := attest.WithEnvelope(run.Files["manifest.dsse.json"+attest.Suffix], run.Files["manifest.dsse.json"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.NonceSource != attest.NonceControlPlane || len(a.Nonce) != attest.NonceSize || string(sent) != string(want) {
 		t.Fatalf("attestation nonce %x from %q (posted %d bytes), want the control plane's, posted; console end:\n%s", a.Nonce, a.NonceSource, len(sent), consoleTail(run.Console, 40))
 	}
 
