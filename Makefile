@@ -75,18 +75,9 @@ unit: deps
 	cd dra/hook && $(GO) test -race -count=1 ./...
 
 # qemu-test boots the real initramfs on Debian's kernels under QEMU (see qemu-tests/).
-# TestRenderedGuestsStart (render's domains booted under OVMF, no kernel: about 6 minutes,
-# one guest thread at a time per case) runs as a second process beside the rest of the
-# suite, whose top-level tests go one after another and leave a core mostly free; its
-# output follows the suite's.
-QEMU_BESIDE := TestRenderedGuestsStart
 qemu-test: deps
 	@for k in $(QEMU_KERNELS); do $(MAKE) --no-print-directory initramfs KERNEL=$$k || exit 1; done
-	@mkdir -p $(BUILD); \
-	PASSAGE_BUILD=$(abspath $(BUILD)) PASSAGE_KERNEL=$(KERNEL) $(GO) test -count=1 -timeout 25m -tags qemu -v -run '^($(QEMU_BESIDE))$$' ./qemu-tests/ >$(BUILD)/qemu-beside.log 2>&1 & beside=$$!; \
-	PASSAGE_BUILD=$(abspath $(BUILD)) PASSAGE_KERNEL=$(KERNEL) $(GO) test -count=1 -timeout 25m -tags qemu -v -skip '^($(QEMU_BESIDE))$$' ./qemu-tests/; suite=$$?; \
-	wait $$beside; rc=$$?; cat $(BUILD)/qemu-beside.log; \
-	if [ $$suite != 0 ] || [ $$rc != 0 ]; then echo "qemu-test: the suite exited $$suite, $(QEMU_BESIDE) $$rc"; exit 1; fi
+	PASSAGE_BUILD=$(abspath $(BUILD)) PASSAGE_KERNEL=$(KERNEL) $(GO) test -count=1 -timeout 25m -tags qemu -v ./qemu-tests/
 
 # qemu-bench times the boot's modules stage on each kernel the suite boots (three boots
 # each): the table goes to $(BUILD)/qemu-bench.txt.
