@@ -106,29 +106,6 @@ func (s *Store) UpdateStatus(ctx context.Context, n *Node) (*Node, error) {
 	return nodeOf(out)
 }
 
-// ListNodes lists every record (for the metrics), page by page.
-func (s *Store) ListNodes(ctx context.Context) ([]*Node, error) {
-	var out []*Node
-	opts := metav1.ListOptions{Limit: 500}
-	for range 10000 {
-		l, err := s.Client.Resource(NodeResource).List(ctx, opts)
-		if err != nil {
-			return nil, fmt.Errorf("records: list: %w", err)
-		}
-		for i := range l.Items {
-			n, err := nodeOf(&l.Items[i])
-			if err != nil {
-				return nil, err
-			}
-			out = append(out, n)
-		}
-		if opts.Continue = l.GetContinue(); opts.Continue == "" {
-			break
-		}
-	}
-	return out, nil
-}
-
 // EKClaimName is the PassageEK of a TPM: "ek-" and the sha256 of its EK public area.
 func EKClaimName(ekPublic []byte) string {
 	sum := sha256.Sum256(ekPublic)
