@@ -130,15 +130,18 @@ storm-bench: cluster-bin
 # it finds its binaries and ends at once. Its output is in
 # $(BUILD)/controlplane-build.log; if it fails, the log is printed and test fails.
 test: deps
-	@$(MAKE) --no-print-directory unit || exit 1; \
-	mkdir -p $(BUILD); \
+	@t0=$$SECONDS; $(MAKE) --no-print-directory unit || exit 1; \
+	echo "test: unit phase (gofmt, vet, staticcheck, race unit tests of the three modules) took $$((SECONDS - t0)) s"; \
+	mkdir -p $(BUILD); t1=$$SECONDS; \
 	setsid chrt --idle 0 bash dra/cluster/build.sh $(abspath $(BUILD))/controlplane >$(BUILD)/controlplane-build.log 2>&1 & cp=$$!; \
 	trap 'kill -- -$$cp 2>/dev/null' EXIT; \
 	$(MAKE) --no-print-directory qemu-test || exit 1; \
+	echo "test: QEMU phase (initramfs images and the suite) took $$((SECONDS - t1)) s"; \
 	start=$$SECONDS; echo "test: the control plane's build (beside the QEMU suite, at idle priority): waiting"; \
 	wait $$cp || { echo "test: the control plane's build failed:"; cat $(BUILD)/controlplane-build.log; exit 1; }; \
 	trap - EXIT; echo "test: the control plane's build done after $$((SECONDS - start)) s more"; \
-	$(MAKE) --no-print-directory cluster-test
+	t2=$$SECONDS; $(MAKE) --no-print-directory cluster-test || exit 1; \
+	echo "test: cluster phase took $$((SECONDS - t2)) s; make test took $$((SECONDS - t0)) s"
 
 demo: initramfs
 	@bash image/demo.sh $(IMAGE)
