@@ -517,6 +517,30 @@ func (m *Match) check() error {
 	return nil
 }
 
+// UsesVPD says whether a rule's match, or a match nested in one, has a vpd condition:
+// then a function's role may depend on VPD, and one whose VPD could not be read may not
+// have the role it would have had.
+func (p *Profile) UsesVPD() bool {
+	var uses func(m *Match) bool
+	uses = func(m *Match) bool {
+		if m.VPD != nil {
+			return true
+		}
+		for _, sub := range m.subs() {
+			if uses(sub) {
+				return true
+			}
+		}
+		return false
+	}
+	for i := range p.Rules {
+		if uses(&p.Rules[i].Match) {
+			return true
+		}
+	}
+	return false
+}
+
 func (m *Match) subs() []*Match {
 	var out []*Match
 	for i := range m.Below {
