@@ -201,17 +201,23 @@ func Decide(in Input) (*Decision, error) {
 	}
 	// What cannot be read about a passthrough function is never a reason for its unit to
 	// be ready: its config space, driver or group may be anything. Only VPD (used to pair
-	// a data-direct function) and NUMA placement (used for the guest layout) cost less.
-	// The same holds for every bridge on the unit's path: a port whose capabilities cannot
-	// be read may or may not isolate.
+	// a data-direct function) and NUMA placement (used for the guest layout) cost less,
+	// VPD only while the profile gives no role by it: under one that does (b300's
+	// nvswitch-bridge), a function whose VPD could not be read may be an NVSwitch
+	// bridge PF labelled as an ordinary ConnectX PF. The same holds for every bridge on
+	// the unit's path: a port whose capabilities cannot be read may or may not isolate.
+	vpdRoles := in.Profile.UsesVPD()
 	for _, u := range units {
 		for _, f := range append(u.Functions(), u.Bridges...) {
 			for _, p := range f.Problems {
-				s := topology.StatusFailed
-				if strings.HasPrefix(p, "vpd:") || strings.HasPrefix(p, "numa_node:") {
+				s, why := topology.StatusFailed, ""
+				switch {
+				case strings.HasPrefix(p, "vpd:") && vpdRoles:
+					why = fmt.Sprintf(" (profile %s tells functions the host keeps by their VPD)", in.Profile.Name)
+				case strings.HasPrefix(p, "vpd:") || strings.HasPrefix(p, "numa_node:"):
 					s = topology.StatusDegraded
 				}
-				mark(u.ID, s, fmt.Sprintf("%s: cannot be read as it is: %s", f.Addr, p))
+				mark(u.ID, s, fmt.Sprintf("%s: cannot be read as it is: %s%s", f.Addr, p, why))
 			}
 			if !f.ExpressKnown() && len(f.Problems) == 0 {
 				mark(u.ID, topology.StatusFailed, fmt.Sprintf("%s: capability list unreadable: %s", f.Addr, f.CapsUnknown))

@@ -257,15 +257,19 @@ func BenchmarkDecideB300(b *testing.B) {
 }
 
 // TestDecideUnreadableFacts: a passthrough function with a fact that could not be read
-// never leaves its unit ready.
+// never leaves its unit ready. Unreadable VPD fails it under b300, whose rules tell the
+// NVSwitch bridge's PFs by VPD; under a profile without vpd conditions it degrades it.
 func TestDecideUnreadableFacts(t *testing.T) {
 	for _, c := range []struct {
 		fn, problem string
 		want        topology.Status
+		noVPDRules  bool
 	}{
-		{"0000:47:00.0", "config: input/output error", topology.StatusFailed},
-		{"0000:44:00.1", "iommu_group: malformed link \"-7\"", topology.StatusFailed},
-		{"0000:49:00.0", "numa_node: malformed \"-5\"", topology.StatusDegraded},
+		{"0000:47:00.0", "config: input/output error", topology.StatusFailed, false},
+		{"0000:44:00.1", "iommu_group: malformed link \"-7\"", topology.StatusFailed, false},
+		{"0000:49:00.0", "numa_node: malformed \"-5\"", topology.StatusDegraded, false},
+		{"0000:44:00.1", "vpd: input/output error", topology.StatusFailed, false},
+		{"0000:44:00.1", "vpd: input/output error", topology.StatusDegraded, true},
 	} {
 		tree, err := pci.Scan(pcitest.New(t, pcitest.B300()).Root)
 		if err != nil {
@@ -278,6 +282,21 @@ func TestDecideUnreadableFacts(t *testing.T) {
 		}
 		d.Problems = append(d.Problems, c.problem)
 		p, _ := topology.Builtin("b300")
+		if c.noVPDRules {
+			var rules []topology.Rule
+			for _, r := range p.Rules {
+				if r.Name == "cx8-pf-in-gpu-switch" {
+					r.Match.Not, r.Match.NoSibling = nil, nil // its guards against the bridge's PFs
+				}
+				if r.Match.VPD == nil && r.Match.Sibling == nil {
+					rules = append(rules, r)
+				}
+			}
+			p.Rules = rules
+		}
+		if p.UsesVPD() == c.noVPDRules {
+			t.Fatalf("profile uses VPD: %v", p.UsesVPD())
+		}
 		dec, err := Decide(Input{Tree: tree, Profile: p})
 		if err != nil {
 			t.Fatal(err)

@@ -96,7 +96,7 @@ func (n *eraseNode) execute(t *testing.T, d *Decision) ([]Verdict, *erase.Report
 	t.Helper()
 	acs, _ := cleanRun(d)
 	ctx := context.Background()
-	er := erase.Run(ctx, n.k, d.ErasePlan(acs), n.open, eraseOpts)
+	er := erase.Run(ctx, n.k, d.Labels, d.ErasePlan(acs), n.open, eraseOpts)
 	bind, err := d.ExecuteBind(ctx, n.k, acs, er, vfiobind.Options{})
 	if err != nil {
 		t.Fatal(err)

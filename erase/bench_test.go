@@ -32,15 +32,15 @@ func BenchmarkEraseStage(b *testing.B) {
 		b.Run(mode+"/8-nvme", func(b *testing.B) {
 			for b.Loop() {
 				b.StopTimer()
-				units, k, open := benchNode(b)
+				lab, k, open := benchNode(b)
 				o := erase.RunOptions{Erase: erase.Options{PollInterval: pollInterval, Samples: 64}}
 				b.StartTimer()
 				var reps []*erase.Report
 				if mode == "parallel" {
-					reps = append(reps, erase.Run(context.Background(), k, units, open, o))
+					reps = append(reps, erase.Run(context.Background(), k, lab, lab.Units, open, o))
 				} else {
-					for _, u := range units {
-						reps = append(reps, erase.Run(context.Background(), k, []*topology.Unit{u}, open, o))
+					for _, u := range lab.Units {
+						reps = append(reps, erase.Run(context.Background(), k, lab, []*topology.Unit{u}, open, o))
 					}
 				}
 				b.StopTimer()
@@ -57,7 +57,7 @@ func BenchmarkEraseStage(b *testing.B) {
 	}
 }
 
-func benchNode(b *testing.B) ([]*topology.Unit, *vfiotest.Kernel, erase.Opener) {
+func benchNode(b *testing.B) (*topology.Labels, *vfiotest.Kernel, erase.Opener) {
 	root := pcitest.New(b, pcitest.B300()).Root
 	tree, err := pci.Scan(root)
 	if err != nil {
@@ -93,5 +93,5 @@ func benchNode(b *testing.B) ([]*topology.Unit, *vfiotest.Kernel, erase.Opener) 
 	if err != nil {
 		b.Fatal(err)
 	}
-	return lab.Units, k, func(_ context.Context, a pci.Address) (erase.Controller, string, error) { return ctrls[a], "nvme", nil }
+	return lab, k, func(_ context.Context, a pci.Address) (erase.Controller, string, error) { return ctrls[a], "nvme", nil }
 }

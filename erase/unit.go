@@ -155,9 +155,10 @@ func (p *Progress) String() string {
 // Run erases every NVMe of the units and resets every function, all units in parallel:
 // each NVMe is moved to the nvme driver, erased and verified through it, then taken off
 // it and parked with an override only vfio-pci matches; then every function of the unit
-// is reset through the kernel. It reports and decides nothing; units whose run went
-// wrong say why in their report. Nothing is written once ctx ends.
-func Run(ctx context.Context, sys vfiobind.Sysfs, units []*topology.Unit, open Opener, opts RunOptions) *Report {
+// is reset through the kernel, as far as labels allow it (Reset). It reports and decides
+// nothing; units whose run went wrong say why in their report. Nothing is written once
+// ctx ends.
+func Run(ctx context.Context, sys vfiobind.Sysfs, labels *topology.Labels, units []*topology.Unit, open Opener, opts RunOptions) *Report {
 	start := time.Now()
 	if opts.Park == "" {
 		opts.Park = vfiobind.VFIODriver
@@ -168,7 +169,7 @@ func Run(ctx context.Context, sys vfiobind.Sysfs, units []*topology.Unit, open O
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			rep.Units[i] = runUnit(ctx, sys, u, open, opts)
+			rep.Units[i] = runUnit(ctx, sys, labels, u, open, opts)
 		}()
 	}
 	wg.Wait()
@@ -176,7 +177,7 @@ func Run(ctx context.Context, sys vfiobind.Sysfs, units []*topology.Unit, open O
 	return rep
 }
 
-func runUnit(ctx context.Context, sys vfiobind.Sysfs, u *topology.Unit, open Opener, opts RunOptions) (ur UnitReport) {
+func runUnit(ctx context.Context, sys vfiobind.Sysfs, labels *topology.Labels, u *topology.Unit, open Opener, opts RunOptions) (ur UnitReport) {
 	ur = UnitReport{ID: u.ID, NVMe: []NVMeReport{}, Resets: []ResetReport{}}
 	defer func() {
 		if p := recover(); p != nil {
@@ -192,7 +193,7 @@ func runUnit(ctx context.Context, sys vfiobind.Sysfs, u *topology.Unit, open Ope
 	}
 	for _, f := range u.Functions() {
 		if f != nil {
-			ur.Resets = append(ur.Resets, Reset(ctx, sys, f.Addr))
+			ur.Resets = append(ur.Resets, Reset(ctx, sys, labels, f.Addr))
 		}
 	}
 	return ur
@@ -234,8 +235,18 @@ func eraseOne(ctx context.Context, sys vfiobind.Sysfs, a pci.Address, open Opene
 // methods reset_method lists in order (pci_reset_function). What a reset clears is the
 // device's to say: FLR returns a function to its power-on state as its designer chose,
 // and a GPU's memory is not guaranteed zeroed by it.
-func Reset(ctx context.Context, sys vfiobind.Sysfs, a pci.Address) ResetReport {
+//
+// Every reset passage makes comes through here, and labels must allow it first
+// (topology.Labels.ResetRefusal): only a function passage passes through is reset, never
+// one the host keeps, above all not an NVSwitch management function, whose FLR resets
+// its NVSwitch. A refusal writes nothing and is the report's error; without labels
+// nothing is reset.
+func Reset(ctx context.Context, sys vfiobind.Sysfs, labels *topology.Labels, a pci.Address) ResetReport {
 	rr := ResetReport{Addr: a}
+	if err := labels.ResetRefusal(a); err != nil {
+		rr.Err = "refused: " + err.Error()
+		return rr
+	}
 	dir := path.Join(pci.DevicesDir, a.String())
 	if ar, ok := sys.(vfiobind.AttrReader); ok {
 		b, err := ar.ReadFile(path.Join(dir, "reset_method"))

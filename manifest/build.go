@@ -114,12 +114,22 @@ func Marshal(m *Manifest) ([]byte, error) {
 		return nil, errors.New("manifest: marshal: nil manifest")
 	}
 	c := normalize(*m)
+	b, err := encodeJSON(&c)
+	if err != nil {
+		return nil, fmt.Errorf("manifest: marshal: %w", err)
+	}
+	return b, nil
+}
+
+// encodeJSON is the payload's encoding of v: encoding/json without indentation or the
+// trailing newline, and without HTML escaping (the payload is read by tools, not
+// browsers: "<", ">" and "&" stay literal, in a Unit's MarshalJSON as everywhere).
+func encodeJSON(v any) ([]byte, error) {
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
-	// The payload is read by tools, not browsers: keep "<", ">" and "&" literal.
 	enc.SetEscapeHTML(false)
-	if err := enc.Encode(&c); err != nil {
-		return nil, fmt.Errorf("manifest: marshal: %w", err)
+	if err := enc.Encode(v); err != nil {
+		return nil, err
 	}
 	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), nil
 }
@@ -137,11 +147,20 @@ func normalize(m Manifest) Manifest {
 	m.Units = nonNil(m.Units)
 	for i := range m.Units {
 		u := &m.Units[i]
+		u.schema = m.SchemaVersion
 		u.Reasons = nonNil(u.Reasons)
 		u.Functions = nonNil(u.Functions)
 		u.ACSChanges = nonNil(u.ACSChanges)
 		u.ATSFindings = nonNil(u.ATSFindings)
 		u.Erase = normalizeErase(u.Erase)
+	}
+	if m.NVLink != nil {
+		nv := *m.NVLink
+		nv.Partitions = nonNil(nv.Partitions)
+		for i := range nv.Partitions {
+			nv.Partitions[i] = nonNil(nv.Partitions[i])
+		}
+		m.NVLink = &nv
 	}
 	if m.GuestPlan != nil {
 		g := *m.GuestPlan

@@ -23,11 +23,15 @@ const ErasePolicyRequire = "require"
 //   - a unit that may be passed through (ready or degraded) with a function not on
 //     vfio-pci or without an IOMMU group, or whose erase record under require says a
 //     controller was not erased (no method, an error, no block read back), a reset not
-//     done, or an error for the unit.
+//     done, or an error for the unit;
+//   - a negative module_id, a module_id without its module_source or a module_source
+//     with module_id 0, a Module ID given to two units;
+//   - an nvlink partition that is empty, or names a Module ID below 1 or twice.
 func Check(m *Manifest) error {
 	var errs []error
 	units := map[string]bool{}
 	bdfs := map[string]string{}
+	modules := map[int]string{}
 	for i, u := range m.Units {
 		name := fmt.Sprintf("unit %q", u.ID)
 		switch {
@@ -38,6 +42,19 @@ func Check(m *Manifest) error {
 			errs = append(errs, fmt.Errorf("%s: listed twice", name))
 		}
 		units[u.ID] = true
+		switch {
+		case u.ModuleID < 0:
+			errs = append(errs, fmt.Errorf("%s: module_id %d: want 0 (unknown) or a Module ID from 1", name, u.ModuleID))
+		case u.ModuleID > 0 && u.ModuleSource == "":
+			errs = append(errs, fmt.Errorf("%s: module_id %d with no module_source", name, u.ModuleID))
+		case u.ModuleID == 0 && u.ModuleSource != "":
+			errs = append(errs, fmt.Errorf("%s: module_source %q with module_id 0 (unknown)", name, u.ModuleSource))
+		case u.ModuleID > 0:
+			if other, dup := modules[u.ModuleID]; dup {
+				errs = append(errs, fmt.Errorf("%s: Module ID %d also unit %q's", name, u.ModuleID, other))
+			}
+			modules[u.ModuleID] = u.ID
+		}
 		usable := false
 		switch u.Status {
 		case StatusReady, StatusDegraded:
@@ -64,6 +81,20 @@ func Check(m *Manifest) error {
 		if usable && u.Erase != nil && u.Erase.Policy == ErasePolicyRequire {
 			for _, p := range u.Erase.Problems() {
 				errs = append(errs, fmt.Errorf("%s is %s under erase policy require: %s", name, u.Status, p))
+			}
+		}
+	}
+	if m.NVLink != nil {
+		for i, set := range m.NVLink.Partitions {
+			if len(set) == 0 {
+				errs = append(errs, fmt.Errorf("nvlink partition %d: empty", i))
+			}
+			seen := map[int]bool{}
+			for _, id := range set {
+				if id < 1 || seen[id] {
+					errs = append(errs, fmt.Errorf("nvlink partition %d: Module ID %d below 1 or given twice", i, id))
+				}
+				seen[id] = true
 			}
 		}
 	}

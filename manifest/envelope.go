@@ -282,7 +282,48 @@ func unmarshal(payload []byte) (*Manifest, error) {
 			}
 		}
 	}
+	if err := checkModuleFields(payload, &m); err != nil {
+		return nil, err
+	}
 	return &m, nil
+}
+
+// checkModuleFields holds the payload's Module ID fields to its schema, which decoding
+// into Manifest cannot tell (an absent module_id decodes as 0): from schema 5 every unit
+// gives module_id and module_source (0 and "" when the Module ID is unknown: an absent
+// one is not "unknown", it is another schema's unit), and nvlink is absent or an object;
+// before schema 5 none of them is there.
+func checkModuleFields(payload []byte, m *Manifest) error {
+	var raw struct {
+		Units []struct {
+			ModuleID     *int    `json:"module_id"`
+			ModuleSource *string `json:"module_source"`
+		} `json:"units"`
+		NVLink json.RawMessage `json:"nvlink"`
+	}
+	if err := json.Unmarshal(payload, &raw); err != nil {
+		return err
+	}
+	v := m.SchemaVersion
+	if raw.NVLink != nil && (v < 5 || m.NVLink == nil) {
+		if v < 5 {
+			return fmt.Errorf("schema_version %d has no nvlink field, the payload gives one", v)
+		}
+		return fmt.Errorf("nvlink is %s: absent or an object", raw.NVLink)
+	}
+	for i, u := range raw.Units {
+		id := fmt.Sprintf("#%d", i)
+		if i < len(m.Units) && m.Units[i].ID != "" {
+			id = fmt.Sprintf("%q", m.Units[i].ID)
+		}
+		switch {
+		case v < 5 && (u.ModuleID != nil || u.ModuleSource != nil):
+			return fmt.Errorf("schema_version %d has no module_id or module_source, the payload gives one for unit %s", v, id)
+		case v >= 5 && (u.ModuleID == nil || u.ModuleSource == nil):
+			return fmt.Errorf("schema_version %d: unit %s lacks module_id or module_source (0 and \"\" when the Module ID is unknown)", v, id)
+		}
+	}
+	return nil
 }
 
 func validDigest(s string) bool {

@@ -146,7 +146,7 @@ func TestSchemaExample(t *testing.T) {
 	if err != nil {
 		t.Fatalf("SCHEMA.md example: %v", err)
 	}
-	if m.SchemaVersion != SchemaVersion || len(m.Units) == 0 || m.GuestPlan == nil {
+	if m.SchemaVersion != SchemaVersion || len(m.Units) == 0 || m.GuestPlan == nil || m.Units[0].ModuleID == 0 || m.NVLink == nil {
 		t.Errorf("example decoded to %+v", m)
 	}
 }

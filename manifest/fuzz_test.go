@@ -19,8 +19,9 @@ var updateSeeds = flag.Bool("update-seeds", false, "rewrite testdata/fuzz/FuzzVe
 // fuzzSeeds are envelopes signed by testKey(1): valid ones and the rejections of
 // TestVerifyRejects, each a starting point for mutation.
 func fuzzSeeds(t testing.TB) map[string][]byte {
-	m := manifesttest.B300(4)
+	m := manifesttest.B300Fabric(4)
 	m.Units = m.Units[:2]
+	m.Units[1].ModuleID, m.Units[1].ModuleSource = 0, "" // one known, one unknown
 	signed, err := Sign(context.Background(), m, testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
@@ -49,28 +50,40 @@ func fuzzSeeds(t testing.TB) map[string][]byte {
 // schema2 is payload as the previous image signs it: schema 2, no build.
 func schema2(t testing.TB, payload []byte) []byte {
 	t.Helper()
-	m, err := Unmarshal(payload)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m.SchemaVersion, m.Build = 2, nil
-	stripBARs(m)
-	p, err := Marshal(m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
+	return older(t, payload, func(m *Manifest) {
+		m.SchemaVersion, m.Build = 2, nil
+		stripBARs(m)
+	})
 }
 
-// schema3 is a payload as the previous release signed it: no functions' bars.
+// schema3 is a payload as the release before the previous one signed it: no
+// functions' bars.
 func schema3(t testing.TB, payload []byte) []byte {
+	t.Helper()
+	return older(t, payload, func(m *Manifest) {
+		m.SchemaVersion = 3
+		stripBARs(m)
+	})
+}
+
+// schema4 is a payload as the previous release signed it: no Module IDs, no nvlink.
+func schema4(t testing.TB, payload []byte) []byte {
+	t.Helper()
+	return older(t, payload, func(m *Manifest) {
+		m.SchemaVersion, m.NVLink = 4, nil
+		for i := range m.Units {
+			m.Units[i].ModuleID, m.Units[i].ModuleSource = 0, ""
+		}
+	})
+}
+
+func older(t testing.TB, payload []byte, edit func(*Manifest)) []byte {
 	t.Helper()
 	m, err := Unmarshal(payload)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.SchemaVersion = 3
-	stripBARs(m)
+	edit(m)
 	p, err := Marshal(m)
 	if err != nil {
 		t.Fatal(err)

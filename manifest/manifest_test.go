@@ -509,14 +509,16 @@ func TestGenerateKeyWaitsForThePool(t *testing.T) {
 }
 
 // TestVerifySchemaVersions: a verifier accepts what this release signs and what the
-// releases before it signed (schema 3: no bars; schema 2: no build either); a payload
-// whose fields do not match its version is refused.
+// releases before it signed (schema 4: no Module IDs or nvlink; schema 3: no bars either;
+// schema 2: no build either); a payload whose fields do not match its version is
+// refused.
 func TestVerifySchemaVersions(t *testing.T) {
-	signed, err := Sign(context.Background(), manifesttest.B300(3), testSigner(t, 1))
+	signed, err := Sign(context.Background(), manifesttest.B300Fabric(3), testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	v4 := signed.Payload
+	v5 := signed.Payload
+	v4 := schema4(t, v5)
 	v3 := schema3(t, v4)
 	v2 := schema2(t, v3)
 	retag := func(p []byte, from, to int) []byte {
@@ -525,19 +527,42 @@ func TestVerifySchemaVersions(t *testing.T) {
 	if !bytes.Contains(v4, []byte(`"bars":[`)) || bytes.Contains(v3, []byte(`"bars"`)) {
 		t.Fatalf("the example's schema 4 payload carries no bars, or its schema 3 copy does")
 	}
+	if !bytes.Contains(v5, []byte(`"module_id":5,"module_source":"profile b300: modules[0000:22:00.0]"`)) || !bytes.Contains(v5, []byte(`"nvlink":{"partitions":[[1,2,3,4,5,6,7,8],`)) ||
+		bytes.Contains(v4, []byte(`"module_`)) || bytes.Contains(v4, []byte(`"nvlink"`)) {
+		t.Fatalf("the schema 5 payload lacks Module IDs or nvlink, or its schema 4 copy has them:\n%s", v5)
+	}
+	nvStart, nvEnd := bytes.Index(v5, []byte(`"nvlink":{`)), bytes.Index(v5, []byte(`nvlink_partitions"}`))
+	if nvStart < 0 || nvEnd < nvStart {
+		t.Fatalf("no nvlink object in %s", v5)
+	}
+	nullNVLink := append(append(append([]byte{}, v5[:nvStart]...), `"nvlink":null`...), v5[nvEnd+len(`nvlink_partitions"}`):]...)
+	unknown := bytes.ReplaceAll(v5, []byte(`"module_id":5,"module_source":"profile b300: modules[0000:22:00.0]"`), []byte(`"module_id":0,"module_source":""`))
 	for name, tc := range map[string]struct {
 		payload []byte
 		want    error // nil: accepted
 	}{
-		"current with bars":      {v4, nil},
-		"previous without bars":  {v3, nil},
-		"previous with bars":     {retag(v4, 4, 3), ErrMalformed},
-		"current without bars":   {retag(v3, 3, 4), nil}, // a node without BARs read (an older kernel's tree)
-		"schema 2 without build": {v2, nil},
-		"schema 2 with build":    {retag(v3, 3, 2), ErrMalformed},
-		"schema 3 without build": {retag(v2, 2, 3), ErrMalformed},
-		"older than the oldest":  {retag(v2, 2, 1), ErrUnknownSchema},
-		"newer than this":        {retag(v4, 4, 5), ErrUnknownSchema},
+		"current":                           {v5, nil},
+		"current, a Module ID unknown":      {unknown, nil},
+		"current without Module IDs":        {retag(v4, 4, 5), ErrMalformed}, // absent is not unknown
+		"current without module_source":     {bytes.Replace(unknown, []byte(`,"module_source":""`), nil, 1), ErrMalformed},
+		"current with a null module_id":     {bytes.Replace(unknown, []byte(`"module_id":0`), []byte(`"module_id":null`), 1), ErrMalformed},
+		"current with a null nvlink":        {nullNVLink, ErrMalformed},
+		"previous":                          {v4, nil},
+		"previous with Module IDs":          {retag(unknown, 5, 4), ErrMalformed},
+		"schema 3 without bars":             {v3, nil},
+		"schema 3 with bars":                {retag(v4, 4, 3), ErrMalformed},
+		"schema 4 without bars":             {retag(v3, 3, 4), nil}, // a node without BARs read (an older kernel's tree)
+		"schema 2 without build":            {v2, nil},
+		"schema 2 with build":               {retag(v3, 3, 2), ErrMalformed},
+		"schema 3 without build":            {retag(v2, 2, 3), ErrMalformed},
+		"older than the oldest":             {retag(v2, 2, 1), ErrUnknownSchema},
+		"newer than this":                   {retag(v5, 5, 6), ErrUnknownSchema},
+		"a Module ID twice":                 {bytes.Replace(v5, []byte(`"module_id":6,`), []byte(`"module_id":5,`), 1), ErrContradiction},
+		"a Module ID without its source":    {bytes.Replace(v5, []byte(`"module_source":"profile b300: modules[0000:22:00.0]"`), []byte(`"module_source":""`), 1), ErrContradiction},
+		"a source without a Module ID":      {bytes.Replace(v5, []byte(`"module_id":5,`), []byte(`"module_id":0,`), 1), ErrContradiction},
+		"a negative Module ID":              {bytes.Replace(unknown, []byte(`"module_id":0,"module_source":""`), []byte(`"module_id":-1,"module_source":""`), 1), ErrContradiction},
+		"a partition naming a module twice": {bytes.Replace(v5, []byte(`[1,2],`), []byte(`[1,1],`), 1), ErrContradiction},
+		"an empty partition":                {bytes.Replace(v5, []byte(`[1,2],`), []byte(`[],`), 1), ErrContradiction},
 	} {
 		t.Run(name, func(t *testing.T) {
 			s, err := SignPayload(context.Background(), tc.payload, testSigner(t, 1))
@@ -552,12 +577,24 @@ func TestVerifySchemaVersions(t *testing.T) {
 				if (got.Manifest.SchemaVersion >= 3) != (got.Manifest.Build != nil) {
 					t.Errorf("schema %d, build %+v", got.Manifest.SchemaVersion, got.Manifest.Build)
 				}
+				// Whatever its schema, an accepted payload marshals back to its own bytes.
+				if again, err := Marshal(got.Manifest); err != nil || !bytes.Equal(again, got.Payload) {
+					t.Errorf("marshals back to other bytes (%v):\n%s\n%s", err, again, got.Payload)
+				}
 				return
 			}
 			if !errors.Is(err, tc.want) {
 				t.Errorf("err = %v, want %v", err, tc.want)
 			}
 		})
+	}
+	m5, err := Unmarshal(v5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u := m5.Units[0]; u.ModuleID != 5 || u.ModuleSource != "profile b300: modules[0000:22:00.0]" ||
+		m5.NVLink == nil || len(m5.NVLink.Partitions) != 15 || m5.NVLink.Source != "profile b300: nvlink_partitions" {
+		t.Errorf("gpu0 %+v, nvlink %+v after signing and decoding", u, m5.NVLink)
 	}
 	gpu, err := Unmarshal(v4)
 	if err != nil {

@@ -18,11 +18,12 @@ import (
 
 // SchemaVersion is the version this package writes. Any change to the payload's fields,
 // their meaning or their encoding bumps it.
-const SchemaVersion = 4 // 4 added units[].functions[].bars; 3 added build and image_plan
+const SchemaVersion = 5 // 5 added units[].module_id, module_source and nvlink; 4 units[].functions[].bars; 3 build and image_plan
 
 // OldestSchemaVersion is the oldest version Verify still accepts: a hypervisor upgraded
 // before its nodes must go on accepting what their previous image signs, for one
-// release. Schema 3 is schema 4 without functions' bars; schema 2 is schema 3 without
+// release. Schema 4 is schema 5 without units' module_id and module_source and without
+// nvlink; schema 3 is schema 4 without functions' bars; schema 2 is schema 3 without
 // build and image_plan.
 const OldestSchemaVersion = 2
 
@@ -67,9 +68,12 @@ type Manifest struct {
 	KernelCmdline    string           `json:"kernel_cmdline"` // /proc/cmdline
 	// ImagePlan is the ACS plan the boot image's command line carried (schema 3), and
 	// whether this node matched it; absent when the line carries none.
-	ImagePlan *ImagePlan    `json:"image_plan,omitempty"`
-	Profile   Profile       `json:"profile"`
-	Units     []Unit        `json:"units"`
+	ImagePlan *ImagePlan `json:"image_plan,omitempty"`
+	Profile   Profile    `json:"profile"`
+	Units     []Unit     `json:"units"`
+	// NVLink is the profile's NVLink partition layout (schema 5); absent when the profile
+	// declares none.
+	NVLink    *NVLink       `json:"nvlink,omitempty"`
 	GuestPlan *GuestPlan    `json:"guest_plan,omitempty"`
 	Stages    []StageResult `json:"stages"`
 	Errors    []string      `json:"errors"`
@@ -115,19 +119,64 @@ type Profile struct {
 
 // Unit is one GPU with the devices that travel with it into a guest.
 type Unit struct {
-	ID          string      `json:"id"`
-	Status      string      `json:"status"` // StatusReady, StatusDegraded or StatusFailed
-	Reasons     []string    `json:"reasons"`
-	NUMANode    int         `json:"numa_node"` // -1 when the platform does not say
-	Functions   []Function  `json:"functions"`
-	ACSChanges  []ACSChange `json:"acs_changes"`
-	ATSFindings []Finding   `json:"ats_findings"`
+	ID       string   `json:"id"`
+	Status   string   `json:"status"` // StatusReady, StatusDegraded or StatusFailed
+	Reasons  []string `json:"reasons"`
+	NUMANode int      `json:"numa_node"` // -1 when the platform does not say
+	// ModuleID is the GPU's Module ID (1..N, Fabric Manager's physicalId), as the profile
+	// declares it by the GPU's position (schema 5). 0 is unknown: a unit whose Module ID
+	// the profile does not give is signed as such, never guessed. ModuleSource names the
+	// declaration ("profile b300: modules[0000:17:00.0]"); "" when unknown.
+	ModuleID     int         `json:"module_id"`
+	ModuleSource string      `json:"module_source"`
+	Functions    []Function  `json:"functions"`
+	ACSChanges   []ACSChange `json:"acs_changes"`
+	ATSFindings  []Finding   `json:"ats_findings"`
 	// Erase is the erase stage's record (schema 2); absent when nothing was erased.
 	Erase *UnitErase `json:"erase,omitempty"`
 	// UpLink is the link of the root port above the unit's GPU, the unit's link to the
 	// CPU (schema 2): a guest's emulated root port cannot show it, so the hypervisor's
 	// NCCL topology file carries it. Zero when the GPU has no root port above it.
 	UpLink Link `json:"uplink"`
+
+	// schema is the version of the manifest being encoded (set by Marshal): a unit of a
+	// schema 2 to 4 payload is encoded as those schemas have it, without Module ID.
+	schema int
+}
+
+// unitSchema4 is a unit as schemas 2 to 4 encode it: Unit without module_id and
+// module_source. It is frozen with those schemas.
+type unitSchema4 struct {
+	ID          string      `json:"id"`
+	Status      string      `json:"status"`
+	Reasons     []string    `json:"reasons"`
+	NUMANode    int         `json:"numa_node"`
+	Functions   []Function  `json:"functions"`
+	ACSChanges  []ACSChange `json:"acs_changes"`
+	ATSFindings []Finding   `json:"ats_findings"`
+	Erase       *UnitErase  `json:"erase,omitempty"`
+	UpLink      Link        `json:"uplink"`
+}
+
+// MarshalJSON encodes the unit as its manifest's schema has it: module_id and
+// module_source always from schema 5 on (0 and "" when unknown), never before, so that
+// an earlier schema's payload still marshals back to its own bytes.
+func (u Unit) MarshalJSON() ([]byte, error) {
+	if u.schema > 0 && u.schema < 5 {
+		return encodeJSON(unitSchema4{ID: u.ID, Status: u.Status, Reasons: u.Reasons, NUMANode: u.NUMANode, Functions: u.Functions,
+			ACSChanges: u.ACSChanges, ATSFindings: u.ATSFindings, Erase: u.Erase, UpLink: u.UpLink})
+	}
+	type unit Unit // the fields without this method
+	return encodeJSON(unit(u))
+}
+
+// NVLink is the NVLink partition layout of the node's platform: each set of Module IDs
+// Fabric Manager can activate as one partition, as the profile lists them. It names
+// module sets, not FM's partition IDs, which are read from FM. Source says where the
+// layout came from ("profile b300: nvlink_partitions").
+type NVLink struct {
+	Partitions [][]int `json:"partitions"`
+	Source     string  `json:"source"`
 }
 
 // Function is one PCIe function of a unit. IDs are lower-case hex with a 0x prefix, as in

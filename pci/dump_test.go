@@ -40,9 +40,9 @@ func TestDumpMatchesScan(t *testing.T) {
 					t.Errorf("%s: dump parent %v, sysfs parent %v", d.Addr, d.Parent, l.Parent)
 				}
 				// A dump holds config space only: its BARs are the scan's without the
-				// sizes sysfs resource gives.
+				// sizes sysfs resource gives, and it has no VPD (sysfs vpd).
 				unsized := *l
-				unsized.BARs = nil
+				unsized.BARs, unsized.VPD = nil, nil
 				for _, b := range l.BARs {
 					b.Size = 0
 					unsized.BARs = append(unsized.BARs, b)

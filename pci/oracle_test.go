@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -24,6 +25,19 @@ type lspciView struct {
 	ats            bool
 	atsCtl         string // "Enable+" / "Enable-"
 	regions        string // "Region 1: Memory (64-bit, prefetchable) at 10000000000 [size=512G]; ..."
+	// vpdName and vpdKeys are the Vital Product Data as lspci -vvv prints it from sysfs
+	// vpd: "Product Name: N" and each read-only keyword but RV ("VA=MLX:..."); vpdSum is
+	// what it says of the RV checksum ("checksum good").
+	vpdName string
+	vpdKeys []string
+	vpdSum  string
+}
+
+// vpd is the VPD in one string, keywords in order: "N; PN=...; VA=...".
+func (v *lspciView) vpd() string {
+	keys := append([]string(nil), v.vpdKeys...)
+	sort.Strings(keys)
+	return strings.Join(append([]string{v.vpdName}, keys...), "; ")
 }
 
 var (
@@ -35,6 +49,10 @@ var (
 	reACSCtl  = regexp.MustCompile(`^\t\tACSCtl:\t(.*)$`)
 	reATS     = regexp.MustCompile(`^\tCapabilities: \[[0-9a-f]+ v\d+\] Address Translation Service \(ATS\)`)
 	reATSCtl  = regexp.MustCompile(`^\t\tATSCtl:\t(Enable[+-])`)
+	// ls-vpd.c: "\t\tProduct Name: ...", then "\t\t\t[PN] Part number: ...", "[RV]
+	// Reserved: checksum good, 0 byte(s) reserved", and "\t\tEnd".
+	reVPDName = regexp.MustCompile(`^\t\tProduct Name: (.*)$`)
+	reVPDKey  = regexp.MustCompile(`^\t\t\t\[([0-9A-Z]{2})\] [^:]+: (.*)$`)
 	// show_bases in lspci.c: "Region 1: Memory at 3f000000000 (64-bit, prefetchable)
 	// [size=64G]", "Region 5: I/O ports at 2000 [disabled] [size=128]".
 	reRegion = regexp.MustCompile(`^\tRegion (\d): (?:Memory at ([0-9a-f]+) \(((?:32|64)-bit, (?:non-)?prefetchable)\)|I/O ports at ([0-9a-f]+))((?: \[[a-z]+\])*)(?: \[size=(\d+[KMGT]?)\])?$`)
@@ -45,6 +63,7 @@ func parseLspci(t *testing.T, out []byte) map[string]*lspciView {
 	t.Helper()
 	views := map[string]*lspciView{}
 	var cur *lspciView
+	inVPD := false
 	sc := bufio.NewScanner(bytes.NewReader(out))
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
@@ -55,6 +74,19 @@ func parseLspci(t *testing.T, out []byte) map[string]*lspciView {
 			continue
 		}
 		if cur == nil {
+			continue
+		}
+		if strings.HasPrefix(l, "\tCapabilities: ") {
+			inVPD = strings.HasSuffix(l, " Vital Product Data")
+		}
+		if inVPD {
+			if m := reVPDName.FindStringSubmatch(l); m != nil {
+				cur.vpdName = m[1]
+			} else if m := reVPDKey.FindStringSubmatch(l); m != nil && m[1] == "RV" {
+				cur.vpdSum, _, _ = strings.Cut(m[2], ",")
+			} else if m != nil {
+				cur.vpdKeys = append(cur.vpdKeys, m[1]+"="+m[2])
+			}
 			continue
 		}
 		if m := reExpress.FindStringSubmatch(l); m != nil {
@@ -127,6 +159,12 @@ func ourView(d *pci.Device) lspciView {
 		rs = append(rs, r)
 	}
 	v.regions = strings.Join(rs, "; ")
+	if d.VPD != nil {
+		v.vpdName = d.VPD.Name
+		for k, val := range d.VPD.Keywords {
+			v.vpdKeys = append(v.vpdKeys, k+"="+val)
+		}
+	}
 	return v
 }
 
@@ -190,6 +228,7 @@ func compareWithLspci(t *testing.T, tree *pci.Tree, views map[string]*lspciView)
 			{"ATS", fmt.Sprint(ov.ats), fmt.Sprint(lv.ats)},
 			{"ATSCtl", ov.atsCtl, lv.atsCtl},
 			{"Regions", ov.regions, lv.regions},
+			{"VPD", ov.vpd(), lv.vpd()},
 		} {
 			if f.ours != f.lspci {
 				t.Errorf("%s %s: ours %q, lspci %q", bdf, f.name, f.ours, f.lspci)
@@ -215,7 +254,8 @@ func TestLspciOracleReferenceTrees(t *testing.T) {
 		// nothing cannot pass.
 		want []string
 	}{
-		{"B300", pcitest.B300(), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl", "Regions"}},
+		{"B300", pcitest.B300(), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl", "Regions", "VPD"}},
+		{"B300 NVSwitch bridge", pcitest.WithNVSwitchBridge(pcitest.B300()), []string{"Express port type", "Regions", "VPD"}},
 		{"B200", pcitest.B200(), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl", "Regions"}},
 		{"SR-IOV", pcitest.SRIOVNode(2, 3, 2), []string{"Express port type", "LnkCap", "LnkSta", "ACSCap", "ACSCtl", "ATS", "ATSCtl", "Regions"}},
 		{"BAR kinds", barKinds(), []string{"Express port type", "Regions"}},
@@ -237,12 +277,29 @@ func TestLspciOracleReferenceTrees(t *testing.T) {
 				for _, v := range views {
 					if (f == "ACSCap" && v.acsCap != "") || (f == "ACSCtl" && v.acsCtl != "") || (f == "ATS" && v.ats) ||
 						(f == "ATSCtl" && v.atsCtl != "") || (f == "LnkCap" && v.lnkCap != "") || (f == "LnkSta" && v.lnkSta != "") ||
-						(f == "Express port type" && v.port != "") || (f == "Regions" && v.regions != "") {
+						(f == "Express port type" && v.port != "") || (f == "Regions" && v.regions != "") || (f == "VPD" && v.vpd() != "") {
 						found = true
 					}
 				}
 				if !found {
 					t.Errorf("lspci output parsed to no %s at all", f)
+				}
+			}
+			// Every VPD the trees carry has its RV checksum right, as lspci reckons it.
+			for bdf, v := range views {
+				if v.vpdName != "" && v.vpdSum != "checksum good" {
+					t.Errorf("%s: lspci says of the VPD's RV: %q", bdf, v.vpdSum)
+				}
+			}
+			if tc.name == "B300 NVSwitch bridge" {
+				// The bridge's marker, where lspci -vvv shows it (and where the FM
+				// service's prelaunch script greps for SMDL=SW_MNG).
+				for _, name := range pcitest.NVSwitchBridgeFns {
+					bdf := n.Addr(name).String()
+					marked := slices.Contains(views[bdf].vpdKeys, "VA="+pcitest.SWMngVA)
+					if want := strings.HasPrefix(name, "nvsw-lpf"); marked != want {
+						t.Errorf("%s %s: lspci shows VA SMDL=SW_MNG %v, want %v (%v)", name, bdf, marked, want, views[bdf].vpdKeys)
+					}
 				}
 			}
 			// The Gen6 hop must be there in lspci's words too.

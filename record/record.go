@@ -78,6 +78,7 @@ func Units(d *decision.Decision, vs []decision.Verdict, x Execution, now DriverN
 	for _, u := range d.Units() {
 		v := verdict[u.ID]
 		mu := manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
+			ModuleID: u.ModuleID, ModuleSource: u.ModuleSource,
 			ACSChanges: acs[u.ID], ATSFindings: ats[u.ID], Erase: erase.Record(d.Erase, x.Erase.Unit(u.ID))}
 		if rp := u.RootPort(); rp != nil {
 			mu.UpLink = Link(rp)
@@ -115,6 +116,19 @@ func Units(d *decision.Decision, vs []decision.Verdict, x Execution, now DriverN
 		out = append(out, mu)
 	}
 	return out
+}
+
+// NVLink is the profile's NVLink partition layout in the manifest's words; nil when the
+// profile declares none.
+func NVLink(p *topology.Profile) *manifest.NVLink {
+	if p == nil || len(p.NVLinkPartitions) == 0 {
+		return nil
+	}
+	nv := &manifest.NVLink{Source: fmt.Sprintf("profile %s: nvlink_partitions", p.Name)}
+	for _, set := range p.NVLinkPartitions {
+		nv.Partitions = append(nv.Partitions, append([]int(nil), set...))
+	}
+	return nv
 }
 
 // BARs are a function's BARs in the manifest's words; nil without any.

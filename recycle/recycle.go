@@ -82,10 +82,10 @@ type Options struct {
 
 // erase runs the erase, saying on Log every Tick which NVMe is at which step (with the
 // controller's SPROG while it sanitizes).
-func (o *Options) erase(ctx context.Context, sys vfiobind.Sysfs, units []*topology.Unit, open erase.Opener) *erase.Report {
+func (o *Options) erase(ctx context.Context, sys vfiobind.Sysfs, labels *topology.Labels, units []*topology.Unit, open erase.Opener) *erase.Report {
 	ro := o.Erase
 	if o.Log == nil {
-		return erase.Run(ctx, sys, units, open, ro)
+		return erase.Run(ctx, sys, labels, units, open, ro)
 	}
 	if ro.Progress == nil {
 		ro.Progress = &erase.Progress{}
@@ -112,7 +112,7 @@ func (o *Options) erase(ctx context.Context, sys vfiobind.Sysfs, units []*topolo
 			}
 		}
 	}()
-	rep := erase.Run(ctx, sys, units, open, ro)
+	rep := erase.Run(ctx, sys, labels, units, open, ro)
 	close(stop)
 	<-shown
 	return rep
@@ -249,7 +249,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			o.logf("%v", err)
 		}
 	}
-	res.Erase = o.erase(ctx, sys, units, open)
+	res.Erase = o.erase(ctx, sys, d.Labels, units, open)
 	if err := o.step("bind"); err != nil {
 		return res, err
 	}
@@ -469,8 +469,10 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 			continue
 		}
 		v := d.Unvouched([]topology.UnitID{u.ID}, "recycle: no verified earlier manifest to carry this unit from")[0]
-		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode})
+		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
+			ModuleID: u.ModuleID, ModuleSource: u.ModuleSource})
 	}
+	m.NVLink = record.NVLink(d.Profile)
 	gen, src, gerr := manifest.NextGeneration(o.Counters...)
 	if gerr != nil || src == manifest.GenerationNone {
 		// Not signed at all rather than signed as generation 0 (ErrNoCounter).

@@ -28,6 +28,7 @@ var marker = bytes.Repeat([]byte("TENANT-A-SECRET!"), 32)
 // node is a B300 node after its boot: every unit on vfio-pci, a signed manifest of
 // generation 1, one simulated controller per NVMe holding a tenant's marker.
 type node struct {
+	pn             *pcitest.Node
 	root, dir, gen string
 	tree           *pci.Tree
 	k              *vfiotest.Kernel
@@ -38,7 +39,14 @@ type node struct {
 
 func newNode(t *testing.T) *node {
 	t.Helper()
-	root := pcitest.New(t, pcitest.B300()).Root
+	return newNodeOf(t, pcitest.B300())
+}
+
+// newNodeOf is newNode on another spec.
+func newNodeOf(t *testing.T, spec pcitest.Spec) *node {
+	t.Helper()
+	pn := pcitest.New(t, spec)
+	root := pn.Root
 	for p, c := range map[string]string{"proc/sys/kernel/random/boot_id": "6f1c2a4e-8d3b-4c7a-9e15-2b7d0f4a9c31\n",
 		"proc/sys/kernel/osrelease": "6.12.48\n", "proc/cmdline": "console=ttyS0\n"} {
 		if err := os.MkdirAll(filepath.Join(root, filepath.Dir(p)), 0o755); err != nil {
@@ -59,7 +67,7 @@ func newNode(t *testing.T) *node {
 	if err := k.Load(vfiobind.Modules...); err != nil {
 		t.Fatal(err)
 	}
-	n := &node{root: root, dir: filepath.Join(root, "run/passage"), tree: tree, k: k, ctrls: map[pci.Address]*erasetest.Controller{}}
+	n := &node{pn: pn, root: root, dir: filepath.Join(root, "run/passage"), tree: tree, k: k, ctrls: map[pci.Address]*erasetest.Controller{}}
 	n.gen = filepath.Join(t.TempDir(), "generation")
 	for _, d := range tree.Devices {
 		dir := filepath.Join(root, pci.DevicesDir, d.Addr.String())

@@ -54,8 +54,9 @@ func TestBuiltinJSON(t *testing.T) {
 		if !bytes.Equal(append(again, '\n'), want) {
 			t.Errorf("%s: Builtin reads back another profile than the YAML's", n)
 		}
-		if len(fromJSON.slots) != len(fromYAML.slots) {
-			t.Errorf("%s: %d slots from the JSON, %d from the YAML", n, len(fromJSON.slots), len(fromYAML.slots))
+		if len(fromJSON.slots) != len(fromYAML.slots) || len(fromJSON.modules) != len(fromYAML.modules) {
+			t.Errorf("%s: %d slots and %d modules from the JSON, %d and %d from the YAML", n,
+				len(fromJSON.slots), len(fromJSON.modules), len(fromYAML.slots), len(fromYAML.modules))
 		}
 	}
 }

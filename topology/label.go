@@ -138,6 +138,7 @@ func (l *Labels) group() error {
 		l.Units = append(l.Units, u)
 	}
 	sort.Slice(l.Units, func(i, j int) bool { return l.Units[i].ID < l.Units[j].ID })
+	l.numberModules()
 
 	near := indexGPUs(gpus)
 	var dataDirect []*pci.Device
@@ -355,6 +356,52 @@ func (l *Labels) numberUnits(gpus []*pci.Device) ([]int, error) {
 	return ids, nil
 }
 
+// numberModules gives each unit the Module ID the profile's modules map names for its
+// GPU: the entry keyed by the GPU's address or by the nearest bridge above it, as slots
+// are looked up. An entry above two GPUs gives its ID to neither (two GPUs are never one
+// module, and which of them it meant is a guess), and an entry above none is reported:
+// both leave Module IDs at 0, unknown, and say so in the labelling's problems.
+func (l *Labels) numberModules() {
+	if len(l.Profile.modules) == 0 {
+		return
+	}
+	under := map[pci.Address][]*Unit{}
+	for _, u := range l.Units {
+		for d := u.GPU; d != nil; d = d.Parent {
+			if _, ok := l.Profile.modules[d.Addr]; ok {
+				under[d.Addr] = append(under[d.Addr], u)
+				break
+			}
+		}
+	}
+	keys := make([]pci.Address, 0, len(l.Profile.modules))
+	for a := range l.Profile.modules {
+		keys = append(keys, a)
+	}
+	sort.Slice(keys, func(i, j int) bool { return keys[i].Less(keys[j]) })
+	var missing []string
+	for _, a := range keys {
+		id := l.Profile.modules[a]
+		switch us := under[a]; len(us) {
+		case 0:
+			missing = append(missing, a.String())
+		case 1:
+			us[0].ModuleID = id
+			us[0].ModuleSource = fmt.Sprintf("profile %s: modules[%s]", l.Profile.Name, a)
+		default:
+			var names []string
+			for _, u := range us {
+				names = append(names, u.ID.String())
+			}
+			l.Problems = append(l.Problems, fmt.Sprintf("profile %s: modules %s (Module ID %d) is above the GPUs of %s: none of them is given it",
+				l.Profile.Name, a, id, strings.Join(names, ", ")))
+		}
+	}
+	if len(missing) > 0 {
+		l.Problems = append(l.Problems, fmt.Sprintf("profile %s: modules %s hold no GPU", l.Profile.Name, strings.Join(missing, ", ")))
+	}
+}
+
 // gpuIndex answers nearestGPU for every function of a tree in time linear in the tree:
 // it knows, for each bridge, whether no GPU, one GPU or several sit below it, and
 // remembers each bridge's answer. Walking every GPU's path for every function instead
@@ -418,8 +465,8 @@ func (x *gpuIndex) nearestGPU(d *pci.Device) *pci.Device {
 // Specificity orders rules that match one function. IDs is the identity a rule names:
 // 4 for a device ID (with its vendor), 2 for a vendor, 1 for a class, summed (vendor+device
 // 6 or 7, vendor+class 3, class alone 1). Constraints counts the other conditions
-// (subsystem IDs, port type, bridge, slot, position in the tree, not); ClassBits the
-// class bits compared.
+// (subsystem IDs, port type, bridge, slot, position in the tree, not, vpd); ClassBits
+// the class bits compared.
 type Specificity struct{ IDs, Constraints, ClassBits int }
 
 // Beats says whether s is strictly more specific than o.
@@ -454,7 +501,7 @@ func (m Match) Specificity() Specificity {
 	}
 	for _, set := range []bool{len(m.SubsystemVendor) > 0, len(m.SubsystemDevice) > 0, len(m.PortType) > 0, m.Bridge != nil,
 		len(m.DeviceNumber) > 0, len(m.Function) > 0, m.Parent != nil, m.Sibling != nil, m.NoSibling != nil,
-		m.DepthMin != nil, m.DepthMax != nil, m.Not != nil} {
+		m.DepthMin != nil, m.DepthMax != nil, m.Not != nil, m.VPD != nil} {
 		if set {
 			s.Constraints++
 		}

@@ -38,9 +38,21 @@ type Profile struct {
 	// the slot holds a readable GPU. GPUs it does not name are numbered by the position
 	// of their root port (PROFILES.md, Unit IDs).
 	Slots map[string]int `yaml:"slots,omitempty" json:"slots,omitempty"`
-	Rules []Rule         `yaml:"rules" json:"rules"`
+	// Modules gives GPUs their Module ID (1..N: the baseboard strapping nvidia-smi -q
+	// shows as "Module Id", FM's physicalId), keyed as Slots is: the address of the GPU or
+	// of any bridge above it. Fabric Manager names partition members by Module ID, which
+	// follows neither PCI order nor unit IDs, and NVML cannot read it once a GPU is on
+	// vfio-pci, so it is declared here and signed in the manifest. A GPU it does not name
+	// has Module ID 0: unknown, never guessed (PROFILES.md, Module IDs).
+	Modules map[string]int `yaml:"modules,omitempty" json:"modules,omitempty"`
+	// NVLinkPartitions is the platform's NVLink partition layout: each set of Module IDs
+	// that Fabric Manager can activate as one partition. It is the layout only: FM's
+	// partition IDs are read from FM at run time.
+	NVLinkPartitions [][]int `yaml:"nvlink_partitions,omitempty" json:"nvlink_partitions,omitempty"`
+	Rules            []Rule  `yaml:"rules" json:"rules"`
 
-	slots map[pci.Address]int
+	slots   map[pci.Address]int
+	modules map[pci.Address]int
 }
 
 // Rule gives Role to every function that Match accepts.
@@ -81,6 +93,55 @@ type Match struct {
 	DepthMax  *int    `yaml:"depth_max,omitempty" json:"depth_max,omitempty"`
 	// Not must not match the function itself.
 	Not *Match `yaml:"not,omitempty" json:"not,omitempty"`
+	// VPD is a condition on the function's Vital Product Data (sysfs vpd, read where
+	// config space advertises it): a function whose VPD could not be read fails it.
+	VPD *VPDMatch `yaml:"vpd,omitempty" json:"vpd,omitempty"`
+}
+
+// VPDMatch holds when the function's VPD-R keyword Keyword (two characters, as lspci -vvv
+// shows it in brackets: PN, SN, V0..VZ) has the value Equals, or has Field as one of its
+// colon-separated fields. Field is for the vendor keywords that pack several key=value
+// fields into one, as ConnectX's VA does ("MLX:MN=MLNX:CSKU=V2:...:SMDL=SW_MNG"): a field
+// must equal it whole, so "SMDL=SW_MNG" matches neither "SMDL=SW_MNG_X" nor the same
+// bytes in a serial number.
+type VPDMatch struct {
+	Keyword string `yaml:"keyword" json:"keyword"`
+	Equals  string `yaml:"equals,omitempty" json:"equals,omitempty"`
+	Field   string `yaml:"field,omitempty" json:"field,omitempty"`
+}
+
+func (v *VPDMatch) check() error {
+	if len(v.Keyword) != 2 || !isVPDKeyChar(v.Keyword[0]) || !isVPDKeyChar(v.Keyword[1]) {
+		return fmt.Errorf("vpd: keyword %q: want two letters or digits (PN, SN, VA)", v.Keyword)
+	}
+	if (v.Equals == "") == (v.Field == "") {
+		return fmt.Errorf("vpd %s: give exactly one of equals and field", v.Keyword)
+	}
+	if strings.Contains(v.Field, ":") {
+		return fmt.Errorf("vpd %s: field %q holds a colon; a field is what lies between two", v.Keyword, v.Field)
+	}
+	return nil
+}
+
+func isVPDKeyChar(c byte) bool { return c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' }
+
+func (v *VPDMatch) matches(vpd *pci.VPD) bool {
+	if vpd == nil {
+		return false
+	}
+	val, ok := vpd.Keywords[v.Keyword]
+	if !ok {
+		return false
+	}
+	if v.Equals != "" {
+		return val == v.Equals
+	}
+	for _, f := range strings.Split(val, ":") {
+		if f == v.Field {
+			return true
+		}
+	}
+	return false
 }
 
 // Hex is a number written in hex: 0x10de in YAML, or "10de" / "0x10de" as a string
@@ -283,8 +344,9 @@ func readProfile(name string) ([]byte, error) {
 
 // ParseProfile decodes YAML or JSON (JSON is read as the YAML it is a subset of) and
 // checks it: input beyond MaxProfileSize, a second YAML document, unknown fields,
-// unknown roles and port types, duplicate rule names, bad slot addresses and rules that
-// name neither a vendor nor a class (nor bridge: true) are errors naming the source.
+// unknown roles and port types, duplicate rule names, bad slot addresses, rules that
+// name neither a vendor nor a class (nor bridge: true), and bad module IDs or partition
+// sets are errors naming the source.
 func ParseProfile(source string, b []byte) (*Profile, error) {
 	if len(b) > MaxProfileSize {
 		return nil, fmt.Errorf("profile %s: %d bytes: %w", source, len(b), errProfileSize)
@@ -353,6 +415,9 @@ func (p *Profile) check() error {
 		used[id] = s
 		p.slots[a] = id
 	}
+	if err := p.checkModules(); err != nil {
+		return err
+	}
 	// Checked last, so that the errors above come first. A rule that names neither a
 	// vendor nor a class matches whatever its other conditions allow (with none, every
 	// function: root ports, switch ports, the management NIC). "bridge: true" names what
@@ -372,6 +437,64 @@ func (p *Profile) check() error {
 	return nil
 }
 
+// checkModules checks modules and nvlink_partitions: Module IDs from 1, each given to one
+// address; partitions that are non-empty sets of Module IDs no larger than the largest
+// declared (when any is), each listed once.
+func (p *Profile) checkModules() error {
+	p.modules = map[pci.Address]int{}
+	keys := make([]string, 0, len(p.Modules))
+	for s := range p.Modules {
+		keys = append(keys, s)
+	}
+	sort.Strings(keys) // so that which of two keys an error names does not vary
+	used := map[int]string{}
+	given := map[pci.Address]string{}
+	top := 0
+	for _, s := range keys {
+		id := p.Modules[s]
+		a, err := pci.ParseAddress(s)
+		if err != nil {
+			return fmt.Errorf("modules: %w", err)
+		}
+		if id < 1 {
+			return fmt.Errorf("modules: %s: Module ID %d: Module IDs start at 1", s, id)
+		}
+		if o, dup := used[id]; dup {
+			return fmt.Errorf("modules: Module ID %d given to both %s and %s", id, o, s)
+		}
+		if o, dup := given[a]; dup {
+			return fmt.Errorf("modules: %s and %s are one address", o, s)
+		}
+		used[id], given[a] = s, s
+		p.modules[a] = id
+		top = max(top, id)
+	}
+	seen := map[string]int{}
+	for i, set := range p.NVLinkPartitions {
+		if len(set) == 0 {
+			return fmt.Errorf("nvlink_partitions[%d]: empty", i)
+		}
+		sorted := append([]int(nil), set...)
+		sort.Ints(sorted)
+		for k, id := range sorted {
+			switch {
+			case id < 1:
+				return fmt.Errorf("nvlink_partitions[%d]: Module ID %d: Module IDs start at 1", i, id)
+			case top > 0 && id > top:
+				return fmt.Errorf("nvlink_partitions[%d]: Module ID %d: modules declares none above %d", i, id, top)
+			case k > 0 && id == sorted[k-1]:
+				return fmt.Errorf("nvlink_partitions[%d]: Module ID %d given twice", i, id)
+			}
+		}
+		key := fmt.Sprint(sorted)
+		if j, dup := seen[key]; dup {
+			return fmt.Errorf("nvlink_partitions[%d]: the same set as nvlink_partitions[%d]", i, j)
+		}
+		seen[key] = i
+	}
+	return nil
+}
+
 func (m *Match) check() error {
 	for _, t := range m.PortType {
 		if _, ok := portTypes[t]; !ok {
@@ -381,12 +504,41 @@ func (m *Match) check() error {
 	if m.ClassMask != nil && m.Class == nil {
 		return fmt.Errorf("class_mask without class")
 	}
+	if m.VPD != nil {
+		if err := m.VPD.check(); err != nil {
+			return err
+		}
+	}
 	for _, sub := range m.subs() {
 		if err := sub.check(); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// UsesVPD says whether a rule's match, or a match nested in one, has a vpd condition:
+// then a function's role may depend on VPD, and one whose VPD could not be read may not
+// have the role it would have had.
+func (p *Profile) UsesVPD() bool {
+	var uses func(m *Match) bool
+	uses = func(m *Match) bool {
+		if m.VPD != nil {
+			return true
+		}
+		for _, sub := range m.subs() {
+			if uses(sub) {
+				return true
+			}
+		}
+		return false
+	}
+	for i := range p.Rules {
+		if uses(&p.Rules[i].Match) {
+			return true
+		}
+	}
+	return false
 }
 
 func (m *Match) subs() []*Match {
@@ -489,6 +641,9 @@ func (m *Match) Matches(d *pci.Device) bool {
 		return false
 	}
 	if m.Not != nil && m.Not.Matches(d) {
+		return false
+	}
+	if m.VPD != nil && !m.VPD.matches(d.VPD) {
 		return false
 	}
 	return true

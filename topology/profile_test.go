@@ -152,7 +152,8 @@ func FuzzParseProfile(f *testing.F) {
 		f.Add(b)
 	}
 	f.Add([]byte(`{"name":"j","rules":[{"name":"a","role":"gpu","match":{"not":{"not":{"vendor":"10de"}}}}]}`))
-	d := &pci.Device{VendorID: 0x10de, DeviceID: 0x3182, Class: 0x030200, Parent: &pci.Device{HeaderType: 1}}
+	d := &pci.Device{VendorID: 0x10de, DeviceID: 0x3182, Class: 0x030200, Parent: &pci.Device{HeaderType: 1},
+		VPD: &pci.VPD{Keywords: map[string]string{"VA": pcitest.SWMngVA, "PN": "900-2G133"}}}
 	d.Parent.Children = []*pci.Device{d}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		p, err := ParseProfile("fuzz", b)

@@ -62,8 +62,13 @@ type Unit struct {
 	NVMe       []*pci.Device
 	Bridges    []*pci.Device // ports on the paths from the functions to the root port
 	NUMANode   int
-	Status     Status
-	Reasons    []string
+	// ModuleID is the GPU's Module ID as the profile's modules map declares it (1..N, what
+	// Fabric Manager names partition members by); 0 when the map names none for it.
+	// ModuleSource says which entry gave it: "profile b300: modules[0000:17:00.0]".
+	ModuleID     int
+	ModuleSource string
+	Status       Status
+	Reasons      []string
 }
 
 // Functions returns every passthrough function of the unit: GPU, NICs, data-direct, NVMe.

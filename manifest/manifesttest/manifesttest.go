@@ -108,3 +108,32 @@ var ExampleBARs = map[string][]manifest.BAR{
 	"gpu-nic":  {{Index: 0, Size: 32 << 20, Is64: true, Prefetchable: true}},
 	"gpu-nvme": {{Index: 0, Size: 32 << 10, Is64: true}},
 }
+
+// TestModules is a made-up Module ID wiring for B300's units, gpu0 to gpu7, out of PCI
+// order as strapping numbers modules. It is a test wiring: no public table maps a B300
+// node's GPUs to Module IDs.
+var TestModules = []int{5, 6, 7, 8, 1, 2, 3, 4}
+
+// HGXPartitions is the NVLink partition layout of HGX B200/B300 as sets of Module IDs
+// (NVIDIA Fabric Manager User Guide; topology's built-in b300 profile).
+var HGXPartitions = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2}, {3, 4}, {5, 6}, {7, 8},
+	{1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
+
+// B300Fabric is B300 with every unit's Module ID declared (TestModules, keyed by the
+// GPU's address) and the HGX partition layout, as a boot under a profile with modules and
+// nvlink_partitions signs it. B300 itself signs every Module ID as 0, unknown, and no
+// layout.
+func B300Fabric(gen uint64) *manifest.Manifest {
+	m := B300(gen)
+	for i := range m.Units {
+		u := &m.Units[i]
+		u.ModuleID = TestModules[i]
+		u.ModuleSource = fmt.Sprintf("profile %s: modules[%s]", m.Profile.Name, u.Functions[0].BDF)
+	}
+	nv := &manifest.NVLink{Source: "profile " + m.Profile.Name + ": nvlink_partitions"}
+	for _, set := range HGXPartitions {
+		nv.Partitions = append(nv.Partitions, append([]int(nil), set...))
+	}
+	m.NVLink = nv
+	return m
+}

@@ -15,26 +15,27 @@ const (
 	VendorSamsung  = 0x144d
 	VendorBCMNet   = 0x14e4
 
-	DevB300       = 0x3182 // GB110 [B300 SXM6 AC]
-	DevB200       = 0x2901 // GB100 [B200]
-	DevCX8        = 0x1023 // ConnectX-8
-	DevCX7        = 0x1021 // ConnectX-7
-	DevCX8Bridge  = 0x197c // mlx5Gen PCIe Bridge (the switch inside ConnectX-8)
-	DevCX8DD      = 0x2100 // ConnectX-8 data-direct function
-	DevPEX890xx   = 0xc030 // Broadcom PEX890xx Gen5 switch
-	DevBCMHolder  = 0x02b2 // Broadcom Virtual PCIe Placeholder Endpoint
-	DevBCMMgmt    = 0x00b2 // Broadcom switch management endpoint
-	DevPM9A3      = 0xa80a // Samsung PM9A3 NVMe
-	DevNVSwitch   = 0x22a3 // NVSwitch management function
-	DevRootPort   = 0x352a // Xeon root port
-	DevBCM57414   = 0x16d7 // Broadcom NetXtreme-E, the management NIC
-	DevCX8VF      = 0x101e // ConnectX virtual function
-	ClassGPU      = 0x030200
-	ClassEthernet = 0x020000
-	ClassNVMe     = 0x010802
-	ClassBridge   = 0x060400
-	ClassOther    = 0x068000 // bridge, other: NVSwitch management
-	ClassHolder   = 0x0b4000 // co-processor: Broadcom placeholder / mgmt endpoint
+	DevB300         = 0x3182 // GB110 [B300 SXM6 AC]
+	DevB200         = 0x2901 // GB100 [B200]
+	DevCX8          = 0x1023 // ConnectX-8
+	DevCX7          = 0x1021 // ConnectX-7
+	DevCX8Bridge    = 0x197c // mlx5Gen PCIe Bridge (the switch inside ConnectX-8)
+	DevCX8DD        = 0x2100 // ConnectX-8 data-direct function
+	DevPEX890xx     = 0xc030 // Broadcom PEX890xx Gen5 switch
+	DevBCMHolder    = 0x02b2 // Broadcom Virtual PCIe Placeholder Endpoint
+	DevBCMMgmt      = 0x00b2 // Broadcom switch management endpoint
+	DevPM9A3        = 0xa80a // Samsung PM9A3 NVMe
+	DevNVSwitch     = 0x22a3 // NVSwitch management function
+	DevRootPort     = 0x352a // Xeon root port
+	DevBCM57414     = 0x16d7 // Broadcom NetXtreme-E, the management NIC
+	DevCX8VF        = 0x101e // ConnectX virtual function
+	ClassGPU        = 0x030200
+	ClassEthernet   = 0x020000
+	ClassInfiniBand = 0x020700
+	ClassNVMe       = 0x010802
+	ClassBridge     = 0x060400
+	ClassOther      = 0x068000 // bridge, other: NVSwitch management
+	ClassHolder     = 0x0b4000 // co-processor: Broadcom placeholder / mgmt endpoint
 )
 
 // Link speeds.
@@ -210,4 +211,44 @@ func SRIOVNode(units, vfs0, vfs1 int) Spec {
 			Below: []Fn{pf(i, 0, vfs0), pf(i, 1, vfs1)}})
 	}
 	return Spec{Hosts: []Host{{Bus: 0, NUMA: 0, Fns: fns}}}
+}
+
+// SWMngVA is the VPD keyword VA of an NVSwitch bridge's limited PF on HGX B200/B300:
+// ConnectX's colon-separated vendor fields with SMDL=SW_MNG among them (FM User Guide,
+// "NVIDIA HGX B200/B300 GPU Baseboard"; the field layout as ConnectX-7 adapters show it
+// under lspci -vvv, and as kata-containers/pcilibs-rs src/nvlink.rs tests it). No B300
+// node's VPD was available: MODL here, and the bridge's PN and SN below, are made up.
+const SWMngVA = "MLX:MN=MLNX:CSKU=V2:UUID=V3:PCI=V0:SMDL=SW_MNG:MODL=CX7NVSW"
+
+// NVSwitchBridge is the ConnectX-7 bridge integrated in an HGX B200/B300 baseboard, below
+// a Broadcom downstream port at dev: two ports, each exposing a limited PF that carries
+// SMDL=SW_MNG in its VPD (nvsw-lpf0 at 00.0, nvsw-lpf1 at 00.1) and a full-capability PF
+// that does not (nvsw-fc0 at 00.2, nvsw-fc1 at 00.3), all 15b3:1021 InfiniBand
+// functions on mlx5_core (FM User Guide). Which function is which is not published; the
+// order is pcilibs-rs's test layout.
+func NVSwitchBridge(dev uint8) Fn {
+	pf := func(name string, fn uint8, va string) Fn {
+		return Fn{Name: name, Func: fn, Vendor: VendorMellanox, Device: DevCX7, SubVendor: VendorMellanox, SubDevice: 0x0051,
+			Class: ClassInfiniBand, Port: pci.PortEndpoint, Link: gen5x16, Driver: "mlx5_core", BARs: CXBARs,
+			VPD: &pci.VPD{Name: "NVIDIA ConnectX-7 NVSwitch bridge", Keywords: map[string]string{
+				"PN": "900-2G133-0000-000", "SN": fmt.Sprintf("MT2420X%05d", 9000+int(fn)), "VA": va}}}
+	}
+	const fc = "MLX:MN=MLNX:CSKU=V2:UUID=V3:PCI=V0:MODL=CX7NVSW"
+	return Fn{Name: "nvsw-bridge-dsp", Dev: dev, Vendor: VendorBroadcom, Device: DevPEX890xx, Class: ClassBridge,
+		Port: pci.PortDownstream, Link: gen5x16, ACS: bcmDSACS, Driver: "pcieport", Below: []Fn{
+			pf("nvsw-lpf0", 0, SWMngVA), pf("nvsw-lpf1", 1, SWMngVA), pf("nvsw-fc0", 2, fc), pf("nvsw-fc1", 3, fc)}}
+}
+
+// NVSwitchBridgeFns names the bridge's four PFs.
+var NVSwitchBridgeFns = []string{"nvsw-lpf0", "nvsw-lpf1", "nvsw-fc0", "nvsw-fc1"}
+
+// WithNVSwitchBridge adds the NVSwitch bridge (NVSwitchBridge) to a B300 or B200
+// reference spec below the Broadcom switch of GPU complex 0, beside the unit's own
+// functions: where it shares a root port and a switch with a unit, so that a reset
+// reaching past the unit's functions would reach it. Where the bridge sits on a real
+// baseboard is not published.
+func WithNVSwitchBridge(s Spec) Spec {
+	usp := s.Fn("bcm-usp0")
+	usp.Below = append(usp.Below, NVSwitchBridge(3))
+	return s
 }

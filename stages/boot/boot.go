@@ -598,8 +598,9 @@ func contains(xs []string, x string) bool {
 }
 
 // netIfaces picks the interfaces for passage.net=auto: every PCI-backed netdev that is
-// not a unit's passthrough function, preferring those the label stage called mgmt-nic.
-// notes say which netdevs were left out and why.
+// not a unit's passthrough function nor an NVSwitch management function (Fabric
+// Manager's and NVLSM's, on the NVLink management fabric), preferring those the label
+// stage called mgmt-nic. notes say which netdevs were left out and why.
 func (b *Boot) netIfaces() (ifs, notes []string, err error) {
 	if b.Config.Net != initramfs.NetAuto {
 		return []string{b.Config.Net}, nil, nil
@@ -619,8 +620,14 @@ func (b *Boot) netIfaces() (ifs, notes []string, err error) {
 	var out, mgmt []string
 	for _, c := range cands {
 		if d, _, _ := b.results(); d != nil {
-			if a, err := pci.ParseAddress(c.BDF); err == nil && d.Labels.RoleOf(a) == topology.RoleMgmtNIC {
+			a, err := pci.ParseAddress(c.BDF)
+			switch role := d.Labels.RoleOf(a); {
+			case err != nil:
+			case role == topology.RoleMgmtNIC:
 				mgmt = append(mgmt, c.Name)
+			case role == topology.RoleNVSwitchMgmt:
+				notes = append(notes, fmt.Sprintf("%s (%s) is an NVSwitch management function: not used", c.Name, c.BDF))
+				continue
 			}
 		}
 		if pass[c.BDF] {

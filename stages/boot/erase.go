@@ -63,7 +63,7 @@ func (b *Boot) erase(ctx context.Context, _ *stages.State, r *stages.Result) err
 		}
 		return ""
 	})
-	rep := erase.Run(ctx, sys, units, open, erase.RunOptions{Erase: erase.Options{Overwrite: b.Config.EraseOverwrite}, Progress: progress})
+	rep := erase.Run(ctx, sys, d.Labels, units, open, erase.RunOptions{Erase: erase.Options{Overwrite: b.Config.EraseOverwrite}, Progress: progress})
 	waited()
 	for _, u := range rep.Units {
 		for _, n := range u.NVMe {

@@ -206,6 +206,7 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	}
 	if d, _, _ := b.results(); d != nil {
 		m.Profile = manifest.Profile{Name: d.Profile.Name, Digest: profileDigest(d.Profile)}
+		m.NVLink = record.NVLink(d.Profile)
 		if im := d.Image; im != nil {
 			m.ImagePlan = &manifest.ImagePlan{Digest: im.Digest, ConfigACS: im.ConfigACS, Matched: im.Matched,
 				Differences: append([]string{}, im.Differences...), Kernel: im.Kernel}
