@@ -73,6 +73,15 @@ type Manifest struct {
 	GuestPlan *GuestPlan    `json:"guest_plan,omitempty"`
 	Stages    []StageResult `json:"stages"`
 	Errors    []string      `json:"errors"`
+	// NVLink is the SKU's NVLink layout: the GPU Module-ID sets Fabric Manager's
+	// partitions have; absent when the manifest declares none.
+	NVLink *NVLink `json:"nvlink,omitempty"`
+}
+
+// NVLink is the NVLink layout a node's SKU declares.
+type NVLink struct {
+	Partitions [][]int `json:"partitions"` // the module-ID sets
+	Source     string  `json:"source"`     // where they come from
 }
 
 // ImagePlan is the plan a signed boot image carries on its command line (`make uki
@@ -128,6 +137,11 @@ type Unit struct {
 	// CPU (schema 2): a guest's emulated root port cannot show it, so the hypervisor's
 	// NCCL topology file carries it. Zero when the GPU has no root port above it.
 	UpLink Link `json:"uplink"`
+	// ModuleID is the GPU's Module ID (Fabric Manager's physicalId); 0 when unknown.
+	// ModuleSource says where it was read. (Placeholders for the Module-ID change,
+	// omitted when empty so that payloads signed before it stay canonical.)
+	ModuleID     int    `json:"module_id,omitempty"`
+	ModuleSource string `json:"module_source,omitempty"`
 }
 
 // Function is one PCIe function of a unit. IDs are lower-case hex with a 0x prefix, as in
