@@ -5,6 +5,7 @@ go 1.26.0
 replace github.com/passage-boot/passage => ../
 
 require (
+	github.com/NVIDIA/go-nvfm v0.0.0-20260629235037-b587f11880ea
 	github.com/google/go-attestation v0.6.4
 	github.com/google/go-tpm v0.9.8
 	github.com/passage-boot/passage v0.0.0-00010101000000-000000000000

@@ -38,6 +38,7 @@ import (
 	"tags.cncf.io/container-device-interface/pkg/cdi"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
+	"github.com/passage-boot/passage/dra/fabric"
 	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/pci"
@@ -87,6 +88,12 @@ type Config struct {
 	Logf func(format string, args ...any)
 	// Turnaround, when set, makes the plugin recycle the units it withholds (RunTurnaround).
 	Turnaround *Turnaround
+	// Fabric, when set, is NVIDIA Fabric Manager in shared NVSwitch mode: a claim is
+	// prepared only once FM activated the partition whose members are exactly its
+	// units' GPUs (their Module IDs in the manifest), and its units are withheld for the
+	// turnaround only once FM deactivated it; one FM would not deactivate leaves them
+	// quarantined (StepFabric). nil: no FM, claims are prepared without a partition.
+	Fabric *fabric.Fabric
 }
 
 // MaxFile bounds every file the plugin reads back (units.json, the claims' CDI
@@ -111,6 +118,8 @@ type Driver struct {
 	// exportFailures counts the hook-dir exports that failed (HookExportFailures).
 	exportFailures atomic.Uint64
 	turn           turnState
+	// fabricSaid is what ResumeFabric logged last.
+	fabricSaid string
 }
 
 // New verifies the manifest and renders its objects; nothing is published yet.
@@ -145,6 +154,7 @@ func New(cfg Config) (*Driver, error) {
 	if err := d.load(); err != nil {
 		return nil, err
 	}
+	d.ResumeFabric()
 	return d, nil
 }
 
@@ -186,6 +196,9 @@ func (d *Driver) load() error {
 	released := false
 	for u, s := range held.Units {
 		if v.Manifest.Generation > s.Generation {
+			if s.State == StateQuarantined && s.Step == StepFabric && d.fabricHolds(v.Manifest, u) {
+				continue // its NVLink partition may still be active: not offered
+			}
 			delete(held.Units, u)
 			released = true
 		}
@@ -443,7 +456,19 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 	} else if len(b) > MaxFile {
 		return nil, fmt.Errorf("cdi spec: %d bytes, more than the %d the plugin reads back", len(b), MaxFile)
 	}
+	// The partition is the claim's before the claim is answered; a spec that is then not
+	// written gives it back.
+	if d.cfg.Fabric != nil {
+		if err := d.activate(c.UID, ids); err != nil {
+			return nil, err
+		}
+	}
 	if err := d.cdi.WriteSpec(spec, specName(c.UID)); err != nil {
+		if d.cfg.Fabric != nil {
+			if ferr := d.cfg.Fabric.Deactivate(string(c.UID)); ferr != nil {
+				d.logf("claim %s: refused, its NVLink partition not released yet (the next reload asks again): %v", c.UID, ferr)
+			}
+		}
 		return nil, fmt.Errorf("cdi spec: %w", err)
 	}
 	return out, nil
@@ -537,6 +562,12 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 	held := d.units.clone()
 	changed := false
 	var release []kubeletplugin.NamespacedObject
+	type fabricHeld struct {
+		claim string
+		units []string
+		err   error
+	}
+	var quarantined []fabricHeld
 	for _, c := range claims {
 		s, err := d.spec(c.UID)
 		if err != nil {
@@ -554,13 +585,31 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 		if d.v.Manifest.Generation > gen {
 			gen = d.v.Manifest.Generation
 		}
+		// The guest is gone (the kubelet unprepares once the pod's containers are):
+		// its NVLink partition is deactivated before its units go to the turnaround,
+		// which resets them. A partition FM will not deactivate keeps them quarantined:
+		// nothing resets or offers GPUs FM may still route NVLink traffic to.
+		fresh := UnitState{Generation: gen, State: StateWithheld}
+		if d.cfg.Fabric != nil {
+			if err := d.cfg.Fabric.Deactivate(string(c.UID)); err != nil {
+				fresh.State, fresh.Step, fresh.LastError = StateQuarantined, StepFabric, lastError(err)
+				quarantined = append(quarantined, fabricHeld{string(c.UID), s.units, err})
+			}
+		}
 		for _, u := range s.units {
 			if cur, ok := held.Units[u]; !ok {
-				held.Units[u] = &UnitState{Generation: gen, State: StateWithheld}
+				st := fresh
+				held.Units[u] = &st
 				changed = true
-			} else if gen > cur.Generation {
-				cur.Generation = gen
-				changed = true
+			} else {
+				if gen > cur.Generation {
+					cur.Generation = gen
+					changed = true
+				}
+				if fresh.State == StateQuarantined && cur.State != StateQuarantined {
+					cur.State, cur.Step, cur.LastError, cur.NextTry = fresh.State, fresh.Step, fresh.LastError, nil
+					changed = true
+				}
 			}
 		}
 		release = append(release, c)
@@ -590,6 +639,9 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 	d.mu.Unlock()
 	if err == nil && len(release) > 0 {
 		err = d.publish(ctx)
+	}
+	for _, q := range quarantined {
+		d.quarantineFabric(ctx, q.claim, q.units, q.err)
 	}
 	return out, err
 }

@@ -31,7 +31,8 @@ import (
 
 // TaintQuarantined is the NoSchedule taint on the devices of a quarantined unit in the
 // plugin's own slices; its value is the step that failed last (erase, reset, recycle,
-// attest, verify), the Node's Event the whole evidence.
+// attest, verify; fabric: its NVLink partition not deactivated), the Node's Event the
+// whole evidence.
 const TaintQuarantined = resources.DriverName + "/quarantined"
 
 // ClearAnnotation on the plugin's Node clears quarantines: its value is the units
@@ -255,6 +256,12 @@ func (d *Driver) turnUnit(ctx context.Context, id string) {
 		times := map[string]time.Duration{}
 		final, step, err := s.Final, "", error(nil)
 		if s.State != StateVerifying || final == 0 {
+			// Deactivated before anything is reset: "GPU reset is done from the host after
+			// the VM shuts down and the partition is deactivated" (package fabric).
+			if err := d.releaseFabric(id); err != nil {
+				d.failed(ctx, id, StepFabric, err)
+				continue
+			}
 			if err := d.setUnit(id, func(u *UnitState) { u.State, u.Final = StateRecycling, 0 }); err != nil {
 				d.logf("turnaround %s: %v", id, err)
 			}
@@ -482,14 +489,20 @@ func stepLine(times map[string]time.Duration) string {
 // maxLastError bounds a failure's words in units.json and in the Event.
 const maxLastError = 1 << 10
 
-// failed counts a failed try: the unit waits Backoff (doubling) for the next, or after
-// Tries is quarantined, tainted in the slices and told on the Node.
-func (d *Driver) failed(ctx context.Context, id, step string, err error) {
-	t := d.cfg.Turnaround
+// lastError is err's words as units.json and the Event keep them.
+func lastError(err error) string {
 	msg := manifest.Printable(err.Error())
 	if len(msg) > maxLastError {
 		msg = msg[:maxLastError-3] + "..."
 	}
+	return msg
+}
+
+// failed counts a failed try: the unit waits Backoff (doubling) for the next, or after
+// Tries is quarantined, tainted in the slices and told on the Node.
+func (d *Driver) failed(ctx context.Context, id, step string, err error) {
+	t := d.cfg.Turnaround
+	msg := lastError(err)
 	var s UnitState
 	werr := d.setUnit(id, func(u *UnitState) {
 		u.Attempts++

@@ -6,6 +6,7 @@
 //	passage-dra kubevirt [flags] MANIFEST   the VMI resourceClaims/hostDevices stanza for a unit
 //	passage-dra nccl-xml [flags] MANIFEST   the NCCL topology file for a unit's guest
 //	passage-dra plugin   [flags]            run the kubelet plugin (the DaemonSet's command)
+//	passage-dra fabric check [flags] MANIFEST  hold Fabric Manager's partitions to the manifest
 //
 // Every command reads the manifest through passage's one verification path (the key,
 // its enrolment for the node, the semantic check); a refused manifest exits 1 with the
@@ -37,6 +38,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"sigs.k8s.io/yaml"
 
+	"github.com/passage-boot/passage/dra/fabric"
 	"github.com/passage-boot/passage/dra/plugin"
 	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/erase"
@@ -58,6 +60,8 @@ const usage = `usage: passage-dra COMMAND [flags]
   kubevirt MANIFEST  print the VMI resourceClaims/hostDevices stanza for --unit's shape
   nccl-xml MANIFEST  print the NCCL topology file for --unit's guest
   plugin             run the kubelet plugin
+  fabric check MANIFEST  hold Fabric Manager's NVLink partitions to the manifest's units
+                     and NVLink layout; each mismatch printed, exit 1 on any
 `
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -80,6 +84,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return cmdUnit(cmd, fs, args, o, stdout, stderr)
 	case "plugin":
 		return cmdPlugin(ctx, fs, args, o, stderr)
+	case "fabric":
+		if len(args) == 0 || args[0] != "check" {
+			fmt.Fprintf(stderr, "passage-dra fabric: give check\n%s", usage)
+			return 2
+		}
+		fs = flag.NewFlagSet("passage-dra fabric check", flag.ContinueOnError)
+		fs.SetOutput(stderr)
+		o.register(fs)
+		return cmdFabricCheck(fs, args[1:], o, stdout, stderr)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return 0
@@ -326,6 +339,9 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 			cfg.Logf("SIMULATED hardware under %s (a passagesim build): the turnaround erases and resets nothing real", cfg.Root)
 		}
 	}
+	if cfg.Fabric != nil {
+		defer cfg.Fabric.Close()
+	}
 	d, err := plugin.New(cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
@@ -340,9 +356,10 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 1
 	}
-	// The turnaround quarantines a unit with a taint in the slices: before anything is
-	// published, the API server must be seen keeping one.
-	if cfg.Turnaround != nil {
+	// The turnaround, and a partition FM will not deactivate, quarantine a unit with a
+	// taint in the slices: before anything is published, the API server must be seen
+	// keeping one.
+	if cfg.Turnaround != nil || cfg.Fabric != nil {
 		if err := plugin.CheckDeviceTaints(ctx, client, d.Objects().Node, d.Objects().Pool); err != nil {
 			fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
 			return 1
@@ -374,6 +391,9 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 			if err := d.Reload(ctx); err != nil {
 				fmt.Fprintf(stderr, "%s: reload: %v\n", fs.Name(), err)
 			}
+			// An FM restarted with --restart exits unless it is handed its active
+			// partitions within 60 s: the reload period is shorter.
+			d.ResumeFabric()
 		case err := <-d.Errors():
 			if errors.Is(err, plugin.ErrTaintsDropped) {
 				// Stopped first: its publisher would put the slices back.
@@ -500,6 +520,8 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 	fs.StringVar(&p.dataDir, "plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")
 	fs.DurationVar(&p.reload, "reload", 30*time.Second, "verify the manifest again this often (a recycled unit returns with a newer generation)")
 	p.turn.register(fs)
+	var fm fabricFlags
+	fm.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return cfg, p, 2
 	}
@@ -513,10 +535,93 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 	if err == nil {
 		cfg.Turnaround, err = p.turn.turnaround(cfg.Root)
 	}
+	if err == nil && fm.on() {
+		var fo fabric.Options
+		if fo, err = fm.options(); err == nil {
+			cfg.Fabric, err = fabric.New(p.dataDir, fo)
+		}
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return cfg, p, 2
 	}
 	cfg.Source, cfg.Options, cfg.StateDir = s, o.res, p.dataDir
 	return cfg, p, 0
+}
+
+// fabricFlags say where NVIDIA Fabric Manager is (package fabric). The plugin drives it
+// when any is given; fabric check reads FM's defaults when none is.
+type fabricFlags struct {
+	lib, socket, address string
+}
+
+func (f *fabricFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.lib, "fm-lib", "", "Fabric Manager's client library `FILE` (default "+fabric.DefaultLibrary+" from the loader's path); the plugin activates each claim's NVLink partition when an --fm- flag is given")
+	fs.StringVar(&f.socket, "fm-socket", "", "FM's unix socket `PATH` (its FM_CMD_UNIX_SOCKET_PATH, "+fabric.DefaultSocket+" as the NVIDIA DRA driver sets it)")
+	fs.StringVar(&f.address, "fm-address", "", "FM's `IPV4:PORT` (default "+fabric.DefaultAddress+", FM's own)")
+}
+
+func (f *fabricFlags) on() bool { return f.lib != "" || f.socket != "" || f.address != "" }
+
+func (f *fabricFlags) options() (fabric.Options, error) {
+	if f.socket != "" && f.address != "" {
+		return fabric.Options{}, errors.New("give one of --fm-socket and --fm-address")
+	}
+	return fabric.Options{Library: f.lib, Socket: f.socket, Address: f.address}, nil
+}
+
+// layoutOf is what the manifest says of the node's NVLink fabric: the one place fabric
+// check reads the units' Module IDs and the SKU's declared partitions.
+func layoutOf(m *manifest.Manifest) fabric.Layout {
+	var l fabric.Layout
+	for _, u := range m.Units {
+		l.Units = append(l.Units, fabric.LayoutUnit{ID: u.ID, Module: u.ModuleID, Source: u.ModuleSource})
+	}
+	if m.NVLink != nil {
+		l.Partitions, l.Source = m.NVLink.Partitions, m.NVLink.Source
+	}
+	return l
+}
+
+// cmdFabricCheck holds FM's partition list to the verified manifest (fabric.Check):
+// each mismatch is printed, and any is exit 1; so is FM out of reach.
+func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr io.Writer) int {
+	var fm fabricFlags
+	fm.register(fs)
+	v, code := verified(fs, args, &o.src, stderr)
+	if v == nil {
+		return code
+	}
+	fo, err := fm.options()
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 2
+	}
+	c, err := fabric.Open(fo)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 1
+	}
+	defer c.Close()
+	ps, err := c.Partitions()
+	if err != nil {
+		if r, ok := fabric.Code(err); ok && r == fabric.FM_ST_NOT_CONFIGURED {
+			err = fmt.Errorf("%w: FM restarted and waits for its active partitions (passage-dra plugin hands them over)", err)
+		}
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 1
+	}
+	m := v.Manifest
+	mismatches := fabric.Check(layoutOf(m), ps)
+	for _, l := range mismatches {
+		fmt.Fprintln(stdout, manifest.Printable(l))
+	}
+	if len(mismatches) > 0 {
+		fmt.Fprintf(stderr, "%s: %d mismatches between FM's %d partitions and manifest generation %d of node %s\n",
+			fs.Name(), len(mismatches), len(ps), m.Generation, manifest.Printable(m.Node.Hostname))
+		return 1
+	}
+	fmt.Fprintf(stdout, "FM's %d partitions and the %d units' GPU Module IDs match manifest generation %d of node %s\n",
+		len(ps), len(m.Units), m.Generation, manifest.Printable(m.Node.Hostname))
+	return 0
 }

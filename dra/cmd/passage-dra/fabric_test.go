@@ -1,0 +1,132 @@
+package main
+
+// fabric check and the plugin's --fm- flags against fmstub.c, passage's stand-in for
+// NVIDIA Fabric Manager behind libnvfm (package fabrictest): no FM is involved.
+
+import (
+	"bytes"
+	"flag"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/passage-boot/passage/dra/fabric/fabrictest"
+	"github.com/passage-boot/passage/dra/internal/noderig"
+	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/manifest/manifesttest"
+)
+
+// b300Sets are the HGX B200/B300 partitions' module sets (FM User Guide).
+var b300Sets = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2}, {3, 4}, {5, 6}, {7, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
+
+func TestFabricCheckCommand(t *testing.T) {
+	keys := filepath.Join(t.TempDir(), "keys")
+	uuid := manifesttest.NodeUUID(5)
+	r := noderig.New(t, uuid, "b300-fm", 4, keys)
+	for i := range r.M.Units {
+		r.M.Units[i].ModuleID, r.M.Units[i].ModuleSource = i+1, "test"
+	}
+	r.M.NVLink = &manifest.NVLink{Partitions: b300Sets, Source: "FM User Guide, HGX B200/B300"}
+	good := r.Sign(t)
+	lib := fabrictest.Library(t)
+	fm := fabrictest.New(t)
+	check := func(args ...string) (int, string, string) {
+		return runCmd(append(append([]string{"fabric", "check", "--pub", keys, "--node-uuid", uuid, "--fm-lib", lib}, args...), good)...)
+	}
+
+	code, out, errs := check()
+	if code != 0 || !strings.Contains(out, "FM's 15 partitions and the 8 units' GPU Module IDs match manifest generation 7 of node b300-fm") {
+		t.Fatalf("a matching manifest: exit %d\n%s%s", code, out, errs)
+	}
+	sock := filepath.Join(t.TempDir(), "fm.sock")
+	fm.Update(t, func(s *fabrictest.State) { s.Listen = "unix:" + sock })
+	if code, out, errs := check("--fm-socket", sock); code != 0 {
+		t.Fatalf("--fm-socket: exit %d\n%s%s", code, out, errs)
+	}
+	if code, _, errs := check(); code != 1 || !strings.Contains(errs, "fm: connect 127.0.0.1:6666: FM_ST_CONNECTION_NOT_VALID (-9)") {
+		t.Fatalf("FM on a socket, checked at its TCP default: exit %d %s", code, errs)
+	}
+	fm.Update(t, func(s *fabrictest.State) { s.Listen = "" })
+
+	// gpu3's Module ID unknown, gpu5 given gpu2's; the layout H100's pairs; FM with
+	// a GPU's NVLinks down.
+	r.M.Units[3].ModuleID, r.M.Units[3].ModuleSource = 0, "nvml: not visible"
+	r.M.Units[5].ModuleID = 3
+	r.M.NVLink.Partitions = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 3}, {2, 4}, {5, 7}, {6, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
+	r.Sign(t)
+	fm.Update(t, func(s *fabrictest.State) { s.Links[8] = 17 })
+	code, out, errs = check()
+	want := []string{
+		`unit gpu3: GPU Module ID unknown (module_source "nvml: not visible")`,
+		"unit gpu5: module 3 is unit gpu2's too",
+		"FM partition 1 (modules 1,2,3,4,5,6,7,8) is degraded: module 8 has 17 of 18 NVLinks",
+		"FM partition 3 (modules 5,6,7,8) is degraded: module 8 has 17 of 18 NVLinks",
+		"FM partition 4 (modules 1,2): the manifest's NVLink layout has no such module set",
+		"FM partition 7 (modules 7,8): the manifest's NVLink layout has no such module set",
+		"FM partition 7 (modules 7,8) is degraded",
+		"declares modules {1,3}: FM offers no partition of them",
+		"declares modules {6,8}: FM offers no partition of them",
+	}
+	if code != 1 || !strings.Contains(errs, "13 mismatches between FM's 15 partitions and manifest generation 7") {
+		t.Fatalf("a mismatching manifest: exit %d\n%s%s", code, out, errs)
+	}
+	for _, w := range want {
+		if !strings.Contains(out, w) {
+			t.Errorf("fabric check output lacks %q:\n%s", w, out)
+		}
+	}
+
+	fm.Update(t, func(s *fabrictest.State) { s.Mode = "gone" })
+	if code, out, errs := check(); code != 1 || out != "" || !strings.Contains(errs, "FM_ST_CONNECTION_NOT_VALID") {
+		t.Errorf("FM gone: exit %d %q %s", code, out, errs)
+	}
+	fm.Update(t, func(s *fabrictest.State) { s.Mode = "serving" })
+	fm.Restart(t, 5*time.Second)
+	if code, _, errs := check(); code != 1 || !strings.Contains(errs, "FM_ST_NOT_CONFIGURED (-8): FM restarted and waits for its active partitions") {
+		t.Errorf("FM waiting after a restart: exit %d %s", code, errs)
+	}
+	if code, _, errs := check("--fm-socket", sock, "--fm-address", "127.0.0.1:6666"); code != 2 || !strings.Contains(errs, "give one of --fm-socket and --fm-address") {
+		t.Errorf("both addresses: exit %d %s", code, errs)
+	}
+	if code, _, _ := runCmd("fabric"); code != 2 {
+		t.Errorf("fabric with no check: exit %d", code)
+	}
+	// A manifest of another node is refused before FM is asked.
+	_, other := signedOther(t, keys)
+	if code, _, errs := runCmd("fabric", "check", "--pub", keys, "--node-uuid", uuid, "--fm-lib", lib, other); code != 1 || !strings.Contains(errs, "REFUSED") {
+		t.Errorf("another node's manifest: exit %d %s", code, errs)
+	}
+}
+
+// signedOther is another node's manifest, its key enrolled in keys.
+func signedOther(t *testing.T, keys string) (string, string) {
+	r := noderig.New(t, manifesttest.NodeUUID(6), "b300-other", 6, keys)
+	return r.Keys, r.Path
+}
+
+// TestFabricPluginFlags: any --fm- flag gives the plugin a Fabric (its ledger in the
+// plugin directory); none, no FM; both addresses are refused.
+func TestFabricPluginFlags(t *testing.T) {
+	parse := func(extra ...string) (bool, int, string) {
+		fs := flag.NewFlagSet("passage-dra plugin", flag.ContinueOnError)
+		o := &options{}
+		o.register(fs)
+		var stderr bytes.Buffer
+		fs.SetOutput(&stderr)
+		args := append([]string{"--pub", t.TempDir(), "--manifest", "m.json", "--root", t.TempDir(), "--turnaround=false", "--plugin-dir", t.TempDir()}, extra...)
+		cfg, _, code := pluginConfig(fs, args, o, &stderr)
+		return cfg.Fabric != nil, code, stderr.String()
+	}
+	if on, code, msg := parse(); on || code != 0 {
+		t.Fatalf("no --fm- flag: fabric %v, exit %d %s", on, code, msg)
+	}
+	for _, f := range [][]string{{"--fm-lib", "/usr/lib/libnvfm.so"}, {"--fm-socket", "/run/nvidia-fabricmanager/socket"}, {"--fm-address", "127.0.0.1:6666"}} {
+		if on, code, msg := parse(f...); !on || code != 0 {
+			t.Errorf("%v: fabric %v, exit %d %s", f, on, code, msg)
+		}
+	}
+	if _, code, msg := parse("--fm-socket", "/s", "--fm-address", "127.0.0.1:6666"); code != 2 || !strings.Contains(msg, "give one of") {
+		t.Errorf("both addresses: exit %d %s", code, msg)
+	}
+}

@@ -1,0 +1,409 @@
+package plugin_test
+
+// The plugin with Config.Fabric, against fmstub.c: passage's stand-in for NVIDIA Fabric
+// Manager behind libnvfm (package fabrictest), loaded through go-nvfm's dlopen path. It
+// shows the plugin holding to FM's documented API as the stand-in models it; no FM,
+// NVSwitch or NVIDIA library is involved.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/passage-boot/passage/dra/fabric"
+	"github.com/passage-boot/passage/dra/fabric/fabrictest"
+	"github.com/passage-boot/passage/dra/internal/noderig"
+	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/manifest"
+)
+
+// b300Partitions are the HGX B200/B300 module sets (FM User Guide; NVLINK.md §4).
+var b300Partitions = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2}, {3, 4}, {5, 6}, {7, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
+
+// withModules gives unit gpuN the GPU Module ID N+1 and the manifest the SKU's NVLink
+// layout, and signs it again in its place (Path).
+func withModules(t *testing.T, r *noderig.Rig) {
+	t.Helper()
+	for i := range r.M.Units {
+		r.M.Units[i].ModuleID, r.M.Units[i].ModuleSource = i+1, "test"
+	}
+	r.M.NVLink = &manifest.NVLink{Partitions: b300Partitions, Source: "FM User Guide, HGX B200/B300"}
+	r.Key.Sign(t, r.M, r.Path)
+}
+
+// withFabric is cfg with a Fabric whose ledger is in its StateDir, on the stand-in FM.
+func withFabric(t *testing.T, cfg *plugin.Config) {
+	t.Helper()
+	f, err := fabric.New(cfg.StateDir, fabric.Options{Library: fabrictest.Library(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	cfg.Fabric = f
+}
+
+// claimUnits is claim's allocation of several whole units, each function a request of
+// its own.
+func claimUnits(t *testing.T, client *fake.Clientset, d *plugin.Driver, name string, units ...string) *resourceapi.ResourceClaim {
+	t.Helper()
+	objs := d.Objects()
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "tenant", UID: types.UID("uid-" + name)}}
+	res := resourceapi.AllocationResult{}
+	for _, u := range units {
+		n := 0
+		for _, dev := range objs.Devices {
+			if *dev.Attributes[resources.AttrUnit].StringValue == u {
+				res.Devices.Results = append(res.Devices.Results, resourceapi.DeviceRequestAllocationResult{
+					Request: fmt.Sprintf("%s-f%d", u, n), Driver: resources.DriverName, Pool: objs.Pool, Device: dev.Name})
+				n++
+			}
+		}
+		if n != 4 {
+			t.Fatalf("unit %s: %d devices published", u, n)
+		}
+	}
+	c.Status.Allocation = &res
+	if _, err := client.ResourceV1().ResourceClaims("tenant").Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+type ledgerOnDisk struct {
+	Claims map[string]fabric.Entry `json:"claims"`
+}
+
+func ledgerOf(t *testing.T, dir string) ledgerOnDisk {
+	t.Helper()
+	var l ledgerOnDisk
+	b, err := os.ReadFile(filepath.Join(dir, fabric.LedgerFile))
+	if os.IsNotExist(err) {
+		return l
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &l); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+func unitsJSON(t *testing.T, dir string) unitsFile {
+	t.Helper()
+	var u unitsFile
+	b, err := os.ReadFile(filepath.Join(dir, "units.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &u); err != nil {
+		t.Fatal(err)
+	}
+	return u
+}
+
+func specsOf(t *testing.T, cdiDir, claim string) []string {
+	m, _ := filepath.Glob(filepath.Join(cdiDir, "*uid-"+claim+"*"))
+	return m
+}
+
+// TestFabricPrepareUnprepare, through the kubelet's DRA gRPC: a claim of gpu0 and gpu1
+// is prepared once FM activated partition 4 (modules 1,2), recorded in the ledger; a
+// claim FM cannot give exactly one partition, one FM refuses, one while FM is gone, one
+// of a unit whose Module ID the manifest does not know: each refused naming why, no
+// spec written, nothing left in the ledger. Unprepare deactivates before the units are
+// recorded withheld; a partition FM will not deactivate leaves its unit quarantined
+// (taint fabric), held through a newer generation until FM let go of it.
+func TestFabricPrepareUnprepare(t *testing.T) {
+	r := newRig(t)
+	withModules(t, r)
+	fm := fabrictest.New(t)
+	cdiDir, reg, data := filepath.Join(r.Dir, "cdi"), filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	logs := &logLines{}
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: cdiDir, StateDir: data, Logf: logs.logf}
+	withFabric(t, &cfg)
+	d, client, k, ctx := start(t, cfg, reg)
+	publishedDevices(t, client, countIs(32))
+
+	vm01 := claimUnits(t, client, d, "vm01", "gpu0", "gpu1")
+	for _, call := range []string{"prepare", "the kubelet's second prepare"} {
+		if got := prepare(t, k, vm01); got.Error != "" || len(got.Devices) != 8 {
+			t.Fatalf("%s of gpu0+gpu1: %+v", call, got)
+		}
+	}
+	if got := fm.Active(t); !slices.Equal(got, []int{4}) {
+		t.Fatalf("FM active %v, want partition 4 (modules 1,2)", got)
+	}
+	if n := len(fm.Calls(t, "activate")); n != 1 {
+		t.Errorf("%d activations for one claim: %v", n, fm.Log(t))
+	}
+	if e := ledgerOf(t, data).Claims["uid-vm01"]; e.Partition != 4 || e.State != fabric.StateActive {
+		t.Fatalf("ledger uid-vm01: %+v", e)
+	}
+	vm2 := claimUnits(t, client, d, "vm2", "gpu2")
+	if got := prepare(t, k, vm2); got.Error != "" {
+		t.Fatalf("prepare gpu2: %+v", got)
+	}
+	if got := fm.Active(t); !slices.Equal(got, []int{4, 10}) {
+		t.Fatalf("FM active %v, want 4 and 10 (module 3 alone)", got)
+	}
+
+	refused := func(name, want string, units ...string) {
+		t.Helper()
+		c := claimUnits(t, client, d, name, units...)
+		got := prepare(t, k, c)
+		if !strings.Contains(got.Error, want) || len(got.Devices) != 0 {
+			t.Errorf("prepare %s (%v): %q, want it refused naming %q", name, units, got.Error, want)
+		}
+		if s := specsOf(t, cdiDir, name); len(s) != 0 {
+			t.Errorf("refused claim %s left CDI specs %v", name, s)
+		}
+		if _, ok := ledgerOf(t, data).Claims["uid-"+name]; ok {
+			t.Errorf("refused claim %s is in the ledger", name)
+		}
+	}
+	refused("vm3", "nvlink partition of units gpu4,gpu6: fm: none of FM's 15 partitions has exactly modules 5,7", "gpu4", "gpu6")
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate = int(fabric.FM_ST_NVLINK_ERROR) })
+	refused("vm4", "fm: activate partition 6: FM_ST_NVLINK_ERROR (-10)", "gpu4", "gpu5")
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate, s.Mode = 0, "gone" })
+	refused("vm5", "FM_ST_CONNECTION_NOT_VALID (-9)", "gpu6", "gpu7")
+	fm.Update(t, func(s *fabrictest.State) { s.Mode, s.Epoch = "serving", s.Epoch+1 })
+	r.M.Units[7].ModuleID, r.M.Units[7].ModuleSource = 0, "nvml: not visible (vfio-pci)"
+	r.Sign(t)
+	refused("vm6", `unit gpu7: GPU Module ID unknown in manifest generation 7 (module_source "nvml: not visible (vfio-pci)")`, "gpu7")
+	if got := fm.Active(t); !slices.Equal(got, []int{4, 10}) {
+		t.Fatalf("FM active %v after the refused claims", got)
+	}
+
+	// Released: FM deactivates partition 4, then the units are withheld.
+	if got := unprepare(t, k, vm01); got != "" {
+		t.Fatalf("unprepare vm01: %q", got)
+	}
+	if got := fm.Active(t); !slices.Equal(got, []int{10}) {
+		t.Fatalf("FM active %v after vm01's release", got)
+	}
+	u := unitsJSON(t, data)
+	if u.Units["gpu0"] == nil || u.Units["gpu0"].State != plugin.StateWithheld || u.Units["gpu1"] == nil {
+		t.Fatalf("units.json %+v", u.Units)
+	}
+	if _, ok := ledgerOf(t, data).Claims["uid-vm01"]; ok {
+		t.Error("released claim still in the ledger")
+	}
+
+	// FM will not deactivate partition 10: the claim is let go of, gpu2 quarantined.
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabric.FM_ST_GENERIC_ERROR) })
+	if got := unprepare(t, k, vm2); got != "" {
+		t.Fatalf("unprepare vm2: %q", got)
+	}
+	if s := specsOf(t, cdiDir, "vm2"); len(s) != 0 {
+		t.Errorf("vm2's CDI specs stay: %v", s)
+	}
+	g2 := unitsJSON(t, data).Units["gpu2"]
+	if g2 == nil || g2.State != plugin.StateQuarantined || g2.Step != plugin.StepFabric || !strings.Contains(g2.LastError, "fm: deactivate partition 10: FM_ST_GENERIC_ERROR (-2)") {
+		t.Fatalf("units.json gpu2: %+v", g2)
+	}
+	if e := ledgerOf(t, data).Claims["uid-vm2"]; e.State != fabric.StateDeactivating || !strings.Contains(e.LastError, "FM_ST_GENERIC_ERROR") {
+		t.Fatalf("ledger uid-vm2: %+v", e)
+	}
+	if !logs.has("units gpu2 quarantined: claim uid-vm2 released, its NVLink partition not deactivated: fm: deactivate partition 10: FM_ST_GENERIC_ERROR (-2)") {
+		t.Errorf("quarantine not logged:\n%s", logs)
+	}
+	var taint string
+	gpu2 := resources.DeviceName("gpu2", r.M.Units[2].Functions[0].BDF)
+	publishedDevices(t, client, func([]string) bool {
+		dev, ok := slicesOf(t, client)[gpu2]
+		if ok && len(dev.Taints) == 1 {
+			taint = dev.Taints[0].Key + "=" + dev.Taints[0].Value
+		}
+		return taint != ""
+	})
+	if taint != plugin.TaintQuarantined+"=fabric" {
+		t.Errorf("gpu2's taint %q", taint)
+	}
+
+	// A newer generation (the node recycled) offers gpu0 and gpu1 again, not gpu2 while
+	// its partition may be active; once FM deactivated it (ResumeFabric, at every
+	// reload), the next generation does.
+	r.M.Generation = 8
+	r.Sign(t)
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if u := unitsJSON(t, data).Units; len(u) != 1 || u["gpu2"] == nil {
+		t.Fatalf("units.json after generation 8: %+v", u)
+	}
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = 0 })
+	d.ResumeFabric()
+	if got := fm.Active(t); len(got) != 0 {
+		t.Fatalf("FM active %v after the release was asked again", got)
+	}
+	if !logs.has("fabric: claim uid-vm2 (released): partition 10 is not active in FM: dropped") {
+		t.Errorf("resume not logged:\n%s", logs)
+	}
+	r.M.Generation = 9
+	r.Sign(t)
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if u := unitsJSON(t, data).Units; len(u) != 0 {
+		t.Fatalf("units.json after generation 9: %+v", u)
+	}
+}
+
+// TestFabricPluginRestart: the plugin stopped while a claim holds partition 4, FM
+// restarted with --restart meanwhile. The plugin started again hands FM the ledger's
+// list (4, and 7 of a claim whose prepare stopped after FM's answer, before its spec)
+// before it serves; the claim no CDI spec holds has its partition released; the
+// kubelet's unprepare of the other then deactivates 4.
+func TestFabricPluginRestart(t *testing.T) {
+	r := newRig(t)
+	withModules(t, r)
+	fm := fabrictest.New(t)
+	cdiDir, reg, data := filepath.Join(r.Dir, "cdi"), filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	logs := &logLines{}
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: cdiDir, StateDir: data, Logf: logs.logf}
+	withFabric(t, &cfg)
+	d, client, k, _ := start(t, cfg, reg)
+	publishedDevices(t, client, countIs(32))
+	vm := claimUnits(t, client, d, "vm", "gpu0", "gpu1")
+	if got := prepare(t, k, vm); got.Error != "" {
+		t.Fatalf("prepare: %+v", got)
+	}
+	d.Stop()
+	cfg.Fabric.Close()
+
+	// As a plugin stopped between FM's activation of 7 for a claim and its spec leaves
+	// the ledger; FM restarts.
+	l := ledgerOf(t, data)
+	l.Claims["uid-ghost"] = fabric.Entry{Partition: 7, Modules: []int{7, 8}, State: fabric.StateActive}
+	b, _ := json.Marshal(map[string]any{"version": 1, "claims": l.Claims})
+	write(t, filepath.Join(data, fabric.LedgerFile), b)
+	fm.Update(t, func(s *fabrictest.State) { s.Active = append(s.Active, 7) })
+	fm.Restart(t, 5*time.Second)
+
+	withFabric(t, &cfg)
+	d2, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(fm.Log(t), "set_activated 4,7 = 0") || !logs.has("FM was waiting for the active partitions after a restart: handed [4,7]") ||
+		!logs.has("fabric: claim uid-ghost is not prepared: partition 7 released") {
+		t.Fatalf("the ledger's list not handed to FM:\n%v\n%s", fm.Log(t), logs)
+	}
+	if got := fm.Active(t); !slices.Equal(got, []int{4}) {
+		t.Fatalf("FM active %v after the restart, want [4]", got)
+	}
+	if st := fm.Read(t); st.Mode != "serving" {
+		t.Fatalf("FM %s", st.Mode)
+	}
+	if l := ledgerOf(t, data); len(l.Claims) != 1 || l.Claims["uid-vm"].State != fabric.StateActive {
+		t.Fatalf("ledger after the restart: %+v", l.Claims)
+	}
+	// Started on the API the kubelet wiped: the claim still holds gpu0 and gpu1.
+	client2 := fakeAPI(d2.Objects().Node)
+	k2, _ := startOn(t, d2, cfg, reg, client2)
+	publishedDevices(t, client2, func(s []string) bool { return without("gpu0", 24)(s) && without("gpu1", 24)(s) })
+	if got := unprepare(t, k2, vm); got != "" {
+		t.Fatalf("unprepare after the restart: %q", got)
+	}
+	if got := fm.Active(t); len(got) != 0 {
+		t.Fatalf("FM active %v after the unprepare", got)
+	}
+	if u := unitsJSON(t, data).Units; u["gpu0"] == nil || u["gpu1"] == nil || u["gpu0"].State != plugin.StateWithheld {
+		t.Fatalf("units.json %+v", u)
+	}
+}
+
+// TestFabricBeforeTurnaround: with the turnaround on, no step of a unit's recycle (the
+// erase, the resets, the rebinding, the signed generations) runs while FM has its
+// partition active. FM refusing the deactivation leaves gpu0 and gpu1 quarantined
+// (their NVMe holding the tenant's data: nothing ran); FM back, the operator's clear
+// lets the turnaround deactivate first, then recycle and offer them again.
+func TestFabricBeforeTurnaround(t *testing.T) {
+	r := newTurnRig(t)
+	withModules(t, r.Rig)
+	fm := fabrictest.New(t)
+	withFabric(t, &r.cfg)
+	var mu sync.Mutex
+	var during []string // the steps seen with partition 4 active
+	steps := 0
+	r.cfg.Turnaround.Crash = func(unit, step string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		steps++
+		if slices.Contains(fm.Active(t), 4) {
+			during = append(during, unit+" "+step)
+		}
+		return nil
+	}
+	d, client, k, _ := start(t, r.cfg, r.reg)
+	r.cfg.Turnaround.Kube, r.cfg.Turnaround.NodeName = client, d.Objects().Node
+	publishedDevices(t, client, countIs(32))
+	vm := claimUnits(t, client, d, "vm", "gpu0", "gpu1")
+	if got := prepare(t, k, vm); got.Error != "" {
+		t.Fatalf("prepare: %+v", got)
+	}
+	_, c0 := r.nvme(0)
+	c0.Write(1, 0, tenantData)
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabric.FM_ST_NVLINK_ERROR) })
+	if got := unprepare(t, k, vm); got != "" {
+		t.Fatalf("unprepare: %q", got)
+	}
+	stop := runTurnaround(d)
+	defer stop()
+	r.waitFor(t, "gpu0 and gpu1 published quarantined", func() bool {
+		free, tainted := untainted(slicesOf(t, client))
+		return free == 24 && tainted == 8
+	})
+	for _, u := range []string{"gpu0", "gpu1"} {
+		if s := r.units(t).Units[u]; s.State != plugin.StateQuarantined || s.Step != plugin.StepFabric {
+			t.Fatalf("units.json %s: %+v", u, s)
+		}
+	}
+	time.Sleep(100 * time.Millisecond) // five of the turnaround's polls
+	if c0.Dirty(1) == 0 || steps != 0 {
+		t.Fatalf("a quarantined unit was recycled: %d dirty blocks, %d recycle steps", c0.Dirty(1), steps)
+	}
+
+	// FM takes deactivations again; the operator clears the two units.
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = 0 })
+	n, err := client.CoreV1().Nodes().Get(context.Background(), d.Objects().Node, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.Annotations = map[string]string{plugin.ClearAnnotation: "gpu0,gpu1"}
+	if _, err := client.CoreV1().Nodes().Update(context.Background(), n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r.waitFor(t, "gpu0 and gpu1 back", func() bool {
+		free, tainted := untainted(slicesOf(t, client))
+		return free == 32 && tainted == 0
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if steps == 0 || len(during) != 0 {
+		t.Errorf("%d recycle steps, those with partition 4 active: %v", steps, during)
+	}
+	if c0.Dirty(1) != 0 {
+		t.Error("gpu0 returned with the tenant's data")
+	}
+	if got := fm.Active(t); len(got) != 0 {
+		t.Errorf("FM active %v", got)
+	}
+	if l := ledgerOf(t, r.cfg.StateDir); len(l.Claims) != 0 {
+		t.Errorf("ledger %+v", l.Claims)
+	}
+}
