@@ -69,6 +69,7 @@ type Manifest struct {
 	// whether this node matched it; absent when the line carries none.
 	ImagePlan *ImagePlan    `json:"image_plan,omitempty"`
 	Profile   Profile       `json:"profile"`
+	NVLink    *NVLink       `json:"nvlink,omitempty"`
 	Units     []Unit        `json:"units"`
 	GuestPlan *GuestPlan    `json:"guest_plan,omitempty"`
 	Stages    []StageResult `json:"stages"`
@@ -113,6 +114,13 @@ type Profile struct {
 	Digest string `json:"digest"` // "sha256:<hex>"
 }
 
+// NVLink is the node's NVLink layout: Fabric Manager's predefined partitions as
+// module-ID sets, from the signed SKU profile.
+type NVLink struct {
+	Partitions [][]int `json:"partitions"`
+	Source     string  `json:"source"`
+}
+
 // Unit is one GPU with the devices that travel with it into a guest.
 type Unit struct {
 	ID          string      `json:"id"`
@@ -128,6 +136,10 @@ type Unit struct {
 	// CPU (schema 2): a guest's emulated root port cannot show it, so the hypervisor's
 	// NCCL topology file carries it. Zero when the GPU has no root port above it.
 	UpLink Link `json:"uplink"`
+	// ModuleID is the GPU's baseboard module ID, Fabric Manager's physicalId; 0 when
+	// unknown.
+	ModuleID     int    `json:"module_id"`
+	ModuleSource string `json:"module_source"`
 }
 
 // Function is one PCIe function of a unit. IDs are lower-case hex with a 0x prefix, as in
