@@ -13,8 +13,9 @@ import (
 
 // NVLinkPartition is one of the node's NVLink partitions: a set of GPU module IDs that
 // Fabric Manager activates as a whole, in the shared NVSwitch model the only way GPUs of
-// one VM get NVLink between them (NVLINK.md §0, §4: a VM's GPUs must be exactly one
-// predefined partition), with the manifest's units that hold those modules.
+// one VM get NVLink between them (Fabric Manager User Guide, "GPU Partitions": only a
+// partition FM lists, matched exactly, is activated), with the manifest's units that
+// hold those modules.
 type NVLinkPartition struct {
 	// Modules are the partition's module IDs (Fabric Manager's physicalId), ascending.
 	Modules []int

@@ -12,7 +12,7 @@ import (
 )
 
 // hgxLayout is Fabric Manager's default partition table of HGX B200/B300 as module-ID
-// sets (FM User Guide, "DGX B200/B300 and NVIDIA HGX B200/B300"; NVLINK.md §4): IDs 1-15,
+// sets (Fabric Manager User Guide, "DGX B200/B300 and NVIDIA HGX B200/B300"): IDs 1-15,
 // the eight single-GPU partitions included.
 var hgxLayout = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2}, {3, 4}, {5, 6}, {7, 8},
 	{1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}

@@ -331,7 +331,7 @@ func TestVerifyRefuses(t *testing.T) {
 }
 
 // hgxLayout is Fabric Manager's default partition table of HGX B200/B300 as module-ID
-// sets (FM User Guide, "DGX B200/B300 and NVIDIA HGX B200/B300"; NVLINK.md §4), the
+// sets (Fabric Manager User Guide, "DGX B200/B300 and NVIDIA HGX B200/B300"), the
 // single-GPU partitions included.
 var hgxLayout = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 2}, {3, 4}, {5, 6}, {7, 8},
 	{1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
@@ -585,9 +585,9 @@ func TestAllocatorNVLinkPartitions(t *testing.T) {
 	}
 }
 
-// TestAllocatorNVLinkNeverMixes: a partition one of whose units is not offered or has a
-// function taken is not allocatable as a whole, and the allocator does not make up the
-// claim from units of two partitions. Units of unknown module ID never go to an NVLink
+// TestAllocatorNVLinkNeverMixes: a partition one of whose units is not offered, is of
+// another shape, or has a function taken is not allocatable as a whole, and the
+// allocator does not make up the claim from units of two partitions. Units of unknown module ID never go to an NVLink
 // claim, and a node without a layout fails NVLink claims without error.
 func TestAllocatorNVLinkNeverMixes(t *testing.T) {
 	m := nvlinkNode()
@@ -671,6 +671,37 @@ func TestAllocatorNVLinkNeverMixes(t *testing.T) {
 		slices.Sort(got)
 		if !slices.Equal(got, c.want) {
 			t.Errorf("module 2 failed, 5 degraded: claims of %d got %v, want %v", c.n, got, c.want)
+		}
+	}
+
+	// node(): gpu1 (module 2) lost its NVMe, a unit of another shape; gpu2 (3) is
+	// degraded and not published, gpu3 (4) failed. Pair 1-2 mixes two shapes, which no
+	// template takes; 3-4 has no unit offered: only 5-6 and 7-8 pair.
+	sm := node()
+	sm.NVLink = &manifest.NVLink{Partitions: hgxLayout, Source: "profile"}
+	for i := range sm.Units {
+		sm.Units[i].ModuleID = i + 1
+	}
+	sobjs, err := resources.Render(verified(t, sm), resources.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range sobjs.Shapes {
+		b := newAllocator(sobjs)
+		var got []string
+		for i := 0; ; i++ {
+			r := b.allocateSpec(t, fmt.Sprintf("p%d", i), resources.NVLinkClaimSpec(s, 2))
+			if r == nil {
+				break
+			}
+			got = append(got, partitionOf(nvlinkUnits(t, sobjs, sm, s, 2, r)))
+		}
+		want := []string{"[5 6]", "[7 8]"}
+		if s.String() != b300.String() {
+			want = nil
+		}
+		if slices.Sort(got); !slices.Equal(got, want) {
+			t.Errorf("node(): claims of 2 units of shape %s got %v, want %v", s, got, want)
 		}
 	}
 

@@ -14,7 +14,8 @@ import (
 
 // NVLink partitions. In the shared NVSwitch model Fabric Manager joins a VM's GPUs by
 // NVLink only when they are exactly one of its predefined partitions, named by GPU
-// module IDs (on HGX B200/B300: 1-8, 1-4, 5-8, 1-2, 3-4, 5-6, 7-8; NVLINK.md §0, §4).
+// module IDs (on HGX B200/B300: 1-8, 1-4, 5-8, 1-2, 3-4, 5-6, 7-8; Fabric Manager User
+// Guide, "GPU Partitions").
 // Every device of a unit whose module ID the manifest knows carries, for each partition
 // size of the manifest's layout (manifest.NVLink), the partition of that size holding
 // it (AttrNVLinkPartition) and its place there (AttrNVLinkIndex); the NVLink template
