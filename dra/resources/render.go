@@ -272,8 +272,15 @@ func device(m *manifest.Manifest, u *manifest.Unit, f manifest.Function, shape S
 		AttrIOMMUGroup: num(int64(f.IOMMUGroup)),
 		AttrPCIBusID:   str(f.BDF),
 	}
+	// A value of its own for each device, as every other attribute: no device's slice
+	// shares a pointer with another's.
 	for k, a := range nv {
-		attrs[k] = a
+		switch {
+		case a.StringValue != nil:
+			attrs[k] = str(*a.StringValue)
+		case a.IntValue != nil:
+			attrs[k] = num(*a.IntValue)
+		}
 	}
 	// A function without NUMA affinity publishes no numaNode (deviceattribute's rule).
 	if f.NUMANode >= 0 {
