@@ -32,6 +32,9 @@ type Input struct {
 	// PhysBits is the guest physical address width asked for; 0 takes the width the
 	// units' BARs need (Guest.MMIO). A width that cannot hold them is refused.
 	PhysBits int
+	// NVLinks, when above 0, says the guest's units are one NVLink partition
+	// (NVLinkGuest), each GPU with this many NVLinks (NVLinks): the NCCL file says so.
+	NVLinks int
 }
 
 // Refused is a rendering refused by a unit's verdict.
@@ -137,7 +140,7 @@ func Render(in Input, format string, dom topology.DomainOptions) (*Rendering, er
 	case FormatLibvirtDevices:
 		r.Out, err = g.Libvirt()
 	case FormatNCCL:
-		r.Out, err = g.NCCLTopology()
+		r.Out, err = g.NCCLTopologyWith(topology.NCCLOptions{NVLinks: in.NVLinks})
 	}
 	if err != nil {
 		return nil, err

@@ -222,7 +222,43 @@ type ncclPCI struct {
 	SubsystemDevice string    `xml:"subsystem_device,attr"`
 	LinkSpeed       string    `xml:"link_speed,attr"`
 	LinkWidth       int       `xml:"link_width,attr"`
+	GPU             *ncclGPU  `xml:"gpu"`
 	PCIs            []ncclPCI `xml:"pci"`
+}
+
+// ncclGPU is a GPU's own node, written only to carry its NVLinks: NCCL fills dev and sm
+// when they are left out, and asks NVML for NVLinks only when the node has none
+// (ncclTopoGetXmlFromGpu, src/graph/xml.cc).
+type ncclGPU struct {
+	NVLinks []ncclNVLink `xml:"nvlink"`
+}
+
+// ncclNVLink is one <nvlink> as NCCL_TOPO_DUMP_FILE writes it in a Blackwell guest, where
+// the NVSwitches are not PCI devices: target ncclNVSwitchTarget, tclass
+// ncclNVSwitchClass, count the GPU's links. NCCL joins every GPU with such a link to one
+// NVSwitch node (ncclTopoAddNvLinks, src/graph/topo.cc).
+type ncclNVLink struct {
+	Target string `xml:"target,attr"`
+	Count  int    `xml:"count,attr"`
+	TClass string `xml:"tclass,attr"`
+}
+
+// The NVSwitch an NVLink reaches in a guest, as NCCL writes it (testdata/realworld/
+// guest-b200x8-nccl-topo.xml): no PCI device, the bus ID NVML gives for a remote end the
+// guest cannot see, and the class NCCL reads as an NVSwitch (PCI class 0x0680, "other
+// bridge").
+const (
+	ncclNVSwitchTarget = "fffffff:ff:ff.0"
+	ncclNVSwitchClass  = "0x068000"
+)
+
+// NCCLOptions are what the NCCL file says beyond the plan's PCIe tree.
+type NCCLOptions struct {
+	// NVLinks, when above 0, says the guest's GPUs are exactly one NVLink partition of
+	// the node's NVSwitch fabric, each GPU with this many NVLinks to it. A file holds one
+	// NVSwitch (NCCL has one), so a guest whose GPUs are not one partition gets none:
+	// NCCL then asks NVML, as without a file.
+	NVLinks int
 }
 
 // sysfsSpeed writes a link speed as sysfs current_link_speed does ("32.0 GT/s PCIe"),
@@ -240,7 +276,11 @@ func sysfsSpeed(l Link) string {
 // NCCLTopology renders the NCCL topology file. It carries the host's real link speeds
 // and widths (Gen6 x16 GPU-NIC, Gen5 x16 to the CPU on B300): QEMU's emulated switch
 // ports report 2.5 GT/s x1, and NCCL would size its paths from that.
-func (g *Guest) NCCLTopology() ([]byte, error) {
+func (g *Guest) NCCLTopology() ([]byte, error) { return g.NCCLTopologyWith(NCCLOptions{}) }
+
+// NCCLTopologyWith is NCCLTopology with what the PCIe tree cannot show: the GPUs'
+// NVLinks when they form one partition.
+func (g *Guest) NCCLTopologyWith(o NCCLOptions) ([]byte, error) {
 	sys := ncclSystem{Version: 1}
 	cpus := map[int]int{}
 	for _, u := range g.Units {
@@ -261,10 +301,14 @@ func (g *Guest) NCCLTopology() ([]byte, error) {
 				continue // NCCL has no use for the NVMe
 			}
 			h, l := f.Host, f.Host.Link
-			sw.PCIs = append(sw.PCIs, ncclPCI{BusID: f.Addr.String(), Class: fmt.Sprintf("0x%06x", h.Class),
+			p := ncclPCI{BusID: f.Addr.String(), Class: fmt.Sprintf("0x%06x", h.Class),
 				Vendor: fmt.Sprintf("0x%04x", h.Vendor), Device: fmt.Sprintf("0x%04x", h.Device),
 				SubsystemVendor: fmt.Sprintf("0x%04x", h.SubsystemVendor), SubsystemDevice: fmt.Sprintf("0x%04x", h.SubsystemDevice),
-				LinkSpeed: sysfsSpeed(l), LinkWidth: l.Width})
+				LinkSpeed: sysfsSpeed(l), LinkWidth: l.Width}
+			if f.Role == RoleGPU && o.NVLinks > 0 {
+				p.GPU = &ncclGPU{NVLinks: []ncclNVLink{{Target: ncclNVSwitchTarget, Count: o.NVLinks, TClass: ncclNVSwitchClass}}}
+			}
+			sw.PCIs = append(sw.PCIs, p)
 		}
 		sys.CPUs[ci].PCIs = append(sys.CPUs[ci].PCIs, sw)
 	}

@@ -263,7 +263,17 @@ func (c Config) DefineDomain(in []byte) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	nccl, err := ncclOf(g, buses)
+	names := make([]string, len(ids))
+	for i, id := range ids {
+		names[i] = id.String()
+	}
+	// The NCCL file says the GPUs share NVLink when the units are one partition of the
+	// manifest's layout, the only guest Fabric Manager joins by NVLink.
+	nv, err := hypervisor.GuestNVLinks(m, names)
+	if err != nil {
+		return nil, err
+	}
+	nccl, err := ncclOf(g, buses, topology.NCCLOptions{NVLinks: nv})
 	if err != nil {
 		return nil, err
 	}
@@ -997,18 +1007,18 @@ func (t *tree) buses() (buses map[int]int, next int, err error) {
 }
 
 // NCCL renders the guest's NCCL topology file with each bus ID read from domain (the
-// one handed back) as the guest will number it; a plan whose predicted bus IDs the
-// domain does not give is an error, not a file with the wrong ones.
-func NCCL(g *topology.Guest, domain []byte) ([]byte, error) {
+// one handed back) as the guest will number it, and o's NVLinks; a plan whose predicted
+// bus IDs the domain does not give is an error, not a file with the wrong ones.
+func NCCL(g *topology.Guest, domain []byte, o topology.NCCLOptions) ([]byte, error) {
 	buses, err := GuestBuses(domain)
 	if err != nil {
 		return nil, err
 	}
-	return ncclOf(g, buses)
+	return ncclOf(g, buses, o)
 }
 
 // ncclOf is NCCL with the domain's guest buses already numbered.
-func ncclOf(g *topology.Guest, buses map[int]int) ([]byte, error) {
+func ncclOf(g *topology.Guest, buses map[int]int, o topology.NCCLOptions) ([]byte, error) {
 	for _, u := range g.Units {
 		for _, f := range u.Functions {
 			b, ok := buses[f.Port.Index]
@@ -1020,5 +1030,5 @@ func ncclOf(g *topology.Guest, buses map[int]int) ([]byte, error) {
 			return nil, fmt.Errorf("unit %s: the domain numbers its switch bus %#x, the plan %#x", u.Unit, b, u.Upstream.Addr.Bus)
 		}
 	}
-	return g.NCCLTopology()
+	return g.NCCLTopologyWith(o)
 }

@@ -48,3 +48,15 @@ func KubeVirt(s Shape, claim string, degraded bool) VMIClaims {
 	}
 	return v
 }
+
+// KubeVirtNVLink is the stanza claiming one whole NVLink partition of n units of shape s
+// under the claim name claim: one claim from the shape's NVLink template of n
+// (NVLinkTemplate), and a host device per request (claim-u0-gpu, claim-u0-gpu-nic-0,
+// ...), since KubeVirt takes one device per request.
+func KubeVirtNVLink(s Shape, n int, claim string) VMIClaims {
+	v := VMIClaims{ResourceClaims: []VMIResourceClaim{{Name: claim, ResourceClaimTemplateName: s.NVLinkTemplateName(n)}}}
+	for _, r := range s.NVLinkRequestNames(n) {
+		v.Domain.Devices.HostDevices = append(v.Domain.Devices.HostDevices, VMIHostDevice{Name: claim + "-" + r, ClaimName: claim, RequestName: r})
+	}
+	return v
+}

@@ -64,10 +64,19 @@ func documents(t *testing.T, b []byte) [][]byte {
 // k8s.io/kubernetes/pkg/apis/resource/validation (not a dependency: too big), such as
 // the cross-field rules of a slice's node selection; a cluster checks those.
 func TestObjectsDecodeStrictlyAndValidate(t *testing.T) {
-	objs, err := resources.Render(verified(t, node()), resources.Options{Degraded: true,
+	// With an NVLink layout, so the NVLink templates of both shapes are checked too.
+	m := node()
+	m.NVLink = &manifest.NVLink{Partitions: hgxLayout, Source: "profile"}
+	for i := range m.Units {
+		m.Units[i].ModuleID = i + 1
+	}
+	objs, err := resources.Render(verified(t, m), resources.Options{Degraded: true,
 		PCIeRoot: func(bdf string) (string, error) { return "pci0000:" + bdf[5:7], nil }})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if len(objs.NVLinkTemplates) != 6 {
+		t.Fatalf("%d NVLink templates, want 2, 4 and 8 units of both shapes", len(objs.NVLinkTemplates))
 	}
 	var out bytes.Buffer
 	if err := resources.WriteYAML(&out, objs.List()); err != nil {
@@ -103,10 +112,29 @@ func TestObjectsDecodeStrictlyAndValidate(t *testing.T) {
 			selectors = o.Spec.Selectors
 		case *resourceapi.ResourceClaimTemplate:
 			errs = resourceapi.Validate_ResourceClaimTemplateSpec(ctx, create, field.NewPath("spec"), &o.Spec, nil)
+			reqs := map[string]bool{}
 			for _, r := range o.Spec.Spec.Devices.Requests {
 				selectors = append(selectors, r.Exactly.Selectors...)
 				if msgs := validation.IsDNS1123Label(r.Name); len(msgs) > 0 {
 					t.Errorf("request %s: %v", r.Name, msgs)
+				}
+				if reqs[r.Name] {
+					t.Errorf("template %s: request %s twice", o.Name, r.Name)
+				}
+				reqs[r.Name] = true
+			}
+			// The API server's hand-written rules for a claim's constraints
+			// (validateDeviceConstraint): each names requests of the claim, once.
+			if n := len(o.Spec.Spec.Devices.Constraints); n > resourceapi.DeviceConstraintsMaxSize {
+				t.Errorf("template %s: %d constraints", o.Name, n)
+			}
+			for _, c := range o.Spec.Spec.Devices.Constraints {
+				seen := map[string]bool{}
+				for _, r := range c.Requests {
+					if !reqs[r] || seen[r] {
+						t.Errorf("template %s: constraint names request %s, unknown or twice", o.Name, r)
+					}
+					seen[r] = true
 				}
 			}
 		default:

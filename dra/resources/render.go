@@ -87,6 +87,14 @@ type Objects struct {
 	DegradedTemplates []*resourceapi.ResourceClaimTemplate
 	// Shapes are the templates' unit shapes, in the same order.
 	Shapes []Shape
+	// NVLinkTemplates are, for each shape and each partition size of the manifest's
+	// NVLink layout that an offered unit of the shape is in, the template of one whole
+	// partition of that many units (NVLinkTemplate), by shape and then size.
+	NVLinkTemplates []*resourceapi.ResourceClaimTemplate
+	// NVLinkLeftOut are the NVLink templates not rendered because the API would refuse
+	// them, each with why (eight units of five functions are more requests than a claim
+	// takes).
+	NVLinkLeftOut []string
 }
 
 // Shape is a unit's functions by role, in the manifest's order (GPU first): what one
@@ -157,7 +165,12 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 		return nil, fmt.Errorf("manifest generation %d: beyond the API's int64", m.Generation)
 	}
 	o := &Objects{Node: node, Pool: pool, Generation: int64(m.Generation)}
+	nv, sizes, err := nvlinkOf(m)
+	if err != nil {
+		return nil, fmt.Errorf("manifest: %w", err)
+	}
 	shapes := map[string]bool{}
+	nvShapes := map[string]map[int]bool{} // shape → partition sizes its offered units are in
 	for i := range m.Units {
 		u := &m.Units[i]
 		switch {
@@ -177,8 +190,16 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 			shapes[shape.String()] = true
 			o.Shapes = append(o.Shapes, shape)
 		}
+		for _, n := range sizes {
+			if _, ok := nv[u.ID][AttrNVLinkPartition(n)]; ok {
+				if nvShapes[shape.String()] == nil {
+					nvShapes[shape.String()] = map[int]bool{}
+				}
+				nvShapes[shape.String()][n] = true
+			}
+		}
 		for _, f := range u.Functions {
-			d, err := device(m, u, f, shape, opts)
+			d, err := device(m, u, f, shape, nv[u.ID], opts)
 			if err != nil {
 				return nil, fmt.Errorf("unit %q function %s: %w", manifest.Printable(u.ID), manifest.Printable(f.BDF), err)
 			}
@@ -192,6 +213,18 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 		o.Templates = append(o.Templates, Template(s, false))
 		if opts.Degraded {
 			o.DegradedTemplates = append(o.DegradedTemplates, Template(s, true))
+		}
+	}
+	for _, s := range o.Shapes {
+		for _, n := range sizes {
+			if !nvShapes[s.String()][n] {
+				continue
+			}
+			if err := checkNVLink(s, n); err != nil {
+				o.NVLinkLeftOut = append(o.NVLinkLeftOut, fmt.Sprintf("%s: %v", s.NVLinkTemplateName(n), err))
+				continue
+			}
+			o.NVLinkTemplates = append(o.NVLinkTemplates, NVLinkTemplate(s, n))
 		}
 	}
 	return o, nil
@@ -225,7 +258,7 @@ func checkShape(unit string, s Shape) error {
 func str(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{StringValue: &s} }
 func num(n int64) resourceapi.DeviceAttribute  { return resourceapi.DeviceAttribute{IntValue: &n} }
 
-func device(m *manifest.Manifest, u *manifest.Unit, f manifest.Function, shape Shape, opts Options) (resourceapi.Device, error) {
+func device(m *manifest.Manifest, u *manifest.Unit, f manifest.Function, shape Shape, nv map[resourceapi.QualifiedName]resourceapi.DeviceAttribute, opts Options) (resourceapi.Device, error) {
 	name := DeviceName(u.ID, f.BDF)
 	if errs := validation.IsDNS1123Label(name); len(errs) > 0 {
 		return resourceapi.Device{}, fmt.Errorf("device name %q: %s", manifest.Printable(name), strings.Join(errs, "; "))
@@ -238,6 +271,16 @@ func device(m *manifest.Manifest, u *manifest.Unit, f manifest.Function, shape S
 		AttrGeneration: num(int64(m.Generation)),
 		AttrIOMMUGroup: num(int64(f.IOMMUGroup)),
 		AttrPCIBusID:   str(f.BDF),
+	}
+	// A value of its own for each device, as every other attribute: no device's slice
+	// shares a pointer with another's.
+	for k, a := range nv {
+		switch {
+		case a.StringValue != nil:
+			attrs[k] = str(*a.StringValue)
+		case a.IntValue != nil:
+			attrs[k] = num(*a.IntValue)
+		}
 	}
 	// A function without NUMA affinity publishes no numaNode (deviceattribute's rule).
 	if f.NUMANode >= 0 {

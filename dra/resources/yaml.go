@@ -18,6 +18,9 @@ func (o *Objects) List() []runtime.Object {
 	for _, t := range o.DegradedTemplates {
 		out = append(out, t)
 	}
+	for _, t := range o.NVLinkTemplates {
+		out = append(out, t)
+	}
 	for _, s := range o.Slices {
 		out = append(out, s)
 	}

@@ -3,8 +3,8 @@
 // request per function, all on one unit), and prepares claimed units for KubeVirt.
 //
 //	passage-dra slices   [flags] MANIFEST   the DeviceClass, claim templates and slices (YAML)
-//	passage-dra kubevirt [flags] MANIFEST   the VMI resourceClaims/hostDevices stanza for a unit
-//	passage-dra nccl-xml [flags] MANIFEST   the NCCL topology file for a unit's guest
+//	passage-dra kubevirt [flags] MANIFEST   the VMI resourceClaims/hostDevices stanza for units
+//	passage-dra nccl-xml [flags] MANIFEST   the NCCL topology file for the units' guest
 //	passage-dra plugin   [flags]            run the kubelet plugin (the DaemonSet's command)
 //	passage-dra fabric check [flags] MANIFEST  hold Fabric Manager's partitions to the manifest
 //
@@ -58,7 +58,9 @@ var simulate func(root string, t *plugin.Turnaround) error
 const usage = `usage: passage-dra COMMAND [flags]
   slices   MANIFEST  print the DeviceClass, ResourceClaimTemplates and ResourceSlices (YAML)
   kubevirt MANIFEST  print the VMI resourceClaims/hostDevices stanza for --unit's shape
+                     (units that are one NVLink partition: one claim of the partition)
   nccl-xml MANIFEST  print the NCCL topology file for --unit's guest
+                     (units that are one NVLink partition: their GPUs' NVLinks too)
   plugin             run the kubelet plugin
   fabric check MANIFEST  hold Fabric Manager's NVLink partitions to the manifest's units
                      and NVLink layout; each mismatch printed, exit 1 on any
@@ -199,6 +201,9 @@ func cmdSlices(fs *flag.FlagSet, args []string, o *options, stdout, stderr io.Wr
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 1
 	}
+	for _, l := range objs.NVLinkLeftOut {
+		fmt.Fprintf(stderr, "%s: no template %s\n", fs.Name(), l)
+	}
 	return 0
 }
 
@@ -238,16 +243,33 @@ func cmdUnit(cmd string, fs *flag.FlagSet, args []string, o *options, stdout, st
 		}
 		picked = append(picked, u)
 	}
+	ids := make([]string, len(picked))
+	ready := true
+	for i, u := range picked {
+		ids[i] = u.ID
+		ready = ready && u.Status == manifest.StatusReady
+	}
+	// Units that are one NVLink partition of the manifest's layout are claimed as one
+	// (the shape's NVLink template), and their NCCL file says their GPUs share NVLink.
+	// The NVLink templates take ready units only: with a degraded unit they are claimed
+	// one by one, and get no NVLink.
+	part, isPart, err := hypervisor.NVLinkGuest(v.Manifest, ids)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: REFUSED: manifest: %v\n", fs.Name(), err)
+		return 1
+	}
+	isPart = isPart && ready && sameShape(picked)
 	var out []byte
-	var err error
 	switch cmd {
 	case "kubevirt":
+		if isPart {
+			s := resources.KubeVirtNVLink(shapeOf(picked[0]), len(part.Modules), *claim)
+			out, err = yaml.Marshal(map[string]any{"spec": s})
+			break
+		}
 		var spec resources.VMIClaims
 		for i, u := range picked {
-			shape := make(resources.Shape, len(u.Functions))
-			for j, f := range u.Functions {
-				shape[j] = f.Role
-			}
+			shape := shapeOf(u)
 			name := *claim
 			if len(picked) > 1 {
 				name = fmt.Sprintf("%s-%d", *claim, i)
@@ -260,11 +282,11 @@ func cmdUnit(cmd string, fs *flag.FlagSet, args []string, o *options, stdout, st
 		}
 		out, err = yaml.Marshal(map[string]any{"spec": spec})
 	case "nccl-xml":
-		ids := make([]string, len(picked))
-		for i, u := range picked {
-			ids[i] = u.ID
+		nvlinks := 0
+		if isPart {
+			nvlinks = hypervisor.NVLinks(v.Manifest)
 		}
-		out, err = ncclXML(v.Manifest, ids, *numa, degraded)
+		out, err = ncclXML(v.Manifest, ids, *numa, degraded, nvlinks)
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
@@ -274,9 +296,27 @@ func cmdUnit(cmd string, fs *flag.FlagSet, args []string, o *options, stdout, st
 	return 0
 }
 
-// ncclXML is passage render --format nccl-xml of the one unit, from the verified
-// manifest alone.
-func ncclXML(m *manifest.Manifest, units []string, numa, degraded bool) ([]byte, error) {
+func shapeOf(u *manifest.Unit) resources.Shape {
+	s := make(resources.Shape, len(u.Functions))
+	for i, f := range u.Functions {
+		s[i] = f.Role
+	}
+	return s
+}
+
+func sameShape(units []*manifest.Unit) bool {
+	for _, u := range units {
+		if shapeOf(u).String() != shapeOf(units[0]).String() {
+			return false
+		}
+	}
+	return true
+}
+
+// ncclXML is passage render --format nccl-xml of the units, from the verified manifest
+// alone; nvlinks above 0 says their GPUs are one NVLink partition with that many
+// NVLinks each.
+func ncclXML(m *manifest.Manifest, units []string, numa, degraded bool, nvlinks int) ([]byte, error) {
 	ids := make([]topology.UnitID, len(units))
 	for i, u := range units {
 		if err := ids[i].UnmarshalText([]byte(u)); err != nil {
@@ -291,7 +331,7 @@ func ncclXML(m *manifest.Manifest, units []string, numa, degraded bool) ([]byte,
 	if err != nil {
 		return nil, err
 	}
-	r, err := hypervisor.Render(hypervisor.Input{Sources: sources, Units: ids, NUMA: numa, AllowDegraded: degraded, HostCPUs: cpus},
+	r, err := hypervisor.Render(hypervisor.Input{Sources: sources, Units: ids, NUMA: numa, AllowDegraded: degraded, HostCPUs: cpus, NVLinks: nvlinks},
 		"nccl-xml", topology.DomainOptions{})
 	if err != nil {
 		return nil, err
