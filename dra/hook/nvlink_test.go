@@ -18,9 +18,9 @@ func TestDefineDomainNVLink(t *testing.T) {
 		m.NVLink = &manifest.NVLink{Source: "profile", Partitions: [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8},
 			{1, 2}, {3, 4}, {5, 6}, {7, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}}
 		for i := range m.Units {
-			m.Units[i].ModuleID = i + 1
+			m.Units[i].ModuleID, m.Units[i].ModuleSource = i+1, "test wiring"
 		}
-		m.Units[6].ModuleID = 0 // module 7 unknown: {7,8} and {5-8} are no VM's
+		m.Units[6].ModuleID, m.Units[6].ModuleSource = 0, "" // module 7 unknown: {7,8} and {5-8} are no VM's
 	}
 	link := []byte(`<nvlink target="fffffff:ff:ff.0" count="18" tclass="0x068000"></nvlink>`)
 	for _, tc := range []struct {

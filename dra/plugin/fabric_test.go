@@ -181,9 +181,9 @@ func TestFabricPrepareUnprepare(t *testing.T) {
 	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate, s.Mode = 0, "gone" })
 	refused("vm5", "FM_ST_CONNECTION_NOT_VALID (-9)", "gpu6", "gpu7")
 	fm.Update(t, func(s *fabrictest.State) { s.Mode, s.Epoch = "serving", s.Epoch+1 })
-	r.M.Units[7].ModuleID, r.M.Units[7].ModuleSource = 0, "nvml: not visible (vfio-pci)"
+	r.M.Units[7].ModuleID, r.M.Units[7].ModuleSource = 0, ""
 	r.Sign(t)
-	refused("vm6", `unit gpu7: GPU Module ID unknown in manifest generation 7 (module_source "nvml: not visible (vfio-pci)")`, "gpu7")
+	refused("vm6", "unit gpu7: GPU Module ID unknown in manifest generation 7: no FM partition can be matched to it", "gpu7")
 	if got := fm.Active(t); !slices.Equal(got, []int{4, 10}) {
 		t.Fatalf("FM active %v after the refused claims", got)
 	}

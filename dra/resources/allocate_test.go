@@ -412,7 +412,7 @@ func partitionOf(mods []int) string {
 // and no NVLink template.
 func TestNVLinkAttributes(t *testing.T) {
 	m := nvlinkNode()
-	m.Units[2].ModuleID = 0
+	m.Units[2].ModuleID, m.Units[2].ModuleSource = 0, ""
 	objs, err := resources.Render(verified(t, m), resources.Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -497,11 +497,15 @@ func TestNVLinkAttributes(t *testing.T) {
 		t.Fatalf("five-function units: NVLink templates %v, left out %q", names, objs.NVLinkLeftOut)
 	}
 
-	// A module two units give cannot be told apart: the manifest is refused, naming it.
+	// A module two units give cannot be told apart: the manifest is refused, naming it
+	// (by the one verification path, before anything is rendered).
 	m = nvlinkNode()
 	m.Units[5].ModuleID = 5
-	if _, err := resources.Render(verified(t, m), resources.Options{}); err == nil || !strings.Contains(err.Error(), "module 5 is both unit gpu4 and unit gpu5") {
-		t.Fatalf("render with module 5 twice: %v", err)
+	dir := t.TempDir()
+	k := signedtest.NewKey(t, filepath.Join(dir, "keys"), "node", 1, m.Node.DMIUUID)
+	path := k.Sign(t, m, filepath.Join(dir, "manifest.dsse.json"))
+	if _, err := resources.Verify(path, resources.Source{Keys: filepath.Dir(k.Pub), NodeUUID: m.Node.DMIUUID}); err == nil || !strings.Contains(err.Error(), `unit "gpu5": Module ID 5 also unit "gpu4"'s`) {
+		t.Fatalf("verify with module 5 twice: %v", err)
 	}
 }
 
@@ -680,7 +684,7 @@ func TestAllocatorNVLinkNeverMixes(t *testing.T) {
 	sm := node()
 	sm.NVLink = &manifest.NVLink{Partitions: hgxLayout, Source: "profile"}
 	for i := range sm.Units {
-		sm.Units[i].ModuleID = i + 1
+		sm.Units[i].ModuleID, sm.Units[i].ModuleSource = i+1, "test wiring"
 	}
 	sobjs, err := resources.Render(verified(t, sm), resources.Options{})
 	if err != nil {
@@ -709,6 +713,7 @@ func TestAllocatorNVLinkNeverMixes(t *testing.T) {
 	// never by an NVLink claim; the rest pair as before.
 	um := nvlinkNode()
 	um.Units[0].ModuleID, um.Units[1].ModuleID = 0, 0
+	um.Units[0].ModuleSource, um.Units[1].ModuleSource = "", ""
 	uobjs, err := resources.Render(verified(t, um), resources.Options{})
 	if err != nil {
 		t.Fatal(err)

@@ -68,7 +68,7 @@ func TestObjectsDecodeStrictlyAndValidate(t *testing.T) {
 	m := node()
 	m.NVLink = &manifest.NVLink{Partitions: hgxLayout, Source: "profile"}
 	for i := range m.Units {
-		m.Units[i].ModuleID = i + 1
+		m.Units[i].ModuleID, m.Units[i].ModuleSource = i+1, "test wiring"
 	}
 	objs, err := resources.Render(verified(t, m), resources.Options{Degraded: true,
 		PCIeRoot: func(bdf string) (string, error) { return "pci0000:" + bdf[5:7], nil }})

@@ -49,17 +49,17 @@ func TestFabricCheckCommand(t *testing.T) {
 	}
 	fm.Update(t, func(s *fabrictest.State) { s.Listen = "" })
 
-	// gpu3's Module ID unknown, gpu5 given gpu2's; the layout H100's pairs; FM with
+	// gpu3's Module ID unknown, gpu5 given a module FM has no GPU of; the layout H100's pairs; FM with
 	// a GPU's NVLinks down.
-	r.M.Units[3].ModuleID, r.M.Units[3].ModuleSource = 0, "nvml: not visible"
-	r.M.Units[5].ModuleID = 3
+	r.M.Units[3].ModuleID, r.M.Units[3].ModuleSource = 0, ""
+	r.M.Units[5].ModuleID = 9
 	r.M.NVLink.Partitions = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 3}, {2, 4}, {5, 7}, {6, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
 	r.Sign(t)
 	fm.Update(t, func(s *fabrictest.State) { s.Links[8] = 17 })
 	code, out, errs = check()
 	want := []string{
-		`unit gpu3: GPU Module ID unknown (module_source "nvml: not visible")`,
-		"unit gpu5: module 3 is unit gpu2's too",
+		"unit gpu3: GPU Module ID unknown: no FM partition can be matched to it",
+		"unit gpu5: module 9 is in none of FM's partitions",
 		"FM partition 1 (modules 1,2,3,4,5,6,7,8) is degraded: module 8 has 17 of 18 NVLinks",
 		"FM partition 3 (modules 5,6,7,8) is degraded: module 8 has 17 of 18 NVLinks",
 		"FM partition 4 (modules 1,2): the manifest's NVLink layout has no such module set",

@@ -25,7 +25,7 @@ func TestNVLinkCommands(t *testing.T) {
 	m.NVLink = &manifest.NVLink{Source: "profile", Partitions: [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8},
 		{1, 2}, {3, 4}, {5, 6}, {7, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}}
 	for i := range m.Units {
-		m.Units[i].ModuleID = i + 1
+		m.Units[i].ModuleID, m.Units[i].ModuleSource = i+1, "test wiring"
 	}
 	m.Units[3].Status, m.Units[3].Reasons = manifest.StatusFailed, []string{"acs: mismatch"}
 	k := signedtest.NewKey(t, filepath.Join(dir, "keys"), "a", 1, m.Node.DMIUUID)
