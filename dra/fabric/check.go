@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"github.com/passage-boot/passage/manifest"
 )
 
 // Layout is what a node's manifest says of its NVLink fabric, for Check: its units'
@@ -13,6 +15,19 @@ type Layout struct {
 	// Partitions are the SKU's module-ID sets; nil when the manifest declares none.
 	Partitions [][]int
 	Source     string // where the manifest took them from
+}
+
+// LayoutOf is what the manifest says of the node's NVLink fabric: the units' Module IDs
+// and the SKU's declared partitions (fabric check, and the plugin before it publishes).
+func LayoutOf(m *manifest.Manifest) Layout {
+	var l Layout
+	for _, u := range m.Units {
+		l.Units = append(l.Units, LayoutUnit{ID: u.ID, Module: u.ModuleID, Source: u.ModuleSource})
+	}
+	if m.NVLink != nil {
+		l.Partitions, l.Source = m.NVLink.Partitions, m.NVLink.Source
+	}
+	return l
 }
 
 // LayoutUnit is one unit's GPU.

@@ -318,6 +318,8 @@ type Report struct {
 	// Differences are where FM and the ledger still disagree, each naming the
 	// partition and the claim.
 	Differences []string
+	// Partitions is FM's partition list as Resume read it.
+	Partitions []Partition
 }
 
 // Lines are the report's sentences, for a log.
@@ -350,6 +352,7 @@ func (f *Fabric) Resume() (Report, error) {
 	if err != nil {
 		return r, err
 	}
+	r.Partitions = ps
 	byID := map[uint32]Partition{}
 	for _, p := range ps {
 		byID[p.ID] = p

@@ -113,6 +113,9 @@ func (d *Driver) ResumeFabric() {
 	var lines []string
 	r, err := f.Resume()
 	lines = append(lines, r.Lines()...)
+	if err == nil {
+		lines = append(lines, d.holdNVLink(r.Partitions)...)
+	}
 	if err != nil {
 		lines = append(lines, err.Error())
 	} else if specs, err := d.specs(); err != nil {
@@ -141,4 +144,57 @@ func (d *Driver) ResumeFabric() {
 	for _, l := range lines {
 		d.logf("fabric: %s", l)
 	}
+}
+
+// holdNVLink takes FM's list as Resume read it and renders the objects again when what
+// it says of the NVLink partitions changed (published at the next publish: the reload
+// follows). FM out of reach changes nothing: prepare fails closed on its own. It returns
+// lines to log.
+func (d *Driver) holdNVLink(fm []fabric.Partition) []string {
+	d.fmParts = fm
+	if d.v == nil {
+		return nil
+	}
+	off := d.nvlinkOffFor(d.v)
+	var lines []string
+	if off != d.nvlinkOff {
+		if err := d.render(d.v); err != nil {
+			return []string{fmt.Sprintf("NVLink partitions: render: %v", err)}
+		}
+	}
+	switch {
+	case off != "":
+		lines = append(lines, off)
+	case d.nvlinkSaid != "":
+		lines = append(lines, "Fabric Manager's partitions agree with the manifest: NVLink partitions published")
+	}
+	d.nvlinkSaid = off
+	return lines
+}
+
+// nvlinkOffFor holds v's NVLink partitions to FM's list as last read (fabric.Check over
+// the units whose Module ID the manifest knows: the others publish none anyway): why
+// none may be published while they disagree, so that no claim of a partition is
+// allocated that prepare would refuse; "" while they agree, without a layout, or
+// before FM was read.
+func (d *Driver) nvlinkOffFor(v *manifest.Verified) string {
+	if d.fmParts == nil || v == nil {
+		return ""
+	}
+	l := fabric.LayoutOf(v.Manifest)
+	if l.Partitions == nil {
+		return ""
+	}
+	known := l.Units[:0:0]
+	for _, u := range l.Units {
+		if u.Module > 0 {
+			known = append(known, u)
+		}
+	}
+	l.Units = known
+	mm := fabric.Check(l, d.fmParts)
+	if len(mm) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("Fabric Manager's %d partitions and manifest generation %d disagree (%d mismatches: %s): no NVLink partition is published", len(d.fmParts), v.Manifest.Generation, len(mm), strings.Join(mm, "; "))
 }

@@ -407,3 +407,67 @@ func TestFabricBeforeTurnaround(t *testing.T) {
 		t.Errorf("ledger %+v", l.Claims)
 	}
 }
+
+// nvlinkDevices lists the published devices that carry an NVLink partition attribute of
+// size 2.
+func nvlinkDevices(t *testing.T, client *fake.Clientset) int {
+	t.Helper()
+	list, err := client.ResourceV1().ResourceSlices().List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, s := range list.Items {
+		for _, dev := range s.Spec.Devices {
+			if _, ok := dev.Attributes[resources.AttrNVLinkPartition(2)]; ok {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// TestFabricHoldsNVLinkToFM: the NVLink partitions are published only while FM's list
+// agrees with the manifest. A manifest that declares H100's pairs ({1,3}, {2,4}, ...)
+// on an FM that offers B300's ({1,2}, {3,4}, ...) publishes no NVLink attribute, naming
+// the disagreement; the same node's next generation, with the layout FM offers,
+// publishes them again at the next reload, which says so.
+func TestFabricHoldsNVLinkToFM(t *testing.T) {
+	r := newRig(t)
+	withModules(t, r)
+	r.M.NVLink.Partitions = [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 3}, {2, 4}, {5, 7}, {6, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
+	r.Key.Sign(t, r.M, r.Path)
+	fabrictest.New(t)
+	reg, data := filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	logs := &logLines{}
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: filepath.Join(r.Dir, "cdi"), StateDir: data, Logf: logs.logf}
+	withFabric(t, &cfg)
+	d, client, _, ctx := start(t, cfg, reg)
+	publishedDevices(t, client, countIs(32))
+	if n := nvlinkDevices(t, client); n != 0 {
+		t.Fatalf("%d devices published with an NVLink partition FM does not offer", n)
+	}
+	if !logs.has("FM partition 4 (modules 1,2): the manifest's NVLink layout has no such module set") || !logs.has("no NVLink partition is published") {
+		t.Fatalf("the disagreement is not named:\n%s", logs)
+	}
+
+	r.M.Generation++
+	r.M.NVLink.Partitions = b300Partitions
+	r.Key.Sign(t, r.M, r.Path)
+	d.ResumeFabric()
+	if err := d.Reload(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The slices are published in the background: wait for them.
+	deadline := time.Now().Add(10 * time.Second)
+	for n := nvlinkDevices(t, client); n != 32; n = nvlinkDevices(t, client) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of 32 devices published with their NVLink partition once FM and the manifest agree\n%s", n, logs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	d.ResumeFabric() // the next reload's: FM's list held to the generation published
+	if !logs.has("agree with the manifest: NVLink partitions published") {
+		t.Fatalf("the agreement is not said:\n%s", logs)
+	}
+}

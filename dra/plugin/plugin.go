@@ -120,6 +120,13 @@ type Driver struct {
 	turn           turnState
 	// fabricSaid is what ResumeFabric logged last.
 	fabricSaid string
+	// fmParts is FM's partition list as ResumeFabric last read it (nil: never read);
+	// nvlinkOff is why the rendered objects carry no NVLink partition
+	// (resources.Options.NoNVLink, from nvlinkOffFor), "" when they do.
+	// nvlinkSaid is the disagreement ResumeFabric last logged.
+	fmParts    []fabric.Partition
+	nvlinkOff  string
+	nvlinkSaid string
 }
 
 // New verifies the manifest and renders its objects; nothing is published yet.
@@ -227,6 +234,7 @@ func (d *Driver) render(v *manifest.Verified) error {
 	}
 	opts := d.cfg.Options
 	opts.Withhold = d.units.held()
+	opts.NoNVLink = d.nvlinkOffFor(v)
 	all, err := resources.Render(v, opts)
 	if err != nil {
 		return err
@@ -245,7 +253,7 @@ func (d *Driver) render(v *manifest.Verified) error {
 	for _, dev := range all.Devices {
 		d.devs[dev.Name] = dev
 	}
-	d.v, d.objs = v, objs
+	d.v, d.objs, d.nvlinkOff = v, objs, opts.NoNVLink
 	d.writeMetrics()
 	return nil
 }

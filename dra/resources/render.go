@@ -61,6 +61,10 @@ type Options struct {
 	// carrying the unit's taints: a quarantined unit, visible in the API with its
 	// reason, allocated to no claim without a toleration (and prepared for none).
 	Taints map[string][]resourceapi.DeviceTaint
+	// NoNVLink, when not empty, says why no device carries an NVLink attribute and no
+	// NVLink template is rendered: the node's Fabric Manager disagrees with the
+	// manifest's Module IDs or layout, so no partition it offers could be activated.
+	NoNVLink string
 }
 
 // Objects are what a manifest renders to.
@@ -168,6 +172,9 @@ func Render(v *manifest.Verified, opts Options) (*Objects, error) {
 	nv, sizes, err := nvlinkOf(m)
 	if err != nil {
 		return nil, fmt.Errorf("manifest: %w", err)
+	}
+	if opts.NoNVLink != "" {
+		nv, sizes = nvlinkAttrs{}, nil
 	}
 	shapes := map[string]bool{}
 	nvShapes := map[string]map[int]bool{} // shape → partition sizes its offered units are in

@@ -428,12 +428,13 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 		case <-tick.C:
 			// A manifest that no longer verifies keeps the last published slices; prepare
 			// verifies again and refuses on its own.
+			// An FM restarted with --restart exits unless it is handed its active
+			// partitions within 60 s: the reload period is shorter. First, so that
+			// the reload publishes what FM's list says of the NVLink partitions.
+			d.ResumeFabric()
 			if err := d.Reload(ctx); err != nil {
 				fmt.Fprintf(stderr, "%s: reload: %v\n", fs.Name(), err)
 			}
-			// An FM restarted with --restart exits unless it is handed its active
-			// partitions within 60 s: the reload period is shorter.
-			d.ResumeFabric()
 		case err := <-d.Errors():
 			if errors.Is(err, plugin.ErrTaintsDropped) {
 				// Stopped first: its publisher would put the slices back.
@@ -610,19 +611,6 @@ func (f *fabricFlags) options() (fabric.Options, error) {
 	return fabric.Options{Library: f.lib, Socket: f.socket, Address: f.address}, nil
 }
 
-// layoutOf is what the manifest says of the node's NVLink fabric: the one place fabric
-// check reads the units' Module IDs and the SKU's declared partitions.
-func layoutOf(m *manifest.Manifest) fabric.Layout {
-	var l fabric.Layout
-	for _, u := range m.Units {
-		l.Units = append(l.Units, fabric.LayoutUnit{ID: u.ID, Module: u.ModuleID, Source: u.ModuleSource})
-	}
-	if m.NVLink != nil {
-		l.Partitions, l.Source = m.NVLink.Partitions, m.NVLink.Source
-	}
-	return l
-}
-
 // cmdFabricCheck holds FM's partition list to the verified manifest (fabric.Check):
 // each mismatch is printed, and any is exit 1; so is FM out of reach.
 func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr io.Writer) int {
@@ -652,7 +640,7 @@ func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr 
 		return 1
 	}
 	m := v.Manifest
-	mismatches := fabric.Check(layoutOf(m), ps)
+	mismatches := fabric.Check(fabric.LayoutOf(m), ps)
 	for _, l := range mismatches {
 		fmt.Fprintln(stdout, manifest.Printable(l))
 	}
