@@ -44,10 +44,10 @@ func moduleIDs(m *manifest.Manifest, units []string) ([]int, error) {
 // activate gives the claim's units their NVLink partition, the one whose members are
 // exactly their GPUs' Module IDs, before the claim is answered (the ledger records it
 // first: package fabric); d.mu held.
-func (d *Driver) activate(uid types.UID, units []string) error {
+func (d *Driver) activate(f *fabric.Fabric, uid types.UID, units []string) error {
 	mods, err := moduleIDs(d.v.Manifest, units)
 	if err == nil {
-		_, err = d.cfg.Fabric.Activate(string(uid), mods)
+		_, err = f.Activate(string(uid), mods)
 	}
 	if err != nil {
 		return fmt.Errorf("nvlink partition of units %s: %w", strings.Join(units, ","), err)
@@ -98,70 +98,107 @@ func (d *Driver) quarantineFabric(ctx context.Context, claim string, units []str
 	}
 }
 
-// ResumeFabric brings Fabric Manager and the fabric ledger together (fabric.Resume:
-// FM waiting after a --restart is handed the active partitions, releases FM refused
-// are asked again) and releases the partitions of claims no longer prepared (no CDI
-// spec: a prepare that failed after FM answered, a node restarted under them). What
-// still differs is logged when it changes. New calls it; the command at every reload.
-func (d *Driver) ResumeFabric() {
+// fabric is the Fabric Manager this node talks to: Config.Fabric while the manifest
+// verified last knows a GPU Module ID, or the ledger still gives a claim a partition.
+// A node whose manifest knows none opens no FM (no library loaded, nothing logged) and
+// prepares claims without a partition, so one DaemonSet serves every node; d.mu held.
+func (d *Driver) fabric() *fabric.Fabric {
 	f := d.cfg.Fabric
 	if f == nil {
-		return
+		return nil
 	}
+	if d.v != nil && slices.ContainsFunc(d.v.Manifest.Units, func(u manifest.Unit) bool { return u.ModuleID > 0 }) {
+		return f
+	}
+	if len(f.Entries()) > 0 {
+		return f
+	}
+	return nil
+}
+
+// ResumeFabric brings Fabric Manager and the fabric ledger together (fabric.Resume:
+// FM waiting after a --restart is handed the active partitions, releases FM refused
+// are asked again), releases the partitions of claims no longer prepared (no CDI
+// spec: a prepare that failed after FM answered, a node restarted under them), and
+// holds the NVLink partitions published to FM's list as read now (holdNVLink). What
+// still differs is logged when it changes. New calls it; the command at every reload,
+// before the reload.
+func (d *Driver) ResumeFabric() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	var lines []string
-	r, err := f.Resume()
-	lines = append(lines, r.Lines()...)
-	if err == nil {
-		lines = append(lines, d.holdNVLink(r.Partitions)...)
-	}
-	if err != nil {
-		lines = append(lines, err.Error())
-	} else if specs, err := d.specs(); err != nil {
-		lines = append(lines, fmt.Sprintf("prepared claims: %v", err))
+	var ferr error
+	if f := d.fabric(); f != nil {
+		var r fabric.Report
+		r, ferr = f.Resume()
+		d.fmParts, d.fmErr = r.Partitions, ferr
+		if ferr == nil && d.fmParts == nil {
+			d.fmParts = []fabric.Partition{} // read, and FM listed none
+		}
+		lines = append(lines, r.Lines()...)
+		if ferr == nil {
+			lines = append(lines, d.releaseUnprepared(f)...)
+		}
 	} else {
-		prepared := map[string]bool{}
-		for _, s := range specs {
-			prepared[string(s.uid)] = true
-		}
-		entries := f.Entries()
-		for _, c := range slices.Sorted(maps.Keys(entries)) {
-			if e := entries[c]; !prepared[c] && e.State != fabric.StateDeactivating {
-				if err := f.Deactivate(c); err != nil {
-					lines = append(lines, fmt.Sprintf("claim %s is not prepared: partition %d not released: %v", c, e.Partition, err))
-				} else {
-					lines = append(lines, fmt.Sprintf("claim %s is not prepared: partition %d released", c, e.Partition))
-				}
-			}
-		}
+		d.fmParts, d.fmErr = nil, nil // read again once the node talks to FM
 	}
-	said := strings.Join(lines, "\n")
-	if said == d.fabricSaid {
+	off, said := d.holdNVLink()
+	// FM out of reach is said once: in why no NVLink partition is published, when it is.
+	if ferr != nil && !strings.Contains(off, ferr.Error()) {
+		lines = append(lines, ferr.Error())
+	}
+	lines = append(lines, said...)
+	joined := strings.Join(lines, "\n")
+	if joined == d.fabricSaid {
 		return
 	}
-	d.fabricSaid = said
+	d.fabricSaid = joined
 	for _, l := range lines {
 		d.logf("fabric: %s", l)
 	}
 }
 
-// holdNVLink takes FM's list as Resume read it and renders the objects again when what
-// it says of the NVLink partitions changed (published at the next publish: the reload
-// follows). FM out of reach changes nothing: prepare fails closed on its own. It returns
-// lines to log.
-func (d *Driver) holdNVLink(fm []fabric.Partition) []string {
-	d.fmParts = fm
-	if d.v == nil {
-		return nil
+// releaseUnprepared deactivates the partitions of the ledger's claims that no CDI spec
+// holds, and says what it did; d.mu held.
+func (d *Driver) releaseUnprepared(f *fabric.Fabric) []string {
+	specs, err := d.specs()
+	if err != nil {
+		return []string{fmt.Sprintf("prepared claims: %v", err)}
 	}
-	off := d.nvlinkOffFor(d.v)
+	prepared := map[string]bool{}
+	for _, s := range specs {
+		prepared[string(s.uid)] = true
+	}
 	var lines []string
-	if off != d.nvlinkOff {
-		if err := d.render(d.v); err != nil {
-			return []string{fmt.Sprintf("NVLink partitions: render: %v", err)}
+	entries := f.Entries()
+	for _, c := range slices.Sorted(maps.Keys(entries)) {
+		if e := entries[c]; !prepared[c] && e.State != fabric.StateDeactivating {
+			if err := f.Deactivate(c); err != nil {
+				lines = append(lines, fmt.Sprintf("claim %s is not prepared: partition %d not released: %v", c, e.Partition, err))
+			} else {
+				lines = append(lines, fmt.Sprintf("claim %s is not prepared: partition %d released", c, e.Partition))
+			}
 		}
 	}
+	return lines
+}
+
+// holdNVLink renders the objects again when what nvlinkOffFor says of the NVLink
+// partitions changed since they were rendered (published at the next publish: the
+// reload follows). It returns why none is published ("" when they are) and the lines
+// to log: the reason whenever there is one, the agreement once after a reason was
+// said; d.mu held.
+func (d *Driver) holdNVLink() (string, []string) {
+	if d.v == nil {
+		return "", nil
+	}
+	off := d.nvlinkOffFor(d.v)
+	if off != d.nvlinkOff {
+		if err := d.render(d.v); err != nil {
+			return off, []string{fmt.Sprintf("NVLink partitions: render: %v", err)}
+		}
+	}
+	var lines []string
 	switch {
 	case off != "":
 		lines = append(lines, off)
@@ -169,16 +206,20 @@ func (d *Driver) holdNVLink(fm []fabric.Partition) []string {
 		lines = append(lines, "Fabric Manager's partitions agree with the manifest: NVLink partitions published")
 	}
 	d.nvlinkSaid = off
-	return lines
+	return off, lines
 }
 
-// nvlinkOffFor holds v's NVLink partitions to FM's list as last read (fabric.Check over
-// the units whose Module ID the manifest knows: the others publish none anyway): why
-// none may be published while they disagree, so that no claim of a partition is
-// allocated that prepare would refuse; "" while they agree, without a layout, or
-// before FM was read.
+// nvlinkOffFor decides whether v's NVLink partitions are published (the one place that
+// does): only while Fabric Manager's list, as ResumeFabric read it last, agrees with
+// them (fabric.Check over the units whose Module ID the manifest knows: the others
+// publish none anyway). A claim of a partition is prepared only once FM activated it,
+// so a partition published without FM's word would be allocated and then refused, or,
+// with no FM configured, prepared with no NVLink at all. It returns why none is
+// published: no FM configured, FM not read yet, FM out of reach (naming its error),
+// FM and the manifest disagreeing (naming each mismatch); "" while they agree, and
+// when v has nothing to publish (no layout, no Module ID known).
 func (d *Driver) nvlinkOffFor(v *manifest.Verified) string {
-	if d.fmParts == nil || v == nil {
+	if v == nil {
 		return ""
 	}
 	l := fabric.LayoutOf(v.Manifest)
@@ -191,10 +232,39 @@ func (d *Driver) nvlinkOffFor(v *manifest.Verified) string {
 			known = append(known, u)
 		}
 	}
+	if len(known) == 0 {
+		return ""
+	}
 	l.Units = known
+	const none = "no NVLink partition is published (units are offered alone)"
+	switch {
+	case d.cfg.Fabric == nil:
+		return fmt.Sprintf("no Fabric Manager configured (--fm-socket, --fm-address, --fm-lib): nothing would activate a claim's partition: %s", none)
+	case d.fmErr != nil:
+		return fmt.Sprintf("Fabric Manager out of reach (%v): its partitions cannot be held to manifest generation %d: %s", d.fmErr, v.Manifest.Generation, none)
+	case d.fmParts == nil:
+		return fmt.Sprintf("Fabric Manager's partitions not read yet: %s", none)
+	}
 	mm := fabric.Check(l, d.fmParts)
 	if len(mm) == 0 {
 		return ""
 	}
-	return fmt.Sprintf("Fabric Manager's %d partitions and manifest generation %d disagree (%d mismatches: %s): no NVLink partition is published", len(d.fmParts), v.Manifest.Generation, len(mm), strings.Join(mm, "; "))
+	return fmt.Sprintf("Fabric Manager's %d partitions and manifest generation %d disagree (%d mismatches: %s): %s", len(d.fmParts), v.Manifest.Generation, len(mm), strings.Join(mm, "; "), none)
+}
+
+// NVLinkOff says why the objects published now carry no NVLink partition (the reason
+// nvlinkOffFor gave when they were rendered); "" when they carry them or have none to
+// carry.
+func (d *Driver) NVLinkOff() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.nvlinkOff
+}
+
+// UsesFabric says whether the plugin talks to Fabric Manager now (fabric): --fm- flags
+// given and the manifest knowing a GPU Module ID, or the ledger holding a partition.
+func (d *Driver) UsesFabric() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.fabric() != nil
 }

@@ -471,3 +471,232 @@ func TestFabricHoldsNVLinkToFM(t *testing.T) {
 		t.Fatalf("the agreement is not said:\n%s", logs)
 	}
 }
+
+// waitNVLink waits until n published devices carry an NVLink partition of size 2 (the
+// slices are published in the background).
+func waitNVLink(t *testing.T, client *fake.Clientset, n int, logs *logLines) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for got := nvlinkDevices(t, client); got != n; got = nvlinkDevices(t, client) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d devices published with an NVLink partition, want %d\n%s", got, n, logs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// count is how many logged lines hold sub.
+func (l *logLines) count(sub string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, s := range l.lines {
+		if strings.Contains(s, sub) {
+			n++
+		}
+	}
+	return n
+}
+
+// TestNVLinkNeedsFM: a node whose manifest has Module IDs and the B300 layout publishes
+// no NVLink partition without a Fabric Manager configured (the reason naming the
+// flags, logged once over several reloads), and a prepared claim of two units is then
+// an ordinary one; with FM, the partitions are published only while FM answers: its
+// state gone, then FM not running, each takes them away (the reason naming FM's
+// error), and FM back brings them again at the next reload. A library path that is not
+// there publishes none, naming it.
+func TestNVLinkNeedsFM(t *testing.T) {
+	t.Run("no-fm-flags", func(t *testing.T) {
+		r := newRig(t)
+		withModules(t, r)
+		logs := &logLines{}
+		cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: filepath.Join(r.Dir, "cdi"), StateDir: filepath.Join(r.Dir, "plugin"), Logf: logs.logf}
+		d, client, _, ctx := start(t, cfg, filepath.Join(r.Dir, "registry"))
+		publishedDevices(t, client, countIs(32))
+		for range 3 {
+			d.ResumeFabric()
+			if err := d.Reload(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if n := nvlinkDevices(t, client); n != 0 {
+			t.Fatalf("%d devices published with an NVLink partition and no Fabric Manager", n)
+		}
+		if off := d.NVLinkOff(); !strings.Contains(off, "no Fabric Manager configured (--fm-socket, --fm-address, --fm-lib)") {
+			t.Fatalf("NVLinkOff %q", off)
+		}
+		if n := logs.count("no Fabric Manager configured"); n != 1 {
+			t.Fatalf("the reason logged %d times, want once:\n%s", n, logs)
+		}
+		for _, dev := range d.Objects().Devices {
+			if _, ok := dev.Attributes[resources.AttrNVLinkPartition(8)]; ok {
+				t.Fatalf("device %s rendered with an NVLink partition", dev.Name)
+			}
+		}
+		if n := len(d.Objects().NVLinkTemplates); n != 0 {
+			t.Fatalf("%d NVLink templates rendered", n)
+		}
+	})
+
+	t.Run("fm-gone-and-back", func(t *testing.T) {
+		r := newRig(t)
+		withModules(t, r)
+		fm := fabrictest.New(t)
+		logs := &logLines{}
+		cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: filepath.Join(r.Dir, "cdi"), StateDir: filepath.Join(r.Dir, "plugin"), Logf: logs.logf}
+		withFabric(t, &cfg)
+		d, client, _, ctx := start(t, cfg, filepath.Join(r.Dir, "registry"))
+		publishedDevices(t, client, countIs(32))
+		waitNVLink(t, client, 32, logs)
+		if off := d.NVLinkOff(); off != "" {
+			t.Fatalf("NVLinkOff %q with FM agreeing", off)
+		}
+		reload := func() {
+			t.Helper()
+			d.ResumeFabric()
+			if err := d.Reload(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		state, err := os.ReadFile(fm.Path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range []struct {
+			name       string
+			gone, back func()
+		}{
+			{"state removed",
+				func() { must(t, os.Remove(fm.Path)) },
+				func() { must(t, os.WriteFile(fm.Path, state, 0o644)) }},
+			{"FM not running",
+				func() { fm.Update(t, func(s *fabrictest.State) { s.Mode = "gone" }) },
+				func() { fm.Update(t, func(s *fabrictest.State) { s.Mode, s.Epoch = "serving", s.Epoch+1 }) }},
+		} {
+			c.gone()
+			reload()
+			waitNVLink(t, client, 0, logs)
+			publishedDevices(t, client, countIs(32)) // still offered alone
+			off := d.NVLinkOff()
+			if !strings.Contains(off, "Fabric Manager out of reach (") || !strings.Contains(off, "FM_ST_CONNECTION_NOT_VALID (-9)") {
+				t.Fatalf("%s: NVLinkOff %q", c.name, off)
+			}
+			// Said when it changes, not at every reload: the first error is the
+			// connection's, the later ones a new connection's.
+			reload()
+			n := logs.count("Fabric Manager out of reach")
+			reload()
+			reload()
+			if m := logs.count("Fabric Manager out of reach"); m != n || n > 2 {
+				t.Fatalf("%s: FM out of reach logged %d times, then %d:\n%s", c.name, n, m, logs)
+			}
+			c.back()
+			reload()
+			waitNVLink(t, client, 32, logs)
+			if off := d.NVLinkOff(); off != "" {
+				t.Fatalf("%s, FM back: NVLinkOff %q", c.name, off)
+			}
+			logs.mu.Lock()
+			logs.lines = nil
+			logs.mu.Unlock()
+		}
+	})
+
+	t.Run("library-missing", func(t *testing.T) {
+		r := newRig(t)
+		withModules(t, r)
+		fabrictest.New(t)
+		logs := &logLines{}
+		data := filepath.Join(r.Dir, "plugin")
+		lib := filepath.Join(r.Dir, "usr/lib/x86_64-linux-gnu/libnvfm.so.1")
+		f, err := fabric.New(data, fabric.Options{Library: lib})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: filepath.Join(r.Dir, "cdi"), StateDir: data, Logf: logs.logf, Fabric: f}
+		d, client, _, _ := start(t, cfg, filepath.Join(r.Dir, "registry"))
+		publishedDevices(t, client, countIs(32))
+		if n := nvlinkDevices(t, client); n != 0 {
+			t.Fatalf("%d devices published with an NVLink partition, FM's library missing", n)
+		}
+		if off := d.NVLinkOff(); !strings.Contains(off, "fm: load "+lib) {
+			t.Fatalf("NVLinkOff %q does not name the library", off)
+		}
+	})
+}
+
+// TestFabricUnusedWithoutModules: with a Fabric configured (as the DaemonSet's --fm-
+// flags give every node), a node whose manifest knows no GPU Module ID and whose ledger
+// is empty never loads FM's library, at start, at reloads or at prepare: nothing is
+// logged, the stand-in FM answers no call, the library is not mapped, and a claim of a
+// unit is prepared as without FM. The same with a library path that is not there.
+func TestFabricUnusedWithoutModules(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		present bool
+	}{{"library-present", true}, {"library-missing", false}} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRig(t)
+			fm := fabrictest.New(t)
+			lib := filepath.Join(t.TempDir(), "libnvfm.so.1")
+			if c.present {
+				b, err := os.ReadFile(fabrictest.Library(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				must(t, os.WriteFile(lib, b, 0o755))
+			}
+			data := filepath.Join(r.Dir, "plugin")
+			f, err := fabric.New(data, fabric.Options{Library: lib, Socket: "/run/nvidia-fabricmanager/socket"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { f.Close() })
+			logs := &logLines{}
+			cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: filepath.Join(r.Dir, "cdi"), StateDir: data, Logf: logs.logf, Fabric: f}
+			d, client, k, ctx := start(t, cfg, filepath.Join(r.Dir, "registry"))
+			publishedDevices(t, client, countIs(32))
+			for range 2 {
+				d.ResumeFabric()
+				if err := d.Reload(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			vm := claimUnits(t, client, d, "vm", "gpu0")
+			if got := prepare(t, k, vm); got.Error != "" || len(got.Devices) != 4 {
+				t.Fatalf("prepare gpu0: %+v", got)
+			}
+			if got := unprepare(t, k, vm); got != "" {
+				t.Fatalf("unprepare: %q", got)
+			}
+			d.ResumeFabric()
+			if d.UsesFabric() || d.NVLinkOff() != "" {
+				t.Errorf("UsesFabric %v, NVLinkOff %q", d.UsesFabric(), d.NVLinkOff())
+			}
+			if logs.count("fabric") != 0 || logs.count("fm:") != 0 || logs.count("NVLink") != 0 {
+				t.Errorf("logged:\n%s", logs)
+			}
+			if l := fm.Log(t); len(l) != 1 || l[0] != "" {
+				t.Errorf("the stand-in FM was called: %v", l)
+			}
+			maps, err := os.ReadFile("/proc/self/maps")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if strings.Contains(string(maps), lib) {
+				t.Errorf("%s is mapped: FM's library was loaded", lib)
+			}
+			if l := ledgerOf(t, data); len(l.Claims) != 0 {
+				t.Errorf("ledger %+v", l.Claims)
+			}
+		})
+	}
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -92,7 +92,10 @@ type Config struct {
 	// prepared only once FM activated the partition whose members are exactly its
 	// units' GPUs (their Module IDs in the manifest), and its units are withheld for the
 	// turnaround only once FM deactivated it; one FM would not deactivate leaves them
-	// quarantined (StepFabric). nil: no FM, claims are prepared without a partition.
+	// quarantined (StepFabric). NVLink partitions are published only while FM's list
+	// agrees with the manifest (nvlinkOffFor). On a node whose manifest knows no Module
+	// ID (and whose ledger is empty) FM is never opened. nil: no FM, claims are prepared
+	// without a partition and no NVLink partition is published.
 	Fabric *fabric.Fabric
 }
 
@@ -120,11 +123,12 @@ type Driver struct {
 	turn           turnState
 	// fabricSaid is what ResumeFabric logged last.
 	fabricSaid string
-	// fmParts is FM's partition list as ResumeFabric last read it (nil: never read);
-	// nvlinkOff is why the rendered objects carry no NVLink partition
-	// (resources.Options.NoNVLink, from nvlinkOffFor), "" when they do.
-	// nvlinkSaid is the disagreement ResumeFabric last logged.
+	// fmParts is FM's partition list as ResumeFabric last read it (nil: not read, or
+	// FM out of reach: fmErr says why); nvlinkOff is why the rendered objects carry no
+	// NVLink partition (resources.Options.NoNVLink, from nvlinkOffFor), "" when they
+	// do. nvlinkSaid is the reason ResumeFabric last logged.
 	fmParts    []fabric.Partition
+	fmErr      error
 	nvlinkOff  string
 	nvlinkSaid string
 }
@@ -466,14 +470,15 @@ func (d *Driver) prepare(c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, 
 	}
 	// The partition is the claim's before the claim is answered; a spec that is then not
 	// written gives it back.
-	if d.cfg.Fabric != nil {
-		if err := d.activate(c.UID, ids); err != nil {
+	f := d.fabric()
+	if f != nil {
+		if err := d.activate(f, c.UID, ids); err != nil {
 			return nil, err
 		}
 	}
 	if err := d.cdi.WriteSpec(spec, specName(c.UID)); err != nil {
-		if d.cfg.Fabric != nil {
-			if ferr := d.cfg.Fabric.Deactivate(string(c.UID)); ferr != nil {
+		if f != nil {
+			if ferr := f.Deactivate(string(c.UID)); ferr != nil {
 				d.logf("claim %s: refused, its NVLink partition not released yet (the next reload asks again): %v", c.UID, ferr)
 			}
 		}

@@ -398,8 +398,9 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 	}
 	// The turnaround, and a partition FM will not deactivate, quarantine a unit with a
 	// taint in the slices: before anything is published, the API server must be seen
-	// keeping one.
-	if cfg.Turnaround != nil || cfg.Fabric != nil {
+	// keeping one. A node whose manifest knows no Module ID does not talk to FM, so the
+	// DaemonSet's --fm- flags alone ask nothing of the API server.
+	if cfg.Turnaround != nil || d.UsesFabric() {
 		if err := plugin.CheckDeviceTaints(ctx, client, d.Objects().Node, d.Objects().Pool); err != nil {
 			fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
 			return 1
