@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"flag"
 	"io"
@@ -18,8 +19,11 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 
+	"github.com/passage-boot/passage/dra/fabric/fabrictest"
 	"github.com/passage-boot/passage/dra/internal/noderig"
 	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 	"github.com/passage-boot/passage/recycle"
 )
@@ -162,6 +166,14 @@ func daemonSetArgs(ds *appsv1.DaemonSet, c, node string, extra ...string) []stri
 // control plane; a node without a control plane (no passage.url, no ConfigMap); the
 // turnaround turned off. A control plane without its CA ConfigMap is refused at start,
 // naming it, not served with other roots.
+//
+// Fabric Manager through the DaemonSet's --fm-socket and --fm-lib (fmstub.c standing
+// for FM and its libnvfm, placed where the FM dev package puts libnvfm.so.1 on the
+// host): on a node whose manifest has Module IDs and the B300 layout, with FM listening
+// on the socket the DaemonSet mounts, the devices carry their NVLink partitions after
+// start and a reload; without the library the plugin starts and publishes none, the
+// reason naming the library; on the nodes without Module IDs (every other case, the
+// library there) the library is never loaded.
 func TestDaemonSetStarts(t *testing.T) {
 	ds := deployDaemonSet(t)
 	if a := ds.Spec.Template.Spec.Containers[0].Args; len(a) == 0 || a[0] != "plugin" {
@@ -179,6 +191,9 @@ func TestDaemonSetStarts(t *testing.T) {
 		extra   []string
 		turn    bool   // the turnaround runs
 		refused string // exit 2 naming this
+		modules bool   // the manifest has Module IDs and the B300 NVLink layout
+		noLib   bool   // the host has no libnvfm.so.1
+		nvlink  string // NVLinkOff holds this; "": the NVLink partitions are published
 	}{
 		// Subtest names go into swtpm's state path: no commas (its option separator).
 		{name: "tpm-control-plane", url: true, tpm: true, ca: true, turn: true},
@@ -186,10 +201,20 @@ func TestDaemonSetStarts(t *testing.T) {
 		{name: "tpm-no-control-plane", url: false, tpm: true, ca: false},
 		{name: "turnaround-off", url: true, tpm: true, ca: false, extra: []string{"--turnaround=false"}},
 		{name: "no-ca", url: true, tpm: true, ca: false, refused: "ConfigMap passage-control-ca"},
+		{name: "fm-modules", modules: true},
+		{name: "fm-modules-no-library", modules: true, noLib: true, nvlink: "fm: load "},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			host := t.TempDir()
 			r := noderig.New(t, manifesttest.NodeUUID(9), "b300-host", 3, filepath.Join(t.TempDir(), "keys"))
+			fm := fabrictest.New(t)
+			if c.modules {
+				for i := range r.M.Units {
+					r.M.Units[i].ModuleID, r.M.Units[i].ModuleSource = i+1, "test"
+				}
+				r.M.NVLink = &manifest.NVLink{Partitions: b300Sets, Source: "FM User Guide, HGX B200/B300"}
+				r.Sign(t)
+			}
 			var ca []byte
 			if c.tpm {
 				caCert, _ := r.ForTurnaround(t, fw)
@@ -220,8 +245,15 @@ func TestDaemonSetStarts(t *testing.T) {
 			}
 			must(t, os.MkdirAll(filepath.Join(host, "proc"), 0o755))
 			must(t, os.WriteFile(filepath.Join(host, "proc/cmdline"), []byte(cmdline), 0o644))
-			for _, d := range []string{"var/lib/kubelet/plugins_registry", "var/lib/kubelet/plugins", "dev"} {
+			for _, d := range []string{"var/lib/kubelet/plugins_registry", "var/lib/kubelet/plugins", "dev", hostLibDir} {
 				must(t, os.MkdirAll(filepath.Join(host, d), 0o755))
+			}
+			if !c.noLib {
+				b, err := os.ReadFile(fabrictest.Library(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				must(t, os.WriteFile(filepath.Join(host, hostLibDir, "libnvfm.so.1"), b, 0o755))
 			}
 			if !c.ca {
 				ca = nil
@@ -229,6 +261,10 @@ func TestDaemonSetStarts(t *testing.T) {
 
 			view := t.TempDir()
 			podView(t, ds, host, view, ca)
+			lib := filepath.Join(view, "/host", hostLibDir, "libnvfm.so.1")
+			fm.Update(t, func(s *fabrictest.State) {
+				s.Listen = "unix:" + filepath.Join(view, "/host/run/nvidia-fabricmanager/socket")
+			})
 			if _, err := os.Lstat(filepath.Join(view, "host/etc/passage/key")); !errors.Is(err, os.ErrNotExist) {
 				t.Fatalf("the pod sees a key file (%v): the node has none", err)
 			}
@@ -249,6 +285,10 @@ func TestDaemonSetStarts(t *testing.T) {
 			if (cfg.Turnaround != nil) != c.turn {
 				t.Fatalf("turnaround %+v, want it on: %v", cfg.Turnaround, c.turn)
 			}
+			if cfg.Fabric == nil {
+				t.Fatal("the DaemonSet's --fm- flags gave the plugin no Fabric")
+			}
+			t.Cleanup(func() { cfg.Fabric.Close() })
 			d, err := plugin.New(cfg)
 			if err != nil {
 				t.Fatalf("plugin.New: %v", err)
@@ -256,9 +296,44 @@ func TestDaemonSetStarts(t *testing.T) {
 			if objs := d.Objects(); objs.Node != "worker-7" || len(objs.Devices) == 0 {
 				t.Fatalf("node %s, %d devices", objs.Node, len(objs.Devices))
 			}
+			// The command's reload: FM first, then the manifest.
+			d.ResumeFabric()
+			if err := d.Reload(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			nvlink := 0
+			for _, dev := range d.Objects().Devices {
+				if _, ok := dev.Attributes[resources.AttrNVLinkPartition(2)]; ok {
+					nvlink++
+				}
+			}
+			maps, err := os.ReadFile("/proc/self/maps")
+			if err != nil {
+				t.Fatal(err)
+			}
+			loaded := strings.Contains(string(maps), lib)
+			off := d.NVLinkOff()
+			switch {
+			case !c.modules:
+				if loaded || d.UsesFabric() || off != "" || nvlink != 0 || fm.Calls(t, "connect") != nil {
+					t.Fatalf("no Module IDs: library loaded %v, FM in use %v, NVLinkOff %q, %d NVLink devices, FM's calls %v", loaded, d.UsesFabric(), off, nvlink, fm.Log(t))
+				}
+			case c.nvlink == "":
+				if !loaded || off != "" || nvlink != len(d.Objects().Devices) {
+					t.Fatalf("library loaded %v, NVLinkOff %q, %d of %d devices with an NVLink partition; FM's calls %v", loaded, off, nvlink, len(d.Objects().Devices), fm.Log(t))
+				}
+			default:
+				if nvlink != 0 || !strings.Contains(off, c.nvlink+lib) {
+					t.Fatalf("%d devices with an NVLink partition, NVLinkOff %q, want it naming %q", nvlink, off, c.nvlink+lib)
+				}
+			}
 		})
 	}
 }
+
+// hostLibDir is where the FM dev package puts libnvfm.so.1 on an amd64 Debian or
+// Ubuntu host (NVIDIA/apt-packaging-fabric-manager: debian/rules' DEBLIBINSTDIR).
+const hostLibDir = "usr/lib/x86_64-linux-gnu"
 
 func must(t *testing.T, err error) {
 	t.Helper()

@@ -179,6 +179,8 @@ func TestDeployDecodesStrictly(t *testing.T) {
 			src.register(fs)
 			var turn turnFlags
 			turn.register(fs)
+			var fm fabricFlags
+			fm.register(fs)
 			fs.String("node-name", "", "")
 			for _, f := range []string{"manifest", "root", "cdi-dir", "kubeconfig", "registry-dir", "plugin-dir", "hook-dir"} {
 				fs.String(f, "", "")
