@@ -101,8 +101,8 @@ turnaround-bench: cluster-bin
 # cluster-test runs passage-dra against a real control plane on loopback (dra/cluster):
 # kube-apiserver, kube-scheduler, kube-controller-manager and etcd at the versions
 # dra/cluster/kube and dra/cluster/etcd pin, built from the Go module proxy into
-# $(BUILD)/controlplane/<versions>/ once (cold: about 25 minutes of CPU, some 15 minutes
-# on 2 idle cores; afterwards the binaries are reused and the test takes about 30 s).
+# $(BUILD)/controlplane/<versions>/ once (cold: about 10 minutes on 2 idle cores, less
+# when dra's packages are already compiled: build.sh); afterwards the binaries are reused and the test takes about 30 s).
 cluster-bin:
 	@bash dra/cluster/build.sh $(abspath $(BUILD))/controlplane >/dev/null
 
@@ -123,7 +123,7 @@ storm-bench: cluster-bin
 		$(GO) test -count=1 -tags cluster -timeout 120m -run '^$$' -bench BootStorm -benchtime 1x ./cluster/ | tee $(abspath $(BUILD))/storm-bench.txt
 
 # test: the unit tests, the QEMU suite, then the cluster tests. The control plane's build
-# (cold: about 25 minutes of CPU) runs beside the QEMU suite, under SCHED_IDLE (chrt
+# (cold: some 18 minutes of CPU) runs beside the QEMU suite, under SCHED_IDLE (chrt
 # --idle): the suite's guests run on one TCG thread, so a core is mostly free, and the
 # build gets only CPU time nothing else wants. Started with the unit tests instead, it
 # slowed them by about as much as it saved (a cold clean-clone run, 2026-12-05). Warm,
