@@ -721,32 +721,35 @@ func TestEmergencyShell(t *testing.T) {
 		end   = "dmesg-end"
 	)
 	var (
-		mu          sync.Mutex
-		atShell     bool
-		typingOK    bool
-		typingDmesg bool
-		gotOK       bool
-		inDmesg     bool
-		dmesg       []string
-		stop        = make(chan struct{})
-		stopOnce    sync.Once
+		mu       sync.Mutex
+		atShell  bool
+		typing   bool
+		gotOK    bool
+		inDmesg  bool
+		dmesg    []string
+		stop     = make(chan struct{})
+		stopOnce sync.Once
+		// The line editor's redraws of the line being typed ("> echo o"), for typing
+		// at the pace of its echo.
+		echoed      = make(chan string, 1024)
 		shellPrompt = "passage: emergency (units failed: "
 	)
 	defer stopOnce.Do(func() { close(stop) })
-	// typeUntil types line at the console, a key at a time as a person does, then Enter
-	// (CR, as a terminal sends it: u-root's shell edits the line in raw mode); again
-	// every few seconds until done (at most 20 times): the shell may not be reading the
-	// terminal yet when the first line arrives, and its line editor has been seen to drop
-	// a line typed while it redraws.
+	// typeUntil types line at the console as a person does, a key at a time, each once
+	// the editor has echoed the one before (at most 3 s for it), then Enter (CR, as a
+	// terminal sends it: u-root's shell edits the line in raw mode); again every few
+	// seconds until done (at most 20 times). Keys sent faster than the editor redraws
+	// under TCG have hung it for good after the next Enter (a clean-clone run: the echo
+	// came in bursts, and the Enter was never answered), and so has a key pressed
+	// between the prompt and the editor reading the terminal: the editor's key-help line
+	// has come more than a second after the prompt, so the operator first waits 5 s.
 	typeUntil := func(kb io.Writer, line string, every time.Duration, done func() bool) {
 		go func() {
-			// The prompt is drawn before the line editor reads the terminal: a key
-			// pressed in between hangs it after the next Enter, for good (the shell
-			// echoes nothing more, and typing again does not help). Under TCG the
-			// editor's key-help line has come more than a second after the prompt
-			// (a clean-clone run: the first key landed on that line, the Enter hung
-			// the editor, and the test timed out), so the operator waits 5 s.
-			time.Sleep(5 * time.Second)
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Second):
+			}
 			for i := 0; i < 20; i++ {
 				mu.Lock()
 				d := done()
@@ -754,11 +757,28 @@ func TestEmergencyShell(t *testing.T) {
 				if d {
 					return
 				}
-				for _, c := range []byte(line + "\r") {
-					if _, err := kb.Write([]byte{c}); err != nil {
+				for n := 1; n <= len(line); n++ {
+					if _, err := kb.Write([]byte{line[n-1]}); err != nil {
 						return
 					}
-					time.Sleep(10 * time.Millisecond)
+					want := strings.TrimSpace("> " + line[:n])
+					deadline := time.After(3 * time.Second)
+				wait:
+					for {
+						select {
+						case <-stop:
+							return
+						case l := <-echoed:
+							if strings.HasPrefix(l, want) {
+								break wait
+							}
+						case <-deadline:
+							break wait
+						}
+					}
+				}
+				if _, err := kb.Write([]byte{'\r'}); err != nil {
+					return
 				}
 				select {
 				case <-stop:
@@ -768,23 +788,28 @@ func TestEmergencyShell(t *testing.T) {
 			}
 		}()
 	}
+	// One line: the shell answers (ok) and the kernel's log is readable there.
+	command := "echo ok; echo " + begin + "; dmesg; echo " + end
 	console := func(line string, kb io.Writer) bool {
 		l := strings.TrimSpace(ansi.ReplaceAllString(line, ""))
 		mu.Lock()
 		defer mu.Unlock()
+		if atShell && strings.HasPrefix(l, ">") {
+			select {
+			case echoed <- l:
+			default:
+			}
+		}
 		switch {
 		case !atShell && strings.Contains(l, shellPrompt) && strings.HasSuffix(l, ": shell (passage.emergency=shell)"):
 			atShell = true
-		case atShell && l == ">" && !typingOK:
+		case atShell && l == ">" && !typing:
 			// The shell's prompt: an operator types once it is there.
-			typingOK = true
-			typeUntil(kb, "echo ok", 5*time.Second, func() bool { return gotOK })
+			typing = true
+			typeUntil(kb, command, 10*time.Second, func() bool { return inDmesg })
 		case atShell && !gotOK && l == "ok":
 			gotOK = true
-		case gotOK && l == ">" && !typingDmesg:
-			typingDmesg = true
-			typeUntil(kb, "echo "+begin+"; dmesg; echo "+end, 10*time.Second, func() bool { return inDmesg })
-		case !inDmesg && l == begin:
+		case gotOK && !inDmesg && l == begin:
 			inDmesg = true
 		case inDmesg && l == end:
 			return true
@@ -805,7 +830,7 @@ func TestEmergencyShell(t *testing.T) {
 		t.Fatalf("the console never announced the emergency shell; its end:\n%s", consoleTail(run.Console, 30))
 	}
 	if !gotOK {
-		t.Fatalf("typed `echo ok` at the shell, never read \"ok\" back; the console's end:\n%s", consoleTail(run.Console, 30))
+		t.Fatalf("typed %q at the shell, never read \"ok\" back; the console's end:\n%s", command, consoleTail(run.Console, 30))
 	}
 	if len(dmesg) == 0 {
 		t.Fatalf("dmesg printed nothing between %s and %s; the console's end:\n%s", begin, end, consoleTail(run.Console, 40))
