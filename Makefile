@@ -3,7 +3,7 @@ SHELL := /bin/bash
 BUILD := build
 GO ?= go
 
-.PHONY: all deps build test unit unit-vet unit-checks qemu-test cluster-bin cluster-test storm-bench qemu-bench demo kernel initramfs ipxe uki bench fuzz clean
+.PHONY: all deps build test unit qemu-test cluster-bin cluster-test storm-bench qemu-bench demo kernel initramfs ipxe uki bench fuzz clean
 
 all: build
 
@@ -60,22 +60,17 @@ uki: initramfs build
 # checks. dra/hook, the KubeVirt hook sidecar, is one more: KubeVirt v1.9.0 pins k8s.io at
 # v0.34.2, dra/ is on v0.37.2. Its cold compile (KubeVirt's API packages) is about 4 min
 # on 2 loaded cores; warm, seconds.
-# unit-vet (gofmt and vet) comes first: vet compiles every package the tests and the
-# control plane's build share, which test then starts beside unit-checks.
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 unit: deps
-	@$(MAKE) --no-print-directory unit-vet && $(MAKE) --no-print-directory unit-checks
-unit-vet: deps
 	@unformatted=$$("$$($(GO) env GOROOT)/bin/gofmt" -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt: not formatted:" $$unformatted; exit 1; fi
 	$(GO) vet ./...
-	cd dra && $(GO) vet ./...
-	cd dra/hook && $(GO) vet ./...
-unit-checks: deps
 	$(GO) run $(STATICCHECK) ./...
 	$(GO) test -race -count=1 ./...
+	cd dra && $(GO) vet ./...
 	cd dra && $(GO) run $(STATICCHECK) ./...
 	cd dra && $(GO) test -race -count=1 ./...
+	cd dra/hook && $(GO) vet ./...
 	cd dra/hook && $(GO) run $(STATICCHECK) ./...
 	cd dra/hook && $(GO) test -race -count=1 ./...
 
@@ -128,24 +123,23 @@ storm-bench: cluster-bin
 		$(GO) test -count=1 -tags cluster -timeout 120m -run '^$$' -bench BootStorm -benchtime 1x ./cluster/ | tee $(abspath $(BUILD))/storm-bench.txt
 
 # test: the unit tests, the QEMU suite, then the cluster tests. The control plane's build
-# (cold: some 18 minutes of CPU) starts once vet has compiled what it shares with dra
-# (build.sh), and runs beside the race tests and the QEMU suite under SCHED_IDLE (chrt
-# --idle): it gets only CPU time nothing else wants (the tests' waits, the suite's
-# guests run on one TCG thread, so a core is mostly free). Started before vet it
-# compiled the shared packages a second time beside it. Warm, it finds its binaries and
-# ends at once. Its output is in $(BUILD)/controlplane-build.log; if it fails, the log
-# is printed and test fails.
+# (cold: some 18 minutes of CPU) runs beside the QEMU suite, under SCHED_IDLE (chrt
+# --idle): the suite's guests run on one TCG thread, so a core is mostly free, and the
+# build gets only CPU time nothing else wants. Started with the unit tests instead, it
+# slowed them by about as much as it saved (a cold clean-clone run, 2026-12-05); started
+# after vet, beside the staticcheck and race tests, the unit phase took 1661 s instead of
+# 1134 s (a cold clean-clone run, 2026-12-06): the unit phase leaves no core free. Warm,
+# it finds its binaries and ends at once. Its output is in
+# $(BUILD)/controlplane-build.log; if it fails, the log is printed and test fails.
 test: deps
-	@t0=$$SECONDS; $(MAKE) --no-print-directory unit-vet || exit 1; \
-	mkdir -p $(BUILD); \
+	@t0=$$SECONDS; $(MAKE) --no-print-directory unit || exit 1; \
+	echo "test: unit phase (gofmt, vet, staticcheck, race unit tests of the three modules) took $$((SECONDS - t0)) s"; \
+	mkdir -p $(BUILD); t1=$$SECONDS; \
 	setsid chrt --idle 0 bash dra/cluster/build.sh $(abspath $(BUILD))/controlplane >$(BUILD)/controlplane-build.log 2>&1 & cp=$$!; \
 	trap 'kill -- -$$cp 2>/dev/null' EXIT; \
-	$(MAKE) --no-print-directory unit-checks || exit 1; \
-	echo "test: unit phase (gofmt, vet, staticcheck, race unit tests of the three modules) took $$((SECONDS - t0)) s"; \
-	t1=$$SECONDS; \
 	$(MAKE) --no-print-directory qemu-test || exit 1; \
 	echo "test: QEMU phase (initramfs images and the suite) took $$((SECONDS - t1)) s"; \
-	start=$$SECONDS; echo "test: the control plane's build (beside the unit checks and the QEMU suite, at idle priority): waiting"; \
+	start=$$SECONDS; echo "test: the control plane's build (beside the QEMU suite, at idle priority): waiting"; \
 	wait $$cp || { echo "test: the control plane's build failed:"; cat $(BUILD)/controlplane-build.log; exit 1; }; \
 	trap - EXIT; echo "test: the control plane's build done after $$((SECONDS - start)) s more"; \
 	t2=$$SECONDS; $(MAKE) --no-print-directory cluster-test || exit 1; \
