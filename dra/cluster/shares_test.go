@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"os/exec"
+	"sort"
 	"strings"
 	"testing"
 )
@@ -33,6 +34,41 @@ func TestControlPlaneSharesDra(t *testing.T) {
 	}
 	// k8s.io/api, apimachinery, client-go, apiserver, component-base, grpc, protobuf,
 	// golang.org/x/*, ...: fewer means a list went wrong, not that nothing is shared.
+	if shared < 20 {
+		t.Fatalf("%d modules compiled by both: want the Kubernetes client libraries among them", shared)
+	}
+}
+
+// TestHookSharesDra: every module whose packages both dra/hook (the KubeVirt hook
+// sidecar, a module of its own) and dra compile is at one version in both, as for the
+// control plane above. make test vets and race-tests both modules with the same flags,
+// so their Kubernetes, grpc, protobuf and golang.org/x packages are then the same Go
+// build-cache entries, compiled once. dra/hook/go.mod's replace block is KubeVirt
+// v1.9.0's with its k8s.io pins moved to dra's versions: a version that differs (a
+// KubeVirt bump that brings its own pins back, a dra bump not made in dra/hook) compiles
+// that module and everything above it twice; the error says which to align.
+func TestHookSharesDra(t *testing.T) {
+	hook := compiledModules(t, "../hook", "./...")
+	dra := compiledModules(t, "..", "./...")
+	paths := make([]string, 0, len(hook))
+	for path := range hook {
+		paths = append(paths, path)
+	}
+	sort.Strings(paths)
+	shared := 0
+	for _, path := range paths {
+		hv := hook[path]
+		dv, both := dra[path]
+		if !both {
+			continue
+		}
+		shared++
+		if dv != hv {
+			t.Errorf("%s: dra compiles %s, dra/hook %s: require (or, for k8s.io/*, replace) one version in both dra/go.mod and dra/hook/go.mod", path, dv, hv)
+		}
+	}
+	// k8s.io/api, apimachinery, grpc, protobuf, golang.org/x/*, ...: fewer means a list
+	// went wrong, not that nothing is shared.
 	if shared < 20 {
 		t.Fatalf("%d modules compiled by both: want the Kubernetes client libraries among them", shared)
 	}
