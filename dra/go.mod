@@ -9,6 +9,7 @@ require (
 	github.com/google/go-attestation v0.6.4
 	github.com/google/go-tpm v0.9.8
 	github.com/passage-boot/passage v0.0.0-00010101000000-000000000000
+	golang.org/x/mod v0.38.0
 	google.golang.org/grpc v1.82.1
 	k8s.io/api v0.37.2
 	k8s.io/apimachinery v0.37.2

@@ -7,7 +7,13 @@ import (
 	"sort"
 	"strings"
 	"testing"
+
+	"golang.org/x/mod/semver"
 )
+
+// The control plane's Kubernetes commands, as build.sh builds them from kube/go.mod.
+var kubeCommands = []string{"k8s.io/kubernetes/cmd/kube-apiserver",
+	"k8s.io/kubernetes/cmd/kube-scheduler", "k8s.io/kubernetes/cmd/kube-controller-manager"}
 
 // TestControlPlaneSharesDra: every module whose packages both the control plane's build
 // (build.sh: kube-apiserver, kube-scheduler, kube-controller-manager from kube/go.mod)
@@ -18,25 +24,12 @@ import (
 // version that differs compiles its whole dependent graph twice; the error says which
 // to align.
 func TestControlPlaneSharesDra(t *testing.T) {
-	kube := compiledModules(t, "kube", "k8s.io/kubernetes/cmd/kube-apiserver",
-		"k8s.io/kubernetes/cmd/kube-scheduler", "k8s.io/kubernetes/cmd/kube-controller-manager")
-	dra := compiledModules(t, "..", "./...")
-	shared := 0
-	for path, kv := range kube {
-		dv, both := dra[path]
-		if !both {
-			continue
-		}
-		shared++
-		if dv != kv {
-			t.Errorf("%s: dra compiles %s, the control plane %s: require one version in both dra/go.mod and dra/cluster/kube/go.mod (go get %s@<the newer>)", path, dv, kv, path)
-		}
-	}
+	kube := compiledModules(t, "kube", false, kubeCommands...)
+	dra := compiledModules(t, "..", true, "./...") // make test compiles dra's tests
 	// k8s.io/api, apimachinery, client-go, apiserver, component-base, grpc, protobuf,
 	// golang.org/x/*, ...: fewer means a list went wrong, not that nothing is shared.
-	if shared < 20 {
-		t.Fatalf("%d modules compiled by both: want the Kubernetes client libraries among them", shared)
-	}
+	sameVersions(t, "dra", dra, "the control plane", kube, false,
+		"require one version in both dra/go.mod and dra/cluster/kube/go.mod")
 }
 
 // TestHookSharesDra: every module whose packages both dra/hook (the KubeVirt hook
@@ -48,39 +41,63 @@ func TestControlPlaneSharesDra(t *testing.T) {
 // KubeVirt bump that brings its own pins back, a dra bump not made in dra/hook) compiles
 // that module and everything above it twice; the error says which to align.
 func TestHookSharesDra(t *testing.T) {
-	hook := compiledModules(t, "../hook", "./...")
-	dra := compiledModules(t, "..", "./...")
-	paths := make([]string, 0, len(hook))
-	for path := range hook {
-		paths = append(paths, path)
+	hook := compiledModules(t, "../hook", true, "./...")
+	dra := compiledModules(t, "..", true, "./...")
+	sameVersions(t, "dra/hook", hook, "dra", dra, false,
+		"require (or, for k8s.io/*, replace) one version in both dra/go.mod and dra/hook/go.mod")
+}
+
+// TestEtcdSharesControlPlane: build.sh builds etcd (from etcd/go.mod) as it builds the
+// Kubernetes commands, so every module etcd compiles at the control plane's version is
+// a Go build-cache hit when etcd's turn comes (the standard library, protobuf,
+// prometheus, x/sys, ...). etcd v3.7.3 requires newer versions of some (grpc, otel,
+// x/net, its own client and api) than Kubernetes v1.37.2 does; raising those in
+// kube/go.mod would raise them in dra/go.mod too, so they are left: etcd compiles them
+// and what stands on them itself. What the test holds: etcd never compiles a module at
+// an older version than the control plane does (that one etcd/go.mod can raise).
+func TestEtcdSharesControlPlane(t *testing.T) {
+	etcd := compiledModules(t, "etcd", false, "go.etcd.io/etcd/server/v3")
+	kube := compiledModules(t, "kube", false, kubeCommands...)
+	sameVersions(t, "etcd", etcd, "the control plane", kube, true,
+		"raise it in dra/cluster/etcd/go.mod (go get MODULE@<the control plane's>)")
+}
+
+// sameVersions fails naming every module a and b both compile at different versions (if
+// newerOK, only those a compiles at an older version than b), in order, with fix; and
+// fails if they share fewer than 20 modules: the Kubernetes client libraries, grpc,
+// protobuf, golang.org/x/*, ... are among them, and fewer means a list went wrong, not
+// that nothing is shared.
+func sameVersions(t *testing.T, aName string, a map[string]string, bName string, b map[string]string, newerOK bool, fix string) {
+	t.Helper()
+	var paths []string
+	for path := range a {
+		if _, both := b[path]; both {
+			paths = append(paths, path)
+		}
 	}
 	sort.Strings(paths)
-	shared := 0
 	for _, path := range paths {
-		hv := hook[path]
-		dv, both := dra[path]
-		if !both {
+		av, bv := a[path], b[path]
+		if av == bv || newerOK && semver.Compare(av, bv) > 0 {
 			continue
 		}
-		shared++
-		if dv != hv {
-			t.Errorf("%s: dra compiles %s, dra/hook %s: require (or, for k8s.io/*, replace) one version in both dra/go.mod and dra/hook/go.mod", path, dv, hv)
-		}
+		t.Errorf("%s: %s compiles %s, %s %s: %s", path, aName, av, bName, bv, fix)
 	}
-	// k8s.io/api, apimachinery, grpc, protobuf, golang.org/x/*, ...: fewer means a list
-	// went wrong, not that nothing is shared.
-	if shared < 20 {
-		t.Fatalf("%d modules compiled by both: want the Kubernetes client libraries among them", shared)
+	if len(paths) < 20 {
+		t.Fatalf("%d modules compiled by both %s and %s: want at least 20", len(paths), aName, bName)
 	}
 }
 
 // compiledModules lists the modules (path → version, after replacements) whose
-// packages go build would compile for pkgs in dir, test dependencies included.
-func compiledModules(t *testing.T, dir string, pkgs ...string) map[string]string {
+// packages go build would compile for pkgs in dir, with tests their test dependencies.
+func compiledModules(t *testing.T, dir string, tests bool, pkgs ...string) map[string]string {
 	t.Helper()
-	args := append([]string{"list", "-mod=readonly", "-deps", "-test", "-f",
-		"{{with .Module}}{{.Path}} {{.Version}}{{with .Replace}} {{.Version}}{{end}}{{end}}"}, pkgs...)
-	cmd := exec.Command("go", args...)
+	args := []string{"list", "-mod=readonly", "-deps", "-f",
+		"{{with .Module}}{{.Path}} {{.Version}}{{with .Replace}} {{.Version}}{{end}}{{end}}"}
+	if tests {
+		args = append(args, "-test")
+	}
+	cmd := exec.Command("go", append(args, pkgs...)...)
 	cmd.Dir = dir
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
