@@ -227,7 +227,7 @@ func hostless(t *testing.T, path string) string {
 	if err := d.Unmarshal(string(b)); err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}
-	libvirttest.ForCommandLine(&d)
+	kvmHost(t).ForCommandLine(&d)
 	s, err := d.Marshal()
 	if err != nil {
 		t.Fatal(err)

@@ -124,6 +124,7 @@ func domainsFromManifest(t *testing.T, passage, env, tpmPub string, m *manifest.
 	}
 	dir := t.TempDir()
 	uri := libvirttest.Start(t)
+	host := kvmHost(t)
 	for _, numa := range []bool{false, true} {
 		for _, typ := range []string{"kvm", "qemu"} {
 			name := "passage-scenario1-" + typ
@@ -146,7 +147,7 @@ func domainsFromManifest(t *testing.T, passage, env, tpmPub string, m *manifest.
 				t.Errorf("%s: virt-xml-validate: %v\n%s\n%s", name, err, v, out)
 				continue
 			}
-			libvirttest.Define(t, uri, f)
+			host.Define(t, uri, f)
 			dumped := libvirttest.Virsh(t, uri, "dumpxml", name)
 			libvirttest.Virsh(t, uri, "undefine", name)
 			if got, want := strings.Count(dumped, "<hostdev "), strings.Count(string(out), "<hostdev "); got != want || want == 0 {

@@ -138,7 +138,7 @@ func TestRenderedGuestsStart(t *testing.T) {
 				}
 			}
 			start := time.Now()
-			buses := firmwarePCITree(t, append(boot, devices...))
+			buses := firmwarePCITree(t, kvmHost(t).Accel(c.typ), append(boot, devices...))
 			used := checkRenderedTree(t, r.Guest, buses, r.PhysBits)
 			if used > r.MMIO.Prefetchable64 {
 				t.Errorf("OVMF used %s of 64-bit space; the planner demands %s", topology.Bytes(used), topology.Bytes(r.MMIO.Prefetchable64))
@@ -294,8 +294,10 @@ const unmapped = -1
 // firmwarePCITree boots args (the machine's CPU, memory and devices) under OVMF with no
 // kernel and no disk until OVMF's boot manager runs (it has enumerated the PCI tree and
 // assigned every bridge window and BAR by then; with nothing to boot it starts its
-// shell), then reads the tree back with QMP query-pci.
-func firmwarePCITree(t *testing.T, args []string) []qmpBus {
+// shell), then reads the tree back with QMP query-pci. accel is QEMU's accelerator for
+// the domain's type on this host (libvirttest.Host.Accel: libvirt's `-cpu host` for a
+// kvm domain needs KVM).
+func firmwarePCITree(t *testing.T, accel string, args []string) []qmpBus {
 	t.Helper()
 	work := t.TempDir()
 	vars := filepath.Join(work, "OVMF_VARS.fd")
@@ -315,7 +317,7 @@ func firmwarePCITree(t *testing.T, args []string) []qmpBus {
 	sock, console := filepath.Join(sockDir, "qmp"), filepath.Join(work, "console.log")
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
-	full := append([]string{"-machine", "q35", "-accel", "tcg,thread=single", "-nographic", "-nodefaults",
+	full := append([]string{"-machine", "q35", "-accel", accel, "-nographic", "-nodefaults",
 		"-serial", "file:" + console, "-monitor", "none", "-no-reboot", "-qmp", "unix:" + sock + ",server=on,wait=off",
 		"-drive", "if=pflash,format=raw,unit=0,readonly=on,file=" + OVMFCodeNoSecureBoot,
 		"-drive", "if=pflash,format=raw,unit=1,file=" + vars}, args...)

@@ -131,7 +131,7 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 			t.Fatal(err)
 		}
 		name := "passage-test-" + c.name
-		libvirttest.Define(t, uri, files[c.name])
+		libvirttest.TCG.Define(t, uri, files[c.name])
 		dumped := libvirttest.Virsh(t, uri, "dumpxml", name)
 		libvirttest.Virsh(t, uri, "undefine", name)
 
@@ -142,7 +142,7 @@ func TestLibvirtAcceptsDomain(t *testing.T) {
 		if err := xml.Unmarshal([]byte(dumped), &got); err != nil {
 			t.Fatalf("dumpxml: %v\n%s", err, dumped)
 		}
-		if typ := libvirttest.DefinedType(c.args[1]); got.Type != typ || got.Name != name {
+		if typ := libvirttest.TCG.DomainType(c.args[1]); got.Type != typ || got.Name != name {
 			t.Errorf("%s: libvirt keeps type %q name %q", c.name, got.Type, got.Name)
 		}
 		kept := map[int]string{}

@@ -104,22 +104,18 @@ func Virsh(t testing.TB, uri string, args ...string) string {
 // kvmDomain is the domain element's opening tag where it asks for KVM.
 var kvmDomain = regexp.MustCompile(`(<domain\s+type=)(["'])kvm(["'])`)
 
-// Define defines the domain file describes with virsh define. On a host without
-// /dev/kvm it is defined as type qemu: libvirt refuses type kvm there ("Emulator ...
-// does not support virt type 'kvm'"), which says nothing of the rest of the domain, and
-// the rest is judged as written. A test that compares virsh dumpxml with the file should
-// not compare the type.
-func Define(t testing.TB, uri, file string) {
+// Define defines the domain file describes with virsh define, as type h.DomainType
+// gives: a domain asked as type kvm is defined as type qemu where KVM was not proven to
+// run a guest (libvirt refuses type kvm without /dev/kvm, "Emulator ... does not support
+// virt type 'kvm'", and the rest of the domain is judged the same either way). A test
+// that compares virsh dumpxml with the file compares h.DomainType of the file's type.
+func (h Host) Define(t testing.TB, uri, file string) {
 	t.Helper()
-	if DefinedType("kvm") == "kvm" {
-		Virsh(t, uri, "define", file)
-		return
-	}
 	b, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !kvmDomain.Match(b) {
+	if !kvmDomain.Match(b) || h.DomainType("kvm") == "kvm" {
 		Virsh(t, uri, "define", file)
 		return
 	}
@@ -127,28 +123,21 @@ func Define(t testing.TB, uri, file string) {
 	if err := os.WriteFile(qemu, kvmDomain.ReplaceAll(b, []byte("${1}${2}qemu${3}")), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%s: no /dev/kvm on this host: defined as type qemu", file)
+	t.Logf("%s: defined as type qemu: KVM not proven here (%v)", file, h.KVM)
 	Virsh(t, uri, "define", qemu)
-}
-
-// DefinedType is the domain type Define defines a domain of type typ as on this host.
-func DefinedType(typ string) string {
-	if _, err := os.Stat("/dev/kvm"); err != nil && typ == "kvm" {
-		return "qemu"
-	}
-	return typ
 }
 
 // ForCommandLine takes out of d what this machine cannot give `virsh domxml-to-native`,
 // nothing of the guest's PCI tree, so a test can read libvirt's own command line for a
 // node's domain: the host NUMA binding (<numatune>: the test machine has one node), each
 // PCI hostdev's backend left to libvirt's probing (it names vfio; a test boots its
-// stand-in instead), and, without /dev/kvm, KVM itself: the type is DefinedType's, and
-// a host-passthrough CPU (KVM only: libvirt refuses it for type qemu) is TCG's nearest,
-// maximum. The guest's address width is then the test's to give (QEMU's phys-bits).
-func ForCommandLine(d *libvirtxml.Domain) {
+// stand-in instead), and, where KVM was not proven, KVM itself: the type is
+// h.DomainType's, and a host-passthrough CPU (KVM only: libvirt refuses it for type
+// qemu) is TCG's nearest, maximum. The guest's address width is then the test's to give
+// (QEMU's phys-bits); the guest starts with h.Accel(d.Type).
+func (h Host) ForCommandLine(d *libvirtxml.Domain) {
 	d.NUMATune = nil
-	d.Type = DefinedType(d.Type)
+	d.Type = h.DomainType(d.Type)
 	if d.Type == "qemu" && d.CPU != nil && d.CPU.Mode == "host-passthrough" {
 		d.CPU.Mode = "maximum"
 	}
