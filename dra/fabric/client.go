@@ -7,14 +7,16 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/NVIDIA/go-nvfm/pkg/nvfm"
 )
 
-// Client is one connection to FM through libnvfm. Its calls are one at a time; a call
-// FM answers FM_ST_CONNECTION_NOT_VALID or FM_ST_UNINITIALIZED (FM restarted under the
-// connection) is made once more on a new connection, as the Kubernetes DRA driver for
-// NVIDIA GPUs does.
+// Client is one connection to FM through libnvfm. Its calls are one at a time, and
+// each ends in one of three outcomes: FM did it (nil); FM answered no (*Error, its
+// code); FM did not answer (*UnreachableError). A call answered with a code a dead or
+// stale connection gives (noAnswer) is not taken for FM's word: the connection is
+// dropped, made again within Options.Reconnect, and the call made once more on it.
 type Client struct {
 	o   Options
 	lib *library
@@ -82,7 +84,7 @@ func Open(o Options) (*Client, error) {
 	}
 	c := &Client{o: o, lib: lib}
 	c.mu.Lock()
-	err = c.connect()
+	err = c.connect("connect")
 	c.mu.Unlock()
 	if err != nil {
 		lib.release()
@@ -91,47 +93,94 @@ func Open(o Options) (*Client, error) {
 	return c, nil
 }
 
-// connect makes a new connection; c.mu held.
-func (c *Client) connect() error {
+// noAnswer are the codes a call's connection, rather than FM, may have given: libnvfm
+// answers a connection FM restarted under with CONNECTION_NOT_VALID or UNINITIALIZED
+// (the code the guide also gives a deactivation of a partition that is not active),
+// and what it answers a socket whose peer is gone is not documented (a TIMEOUT, a
+// GENERIC_ERROR). None is taken as FM's answer until a new connection gives it again.
+func noAnswer(r Return) bool {
+	switch r {
+	case FM_ST_CONNECTION_NOT_VALID, FM_ST_UNINITIALIZED, FM_ST_TIMEOUT, FM_ST_GENERIC_ERROR:
+		return true
+	}
+	return false
+}
+
+// drop lets go of the connection, presumed broken; c.mu held.
+func (c *Client) drop() {
 	if c.h != nil {
-		c.h.Disconnect() // the connection is presumed broken: nothing to act on
+		c.h.Disconnect() // nothing to act on: the next call connects again
 		c.h = nil
 	}
+}
+
+// connect makes a new connection, trying again until Options.Reconnect has passed
+// while FM does not answer; c.mu held. FM out of reach is an *UnreachableError; a
+// connection FM refuses (a library of another version, a bad parameter) its *Error.
+func (c *Client) connect(op string) error {
+	c.drop()
 	opts := []nvfm.ConnectOption{nvfm.WithTimeoutMs(uint32(c.o.Timeout.Milliseconds()))}
 	if c.o.Socket != "" {
 		opts = append(opts, nvfm.WithUnixSocket(c.o.Socket))
 	} else {
 		opts = append(opts, nvfm.WithAddress(c.o.Address))
 	}
-	h, r := c.lib.lib.Connect(opts...)
-	if r != nvfm.SUCCESS {
-		return &Error{Op: "connect " + c.o.where(), Code: Return(r)}
+	start := time.Now()
+	deadline := start.Add(c.o.Reconnect)
+	for n := 1; ; n++ {
+		h, r := c.lib.lib.Connect(opts...)
+		switch {
+		case r == nvfm.SUCCESS:
+			c.h = h
+			return nil
+		case !noAnswer(Return(r)):
+			return &Error{Op: "connect " + c.o.where(), Code: Return(r)}
+		}
+		left := time.Until(deadline)
+		if left <= 0 {
+			return &UnreachableError{Op: op, Where: c.o.where(), Connect: Return(r), Attempts: n, For: time.Since(start), Within: c.o.Reconnect}
+		}
+		time.Sleep(min(left, reconnectPause))
 	}
-	c.h = h
-	return nil
 }
 
-// do runs call on the connection, once more on a new one after
-// FM_ST_CONNECTION_NOT_VALID or FM_ST_UNINITIALIZED.
+// reconnectPause is the wait between two connects to an FM that did not answer.
+const reconnectPause = 100 * time.Millisecond
+
+// do runs call on the connection. An answer in noAnswer drops it, and the call is made
+// once more on a new one: FM's answer there is the call's, but for CONNECTION_NOT_VALID
+// and TIMEOUT on a connection just made, which are FM not answering.
 func (c *Client) do(op string, call func(nvfm.Handle) nvfm.Return) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.h == nil {
-		if err := c.connect(); err != nil {
-			return err
+	var first Return
+	if c.h != nil {
+		r := Return(call(c.h))
+		switch {
+		case r == FM_ST_SUCCESS:
+			return nil
+		case !noAnswer(r):
+			return &Error{Op: op, Code: r}
 		}
+		first = r
 	}
-	r := call(c.h)
-	if r == nvfm.CONNECTION_NOT_VALID || r == nvfm.UNINITIALIZED {
-		if err := c.connect(); err != nil {
-			return &Error{Op: op, Code: Return(r), Err: fmt.Errorf("reconnect: %w", err)}
+	if err := c.connect(op); err != nil {
+		if u, ok := err.(*UnreachableError); ok {
+			u.Answered = first
 		}
-		r = call(c.h)
+		return err
 	}
-	if r != nvfm.SUCCESS {
-		return &Error{Op: op, Code: Return(r)}
+	r := Return(call(c.h))
+	if r == FM_ST_SUCCESS {
+		return nil
 	}
-	return nil
+	if noAnswer(r) {
+		c.drop()
+	}
+	if r == FM_ST_CONNECTION_NOT_VALID || r == FM_ST_TIMEOUT {
+		return &UnreachableError{Op: op, Where: c.o.where(), Answered: r, Attempts: 1}
+	}
+	return &Error{Op: op, Code: r}
 }
 
 // Partitions is FM's list of supported partitions (fmGetSupportedFabricPartitions).

@@ -236,16 +236,10 @@ func (f *Fabric) settled(claim, state string, ferr error) error {
 	return f.save(l)
 }
 
-// notActive says FM's error means the partition is not active: -18 as current FMs are
-// inferred to answer, FM_ST_UNINITIALIZED as the guide documents (NVLINK.md §2).
-func notActive(err error) bool {
-	r, ok := Code(err)
-	return ok && (r == FM_ST_PARTITION_ID_NOT_IN_USE || r == FM_ST_UNINITIALIZED)
-}
-
 // Deactivate releases claim's partition: the ledger says deactivating, FM deactivates
-// it (a partition already not active counts as done), and the claim leaves the ledger.
-// FM's refusal, or FM out of reach, is the error, the claim left deactivating with it:
+// it (a partition FM confirms is not active counts as done: deactivate), and the claim
+// leaves the ledger. FM's refusal, or FM out of reach, is the error, the claim left
+// deactivating with it:
 // the partition stays the claim's (its GPUs must not be reset or given to another), and
 // Resume asks FM again. A claim the ledger does not hold is done.
 func (f *Fabric) Deactivate(claim string) error {
@@ -267,7 +261,12 @@ func (f *Fabric) Deactivate(claim string) error {
 	return errors.Join(err, f.settled(claim, StateDeactivating, err))
 }
 
-// deactivate asks FM to deactivate id; nil when it is not active after; f.mu held.
+// deactivate asks FM to deactivate id; nil only when FM confirmed it is not active
+// after: FM did it, or answered FM_ST_PARTITION_ID_NOT_IN_USE (current FMs' "not
+// active", NVLINK.md §2), or answered otherwise and its list, read now, has it not
+// active. The guide's own "not active", FM_ST_UNINITIALIZED, is also what a connection
+// FM restarted under answers, so it is never taken alone; FM not answering is never
+// "not active": its GPUs may still be in the partition. f.mu held.
 func (f *Fabric) deactivate(id uint32) error {
 	c, err := f.client()
 	if err != nil {
@@ -275,10 +274,25 @@ func (f *Fabric) deactivate(id uint32) error {
 	}
 	deact := func() error { return c.Deactivate(id) }
 	err = f.again(c, deact(), deact)
-	if err == nil || notActive(err) {
+	r, answered := Code(err)
+	switch {
+	case err == nil || (answered && r == FM_ST_PARTITION_ID_NOT_IN_USE):
 		return nil
+	case !answered:
+		return err
 	}
-	return err
+	ps, _, lerr := f.partitions(c)
+	if lerr != nil {
+		return fmt.Errorf("%w; partition %d's state unknown: %w", err, id, lerr)
+	}
+	i := slices.IndexFunc(ps, func(p Partition) bool { return p.ID == id })
+	switch {
+	case i < 0:
+		return fmt.Errorf("%w; partition %d is not in FM's list", err, id)
+	case ps[i].Active:
+		return fmt.Errorf("%w; FM lists %s", err, ps[i])
+	}
+	return nil
 }
 
 // Holding are the claims of the ledger whose partitions have any of modules, sorted.

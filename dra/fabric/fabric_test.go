@@ -29,12 +29,22 @@ func open(t *testing.T) (*fabric.Client, *fabrictest.FM) {
 	t.Helper()
 	lib := fabrictest.Library(t)
 	fm := fabrictest.New(t)
-	c, err := fabric.Open(fabric.Options{Library: lib})
+	c, err := fabric.Open(fabric.Options{Library: lib, Reconnect: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
 	return c, fm
+}
+
+func wantUnreachable(t *testing.T, what string, err error) {
+	t.Helper()
+	if !fabric.Unreachable(err) {
+		t.Fatalf("%s: %v, want FM unreachable", what, err)
+	}
+	if r, ok := fabric.Code(err); ok {
+		t.Fatalf("%s: %v read as FM's answer %s", what, err, r)
+	}
 }
 
 func wantCode(t *testing.T, what string, err error, want fabric.Return) {
@@ -123,7 +133,8 @@ func TestStubStateMachine(t *testing.T) {
 	}
 
 	// As the FM User Guide documents the two answers: IN_USE and UNINITIALIZED. The
-	// client takes UNINITIALIZED for a broken connection first, and asks once more.
+	// client takes UNINITIALIZED for a broken connection first, and asks once more on
+	// a new one (package fabric then holds it to FM's list).
 	fm.Update(t, func(s *fabrictest.State) { s.FMUGCodes = true })
 	wantCode(t, "activate an active partition (guide's code)", c.Activate(2), fabric.FM_ST_IN_USE)
 	wantCode(t, "deactivate an inactive partition (guide's code)", c.Deactivate(4), fabric.FM_ST_UNINITIALIZED)
@@ -149,8 +160,8 @@ func TestStubConnect(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "fm.sock")
 	fm.Update(t, func(s *fabrictest.State) { s.Listen = "unix:" + sock })
 	_, err := fabric.Open(fabric.Options{Library: fabrictest.Library(t)})
-	wantCode(t, "connect to 127.0.0.1:6666 when FM listens on a socket", err, fabric.FM_ST_CONNECTION_NOT_VALID)
-	if !strings.Contains(err.Error(), "connect 127.0.0.1:6666") {
+	wantUnreachable(t, "connect to 127.0.0.1:6666 when FM listens on a socket", err)
+	if !strings.Contains(err.Error(), "FM unreachable at 127.0.0.1:6666: connect FM_ST_CONNECTION_NOT_VALID (-9)") {
 		t.Errorf("error %q does not name the address", err)
 	}
 	c2, err := fabric.Open(fabric.Options{Library: fabrictest.Library(t), Socket: sock})
@@ -207,8 +218,8 @@ func TestStubRestartWindow(t *testing.T) {
 	wantCode(t, "list within the window", err, fabric.FM_ST_NOT_CONFIGURED)
 	time.Sleep(300 * time.Millisecond)
 	_, err = c.Partitions()
-	wantCode(t, "list after FM exited", err, fabric.FM_ST_CONNECTION_NOT_VALID)
-	if !strings.Contains(err.Error(), "reconnect: fm: connect") {
+	wantUnreachable(t, "list after FM exited", err)
+	if !strings.Contains(err.Error(), "(the connection answered FM_ST_CONNECTION_NOT_VALID (-9), not taken as FM's answer): connect FM_ST_CONNECTION_NOT_VALID (-9)") {
 		t.Errorf("error %q does not say the reconnect failed", err)
 	}
 	if _, err := fabric.Open(fabric.Options{Library: fabrictest.Library(t)}); err == nil {
@@ -225,7 +236,8 @@ func newFabric(t *testing.T) (*fabric.Fabric, *fabrictest.FM, string) {
 	lib := fabrictest.Library(t)
 	fm := fabrictest.New(t)
 	dir := t.TempDir()
-	f, err := fabric.New(dir, fabric.Options{Library: lib})
+	// FM out of reach fails a call after 300 ms of connects, not the default 2 s.
+	f, err := fabric.New(dir, fabric.Options{Library: lib, Reconnect: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -380,14 +392,14 @@ func TestFabricRefusedAndGone(t *testing.T) {
 
 	fm.Update(t, func(s *fabrictest.State) { s.Mode = "gone" })
 	_, err = f.Activate("vm-b", []int{5})
-	wantCode(t, "activate with FM gone", err, fabric.FM_ST_CONNECTION_NOT_VALID)
+	wantUnreachable(t, "activate with FM gone", err)
 	if _, ok := readLedger(t, dir).Claims["vm-b"]; ok {
 		t.Fatal("ledger holds a claim FM never saw")
 	}
 	err = f.Deactivate("vm-a")
-	wantCode(t, "deactivate with FM gone", err, fabric.FM_ST_CONNECTION_NOT_VALID)
+	wantUnreachable(t, "deactivate with FM gone", err)
 	e := readLedger(t, dir).Claims["vm-a"]
-	if e.State != fabric.StateDeactivating || !strings.Contains(e.LastError, "FM_ST_CONNECTION_NOT_VALID") {
+	if e.State != fabric.StateDeactivating || !strings.Contains(e.LastError, "FM unreachable") {
 		t.Fatalf("ledger after a failed release: %+v", e)
 	}
 	// The released claim's modules are still its own.
@@ -629,5 +641,119 @@ func TestCheck(t *testing.T) {
 				t.Errorf("%s: mismatch %q, want %q", name, got[i], w)
 			}
 		}
+	}
+}
+
+// TestFabricDeactivateUnreachable (#55, 3): FM's UNINITIALIZED is also the guide's
+// "partition not active"; answered on a connection FM is gone from, with the
+// reconnect failing, it is no answer at all. Deactivate fails, the claim stays in the
+// ledger (deactivating), and FM keeps partition 4 active: nothing may reset its GPUs.
+func TestFabricDeactivateUnreachable(t *testing.T) {
+	f, fm, dir := newFabric(t)
+	if _, err := f.Activate("vm-a", []int{1, 2}); err != nil {
+		t.Fatal(err)
+	}
+	fm.Update(t, func(s *fabrictest.State) {
+		s.FMUGCodes, s.StaleCode, s.Mode = true, int(fabric.FM_ST_UNINITIALIZED), "gone"
+	})
+	err := f.Deactivate("vm-a")
+	if err == nil {
+		t.Fatalf("deactivate with FM unreachable: nil; FM's log %v", fm.Log(t))
+	}
+	if r, ok := fabric.Code(err); ok {
+		t.Errorf("FM out of reach read as FM's answer %s: %v", r, err)
+	}
+	if !strings.Contains(err.Error(), "unreachable") {
+		t.Errorf("error %q does not say FM is unreachable", err)
+	}
+	if e, ok := readLedger(t, dir).Claims["vm-a"]; !ok || e.State != fabric.StateDeactivating || e.Partition != 4 {
+		t.Fatalf("ledger after a release FM did not answer: %+v (held %v)", e, ok)
+	}
+	if got := fm.Active(t); !slices.Equal(got, []int{4}) {
+		t.Fatalf("FM active %v", got)
+	}
+	if got := f.Holding([]int{1}); !slices.Equal(got, []string{"vm-a"}) {
+		t.Errorf("holding module 1: %v", got)
+	}
+
+	// FM back, answering a partition that is not active with the guide's
+	// UNINITIALIZED on a live connection: that is done, once FM's list confirms it.
+	fm.Update(t, func(s *fabrictest.State) { s.Mode, s.Epoch, s.Active = "serving", s.Epoch+1, nil })
+	if err := f.Deactivate("vm-a"); err != nil {
+		t.Fatalf("deactivate a partition FM says is not active: %v", err)
+	}
+	if l := readLedger(t, dir); len(l.Claims) != 0 {
+		t.Errorf("ledger %+v", l)
+	}
+	// UNINITIALIZED for a partition FM's list still has active is not done.
+	if _, err := f.Activate("vm-b", []int{3, 4}); err != nil {
+		t.Fatal(err)
+	}
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabric.FM_ST_UNINITIALIZED) })
+	if err := f.Deactivate("vm-b"); err == nil {
+		t.Fatal("UNINITIALIZED for a partition FM lists active: taken as released")
+	}
+	if e := readLedger(t, dir).Claims["vm-b"]; e.State != fabric.StateDeactivating {
+		t.Errorf("ledger vm-b: %+v", e)
+	}
+}
+
+// TestFabricReconnects (#55, 4): a connection FM restarted under, answered with a code
+// other than CONNECTION_NOT_VALID (libnvfm's answer to a dead socket is undocumented),
+// is dropped and made again: FM waiting after its --restart is handed the ledger's
+// list within its window.
+func TestFabricReconnects(t *testing.T) {
+	for _, code := range []fabric.Return{fabric.FM_ST_TIMEOUT, fabric.FM_ST_GENERIC_ERROR} {
+		t.Run(fmt.Sprint(int32(code)), func(t *testing.T) {
+			f, fm, _ := newFabric(t)
+			if _, err := f.Activate("vm-a", []int{8}); err != nil {
+				t.Fatal(err)
+			}
+			fm.Update(t, func(s *fabrictest.State) { s.StaleCode = int(code) })
+			fm.Restart(t, 3*time.Second)
+			r, err := f.Resume()
+			if err != nil {
+				t.Fatalf("resume after FM restarted, the old connection answering %s: %v\n%v", code, err, fm.Log(t))
+			}
+			if !slices.Equal(r.Handed, []uint32{15}) {
+				t.Fatalf("handed %v: %v", r.Handed, fm.Log(t))
+			}
+			if st := fm.Read(t); st.Mode != "serving" || !slices.Equal(st.Active, []int{15}) {
+				t.Fatalf("FM %s, active %v", st.Mode, st.Active)
+			}
+			if _, err := f.Activate("vm-b", []int{1, 2}); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// TestFabricUnreachableBounded: FM gone, a call tries to connect again for the
+// Options' Reconnect at most, then fails as FM unreachable; FM back, the next call
+// connects.
+func TestFabricUnreachableBounded(t *testing.T) {
+	fm := fabrictest.New(t)
+	f, err := fabric.New(t.TempDir(), fabric.Options{Library: fabrictest.Library(t), Reconnect: 400 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.Activate("vm-a", []int{1}); err != nil {
+		t.Fatal(err)
+	}
+	fm.Update(t, func(s *fabrictest.State) { s.Mode, s.StaleCode = "gone", int(fabric.FM_ST_TIMEOUT) })
+	start := time.Now()
+	_, err = f.Activate("vm-b", []int{2})
+	took := time.Since(start)
+	wantUnreachable(t, "activate with FM gone", err)
+	if took < 400*time.Millisecond || took > 3*time.Second {
+		t.Errorf("gave up after %v, want the 400 ms Reconnect", took)
+	}
+	if n := len(fm.Calls(t, "connect")); n < 3 || n > 10 {
+		t.Errorf("%d connects: %v", n, fm.Log(t))
+	}
+	fm.Update(t, func(s *fabrictest.State) { s.Mode, s.Epoch = "serving", s.Epoch+1 })
+	if _, err := f.Activate("vm-b", []int{2}); err != nil {
+		t.Fatal(err)
 	}
 }

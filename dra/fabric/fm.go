@@ -19,6 +19,11 @@ const (
 	DefaultLibrary = "libnvfm.so"
 	// DefaultTimeout is go-nvfm's and fmpm's connect timeout.
 	DefaultTimeout = time.Second
+	// DefaultReconnect is how long a call tries to connect again to an FM that does not
+	// answer before it fails as FM unreachable. The plugin reads FM again every
+	// plugin.FabricEvery, so a call that gives up is tried again well within the 60 s
+	// an FM started with --restart waits for its active list (NVLINK.md §0.6).
+	DefaultReconnect = 2 * time.Second
 )
 
 // Options say which libnvfm to load and where FM is.
@@ -27,6 +32,9 @@ type Options struct {
 	Socket  string        // FM's FM_CMD_UNIX_SOCKET_PATH; wins over Address
 	Address string        // FM's <ipv4>:<port> ("" and no Socket: DefaultAddress)
 	Timeout time.Duration // connect timeout (0: DefaultTimeout)
+	// Reconnect bounds the connects one call makes to an FM that does not answer
+	// (0: DefaultReconnect); at least one is made.
+	Reconnect time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -38,6 +46,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Timeout <= 0 {
 		o.Timeout = DefaultTimeout
+	}
+	if o.Reconnect <= 0 {
+		o.Reconnect = DefaultReconnect
 	}
 	return o
 }
@@ -107,32 +118,58 @@ func (r Return) String() string {
 	return fmt.Sprintf("fmReturn_t %d", int32(r))
 }
 
-// Error is FM's answer other than FM_ST_SUCCESS to one operation.
+// Error is FM's answer other than FM_ST_SUCCESS to one operation, given on a working
+// connection: FM said no.
 type Error struct {
 	Op   string // "activate partition 4", "list partitions", "connect unix:/run/..."
 	Code Return
-	// Err is what failed besides (the reconnect after FM_ST_CONNECTION_NOT_VALID).
-	Err error
 }
 
-func (e *Error) Error() string {
-	s := "fm: " + e.Op + ": " + e.Code.String()
-	if e.Err != nil {
-		s += "; " + e.Err.Error()
+func (e *Error) Error() string { return "fm: " + e.Op + ": " + e.Code.String() }
+
+// UnreachableError is an operation FM did not answer: no connection could be made
+// within Options.Reconnect, or the one just made answered CONNECTION_NOT_VALID or
+// TIMEOUT. It says nothing of FM's state: a partition it concerns may be active or not.
+type UnreachableError struct {
+	Op    string // "deactivate partition 4"
+	Where string // FM's endpoint
+	// Answered is what the connection before gave the operation (0: none was open).
+	Answered Return
+	// Connect is the last connect's code, Attempts the connects made in For (at
+	// most Options.Reconnect and the last connect's timeout).
+	Connect  Return
+	Attempts int
+	For      time.Duration
+	// Within is Options.Reconnect, which the message names: the same outage reads
+	// the same from one call to the next, whatever the attempts' timing.
+	Within time.Duration
+}
+
+func (e *UnreachableError) Error() string {
+	s := fmt.Sprintf("fm: %s: FM unreachable at %s", e.Op, e.Where)
+	if e.Answered != FM_ST_SUCCESS {
+		s += fmt.Sprintf(" (the connection answered %s, not taken as FM's answer)", e.Answered)
+	}
+	if e.Connect != FM_ST_SUCCESS {
+		s += fmt.Sprintf(": connect %s, again for %v", e.Connect, e.Within)
 	}
 	return s
 }
 
-func (e *Error) Unwrap() error { return e.Err }
-
-// Code is FM's return code in err; ok is false when err is not FM's answer (the
-// library not loaded, no cgo, a ledger write).
+// Code is FM's return code in err; ok is false when err is not FM's answer (FM
+// unreachable, the library not loaded, no cgo, a ledger write).
 func Code(err error) (r Return, ok bool) {
 	var e *Error
 	if errors.As(err, &e) {
 		return e.Code, true
 	}
 	return 0, false
+}
+
+// Unreachable says whether err is, or wraps, FM not answering.
+func Unreachable(err error) bool {
+	var u *UnreachableError
+	return errors.As(err, &u)
 }
 
 // Partition is one fmFabricPartitionInfo_t.

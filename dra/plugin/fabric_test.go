@@ -47,7 +47,7 @@ func withModules(t *testing.T, r *noderig.Rig) {
 // withFabric is cfg with a Fabric whose ledger is in its StateDir, on the stand-in FM.
 func withFabric(t *testing.T, cfg *plugin.Config) {
 	t.Helper()
-	f, err := fabric.New(cfg.StateDir, fabric.Options{Library: fabrictest.Library(t)})
+	f, err := fabric.New(cfg.StateDir, fabric.Options{Library: fabrictest.Library(t), Reconnect: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -698,5 +698,43 @@ func must(t *testing.T, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestFabricUnprepareFMUnreachable (#55, 3): FM gone while a claim holds partition 4,
+// its old connection answering FM_ST_UNINITIALIZED (which the guide also gives for a
+// partition not active) and the reconnect failing. The unprepare does not read that as
+// released: gpu0 and gpu1 are quarantined (taint fabric), not withheld for a reset,
+// the ledger keeps the claim, and FM still has partition 4 active.
+func TestFabricUnprepareFMUnreachable(t *testing.T) {
+	r := newRig(t)
+	withModules(t, r)
+	fm := fabrictest.New(t)
+	cdiDir, reg, data := filepath.Join(r.Dir, "cdi"), filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: cdiDir, StateDir: data, Logf: (&logLines{}).logf}
+	withFabric(t, &cfg)
+	d, client, k, _ := start(t, cfg, reg)
+	publishedDevices(t, client, countIs(32))
+	vm := claimUnits(t, client, d, "vm", "gpu0", "gpu1")
+	if got := prepare(t, k, vm); got.Error != "" {
+		t.Fatalf("prepare: %+v", got)
+	}
+	fm.Update(t, func(s *fabrictest.State) {
+		s.FMUGCodes, s.StaleCode, s.Mode = true, int(fabric.FM_ST_UNINITIALIZED), "gone"
+	})
+	if got := unprepare(t, k, vm); got != "" {
+		t.Fatalf("unprepare: %q", got)
+	}
+	for _, u := range []string{"gpu0", "gpu1"} {
+		s := unitsJSON(t, data).Units[u]
+		if s == nil || s.State != plugin.StateQuarantined || s.Step != plugin.StepFabric {
+			t.Fatalf("units.json %s: %+v; FM's log %v", u, s, fm.Log(t))
+		}
+	}
+	if e, ok := ledgerOf(t, data).Claims["uid-vm"]; !ok || e.State != fabric.StateDeactivating {
+		t.Fatalf("ledger uid-vm: %+v (held %v)", e, ok)
+	}
+	if got := fm.Active(t); !slices.Equal(got, []int{4}) {
+		t.Fatalf("FM active %v", got)
 	}
 }

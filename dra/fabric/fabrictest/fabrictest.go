@@ -107,7 +107,10 @@ type State struct {
 	FMUGCodes                                    bool
 	Links                                        map[int]int // module -> NVLinks available
 	Listen                                       string
-	extra                                        []string
+	// StaleCode is what a call on a dead connection is answered (0:
+	// FM_ST_CONNECTION_NOT_VALID).
+	StaleCode int
+	extra     []string
 }
 
 // FM is one stand-in FM: its state file, named to every process by StateEnv.
@@ -266,6 +269,8 @@ func parse(b []byte) (State, error) {
 			}
 		case "listen":
 			s.Listen = v
+		case "stale_code":
+			s.StaleCode, err = strconv.Atoi(v)
 		default:
 			s.extra = append(s.extra, line)
 		}
@@ -297,7 +302,7 @@ func format(s State) []byte {
 		}
 		fmt.Fprintf(&b, "%d:%d", m, s.Links[m])
 	}
-	fmt.Fprintf(&b, "\nlisten=%s\n", s.Listen)
+	fmt.Fprintf(&b, "\nlisten=%s\nstale_code=%d\n", s.Listen, s.StaleCode)
 	for _, l := range s.extra {
 		b.WriteString(l + "\n")
 	}

@@ -29,6 +29,11 @@
  *                         are inferred to answer (Ubicloud accepts fmpm's 239 and 238)
  *   links=M:N,...         module M has N NVLinks available in its multi-GPU partitions
  *   listen=unix:PATH | inet:HOST:PORT   where FM listens ("" or absent: anywhere)
+ *   stale_code=C          what a call on a dead connection (FM gone, exited, or
+ *                         restarted since it was made) is answered: 0 or absent,
+ *                         FM_ST_CONNECTION_NOT_VALID; libnvfm's answer to a socket whose
+ *                         peer is gone is not documented, so tests also give
+ *                         FM_ST_TIMEOUT, FM_ST_GENERIC_ERROR or FM_ST_UNINITIALIZED
  *
  * Each call is appended to $PASSAGE_FMSTUB_STATE.log as "<call> <argument> = <code>".
  */
@@ -72,6 +77,7 @@ struct state {
 	int fmug_codes;
 	int links[NUM_MODULES + 1]; /* by module ID */
 	char listen[FM_MAX_STR_LENGTH + 8];
+	int stale_code;
 };
 
 #define HANDLE_MAGIC 0x464d5342u
@@ -150,6 +156,8 @@ static int parse(struct state *st, char *buf)
 			}
 		} else if (!strcmp(line, "listen")) {
 			snprintf(st->listen, sizeof(st->listen), "%s", v);
+		} else if (!strcmp(line, "stale_code")) {
+			st->stale_code = atoi(v);
 		} else {
 			return -1; /* a key the stand-in does not know: a test's typo, not ignored */
 		}
@@ -173,7 +181,7 @@ static void format(const struct state *st, FILE *f)
 		fprintf(f, "%s%d:%d", sep, m, st->links[m]);
 		sep = ",";
 	}
-	fprintf(f, "\nlisten=%s\n", st->listen);
+	fprintf(f, "\nlisten=%s\nstale_code=%d\n", st->listen, st->stale_code);
 }
 
 /* session is one call's hold on the state file. */
@@ -242,13 +250,19 @@ static fmReturn_t end(struct session *s, const char *call, const char *arg, fmRe
 	return ret;
 }
 
+/* stale is the answer to a call on a dead connection. */
+static fmReturn_t stale(const struct session *s)
+{
+	return s->st.stale_code ? (fmReturn_t)s->st.stale_code : FM_ST_CONNECTION_NOT_VALID;
+}
+
 /* serving is the check every call on a connection makes before FM acts on it. */
 static fmReturn_t serving(struct session *s, struct handle *h)
 {
 	if (!strcmp(s->st.mode, "gone") || !strcmp(s->st.mode, "exited"))
-		return FM_ST_CONNECTION_NOT_VALID;
+		return stale(s);
 	if (h->epoch != s->st.epoch)
-		return FM_ST_CONNECTION_NOT_VALID; /* FM restarted since this connection */
+		return stale(s); /* FM restarted since this connection */
 	if (!strcmp(s->st.mode, "restarting"))
 		return FM_ST_NOT_CONFIGURED; /* "Fabric Manager instance is initializing" */
 	return FM_ST_SUCCESS;
@@ -449,7 +463,7 @@ fmReturn_t fmSetActivatedFabricPartitions(fmHandle_t pFmHandle, fmActivatedFabri
 		return FM_ST_CONNECTION_NOT_VALID;
 	fmReturn_t ret = FM_ST_SUCCESS;
 	if (!strcmp(s.st.mode, "gone") || !strcmp(s.st.mode, "exited") || h->epoch != s.st.epoch)
-		ret = FM_ST_CONNECTION_NOT_VALID;
+		ret = stale(&s);
 	else if (strcmp(s.st.mode, "restarting"))
 		/* Unverified: FM's answer to a list outside a --restart is undocumented; the
 		 * stand-in refuses it, so a client that sends one unasked is seen. */
