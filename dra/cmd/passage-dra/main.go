@@ -420,7 +420,30 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 	turning.Go(func() { d.RunTurnaround(turnCtx) })
 	defer turning.Wait()
 	defer stopTurn()
-	tick := time.NewTicker(p.reload)
+	return serve(ctx, d, p.reload, fs.Name(), stderr, func(err error) int {
+		if errors.Is(err, plugin.ErrTaintsDropped) {
+			// Stopped first: its publisher would put the slices back.
+			d.Stop()
+			fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
+			wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			if werr := plugin.Withdraw(wctx, client, d.Objects().Node); werr != nil {
+				fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), werr)
+			}
+			cancel()
+			return 1
+		}
+		if !errors.Is(err, kubeletplugin.ErrRecoverable) {
+			fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+			return 1
+		}
+		return 0
+	})
+}
+
+// serve runs the started plugin's periodic work until ctx ends (0) or failed, given
+// one of the plugin's errors, returns an exit code other than 0.
+func serve(ctx context.Context, d *plugin.Driver, reload time.Duration, name string, stderr io.Writer, failed func(error) int) int {
+	tick := time.NewTicker(reload)
 	defer tick.Stop()
 	for {
 		select {
@@ -434,23 +457,11 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 			// the reload publishes what FM's list says of the NVLink partitions.
 			d.ResumeFabric()
 			if err := d.Reload(ctx); err != nil {
-				fmt.Fprintf(stderr, "%s: reload: %v\n", fs.Name(), err)
+				fmt.Fprintf(stderr, "%s: reload: %v\n", name, err)
 			}
 		case err := <-d.Errors():
-			if errors.Is(err, plugin.ErrTaintsDropped) {
-				// Stopped first: its publisher would put the slices back.
-				d.Stop()
-				fmt.Fprintf(stderr, "%s: REFUSED: %s\n", fs.Name(), manifest.Printable(err.Error()))
-				wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-				if werr := plugin.Withdraw(wctx, client, d.Objects().Node); werr != nil {
-					fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), werr)
-				}
-				cancel()
-				return 1
-			}
-			if !errors.Is(err, kubeletplugin.ErrRecoverable) {
-				fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
-				return 1
+			if code := failed(err); code != 0 {
+				return code
 			}
 		}
 	}
