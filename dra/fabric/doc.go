@@ -40,6 +40,14 @@
 // (FM_ST_NOT_CONFIGURED, "Fabric Manager instance is initializing") until the hypervisor
 // tells it which partitions are active (fmSetActivatedFabricPartitions), and exits if
 // that does not come within 60 s (FM User Guide, "Resiliency"). Fabric.Resume hands FM
-// the ledger's list; the plugin calls it at start and at every reload, and Activate and
-// Deactivate call it when FM answers FM_ST_NOT_CONFIGURED.
+// the ledger's list; the plugin calls it at start and every plugin.FabricEvery (5 s,
+// whatever its --reload), and Activate and Deactivate call it when FM answers
+// FM_ST_NOT_CONFIGURED.
+//
+// # FM not answering
+//
+// A call FM did not answer says nothing of a partition: Client gives it as an
+// *UnreachableError, never as a code, and Deactivate counts a partition released only
+// on FM's word (Fabric.Deactivate), so the units of a partition FM may still
+// hold are quarantined, never reset.
 package fabric

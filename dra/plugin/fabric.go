@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -13,6 +14,15 @@ import (
 	"github.com/passage-boot/passage/dra/fabric"
 	"github.com/passage-boot/passage/manifest"
 )
+
+// FabricEvery is how often the plugin reads Fabric Manager (ResumeFabric), whatever
+// the manifest's reload period: an FM started with --restart rejects every call until
+// it is handed the active partitions, and exits if they do not come within 60 s
+// (NVLINK.md §0.6 and §3 "FM restart / HA"; FM User Guide, "Resiliency"). A reconnect
+// of the connection FM restarted under is one of ResumeFabric's calls, so the list is
+// handed at most FabricEvery, plus a call's connects (fabric.DefaultReconnect, 2 s, and
+// one connect timeout, 1 s), after FM came back: 8 s of the 60.
+const FabricEvery = 5 * time.Second
 
 // StepFabric is the quarantine taint's value (and the failed step in units.json) of a
 // unit whose NVLink partition Fabric Manager would not deactivate: its GPUs are neither
@@ -121,8 +131,8 @@ func (d *Driver) fabric() *fabric.Fabric {
 // are asked again), releases the partitions of claims no longer prepared (no CDI
 // spec: a prepare that failed after FM answered, a node restarted under them), and
 // holds the NVLink partitions published to FM's list as read now (holdNVLink). What
-// still differs is logged when it changes. New calls it; the command at every reload,
-// before the reload.
+// still differs is logged when it changes. New calls it; the command every
+// FabricEvery and before every reload.
 func (d *Driver) ResumeFabric() {
 	d.mu.Lock()
 	defer d.mu.Unlock()

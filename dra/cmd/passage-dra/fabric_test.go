@@ -5,14 +5,19 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"flag"
+	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/passage-boot/passage/dra/fabric/fabrictest"
 	"github.com/passage-boot/passage/dra/internal/noderig"
+	"github.com/passage-boot/passage/dra/plugin"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 )
@@ -44,7 +49,7 @@ func TestFabricCheckCommand(t *testing.T) {
 	if code, out, errs := check("--fm-socket", sock); code != 0 {
 		t.Fatalf("--fm-socket: exit %d\n%s%s", code, out, errs)
 	}
-	if code, _, errs := check(); code != 1 || !strings.Contains(errs, "fm: connect 127.0.0.1:6666: FM_ST_CONNECTION_NOT_VALID (-9)") {
+	if code, _, errs := check(); code != 1 || !strings.Contains(errs, "fm: connect: FM unreachable at 127.0.0.1:6666: connect FM_ST_CONNECTION_NOT_VALID (-9)") {
 		t.Fatalf("FM on a socket, checked at its TCP default: exit %d %s", code, errs)
 	}
 	fm.Update(t, func(s *fabrictest.State) { s.Listen = "" })
@@ -128,5 +133,64 @@ func TestFabricPluginFlags(t *testing.T) {
 	}
 	if _, code, msg := parse("--fm-socket", "/s", "--fm-address", "127.0.0.1:6666"); code != 2 || !strings.Contains(msg, "give one of") {
 		t.Errorf("both addresses: exit %d %s", code, msg)
+	}
+}
+
+// TestFabricRestartBeyondReload (#55, 4): with --reload 90s, longer than the 60 s an FM
+// started with --restart waits for its active partitions, the plugin's loop still
+// hands FM its list within the window (8 s here, the stand-in's; FM's is 60 s): FM is
+// read on a period of its own.
+func TestFabricRestartBeyondReload(t *testing.T) {
+	keys := filepath.Join(t.TempDir(), "keys")
+	uuid := manifesttest.NodeUUID(5)
+	r := noderig.New(t, uuid, "b300-fm", 4, keys)
+	for i := range r.M.Units {
+		r.M.Units[i].ModuleID, r.M.Units[i].ModuleSource = i+1, "test"
+	}
+	r.M.NVLink = &manifest.NVLink{Partitions: b300Sets, Source: "FM User Guide, HGX B200/B300"}
+	r.Sign(t)
+	fm := fabrictest.New(t)
+	fs := flag.NewFlagSet("passage-dra plugin", flag.ContinueOnError)
+	o := &options{}
+	o.register(fs)
+	var stderr bytes.Buffer
+	fs.SetOutput(&stderr)
+	cfg, p, code := pluginConfig(fs, []string{"--pub", keys, "--node-uuid", uuid, "--manifest", r.Path, "--root", r.Root,
+		"--turnaround=false", "--plugin-dir", t.TempDir(), "--cdi-dir", t.TempDir(), "--fm-lib", fabrictest.Library(t), "--reload", "90s"}, o, &stderr)
+	if code != 0 {
+		t.Fatalf("plugin flags: exit %d %s", code, stderr.String())
+	}
+	t.Cleanup(func() { cfg.Fabric.Close() })
+	var logs bytes.Buffer
+	var logMu sync.Mutex
+	cfg.Logf = func(format string, args ...any) {
+		logMu.Lock()
+		defer logMu.Unlock()
+		fmt.Fprintf(&logs, format+"\n", args...)
+	}
+	d, err := plugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const window = 8 * time.Second
+	fm.Restart(t, window)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan int)
+	go func() { done <- serve(ctx, d, p.reload, fs.Name(), &stderr, func(error) int { return 1 }) }()
+	defer func() { cancel(); <-done }()
+	handed := func() bool { return slices.Contains(fm.Calls(t, "set_activated"), "set_activated - = 0") }
+	for start := time.Now(); !handed() && time.Since(start) < window+time.Second; {
+		time.Sleep(100 * time.Millisecond)
+	}
+	if !handed() {
+		t.Fatalf("FM restarted with --restart was not handed its active partitions within %v (--reload %v): FM's calls %v", window, p.reload, fm.Log(t))
+	}
+	if st := fm.Read(t); st.Mode != "serving" {
+		t.Fatalf("FM %s", st.Mode)
+	}
+	logMu.Lock()
+	defer logMu.Unlock()
+	if !strings.Contains(logs.String(), "FM was waiting for the active partitions after a restart: handed []") {
+		t.Errorf("the hand-over is not logged:\n%s", logs.String())
 	}
 }

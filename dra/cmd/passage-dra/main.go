@@ -441,20 +441,31 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 }
 
 // serve runs the started plugin's periodic work until ctx ends (0) or failed, given
-// one of the plugin's errors, returns an exit code other than 0.
+// one of the plugin's errors, returns an exit code other than 0: Fabric Manager is
+// read every plugin.FabricEvery (an FM restarted with --restart is handed its active
+// partitions within its 60 s, whatever --reload says), the manifest every reload.
 func serve(ctx context.Context, d *plugin.Driver, reload time.Duration, name string, stderr io.Writer, failed func(error) int) int {
 	tick := time.NewTicker(reload)
 	defer tick.Stop()
+	fm := time.NewTicker(plugin.FabricEvery)
+	defer fm.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return 0
+		case <-fm.C:
+			// What FM's list says of the NVLink partitions is published at once when it
+			// changed, not at the next reload.
+			off := d.NVLinkOff()
+			if d.ResumeFabric(); d.NVLinkOff() != off {
+				if err := d.Reload(ctx); err != nil {
+					fmt.Fprintf(stderr, "%s: reload: %v\n", name, err)
+				}
+			}
 		case <-tick.C:
 			// A manifest that no longer verifies keeps the last published slices; prepare
-			// verifies again and refuses on its own.
-			// An FM restarted with --restart exits unless it is handed its active
-			// partitions within 60 s: the reload period is shorter. First, so that
-			// the reload publishes what FM's list says of the NVLink partitions.
+			// verifies again and refuses on its own. FM first, so that the reload
+			// publishes what FM's list says of the NVLink partitions.
 			d.ResumeFabric()
 			if err := d.Reload(ctx); err != nil {
 				fmt.Fprintf(stderr, "%s: reload: %v\n", name, err)
