@@ -5,27 +5,36 @@ import (
 	"errors"
 	"fmt"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/manifest"
 )
 
-// Reconcile puts the unverified rule on every pool passage-dra publishes whose record
-// has not verified the generation its slices carry: a node whose boot never reached
-// passage.url (the control plane was down, the publish gave up), a record the sweep
-// deleted, a newer generation published than the one verified. The envelope POST sets
-// the rule when a node does post; this is the other half, so that no device is
-// schedulable on the strength of an attestation that was never made (the issue's
-// "schedulable only while ... verified"). A pool's generation is its manifest's
-// (resources.Render); a record names its pool (the manifest's hostname).
+// Reconcile makes every pool passage-dra publishes carry the rule its record's verdict
+// says (RuleFor, the verifier's function too), comparing it with the rule there and
+// mending either way: a missing rule created, a stale one deleted, a wrong one
+// updated. So a rule follows its verdict whatever failed in between: a verdict whose
+// rule write failed after its status was written (an API refusal, a timeout,
+// throttling), a verified record whose rule delete failed, a node whose boot never
+// reached passage.url (the control plane was down, the publish gave up), a record the
+// sweep deleted, a newer generation published than the one verified. No device is
+// schedulable on the strength of an attestation that was never made, and none stays
+// schedulable after one that failed. A pool's generation is its manifest's
+// (resources.Render); a record names its pool (the manifest's hostname). A record
+// whose node publishes no slices has no devices for its rule to select; its rule is
+// mended on the first pass that sees its pool (records are read by name, never listed).
 //
-// Every replica reconciles; each write is idempotent (Taints.Set writes only what
-// differs). A verification landing between the record's read and the rule's write is
-// caught by reading the record again after the write and clearing the rule if it is
-// now verified at the pool's generation: the verifier clears after writing its verdict,
-// so whichever of the two writes last, the rule ends as the verdict says. It returns
-// the pools it found untaintable by their records (tainted now or already).
+// What a pass costs the API: the slices' pages (one LIST each of page slices), then for
+// each pool 1 read of its record and 1 of its rule, and a write only where the rule is
+// not what the verdict says, followed by the record read again.
+//
+// Every replica reconciles, from scratch on every pass; each write is idempotent.
+// A verdict landing between the record's read and the rule's write is caught by
+// reading the record again after any write and mending again if its rule changed: the
+// verifier writes its status before its rule, so whichever of the two rule writes comes
+// last, the rule ends as the record says. It returns the pools whose record leaves
+// them tainted (tainted now or already).
 func (s *Server) Reconcile(ctx context.Context, page int64) (int, error) {
 	pools, err := s.pools(ctx, page)
 	if err != nil {
@@ -34,63 +43,49 @@ func (s *Server) Reconcile(ctx context.Context, page int64) (int, error) {
 	tainted := 0
 	var errs []error
 	for pool, gen := range pools {
-		reason, ok, err := s.unverified(ctx, pool, gen)
+		want, err := s.mend(ctx, pool, gen)
 		if err != nil {
-			errs = append(errs, err)
-			continue
+			errs = append(errs, fmt.Errorf("reconcile: %w", err))
 		}
-		if !ok {
-			continue
-		}
-		tainted++
-		// A rule already there (the envelope's, the verifier's) is left as it says.
-		if _, err := s.Taints.Client.ResourceV1().DeviceTaintRules().Get(ctx, RuleName(pool), metav1.GetOptions{}); err == nil {
-			continue
-		} else if !apierrors.IsNotFound(err) {
-			errs = append(errs, fmt.Errorf("reconcile: device taint rule %s: %w", RuleName(pool), err))
-			continue
-		}
-		if err := s.Taints.Set(ctx, pool, pool, VerdictUnverified, "", reason); err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		// Verified meanwhile: the rule just written is stale.
-		if _, still, err := s.unverified(ctx, pool, gen); err != nil {
-			errs = append(errs, err)
-		} else if !still {
-			tainted--
-			if err := s.Taints.Clear(ctx, pool); err != nil {
-				errs = append(errs, err)
-			}
+		if want.Verdict != VerdictVerified {
+			tainted++
 		}
 	}
 	return tainted, errors.Join(errs...)
 }
 
-// unverified says whether pool's devices at generation gen lack a verification, and
-// why. A refused attestation is not reconciled here: its NoExecute rule is the
-// verifier's, with the check and reason only it has.
-func (s *Server) unverified(ctx context.Context, pool string, gen int64) (string, bool, error) {
-	n, err := s.Store.Node(ctx, pool)
-	switch {
-	case errors.Is(err, ErrNoRecord):
-		return fmt.Sprintf("generation %d published; no record: the node has not enrolled", gen), true, nil
-	case err != nil:
-		return "", false, fmt.Errorf("reconcile: %w", err)
-	}
-	switch n.Status.Verdict {
-	case VerdictFailed:
-		return "", false, nil
-	case VerdictVerified:
-		if n.Status.Generation >= gen {
-			return "", false, nil
+// mendTries bounds how often one pass mends one pool whose verdict keeps moving under it.
+const mendTries = 3
+
+// mend makes pool's rule say what its record's verdict does at published generation
+// gen; it returns that rule.
+func (s *Server) mend(ctx context.Context, pool string, gen int64) (Rule, error) {
+	var want Rule
+	for range mendTries {
+		n, err := s.Store.Node(ctx, pool)
+		if errors.Is(err, ErrNoRecord) {
+			n, err = nil, nil
 		}
-		return fmt.Sprintf("generation %d published, generation %d verified", gen, n.Status.Generation), true, nil
+		if err != nil {
+			return want, err
+		}
+		now := RuleFor(n, gen)
+		if now == want {
+			return want, nil // unchanged since the write: the rule says it
+		}
+		want = now
+		wrote, err := s.Taints.Mend(ctx, pool, pool, want)
+		if err != nil {
+			return want, err
+		}
+		if !wrote {
+			return want, nil
+		}
+		if s.Log != nil {
+			s.Log.Printf("reconcile: device taint rule %s mended to %s (%s)", RuleName(pool), want.Verdict, manifest.Printable(want.Reason))
+		}
 	}
-	if n.Status.Reason != "" {
-		return n.Status.Reason, true, nil
-	}
-	return fmt.Sprintf("generation %d published and not attested", gen), true, nil
+	return want, fmt.Errorf("device taint rule %s: its record's verdict moved on each of %d tries", RuleName(pool), mendTries)
 }
 
 // pools are the pools passage-dra publishes slices for, each at its newest generation,

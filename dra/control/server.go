@@ -129,9 +129,14 @@ func refuse(status int, check, format string, a ...any) *refusal {
 //	POST envelope                   nothing (the attestation carries it)
 //	POST attestation, not enrolled  1 read (the record, absent): 428 and sealed state
 //	POST attestation, enrolled      1 read (the record); if judged: 1 status write, and
-//	                                1 rule write (delete when verified) — none when the
-//	                                record already holds this verdict for this manifest
-//	POST activation                 2 creates (the EK claim, the record)
+//	                                the rule: verified 1 delete, attestation-failed 1
+//	                                read and 1 create or update (none if it says so)
+//	  judged so already             1 read (the record); attestation-failed also 1 read
+//	                                of the rule and 1 write only when it is not what the
+//	                                verdict says (a first try wrote the status, not it)
+//	POST activation                 2 creates (the EK claim, the record); if the record's
+//	                                create fails, 1 read of it by name (a create whose
+//	                                answer was lost is an enrolment made)
 //
 // So a first boot is 4 writes (claim, record, status, rule), a reboot 2 (status,
 // rule); nothing a request costs grows with the fleet, and nothing is written before a
@@ -489,12 +494,30 @@ func (s *Server) activation(ctx context.Context, w http.ResponseWriter, body io.
 		}
 		return refuse(http.StatusForbidden, "record", "record %s: enrolled with another TPM (ek %s), this is ek %s", name, ekID(cur.Spec.EKPublic), ekID(rec.EKPublic))
 	})
-	if err != nil {
+	var rf *refusal
+	switch {
+	case err == nil:
+	case errors.As(err, &rf):
+		// The record is another TPM's (read, not guessed): this TPM owns no record, and
+		// its claim goes, so it can enrol as the one it may.
 		if made {
-			// This TPM owns no record: its claim goes, so it can enrol as the one it may.
 			err = errors.Join(err, s.Store.Unclaim(ctx, rec.EKPublic))
 		}
 		return err
+	default:
+		// The create (or update) may have been made with only its answer lost: read the
+		// record back. Enrolled with this TPM, the enrolment is done. Otherwise the claim
+		// stays whatever the read says: a write whose answer was lost may still land
+		// after a read that did not see it, and a record without its claim would let
+		// this TPM enrol under a second name. A claim without its record is what the
+		// boot's retry completes (ClaimEK finds it naming this record).
+		cur, rerr := s.Store.Node(ctx, name)
+		if rerr != nil || !bytes.Equal(cur.Spec.EKPublic, rec.EKPublic) {
+			return err
+		}
+		if s.Log != nil {
+			s.Log.Printf("activation: record %s: the write answered %v; read back, it is enrolled with this TPM", name, err)
+		}
 	}
 	s.Metrics.enrolled()
 	w.WriteHeader(http.StatusNoContent)
@@ -533,7 +556,7 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, n *Node, a *
 		if check = attest.CheckOf(verr); check == "" {
 			check = "firmware"
 		}
-		verdict, reason = VerdictFailed, fmt.Sprintf("generation %d: %s", gen, verr)
+		verdict, reason = VerdictFailed, failedReason(gen, check, verr)
 	}
 	// Once the judgement is written the rule must follow even if the boot stops
 	// waiting: cut off with the request, a verdict would stand with the rule of before.
@@ -580,8 +603,20 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, n *Node, a *
 	if err != nil {
 		return err
 	}
-	if !same {
-		if err := s.Taints.Set(wctx, n.Name, n.Spec.Node, verdict, check, reason); err != nil {
+	// The rule follows the record as it now stands (RuleFor, as the reconciler's). A
+	// retry of a failed verdict mends it too: its first try may have written the status
+	// and failed on the rule (a refusal, a timeout, throttling), which the record does not
+	// show. A retry of a verified one deletes nothing: anyone can send that attestation
+	// again, and a rule there now may be the reconciler's for a newer generation the pool
+	// publishes, which only the reconciler reads; a stale one it removes on its pass.
+	if same {
+		if want := RuleFor(n, 0); want.Verdict == VerdictFailed {
+			if _, err := s.Taints.Mend(wctx, n.Name, n.Spec.Node, want); err != nil {
+				return err
+			}
+		}
+	} else {
+		if err := s.Taints.Set(wctx, n.Name, n.Spec.Node, RuleFor(n, 0)); err != nil {
 			return err
 		}
 		s.Metrics.verdict(verdict, s.Store.now().Sub(issued))

@@ -51,18 +51,100 @@ func (t *Taints) wrote() {
 	}
 }
 
-// Set makes the record's rule say verdict: NoSchedule unverified, NoExecute
-// attestation-failed with the check and reason, or no rule when verified.
-func (t *Taints) Set(ctx context.Context, record, pool, verdict, check, reason string) error {
-	if verdict == VerdictVerified {
+// Rule is what a record's DeviceTaintRule should say: the verdict it follows (verified:
+// no rule), the refused check (attestation-failed) and the reason it carries.
+type Rule struct {
+	Verdict, Check, Reason string
+}
+
+// RuleFor is the one function that decides a pool's rule, from its record alone (nil:
+// there is none) and the newest generation the pool publishes (0: none known, as when the
+// verifier judges): attestation-failed is NoExecute with the check and the verifier's
+// reason whatever is published since (only a newer verified generation leaves it);
+// verified is no rule unless a newer generation is published than verified; anything
+// else (no record, not enrolled, unverified) is NoSchedule. The verifier applies it to
+// the record it has just written, the reconciler to every published pool's record on
+// every pass, so the two never disagree about what a verdict means.
+func RuleFor(n *Node, published int64) Rule {
+	if n == nil {
+		return Rule{Verdict: VerdictUnverified, Reason: fmt.Sprintf("generation %d published; no record: the node has not enrolled", published)}
+	}
+	switch n.Status.Verdict {
+	case VerdictFailed:
+		return Rule{Verdict: VerdictFailed, Check: failedCheck(n.Status.Reason), Reason: n.Status.Reason}
+	case VerdictVerified:
+		if published <= n.Status.Generation {
+			return Rule{Verdict: VerdictVerified}
+		}
+		return Rule{Verdict: VerdictUnverified, Reason: fmt.Sprintf("generation %d published, generation %d verified", published, n.Status.Generation)}
+	}
+	if n.Status.Reason != "" {
+		return Rule{Verdict: VerdictUnverified, Reason: n.Status.Reason}
+	}
+	return Rule{Verdict: VerdictUnverified, Reason: fmt.Sprintf("generation %d published and not attested", published)}
+}
+
+// failedCheck is the refused check an attestation-failed reason names: the verifier
+// writes "generation N: <check>: <why>" (failedReason).
+func failedCheck(reason string) string {
+	_, rest, ok := strings.Cut(reason, ": ")
+	if !ok || !strings.HasPrefix(reason, "generation ") {
+		return ""
+	}
+	check, _, ok := strings.Cut(rest, ": ")
+	if !ok {
+		return ""
+	}
+	return check
+}
+
+// failedReason is a failed verdict's reason, naming the check so that RuleFor reads it
+// back from the record: attest's refusals already begin with it.
+func failedReason(gen int64, check string, err error) string {
+	if s := err.Error(); strings.HasPrefix(s, check+": ") {
+		return fmt.Sprintf("generation %d: %s", gen, s)
+	}
+	return fmt.Sprintf("generation %d: %s: %v", gen, check, err)
+}
+
+// Set makes the record's rule say r, for a verdict just written: no rule when verified
+// (one delete, whatever is there), otherwise the rule read and created or updated
+// unless it already says r (one read and at most one write, a conflict repeating them).
+func (t *Taints) Set(ctx context.Context, record, pool string, r Rule) error {
+	if r.Verdict == VerdictVerified {
 		return t.Clear(ctx, record)
 	}
+	_, err := t.put(ctx, record, pool, r)
+	return err
+}
+
+// Mend makes the record's rule say r, reading it first and writing only what differs:
+// one read, and a create, update or delete when the rule is not what r says. wrote says
+// whether it wrote.
+func (t *Taints) Mend(ctx context.Context, record, pool string, r Rule) (wrote bool, err error) {
+	if r.Verdict != VerdictVerified {
+		return t.put(ctx, record, pool, r)
+	}
+	name := RuleName(record)
+	_, err = t.Client.ResourceV1().DeviceTaintRules().Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("device taint rule %s: %w", name, err)
+	}
+	return true, t.Clear(ctx, record)
+}
+
+// put creates or updates the record's rule to say r (not verified), unless it does.
+func (t *Taints) put(ctx context.Context, record, pool string, r Rule) (wrote bool, err error) {
 	rules := t.Client.ResourceV1().DeviceTaintRules()
 	name := RuleName(record)
 	taint := resourcev1.DeviceTaint{Key: TaintUnverified, Effect: resourcev1.DeviceTaintEffectNoSchedule}
-	if verdict == VerdictFailed {
-		taint = resourcev1.DeviceTaint{Key: TaintFailed, Value: labelValue(check), Effect: resourcev1.DeviceTaintEffectNoExecute}
+	if r.Verdict == VerdictFailed {
+		taint = resourcev1.DeviceTaint{Key: TaintFailed, Value: labelValue(r.Check), Effect: resourcev1.DeviceTaintEffectNoExecute}
 	}
+	reason := r.Reason
 	driver := resources.DriverName
 	want := &resourcev1.DeviceTaintRule{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{ReasonAnnotation: reason},
@@ -81,16 +163,17 @@ func (t *Taints) Set(ctx context.Context, record, pool, verdict, check, reason s
 				continue
 			}
 			if err != nil {
-				return fmt.Errorf("device taint rule %s: create: %w", name, err)
+				return true, fmt.Errorf("device taint rule %s: create: %w", name, err)
 			}
-			return nil
+			return true, nil
 		}
 		if err != nil {
-			return fmt.Errorf("device taint rule %s: %w", name, err)
+			return wrote, fmt.Errorf("device taint rule %s: %w", name, err)
 		}
 		if cur.Spec.Taint.Key == taint.Key && cur.Spec.Taint.Value == taint.Value && cur.Spec.Taint.Effect == taint.Effect &&
-			cur.Annotations[ReasonAnnotation] == reason && cur.Spec.DeviceSelector != nil && cur.Spec.DeviceSelector.Pool != nil && *cur.Spec.DeviceSelector.Pool == pool {
-			return nil
+			cur.Annotations[ReasonAnnotation] == reason && cur.Spec.DeviceSelector != nil && cur.Spec.DeviceSelector.Pool != nil && *cur.Spec.DeviceSelector.Pool == pool &&
+			cur.Spec.DeviceSelector.Driver != nil && *cur.Spec.DeviceSelector.Driver == driver && cur.Spec.DeviceSelector.Device == nil {
+			return wrote, nil
 		}
 		// The old timeAdded kept: the API server bumps it when the effect changes
 		// (devicetaintrule's PrepareForUpdate), which a client's nil would prevent.
@@ -102,16 +185,17 @@ func (t *Taints) Set(ctx context.Context, record, pool, verdict, check, reason s
 		}
 		cur.Annotations[ReasonAnnotation] = reason
 		t.wrote()
+		wrote = true
 		_, err = rules.Update(ctx, cur, metav1.UpdateOptions{})
 		if apierrors.IsConflict(err) {
 			continue
 		}
 		if err != nil {
-			return fmt.Errorf("device taint rule %s: update: %w", name, err)
+			return true, fmt.Errorf("device taint rule %s: update: %w", name, err)
 		}
-		return nil
+		return true, nil
 	}
-	return fmt.Errorf("device taint rule %s: conflicts on every try", name)
+	return wrote, fmt.Errorf("device taint rule %s: conflicts on every try", name)
 }
 
 // Clear deletes the record's rule, if there is one.
