@@ -33,6 +33,14 @@ modules=(vfio vfio_iommu_type1 vfio-pci
 # The busybox links these u-root commands with passage; keep the set small.
 urootcmds=(init gosh ls cat dmesg ip mount umount lsmod pci ps echo mkdir grep readlink
 	uptime poweroff)
+# goshsmall: gosh reads plain lines, which the kernel's line discipline echoes and edits
+# (backspace, ^U, ^W), instead of running its full-screen editor (bubbline on bubbletea
+# v0.24.1). The console an operator falls into is a serial line, often serial-over-LAN:
+# under QEMU the editor hung for good after an Enter in 4 boots of 5, its renderer
+# deadlocked as it quit (standardRenderer.stop sends on its done channel holding the
+# mutex its ticker's flush waits for: bubbletea #741, fixed in v0.24.2), and it redraws
+# the whole padded line for every key typed.
+gotags=(goshsmall)
 pkgs=()
 for c in "${urootcmds[@]}"; do pkgs+=("github.com/u-root/u-root/cmds/core/$c"); done
 pkgs+=(github.com/passage-boot/passage/cmd/passage)
@@ -61,7 +69,7 @@ core_stamp=$({
 	sources ./cmd/passage
 	sha256sum go.mod go.sum
 	go version
-	echo "${urootcmds[*]}"
+	echo "${urootcmds[*]} tags ${gotags[*]}"
 } | sha256sum | cut -d' ' -f1)
 stamp=$({
 	echo "$core_stamp"
@@ -86,7 +94,7 @@ if [[ ! -s $core || ! -f $core.stamp || $(cat "$core.stamp") != "$core_stamp" ]]
 	# /etc/uinit.flags; u-root's init puts uroot.uinitargs= from the kernel command line
 	# *before* those flags, so passage's configuration comes only from passage.* arguments.
 	# A second -ldflags replaces u-root's own, so $ldflags repeats its "-s -w -buildid=".
-	go tool u-root -o "$core.tmp" -uinitcmd="passage boot" -defaultsh=gosh -go-extra-args="-ldflags=$ldflags" "${pkgs[@]}" 2>&1 | quiet
+	go tool u-root -o "$core.tmp" -uinitcmd="passage boot" -defaultsh=gosh -go-build-tags="$(IFS=,; echo "${gotags[*]}")" -go-extra-args="-ldflags=$ldflags" "${pkgs[@]}" 2>&1 | quiet
 	mv "$core.tmp" "$core"
 	echo "$core_stamp" >"$core.stamp"
 	printf 'initramfs: u-root part %s built in %.1f s\n' "$core" "$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')"

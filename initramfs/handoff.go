@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"time"
 
@@ -85,7 +86,8 @@ func LinuxSystem() System {
 const NewRoot = "/newroot"
 
 // Shells are tried in order by the shell handoff: u-root's gosh first (the image's
-// -defaultsh), then whatever /bin/sh is.
+// -defaultsh, built to read plain lines: image/initramfs.sh says why), then whatever
+// /bin/sh is.
 var Shells = []string{"/bbin/gosh", "/bin/gosh", "/bin/defaultsh", "/bin/sh", "/bbin/elvish"}
 
 // Do performs the handoff c asks for and never returns: u-root's init panics the kernel
@@ -156,6 +158,15 @@ func Hold(sys System) {
 // shell runs the first shell of Shells on the console, again each time it exits (an
 // operator typing exit must not panic the kernel); it returns only when there is none.
 func shell(sys System, console io.Writer) error {
+	// The console's line discipline sends SIGINT (Ctrl-C) and SIGQUIT (Ctrl-\) to its
+	// foreground process group, and passage is in it: u-root's init made the console the
+	// controlling terminal of the session passage leads. Left to their default they end
+	// passage: under QEMU a Ctrl-C at the prompt left a console that echoed keys and
+	// answered nothing. Caught, they end only what the shell runs: a caught signal is
+	// reset to its default in a child at exec, an ignored one stays ignored.
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, unix.SIGINT, unix.SIGQUIT)
+	defer signal.Stop(sigs)
 	for {
 		sh := ""
 		for _, s := range Shells {

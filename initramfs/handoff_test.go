@@ -3,11 +3,14 @@ package initramfs
 import (
 	"bytes"
 	"errors"
+	"os"
 	"runtime"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // fakeSystem records calls; its Sleep ends the goroutine running Do, so a test can observe
@@ -207,5 +210,30 @@ func TestEmergencyFor(t *testing.T) {
 		if got != want {
 			t.Errorf("emergency_on=%s: failed, degraded, neither -> %v, want %v", on, got, want)
 		}
+	}
+}
+
+// TestShellKeepsConsoleSignals: a Ctrl-C or Ctrl-\ typed at the console while the shell
+// runs reaches passage too (the console's foreground process group); it must not end
+// passage. Unhandled, the signal would kill this test's process.
+func TestShellKeepsConsoleSignals(t *testing.T) {
+	f := &fakeSystem{mu: &sync.Mutex{}, maxSleep: 1, exists: map[string]bool{"/bin/sh": true}}
+	sys := f.sys()
+	sys.RunShell = func(p string) error {
+		f.log("shell " + p)
+		for _, s := range []unix.Signal{unix.SIGINT, unix.SIGQUIT} {
+			if err := unix.Kill(os.Getpid(), s); err != nil {
+				return err
+			}
+		}
+		time.Sleep(100 * time.Millisecond) // for the signals to arrive before the shell "exits"
+		return nil
+	}
+	con := runNeverReturns(t, func(con *bytes.Buffer) { shell(sys, con) })
+	if got := strings.Join(f.calls, " "); got != "shell /bin/sh sleep" {
+		t.Errorf("calls = %q, want %q", got, "shell /bin/sh sleep")
+	}
+	if !strings.Contains(con, "shell /bin/sh exited (<nil>)") {
+		t.Errorf("console = %q", con)
 	}
 }

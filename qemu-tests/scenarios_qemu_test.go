@@ -711,126 +711,227 @@ func TestEmergencyPoweroff(t *testing.T) {
 }
 
 // TestEmergencyShell: with passage.emergency=shell a verdict with a failed unit leaves
-// the operator at u-root's shell on the serial console, after the manifest is written.
-// The test types at that console as an operator would: `echo ok` must come back as
-// the line "ok", and the kernel's log, read with the image's dmesg, must hold every
-// stage's summary line as passage mirrored it there ("passage: scan ok ...").
+// the operator at the image's shell on the serial console, after the manifest is
+// written, and that shell answers every line typed at a person's pace. The test is the
+// operator: once the console announces the shell it presses Enter (every 2 s) until a
+// prompt shows, as one does at a console one has just attached to, then types each line
+// of the session a key at a time with a typist's gaps between keys, ends it with Enter
+// (CR, what a terminal sends), and waits for that line's answer before typing the next.
+// It never retypes, and waits on nothing a person would not see (no echo, no redraw).
+// One line it abandons with Ctrl-C, as a person does: the line must not run, and the
+// shell (and passage, whose end would panic the kernel) must answer the next one.
+// A line left unanswered ends the boot and fails the test. The kernel's log, read with
+// the image's dmesg, must hold every stage's summary line as passage mirrored it there
+// ("passage: scan ok ...").
 func TestEmergencyShell(t *testing.T) {
 	const (
-		begin = "dmesg-begin"
-		end   = "dmesg-end"
+		announced = ": shell (passage.emergency=shell)"
+		begin     = "dmesg-begin"
+		end       = "dmesg-end"
 	)
+	const (
+		enter     = '\r'
+		interrupt = 0x03 // Ctrl-C
+		abandoned = "not-run"
+	)
+	type step struct {
+		line   string
+		key    byte                // Enter, or Ctrl-C to abandon the line
+		answer func(l string) bool // the console line that answers it (nil: none)
+		within time.Duration       // after its Enter
+	}
+	session := []step{
+		{"echo ok", enter, func(l string) bool { return l == "ok" }, 20 * time.Second},
+		{"cat /proc/cmdline", enter, func(l string) bool {
+			return strings.Contains(l, "passage.emergency=shell") && !strings.Contains(l, "cat /proc/cmdline")
+		}, 20 * time.Second},
+		{"echo " + abandoned, interrupt, nil, 0},
+		{"echo after-ctrl-c", enter, func(l string) bool { return l == "after-ctrl-c" }, 20 * time.Second},
+		{"echo " + begin + "; dmesg; echo " + end, enter, func(l string) bool { return l == end }, time.Minute},
+		{"echo bye", enter, func(l string) bool { return l == "bye" }, 20 * time.Second},
+	}
+	// A typist's gaps between keys (about 170 ms a key, some 70 words a minute).
+	gaps := []time.Duration{140, 210, 120, 180, 260, 150, 190, 130}
 	var (
 		mu       sync.Mutex
 		atShell  bool
-		typing   bool
-		gotOK    bool
+		current  = -1 // the step whose Enter was pressed and whose answer is awaited
 		inDmesg  bool
 		dmesg    []string
-		stop     = make(chan struct{})
-		stopOnce sync.Once
-		// The line editor's redraws of the line being typed ("> echo o"), for typing
-		// at the pace of its echo.
-		echoed      = make(chan string, 1024)
-		shellPrompt = "passage: emergency (units failed: "
+		ran      bool // the abandoned line
+		failure  string
+		timings  []string
+		prompt   = make(chan struct{})
+		answered = make([]chan struct{}, len(session))
 	)
-	defer stopOnce.Do(func() { close(stop) })
-	// typeUntil types line at the console as a person does, a key at a time, each once
-	// the editor has echoed the one before (at most 3 s for it), then Enter (CR, as a
-	// terminal sends it: u-root's shell edits the line in raw mode); again every few
-	// seconds until done (at most 20 times). Keys sent faster than the editor redraws
-	// under TCG have hung it for good after the next Enter (a clean-clone run: the echo
-	// came in bursts, and the Enter was never answered), and so has a key pressed
-	// between the prompt and the editor reading the terminal: the editor's key-help line
-	// has come more than a second after the prompt, so the operator first waits 5 s.
-	typeUntil := func(kb io.Writer, line string, every time.Duration, done func() bool) {
-		go func() {
-			select {
-			case <-stop:
-				return
-			case <-time.After(5 * time.Second):
-			}
-			for i := 0; i < 20; i++ {
-				mu.Lock()
-				d := done()
-				mu.Unlock()
-				if d {
-					return
-				}
-				for n := 1; n <= len(line); n++ {
-					if _, err := kb.Write([]byte{line[n-1]}); err != nil {
-						return
-					}
-					want := strings.TrimSpace("> " + line[:n])
-					deadline := time.After(3 * time.Second)
-				wait:
-					for {
-						select {
-						case <-stop:
-							return
-						case l := <-echoed:
-							if strings.HasPrefix(l, want) {
-								break wait
-							}
-						case <-deadline:
-							break wait
-						}
-					}
-				}
-				if _, err := kb.Write([]byte{'\r'}); err != nil {
-					return
-				}
-				select {
-				case <-stop:
-					return
-				case <-time.After(every):
-				}
-			}
-		}()
+	for i := range answered {
+		answered[i] = make(chan struct{})
 	}
-	// One line: the shell answers (ok) and the kernel's log is readable there.
-	command := "echo ok; echo " + begin + "; dmesg; echo " + end
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	fail := func(format string, a ...any) {
+		mu.Lock()
+		failure = fmt.Sprintf(format, a...)
+		mu.Unlock()
+		cancel()
+	}
+	pause := func(d time.Duration) bool {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(d):
+			return true
+		}
+	}
+	operator := func(kb io.Writer) {
+		if !pause(2 * time.Second) { // reading the announcement
+			return
+		}
+		woken := false
+		for i := 0; i < 30 && !woken; i++ {
+			if _, err := kb.Write([]byte{'\r'}); err != nil {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-prompt:
+				woken = true
+			case <-time.After(2 * time.Second):
+			}
+		}
+		if !woken {
+			fail("pressed Enter for a minute: no prompt")
+			return
+		}
+		for i, s := range session {
+			if !pause(time.Second) { // reading the last answer
+				return
+			}
+			start := time.Now()
+			for k := 0; k < len(s.line); k++ {
+				if _, err := kb.Write([]byte{s.line[k]}); err != nil {
+					return
+				}
+				if !pause(gaps[k%len(gaps)] * time.Millisecond) {
+					return
+				}
+			}
+			mu.Lock()
+			current = i
+			mu.Unlock()
+			pressed := time.Now()
+			if _, err := kb.Write([]byte{s.key}); err != nil {
+				return
+			}
+			if s.answer == nil {
+				mu.Lock()
+				timings = append(timings, fmt.Sprintf("%q: typed in %v, abandoned with Ctrl-C", s.line, pressed.Sub(start).Round(time.Millisecond)))
+				mu.Unlock()
+				continue
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-answered[i]:
+				mu.Lock()
+				timings = append(timings, fmt.Sprintf("%q: typed in %v, answered %v after Enter",
+					s.line, pressed.Sub(start).Round(time.Millisecond), time.Since(pressed).Round(time.Millisecond)))
+				mu.Unlock()
+			case <-time.After(s.within):
+				fail("line %d of %d, %q (typed in %v), not answered within %v of its Enter",
+					i+1, len(session), s.line, pressed.Sub(start).Round(time.Millisecond), s.within)
+				return
+			}
+		}
+	}
 	console := func(line string, kb io.Writer) bool {
 		l := strings.TrimSpace(ansi.ReplaceAllString(line, ""))
 		mu.Lock()
 		defer mu.Unlock()
-		if atShell && strings.HasPrefix(l, ">") {
-			select {
-			case echoed <- l:
-			default:
+		if !atShell {
+			if strings.Contains(l, "passage: emergency (units failed: ") && strings.HasSuffix(l, announced) {
+				atShell = true
+				go operator(kb)
+			}
+			return false
+		}
+		select {
+		case <-prompt:
+		default:
+			// gosh's prompt, shown on a line of its own once the Enter that woke the
+			// console is echoed; a line editor's prompt is a line of its own at once.
+			if l == "$" || l == ">" {
+				close(prompt)
+			}
+			return false
+		}
+		if l == abandoned {
+			ran = true
+		}
+		if current < 0 || session[current].answer == nil {
+			return false
+		}
+		s := session[current]
+		if strings.HasSuffix(s.line, end) {
+			switch {
+			case l == begin:
+				inDmesg = true
+			case l == end:
+				inDmesg = false
+			case inDmesg:
+				dmesg = append(dmesg, l)
 			}
 		}
-		switch {
-		case !atShell && strings.Contains(l, shellPrompt) && strings.HasSuffix(l, ": shell (passage.emergency=shell)"):
-			atShell = true
-		case atShell && l == ">" && !typing:
-			// The shell's prompt: an operator types once it is there.
-			typing = true
-			typeUntil(kb, command, 10*time.Second, func() bool { return inDmesg })
-		case atShell && !gotOK && l == "ok":
-			gotOK = true
-		case gotOK && !inDmesg && l == begin:
-			inDmesg = true
-		case inDmesg && l == end:
-			return true
-		case inDmesg:
-			dmesg = append(dmesg, l)
+		select {
+		case <-answered[current]:
+		default:
+			if s.answer(l) {
+				close(answered[current])
+				return current == len(session)-1
+			}
 		}
 		return false
 	}
-	run, m := bootPassage(t, Options{Topology: Topology{ATSOff: true}, Console: console, Timeout: 3 * time.Minute,
+	priv, v := testKey(t)
+	run, err := Boot(ctx, Options{Build: buildDir(t), Key: priv, WorkDir: filepath.Join(t.TempDir(), "work"),
+		Name: t.Name(), Topology: Topology{ATSOff: true}, Console: console, Timeout: 4 * time.Minute,
 		Append: []string{"passage.ats=require", "passage.handoff=hold", "passage.emergency=shell", "passage.emergency_on=failed"}})
-	stopOnce.Do(func() { close(stop) })
+	cancel()
+	mu.Lock()
+	defer mu.Unlock()
+	if run != nil {
+		t.Logf("console: %s\n%s", run.Console, run.Timeline())
+		for _, s := range timings {
+			t.Logf("operator: %s", s)
+		}
+	}
+	switch {
+	case failure != "":
+		t.Fatalf("%s; the console's end:\n%s", failure, consoleTail(run.Console, 40))
+	case err != nil && run != nil:
+		t.Fatalf("%v; the console's end:\n%s", err, consoleTail(run.Console, 40))
+	case err != nil:
+		t.Fatal(err)
+	case !atShell:
+		t.Fatalf("the console never announced the emergency shell; its end:\n%s", consoleTail(run.Console, 30))
+	case len(timings) != len(session):
+		t.Fatalf("%d of %d lines answered; the console's end:\n%s", len(timings), len(session), consoleTail(run.Console, 40))
+	}
+	env, ok := run.Files["manifest.dsse.json"]
+	if !ok {
+		t.Fatalf("no manifest.dsse.json from the guest; files: %v", keys(run.Files))
+	}
+	ver, err := manifest.Verify(env, v, manifest.VerifyOptions{})
+	if err != nil {
+		t.Fatalf("manifest does not verify with the image's ed25519 key: %v", err)
+	}
+	m := ver.Manifest
 	if u := unitWith(m, "0000:0f:00.1"); u == nil || u.Status != manifest.StatusFailed {
 		t.Fatalf("unit of the NIC without ATS: %+v, want failed", u)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if !atShell {
-		t.Fatalf("the console never announced the emergency shell; its end:\n%s", consoleTail(run.Console, 30))
-	}
-	if !gotOK {
-		t.Fatalf("typed %q at the shell, never read \"ok\" back; the console's end:\n%s", command, consoleTail(run.Console, 30))
+	if ran {
+		t.Errorf("the line abandoned with Ctrl-C ran (%q on the console)", abandoned)
 	}
 	if len(dmesg) == 0 {
 		t.Fatalf("dmesg printed nothing between %s and %s; the console's end:\n%s", begin, end, consoleTail(run.Console, 40))
@@ -844,8 +945,9 @@ func TestEmergencyShell(t *testing.T) {
 	}
 }
 
-// ansi matches the terminal control sequences a line editor draws with.
-var ansi = regexp.MustCompile(`\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][AB0-2]|\r`)
+// ansi matches the terminal control sequences a line editor draws with, and its
+// queries (OSC colour requests).
+var ansi = regexp.MustCompile(`\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)|\x1b[()][AB0-2]|\r`)
 
 // checkImageBuild: the manifest names the build the image was made from, the commit
 // this tree is at (image/initramfs.sh stamps it: u-root's busybox records none for
