@@ -100,30 +100,74 @@ func (d *Driver) fabricHolds(m *manifest.Manifest, unit string) bool {
 // quarantineFabric tells why a claim's units were quarantined for the partition FM
 // would not deactivate: in the log and, with a turnaround, as an Event on the Node.
 func (d *Driver) quarantineFabric(ctx context.Context, claim string, units []string, err error) {
-	msg := fmt.Sprintf("units %s quarantined: claim %s released, its NVLink partition not deactivated: %s. Their GPUs are not reset while it may be active; once FM deactivated it (the plugin asks again at every reload), clear: kubectl annotate node NODE %s=%s",
-		strings.Join(units, ","), claim, lastError(err), ClearAnnotation, strings.Join(units, ","))
+	msg := fmt.Sprintf("units %s quarantined: claim %s released, its NVLink partition not deactivated: %s. Their GPUs are not reset while it may be active; once FM deactivated it (the plugin asks again every %v), clear: kubectl annotate node NODE %s=%s",
+		strings.Join(units, ","), claim, lastError(err), FabricEvery, ClearAnnotation, strings.Join(units, ","))
 	d.logf("fabric: %s", msg)
 	if d.cfg.Turnaround != nil {
 		d.event(ctx, corev1.EventTypeWarning, "UnitQuarantined", msg)
 	}
 }
 
-// fabric is the Fabric Manager this node talks to: Config.Fabric while the manifest
-// verified last knows a GPU Module ID, or the ledger still gives a claim a partition.
-// A node whose manifest knows none opens no FM (no library loaded, nothing logged) and
-// prepares claims without a partition, so one DaemonSet serves every node; d.mu held.
+// fabric is the Fabric Manager this node talks to (fabricFor the manifest verified
+// last); d.mu held.
 func (d *Driver) fabric() *fabric.Fabric {
+	if d.v == nil {
+		return d.fabricFor(nil)
+	}
+	return d.fabricFor(d.v.Manifest)
+}
+
+// fabricFor is the Fabric Manager a node with manifest m talks to: Config.Fabric while
+// m knows a GPU Module ID, or the ledger still gives a claim a partition. A node whose
+// manifest knows none opens no FM (no library loaded, nothing logged) and prepares
+// claims without a partition, so one DaemonSet serves every node.
+func (d *Driver) fabricFor(m *manifest.Manifest) *fabric.Fabric {
 	f := d.cfg.Fabric
 	if f == nil {
 		return nil
 	}
-	if d.v != nil && slices.ContainsFunc(d.v.Manifest.Units, func(u manifest.Unit) bool { return u.ModuleID > 0 }) {
+	if m != nil && slices.ContainsFunc(m.Units, func(u manifest.Unit) bool { return u.ModuleID > 0 }) {
 		return f
 	}
 	if len(f.Entries()) > 0 {
 		return f
 	}
 	return nil
+}
+
+// unmatched decides which units of m are neither published nor prepared because of
+// FM (the one place that does), each with why: on a node that talks to FM (fabricFor)
+// every claim is prepared only once FM activated the partition of exactly its units'
+// GPUs, and a unit whose Module ID m does not know (moduleIDs refuses it) has none, so
+// a claim of it would be allocated and then refused at every prepare. It is not
+// prepared alone without a partition either: in shared NVSwitch mode a GPU in no
+// active partition has no NVLink fabric (its fabric state stays "In Progress",
+// NVLINK.md §1). A node that does not talk to FM offers such a unit alone, as any
+// other.
+func (d *Driver) unmatched(m *manifest.Manifest) map[string]string {
+	if d.fabricFor(m) == nil {
+		return nil
+	}
+	out := map[string]string{}
+	for _, u := range m.Units {
+		if _, err := moduleIDs(m, []string{u.ID}); err != nil {
+			out[u.ID] = err.Error()
+		}
+	}
+	return out
+}
+
+// unmatchedLines say which units unmatched leaves out of v, for ResumeFabric's log.
+func (d *Driver) unmatchedLines(v *manifest.Verified) []string {
+	if v == nil {
+		return nil
+	}
+	um := d.unmatched(v.Manifest)
+	var lines []string
+	for _, u := range slices.Sorted(maps.Keys(um)) {
+		lines = append(lines, fmt.Sprintf("unit %s is not offered: %s; this node prepares a claim only with its units' FM partition (a profile's modules: stanza gives the Module ID: passage-dra fabric modules)", u, um[u]))
+	}
+	return lines
 }
 
 // ResumeFabric brings Fabric Manager and the fabric ledger together (fabric.Resume:
@@ -158,6 +202,7 @@ func (d *Driver) ResumeFabric() {
 		lines = append(lines, ferr.Error())
 	}
 	lines = append(lines, said...)
+	lines = append(lines, d.unmatchedLines(d.v)...)
 	joined := strings.Join(lines, "\n")
 	if joined == d.fabricSaid {
 		return

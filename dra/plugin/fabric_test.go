@@ -738,3 +738,24 @@ func TestFabricUnprepareFMUnreachable(t *testing.T) {
 		t.Fatalf("FM active %v", got)
 	}
 }
+
+// TestFabricUnknownModuleNotOffered (#55, 5): on a node that talks to FM, a claim is
+// prepared only once FM activated its units' partition, which a unit whose Module ID
+// the manifest does not know has none of. Such a unit is not published (it would be
+// allocated, then refused at every prepare); the log names it. The others are.
+func TestFabricUnknownModuleNotOffered(t *testing.T) {
+	r := newRig(t)
+	withModules(t, r)
+	r.M.Units[7].ModuleID, r.M.Units[7].ModuleSource = 0, ""
+	r.Sign(t)
+	fabrictest.New(t)
+	cdiDir, reg, data := filepath.Join(r.Dir, "cdi"), filepath.Join(r.Dir, "registry"), filepath.Join(r.Dir, "plugin")
+	logs := &logLines{}
+	cfg := plugin.Config{Manifest: r.Path, Source: resources.Source{Keys: r.Keys}, Root: r.Root, CDIDir: cdiDir, StateDir: data, Logf: logs.logf}
+	withFabric(t, &cfg)
+	_, client, _, _ := start(t, cfg, reg)
+	publishedDevices(t, client, func(s []string) bool { return len(s) == 28 && without("gpu7", 28)(s) })
+	if !logs.has("fabric: unit gpu7 is not offered: unit gpu7: GPU Module ID unknown in manifest generation 7") {
+		t.Errorf("the unit left out is not named:\n%s", logs)
+	}
+}

@@ -248,6 +248,10 @@ func (d *Driver) render(v *manifest.Verified) error {
 			opts.Withhold[u] = true
 		}
 	}
+	// Published only what prepare may accept (unmatched); prepare refuses them itself.
+	for u := range d.unmatched(v.Manifest) {
+		opts.Withhold[u] = true
+	}
 	opts.Taints = d.quarantineTaints()
 	objs, err := resources.Render(v, opts)
 	if err != nil {
