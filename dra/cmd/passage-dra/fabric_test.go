@@ -8,6 +8,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -41,7 +42,8 @@ func TestFabricCheckCommand(t *testing.T) {
 	}
 
 	code, out, errs := check()
-	if code != 0 || !strings.Contains(out, "FM's 15 partitions and the 8 units' GPU Module IDs match manifest generation 7 of node b300-fm") {
+	if code != 0 || !strings.Contains(out, "FM's 15 partitions and manifest generation 7 of node b300-fm agree: the 8 units' Module IDs are distinct and each in FM's list") ||
+		!strings.Contains(out, "not checked: which GPU is which module") || !strings.Contains(out, "nor that FM runs FABRIC_MODE=1") {
 		t.Fatalf("a matching manifest: exit %d\n%s%s", code, out, errs)
 	}
 	sock := filepath.Join(t.TempDir(), "fm.sock")
@@ -192,5 +194,37 @@ func TestFabricRestartBeyondReload(t *testing.T) {
 	defer logMu.Unlock()
 	if !strings.Contains(logs.String(), "FM was waiting for the active partitions after a restart: handed []") {
 		t.Errorf("the hand-over is not logged:\n%s", logs.String())
+	}
+}
+
+// TestFabricModulesCommand (#55, 6): fabric modules reads nvidia-smi -q's output (the
+// topology package's synthetic HGX B300 sample) and prints the profile's modules:
+// stanza, Module IDs as the driver gave them; a GPU the driver gives none is named and
+// left out (exit 1); text that is not nvidia-smi -q's is refused.
+func TestFabricModulesCommand(t *testing.T) {
+	sample := filepath.Join("..", "..", "..", "topology", "testdata", "nvidia-smi-q-hgx-b300.txt")
+	code, out, errs := runCmd("fabric", "modules", "--nvidia-smi", sample)
+	want := "modules:\n  \"0000:1b:00.0\": 2\n  \"0000:43:00.0\": 1\n  \"0000:52:00.0\": 4\n  \"0000:61:00.0\": 3\n" +
+		"  \"0000:9d:00.0\": 6\n  \"0000:c3:00.0\": 5\n  \"0000:d1:00.0\": 8\n  \"0000:df:00.0\": 7\n"
+	if code != 0 || !strings.HasSuffix(out, want) || errs != "" {
+		t.Fatalf("exit %d\n%s%s", code, out, errs)
+	}
+	b, err := os.ReadFile(sample)
+	if err != nil {
+		t.Fatal(err)
+	}
+	na := filepath.Join(t.TempDir(), "na.txt")
+	if err := os.WriteFile(na, bytes.Replace(b, []byte("Module Id                         : 7"), []byte("Module Id                         : N/A"), 1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errs = runCmd("fabric", "modules", "--nvidia-smi", na)
+	if code != 1 || strings.Contains(out, "0000:df:00.0\": ") || !strings.Contains(errs, "GPU 0000:df:00.0: the driver gives no Module ID") {
+		t.Errorf("a GPU without a Module ID: exit %d\n%s%s", code, out, errs)
+	}
+	if code, _, errs := runCmd("fabric", "modules", "--nvidia-smi", "main.go"); code != 1 || !strings.Contains(errs, "no GPU section") {
+		t.Errorf("not nvidia-smi -q: exit %d %s", code, errs)
+	}
+	if code, _, _ := runCmd("fabric", "modules"); code != 2 {
+		t.Errorf("no --nvidia-smi: exit %d", code)
 	}
 }

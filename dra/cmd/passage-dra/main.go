@@ -7,6 +7,7 @@
 //	passage-dra nccl-xml [flags] MANIFEST   the NCCL topology file for the units' guest
 //	passage-dra plugin   [flags]            run the kubelet plugin (the DaemonSet's command)
 //	passage-dra fabric check [flags] MANIFEST  hold Fabric Manager's partitions to the manifest
+//	passage-dra fabric modules --nvidia-smi FILE  the profile's modules: stanza from nvidia-smi -q
 //
 // Every command reads the manifest through passage's one verification path (the key,
 // its enrolment for the node, the semantic check); a refused manifest exits 1 with the
@@ -45,6 +46,7 @@ import (
 	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/initramfs"
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/recycle"
 	"github.com/passage-boot/passage/topology"
 )
@@ -63,7 +65,10 @@ const usage = `usage: passage-dra COMMAND [flags]
                      (units that are one NVLink partition: their GPUs' NVLinks too)
   plugin             run the kubelet plugin
   fabric check MANIFEST  hold Fabric Manager's NVLink partitions to the manifest's units
-                     and NVLink layout; each mismatch printed, exit 1 on any
+                     and NVLink layout; each mismatch printed, exit 1 on any (it cannot
+                     tell which GPU is which module, nor FM's FABRIC_MODE: see fabric modules)
+  fabric modules --nvidia-smi FILE  print the SKU profile's modules: stanza (GPU address:
+                     Module ID) from nvidia-smi -q's output, taken while the GPUs were on nvidia
 `
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -87,8 +92,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case "plugin":
 		return cmdPlugin(ctx, fs, args, o, stderr)
 	case "fabric":
+		if len(args) > 0 && args[0] == "modules" {
+			fs = flag.NewFlagSet("passage-dra fabric modules", flag.ContinueOnError)
+			fs.SetOutput(stderr)
+			return cmdFabricModules(fs, args[1:], stdout, stderr)
+		}
 		if len(args) == 0 || args[0] != "check" {
-			fmt.Fprintf(stderr, "passage-dra fabric: give check\n%s", usage)
+			fmt.Fprintf(stderr, "passage-dra fabric: give check or modules\n%s", usage)
 			return 2
 		}
 		fs = flag.NewFlagSet("passage-dra fabric check", flag.ContinueOnError)
@@ -672,7 +682,52 @@ func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr 
 			fs.Name(), len(mismatches), len(ps), m.Generation, manifest.Printable(m.Node.Hostname))
 		return 1
 	}
-	fmt.Fprintf(stdout, "FM's %d partitions and the %d units' GPU Module IDs match manifest generation %d of node %s\n",
-		len(ps), len(m.Units), m.Generation, manifest.Printable(m.Node.Hostname))
+	// What agreeing proves, said where the operator reads it: FM names members by
+	// physicalId with the PCI fields zeroed on H100 and later (NVLINK.md §0.2), so any
+	// permutation of the module map agrees; and a list is read in every FABRIC_MODE.
+	fmt.Fprintf(stdout, "FM's %d partitions and manifest generation %d of node %s agree: the %d units' Module IDs are distinct and each in FM's list, FM's module sets are the declared layout, no NVLink down\n",
+		len(ps), m.Generation, manifest.Printable(m.Node.Hostname), len(m.Units))
+	fmt.Fprintln(stdout, "not checked: which GPU is which module (FM reports Module IDs only; the map is the profile's modules:, from passage-dra fabric modules), nor that FM runs FABRIC_MODE=1 (nothing is activated: the first claim's activation is)")
 	return 0
+}
+
+// cmdFabricModules prints the SKU profile's modules: stanza from nvidia-smi -q's text
+// (topology.ParseNVSMI): the NVIDIA driver's own Module ID of each GPU, the one source
+// that knows it, read on the first node of a SKU while its GPUs are still on nvidia.
+// A GPU the driver gives no Module ID is named on stderr and left out (exit 1).
+func cmdFabricModules(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) int {
+	file := fs.String("nvidia-smi", "", "nvidia-smi -q's output `FILE` (- for stdin)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *file == "" || fs.NArg() != 0 {
+		fmt.Fprintf(stderr, "%s: give --nvidia-smi FILE and no arguments\n", fs.Name())
+		return 2
+	}
+	var b []byte
+	var err error
+	if *file == "-" {
+		b, err = io.ReadAll(io.LimitReader(os.Stdin, topology.MaxNVSMI+1))
+	} else {
+		b, err = manifest.ReadRegular(*file, topology.MaxNVSMI)
+	}
+	if err == nil {
+		var gpus []topology.NVSMIGPU
+		if gpus, err = topology.ParseNVSMI(b); err == nil {
+			var stanza []byte
+			var unknown []pci.Address
+			if stanza, unknown, err = topology.ModulesStanza(gpus, "nvidia-smi -q, "+*file); err == nil {
+				stdout.Write(stanza)
+				for _, a := range unknown {
+					fmt.Fprintf(stderr, "%s: GPU %s: the driver gives no Module ID (N/A or none): left out of the stanza\n", fs.Name(), a)
+				}
+				if len(unknown) > 0 {
+					return 1
+				}
+				return 0
+			}
+		}
+	}
+	fmt.Fprintf(stderr, "%s: %s: %v\n", fs.Name(), *file, err)
+	return 1
 }
