@@ -305,11 +305,12 @@ func TestClusterVerdictRule(t *testing.T) {
 }
 
 // costOf is a request's API calls on passage's resources, "VERB resource": not the
-// eviction controller's (its watch, a rule's status).
+// eviction controller's (its informer's list and watch of the rules, a rule's status).
 func costOf(r requests) map[string]float64 {
 	out := map[string]float64{}
 	for k, v := range r {
-		if k[0] == "total" && ours(k[2]) && k[1] != "WATCH" && k[2] != "devicetaintrules/status" {
+		controller := k[1] == "WATCH" || (k[1] == "LIST" && k[2] == "devicetaintrules") || k[2] == "devicetaintrules/status"
+		if k[0] == "total" && ours(k[2]) && !controller {
 			out[k[1]+" "+k[2]] += v
 		}
 	}
