@@ -38,6 +38,10 @@ cat >"$build/boot.ipxe.tmp" <<IPXE
 #   passage.plan=sha256:HEX    the saved plan a signed image carries with its pci=config_acs= (make uki PLAN=);
 #                              this unsigned script carries none: its ACS is written by passage, which a
 #                              locked-down (Secure Boot) kernel refuses
+#   passage.hostname=NAME      the node's name (RFC 1123), set before the manifest signs it; given below from
+#                              iPXE's \${hostname} (DHCP option 12 as iPXE got it, or a per-machine script's
+#                              set hostname); without it passage takes DHCP option 12 itself, waiting for the
+#                              network before the manifest; with neither the manifest signs no name
 #   passage.net=auto           management NIC for DHCPv4 (IFACE|auto|off); passage.net_timeout=30s
 #   passage.url=URL            where the signed manifest envelope is POSTed (none: no publish); https, or
 #                              plain http only to loopback or with passage.url_insecure=1
@@ -70,8 +74,12 @@ set root LABEL=root
 # passage_url may come from the DHCP server (option 175 / iPXE settings); none: no publish.
 set urlarg
 isset \${passage_url} && set urlarg passage.url=\${passage_url} ||
+# The node's name, per machine: iPXE's hostname setting (what its DHCP answer carried, or
+# what a script chained per MAC sets). None: passage asks DHCP, and says when there is none.
+set hostarg
+isset \${hostname} && set hostarg passage.hostname=\${hostname} ||
 
-kernel vmlinuz initrd=initramfs.cpio.gz console=ttyS0,115200 intel_iommu=on panic=-1 rdinit=/bbin/passage passage.profile=\${profile} passage.handoff=\${handoff} passage.root=\${root} \${urlarg}
+kernel vmlinuz initrd=initramfs.cpio.gz console=ttyS0,115200 intel_iommu=on panic=-1 rdinit=/bbin/passage passage.profile=\${profile} passage.handoff=\${handoff} passage.root=\${root} \${hostarg} \${urlarg}
 initrd initramfs.cpio.gz
 boot
 IPXE

@@ -118,6 +118,7 @@ type Config struct {
 	Out          Out           // passage.out=
 	Handoff      Handoff       // passage.handoff=
 	Root         string        // passage.root=
+	Hostname     string        // passage.hostname=: the node's name, before DHCP's (ChooseHostname)
 	RootFSType   string        // passage.rootfstype=
 	RootWait     time.Duration // passage.rootwait=: how long switch_root waits for the root device
 	Init         string        // passage.init=
@@ -390,6 +391,13 @@ var params = map[string]setter{
 			return err
 		}
 		c.Root = v
+		return nil
+	},
+	"hostname": func(c *Config, v string) error {
+		if err := CheckHostname(v); err != nil {
+			return fmt.Errorf("want an RFC 1123 host name (letters, digits, hyphens and dots, at most %d bytes): %v", MaxHostname, err)
+		}
+		c.Hostname = v
 		return nil
 	},
 	"rootwait":   func(c *Config, v string) error { return duration(&c.RootWait, v) },

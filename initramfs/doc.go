@@ -29,6 +29,7 @@
 //	passage.out=/run|DEV:PATH /run               also copy /run/passage/* into PATH on block device DEV (e.g. /dev/vda1:/passage); the generation counter lives there
 //	passage.handoff=MODE      hold               switch_root, poweroff, shell or hold, once the manifest is written
 //	passage.root=ROOT         (none)             root to switch_root into, UUID=, LABEL=, PARTUUID= or /dev/... (required by handoff=switch_root)
+//	passage.hostname=NAME     (none)             the node's name (RFC 1123 host name, folded to lower case), set before the manifest signs it; before DHCP option 12 (iPXE fills it per machine: ${hostname})
 //	passage.rootwait=DUR      30s                how long switch_root waits for the root device to appear
 //	passage.rootfstype=FS     (probed)           filesystem of passage.root
 //	passage.init=PATH         /sbin/init         program exec'd after switch_root
@@ -41,7 +42,13 @@
 //	passage.debug=on|off      off                every stage's whole error on the console, a waiting stage shown every second; passage.debug alone is on
 //
 // DUR is a Go duration (30s, 2m). handoff=switch_root without passage.root falls back to
-// hold, with an error recorded. Every console line is also written to /dev/kmsg as
+// hold, with an error recorded. The node's name is passage.hostname=, else the name the
+// kernel already has (its own hostname= argument), else DHCP option 12 (ChooseHostname);
+// when only DHCP can give it, the network stage runs before the manifest, bounded by
+// passage.net_timeout. A node with none is signed with an empty hostname, never the
+// kernel's "(none)", and its hostname stage says so. /run is made a tmpfs before
+// anything is written to /run/passage (SetUpRun), so switch_root hands it to the real
+// root. Every console line is also written to /dev/kmsg as
 // "passage: ..." (level err for a failed line, warning for a degraded one, debug otherwise), so the
 // initramfs's messages reach the booted system's journal.
 package initramfs

@@ -54,15 +54,22 @@ func Build(root string, now time.Time) (*Manifest, error) {
 // the kernel's "(none)" before one is set), a DMI serial or a DMI UUID. A manifest with
 // none of them could be any node's and is never signed.
 func (m *Manifest) Identified() error {
-	host := m.Node.Hostname != "" && m.Node.Hostname != "(none)"
+	host := m.Node.Hostname != "" && m.Node.Hostname != UnsetHostname
 	if m.BootID == "" && !host && m.Node.DMISerial == "" && m.Node.DMIUUID == "" {
 		return errors.New("manifest: no node identity (boot_id, hostname, dmi_serial and dmi_uuid all empty): it could be any node's")
 	}
 	return nil
 }
 
+// UnsetHostname is what the kernel's hostname reads before anything sets one (the
+// default CONFIG_DEFAULT_HOSTNAME, init/Kconfig).
+const UnsetHostname = "(none)"
+
 // ReadNode reads the node's identity under root: hostname and DMI fields, each empty
-// when its file is absent or unreadable (DMI on a VM, a root-only product_serial).
+// when its file is absent or unreadable (DMI on a VM, a root-only product_serial). The
+// kernel's "(none)", what its hostname reads before anything sets one, is no name: the
+// hostname is then empty, and nothing downstream (passage-dra's pool, passage-control's
+// record) takes "(none)" for a node.
 func ReadNode(root string) (Node, error) {
 	var n Node
 	err := readOptional(root, []optionalFile{
@@ -73,6 +80,9 @@ func ReadNode(root string) (Node, error) {
 		{&n.Vendor, "sys/class/dmi/id/sys_vendor"},
 		{&n.Product, "sys/class/dmi/id/product_name"},
 	})
+	if n.Hostname == UnsetHostname {
+		n.Hostname = ""
+	}
 	return n, err
 }
 

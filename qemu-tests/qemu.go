@@ -37,6 +37,9 @@ type Options struct {
 	// Append goes on the kernel command line after the defaults; a passage.* key given
 	// here replaces the default for that key.
 	Append []string
+	// Without leaves default kernel arguments off, by key: "passage.hostname" for a
+	// node whose name must come from DHCP (Topology.DHCPHostname) or nowhere.
+	Without []string
 
 	TPMState string // swtpm state dir; kept across boots when the caller reuses it. "" = fresh
 	NoTPM    bool
@@ -96,10 +99,16 @@ const DefaultKernel = "6.12"
 var DefaultCmdline = []string{
 	"console=ttyS0,115200", "intel_iommu=on", "no_timer_check", "panic=-1", "oops=panic",
 	"passage.profile=qemu", "passage.handoff=poweroff", "passage.emit=console",
+	// Named per machine on the command line, as a fleet's iPXE script names a node
+	// (${hostname}); Options.Without drops it for a boot named by DHCP or not at all.
+	"passage.hostname=" + DefaultHostname,
 	// Scenarios with a failed unit end by the handoff too, as they were written to;
 	// the emergency scenario sets passage.emergency_on= itself.
 	"passage.emergency_on=never",
 }
+
+// DefaultHostname is the name every boot's command line gives the node.
+const DefaultHostname = "passage-qemu"
 
 // Run is one finished boot.
 type Run struct {
@@ -131,12 +140,16 @@ func (o *Options) paths() (kernel, initrd string, err error) {
 }
 
 // Cmdline joins the default kernel arguments with extra ones; an extra passage.* key
-// (or any key=) replaces the default with that key.
-func Cmdline(extra []string) string {
+// (or any key=) replaces the default with that key, and a default whose key is in
+// without is left off.
+func Cmdline(extra []string, without ...string) string {
 	key := func(a string) string { k, _, _ := strings.Cut(a, "="); return k }
 	over := map[string]bool{}
 	for _, a := range extra {
 		over[key(a)] = true
+	}
+	for _, k := range without {
+		over[k] = true
 	}
 	var out []string
 	for _, a := range DefaultCmdline {
@@ -208,7 +221,7 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		}
 		extra = append(extra, strings.Fields(a)...)
 	}
-	cmdline := Cmdline(extra)
+	cmdline := Cmdline(extra, o.Without...)
 	mem, smp := o.MemMiB, o.SMP
 	if mem == 0 {
 		mem = 2048

@@ -300,13 +300,14 @@ func TestScenario1CleanBoot(t *testing.T) {
 			if !slices.ContainsFunc(rb.Leases, func(l string) bool { return strings.Contains(l, "10.0.2.15/24") }) {
 				t.Errorf("leases %q, want 10.0.2.15/24 from QEMU's user network", rb.Leases)
 			}
-			// The manifest is written before the network comes up: it carries the stages up to
-			// host and nothing of network or publish, whose results are in log.jsonl.
+			// The manifest is written before the network comes up (the command line names
+			// the node): it carries the stages up to hostname and nothing of network or
+			// publish, whose results are in log.jsonl.
 			var inManifest []string
 			for _, s := range m.Stages {
 				inManifest = append(inManifest, s.Name)
 			}
-			if want := []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host"}; !slices.Equal(inManifest, want) {
+			if want := []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host", "hostname"}; !slices.Equal(inManifest, want) {
 				t.Errorf("manifest stages %v, want %v (network and publish come after the manifest)", inManifest, want)
 			}
 			logged := map[string]stages.ResultRecord{}

@@ -31,6 +31,9 @@ type Topology struct {
 	// NVMeImages are raw image files backing unit i's NVMe namespace (index i; "" or
 	// beyond the list: a controller without a namespace, the default).
 	NVMeImages []string
+	// DHCPHostname is the host name QEMU's DHCP server gives the management NIC (option
+	// 12: slirp's hostname=); "" sends none.
+	DHCPHostname string
 }
 
 // Root-complex slots: fixed, so every variant keeps the same BDFs for what it shares.
@@ -58,7 +61,16 @@ func (b *argBuilder) rootPort(id, bus string, addr string) {
 // nic adds a NIC with its own user-mode netdev; restrict=on keeps the guest off any
 // network but QEMU's own DHCP/DNS.
 func (b *argBuilder) nic(model, id, bus, addr, extra string) {
-	b.args = append(b.args, "-netdev", fmt.Sprintf("user,id=%s,restrict=on", id))
+	b.nicNamed(model, id, bus, addr, extra, "")
+}
+
+// nicNamed is nic whose DHCP answers carry host name option 12 (when hostname is not "").
+func (b *argBuilder) nicNamed(model, id, bus, addr, extra, hostname string) {
+	netdev := fmt.Sprintf("user,id=%s,restrict=on", id)
+	if hostname != "" {
+		netdev += ",hostname=" + hostname
+	}
+	b.args = append(b.args, "-netdev", netdev)
 	opt := ""
 	if extra != "" {
 		opt = "," + extra
@@ -75,7 +87,7 @@ func (t Topology) Args() []string {
 	b := &argBuilder{}
 	// The management NIC on its own root port, as on a real node's separate host bridge.
 	b.rootPort("mgmt", "pcie.0", fmt.Sprintf("0x%x.0", mgmtRootSlot))
-	b.nic("e1000e", "mgmt0", "mgmt", "0x0.0", "mac=52:54:00:00:00:01")
+	b.nicNamed("e1000e", "mgmt0", "mgmt", "0x0.0", "mac=52:54:00:00:00:01", t.DHCPHostname)
 	for i := 0; i < units; i++ {
 		u := fmt.Sprintf("u%d", i)
 		b.rootPort(u+"rp", "pcie.0", fmt.Sprintf("0x%x.0", unitRootSlot0+i))

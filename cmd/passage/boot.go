@@ -178,6 +178,16 @@ func runBoot(root string, dryRun bool, console io.Writer) (cfg initramfs.Config,
 		fmt.Fprintf(console, "passage: %v\n", e)
 	}
 
+	// /run a tmpfs before anything writes /run/passage, so that switch_root moves it,
+	// files and all, into the real root (initramfs.SetUpRun says why). Only on the live
+	// root: a --root tree is someone's directory, and a booted host's /run is mounted.
+	if root == "/" {
+		if what, err := initramfs.SetUpRun(root, initramfs.LinuxRunOps()); err != nil {
+			fmt.Fprintf(console, "passage: %v: a switch_root will not hand /run/passage to the real root\n", err)
+		} else {
+			fmt.Fprintf(console, "passage: %s\n", what)
+		}
+	}
 	b := &boot.Boot{Root: root, Config: cfg, DryRun: dryRun, Console: console}
 	var logw io.Writer
 	if _, err := boot.Beneath(root, initramfs.RunDir); err != nil {

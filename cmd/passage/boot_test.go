@@ -165,10 +165,10 @@ func TestBootDryRun(t *testing.T) {
 			unitsN++
 		}
 	}
-	if stagesN != 11 || unitsN != 8 {
-		t.Errorf("log has %d stage and %d unit lines, want 11 and 8", stagesN, unitsN)
+	if stagesN != 12 || unitsN != 8 {
+		t.Errorf("log has %d stage and %d unit lines, want 12 and 8", stagesN, unitsN)
 	}
-	if got := strings.Join(order, " "); got != "modules scan decide acs erase vfio host manifest network publish push" {
+	if got := strings.Join(order, " "); got != "modules scan decide acs erase vfio host hostname manifest network publish push" {
 		t.Errorf("log's stage order %q", got)
 	}
 }

@@ -72,6 +72,9 @@ type Lease struct {
 	// CarrierWait is how long Up waited for carrier after setting the link up: what is
 	// left of the PHY's negotiation when the link was set up earlier (LinkUp).
 	CarrierWait string `json:"carrier_wait,omitempty"`
+	// Hostname is the server's option 12 (RFC 2132, 3.14) as sent, NULs trimmed: the
+	// node's name when no kernel argument gives one (initramfs.ChooseHostname decides).
+	Hostname string `json:"hostname,omitempty"`
 }
 
 // DHCPPolicy bounds one interface's DHCP exchange. nclient4 doubles the wait after each
@@ -158,6 +161,7 @@ func leaseFromACK(iface string, ack *dhcpv4.DHCPv4) (Lease, error) {
 	if d := ack.IPAddressLeaseTime(0); d > 0 {
 		le.LeaseS = int(d.Seconds())
 	}
+	le.Hostname = ack.HostName()
 	return le, nil
 }
 
@@ -278,6 +282,9 @@ func (l Lease) Describe() string {
 	var notes []string
 	if l.Server != nil {
 		notes = append(notes, fmt.Sprintf("server %s, %s", l.Server, l.Elapsed))
+	}
+	if l.Hostname != "" {
+		notes = append(notes, fmt.Sprintf("host name %q", l.Hostname))
 	}
 	if l.CarrierWait != "" {
 		notes = append(notes, "carrier wait "+l.CarrierWait)

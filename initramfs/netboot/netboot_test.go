@@ -303,3 +303,33 @@ func TestPolicyWaits(t *testing.T) {
 		t.Errorf("default publish can take %v", total)
 	}
 }
+
+// TestLeaseHostName: a DISCOVER and a REQUEST ask for option 12, and the lease keeps the
+// name the server sent, its NUL padding trimmed (some servers count the terminator).
+func TestLeaseHostName(t *testing.T) {
+	for _, mt := range []dhcpv4.MessageType{dhcpv4.MessageTypeDiscover, dhcpv4.MessageTypeRequest} {
+		if m := bootRequest(net.HardwareAddr{0x52, 0x54, 0, 0, 0, 1}, dhcpv4.TransactionID{1, 2, 3, 4}, mt); !m.IsOptionRequested(dhcpv4.OptionHostName) {
+			t.Errorf("%s does not ask for the host name: %v", mt, m.ParameterRequestList())
+		}
+	}
+	for _, c := range []struct{ sent, want string }{{"b300-r07-n3", "b300-r07-n3"}, {"b300-r07-n3\x00", "b300-r07-n3"}, {"", ""}} {
+		mods := []dhcpv4.Modifier{dhcpv4.WithYourIP(net.IPv4(10, 0, 2, 15)), dhcpv4.WithNetmask(net.CIDRMask(24, 32))}
+		if c.sent != "" {
+			mods = append(mods, dhcpv4.WithOption(dhcpv4.OptHostName(c.sent)))
+		}
+		ack, err := dhcpv4.New(mods...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		le, err := leaseFromACK("eth0", ack)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if le.Hostname != c.want {
+			t.Errorf("option 12 %q: lease host name %q, want %q", c.sent, le.Hostname, c.want)
+		}
+		if d := le.Describe(); (c.want != "") != strings.Contains(d, `host name "`+c.want+`"`) {
+			t.Errorf("option 12 %q: Describe = %q", c.sent, d)
+		}
+	}
+}

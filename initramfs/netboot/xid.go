@@ -21,9 +21,12 @@ func TransactionID() dhcpv4.TransactionID {
 	return x
 }
 
-// requestedOptions are the options a DISCOVER and a REQUEST ask for (dhcpv4's defaults).
+// requestedOptions are the options a DISCOVER and a REQUEST ask for: dhcpv4's defaults,
+// and the host name (option 12), which some servers (ISC dhcpd) send only when the
+// client's parameter request list names it (RFC 2132, 9.8).
 var requestedOptions = []dhcpv4.OptionCode{
 	dhcpv4.OptionSubnetMask, dhcpv4.OptionRouter, dhcpv4.OptionDomainName, dhcpv4.OptionDomainNameServer,
+	dhcpv4.OptionHostName,
 }
 
 // bootRequest is what dhcpv4.New and NewDiscovery build (RFC 2131, 4.4.1, table 5),

@@ -64,6 +64,10 @@ type Boot struct {
 	// OpenNVMe opens an NVMe controller for the erase stage; nil is the kernel's
 	// (erase.DeviceOpener). Tests put simulated controllers here.
 	OpenNVMe erase.Opener
+	// SetHostname sets the kernel's hostname (the hostname stage); nil is sethostname(2)
+	// on the live root and a write of <Root>/proc/sys/kernel/hostname in a tree. Tests
+	// record calls here.
+	SetHostname func(name string) error
 	// PublishPolicy bounds each request of the publish stage (the envelope, the nonce,
 	// the attestation, the enrolment's answer); nil is netboot.DefaultPublish. Tests
 	// record its waits here.
@@ -192,9 +196,20 @@ func toStatus(s topology.Status) stages.Status {
 // dead management network (carrier timeout, up to 2 x 7 s of DHCP retries,
 // passage.net_timeout). network and publish are the delivery phase: their results go to
 // the console and log.jsonl, as every stage's do, not into the manifest.
+//
+// One exception, the node's name: the hostname stage names the node just before the
+// manifest signs that name. When the name can come only from DHCP option 12 (no
+// passage.hostname=, none in the kernel, the network on: HostnameFromDHCP), the network
+// stage runs before the hostname stage instead of after the manifest. The manifest then
+// waits for the network, bounded by the network stage's own deadline
+// (passage.net_timeout), and is written whatever the network did: Always, with no
+// Needs; a dead network costs it that deadline and the name, never the manifest. The
+// network stage's result (the lease the name came from) is then in the manifest. A
+// boot whose name is given on its command line, as a fleet's iPXE script or signed image
+// gives it, keeps the manifest ahead of the network.
 func (b *Boot) Stages() []stages.Stage {
 	c := b.Config
-	return []stages.Stage{
+	list := []stages.Stage{
 		{Name: "modules", Run: b.modules},
 		{Name: "scan", Run: b.scan},
 		{Name: "decide", Needs: []string{"scan"}, Run: b.decide},
@@ -202,11 +217,21 @@ func (b *Boot) Stages() []stages.Stage {
 		{Name: "erase", Needs: []string{"decide", "acs"}, Timeout: c.EraseTimeout, Run: b.erase},
 		{Name: "vfio", Needs: []string{"decide", "acs"}, Run: b.vfio},
 		{Name: "host", Run: b.host},
-		{Name: "manifest", Always: true, Run: b.manifest},
-		{Name: "network", Timeout: c.NetTimeout, Run: b.network},
-		{Name: "publish", Needs: b.publishNeeds(), Timeout: b.publishTimeout(), Run: b.publish},
-		{Name: "push", Needs: []string{"network", "manifest"}, Timeout: c.NetTimeout, Run: b.push},
 	}
+	network := stages.Stage{Name: "network", Timeout: c.NetTimeout, Run: b.network}
+	named := []stages.Stage{
+		{Name: "hostname", Run: b.hostname},
+		{Name: "manifest", Always: true, Run: b.manifest},
+	}
+	if b.HostnameFromDHCP() {
+		list = append(append(list, network), named...)
+	} else {
+		list = append(append(list, named...), network)
+	}
+	return append(list,
+		stages.Stage{Name: "publish", Needs: b.publishNeeds(), Timeout: b.publishTimeout(), Run: b.publish},
+		stages.Stage{Name: "push", Needs: []string{"network", "manifest"}, Timeout: c.NetTimeout, Run: b.push},
+	)
 }
 
 func (b *Boot) openModules() error {
@@ -667,7 +692,11 @@ func (b *Boot) network(ctx context.Context, _ *stages.State, r *stages.Result) e
 		}
 	}
 	leases, err := up(ctx, ifs)
+	// Under the lock: the hostname stage reads them, and a network stage abandoned at its
+	// deadline may still be writing.
+	b.mu.Lock()
 	b.Leases = leases
+	b.mu.Unlock()
 	for _, l := range leases {
 		r.Changef("%s", l.Describe())
 	}

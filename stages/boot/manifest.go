@@ -199,6 +199,11 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 		}
 	}
 	errs = append(errs, b.Config.ErrorStrings()...)
+	if m.Node.Hostname == "" {
+		// Signed empty, never as the kernel's "(none)" (manifest.ReadNode): a name no
+		// consumer may take for the node's.
+		errs = append(errs, "manifest: no hostname: the node has no name (the hostname stage says where none was found)")
+	}
 	if cpus, err := record.NUMACPUs(b.Root); err != nil {
 		errs = append(errs, fmt.Sprintf("numa cpus: %v", err))
 	} else {

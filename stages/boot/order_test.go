@@ -23,43 +23,72 @@ import (
 	"github.com/passage-boot/passage/vfiobind/vfiotest"
 )
 
-// preManifest are the stages whose results the manifest carries: everything before it.
-var preManifest = []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host"}
+// preManifest are the stages whose results the manifest carries: everything before it,
+// when the node's name does not have to come from DHCP.
+var preManifest = []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host", "hostname"}
 
+// TestStageOrder: the manifest comes before the network, unless the node's name can come
+// only from DHCP (no passage.hostname=, none in the kernel, the network on): then the
+// network stage runs first, and the manifest after it, Always and needing nothing, so a
+// dead network costs it the network's deadline and never the manifest.
 func TestStageOrder(t *testing.T) {
-	b := &Boot{Config: initramfs.Defaults()}
-	list := b.Stages()
-	var names []string
-	byName := map[string]stages.Stage{}
-	for _, s := range list {
-		names = append(names, s.Name)
-		byName[s.Name] = s
-	}
-	want := append(slices.Clone(preManifest), "manifest", "network", "publish", "push")
-	if !reflect.DeepEqual(names, want) {
-		t.Fatalf("stages %v, want %v", names, want)
-	}
-	if err := (&stages.Runner{Stages: list}).Validate(); err != nil {
-		t.Fatal(err)
-	}
-	if !byName["manifest"].Always {
-		t.Error("manifest is not Always: a cancelled run would leave no manifest")
-	}
-	for _, name := range []string{"publish", "push"} {
-		if n := byName[name].Needs; !slices.Contains(n, "network") || !slices.Contains(n, "manifest") {
-			t.Errorf("%s needs %v, want network and manifest", name, n)
-		}
-	}
-	// Nothing is written before the decision, and nothing bound unless the acs stage
-	// completed: a vfio stage after a failed acs stage would bind units whose isolation
-	// was never written.
-	for name, want := range map[string][]string{"decide": {"scan"}, "acs": {"decide"}, "vfio": {"decide", "acs"}} {
-		if n := byName[name].Needs; !reflect.DeepEqual(n, want) {
-			t.Errorf("%s needs %v, want %v", name, n, want)
-		}
-	}
-	if byName["network"].Timeout != b.Config.NetTimeout || b.Config.NetTimeout <= 0 {
-		t.Errorf("network timeout %v, want passage.net_timeout (%v)", byName["network"].Timeout, b.Config.NetTimeout)
+	named := t.TempDir()
+	os.MkdirAll(filepath.Join(named, "proc/sys/kernel"), 0o755)
+	os.WriteFile(filepath.Join(named, "proc/sys/kernel/hostname"), []byte("b300-r07-n3\n"), 0o644)
+	unnamed := t.TempDir()
+	os.MkdirAll(filepath.Join(unnamed, "proc/sys/kernel"), 0o755)
+	os.WriteFile(filepath.Join(unnamed, "proc/sys/kernel/hostname"), []byte("(none)\n"), 0o644)
+	pcie := []string{"modules", "scan", "decide", "acs", "erase", "vfio", "host"}
+	after := []string{"manifest", "network", "publish", "push"}
+	for _, tc := range []struct {
+		name, root, cmdline string
+		want                []string
+	}{
+		{"named by the kernel argument", unnamed, "passage.hostname=b300-r07-n3", slices.Concat(pcie, []string{"hostname"}, after)},
+		{"named by the kernel", named, "", slices.Concat(pcie, []string{"hostname"}, after)},
+		{"no network", unnamed, "passage.net=off", slices.Concat(pcie, []string{"hostname"}, after)},
+		{"named by DHCP", unnamed, "", slices.Concat(pcie, []string{"network", "hostname", "manifest", "publish", "push"})},
+		{"no hostname file: named by DHCP", t.TempDir(), "", slices.Concat(pcie, []string{"network", "hostname", "manifest", "publish", "push"})},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := &Boot{Root: tc.root, Config: initramfs.ParseCmdline(tc.cmdline)}
+			list := b.Stages()
+			var names []string
+			byName := map[string]stages.Stage{}
+			for _, s := range list {
+				names = append(names, s.Name)
+				byName[s.Name] = s
+			}
+			if !reflect.DeepEqual(names, tc.want) {
+				t.Fatalf("stages %v, want %v", names, tc.want)
+			}
+			if err := (&stages.Runner{Stages: list}).Validate(); err != nil {
+				t.Fatal(err)
+			}
+			if m := byName["manifest"]; !m.Always || len(m.Needs) > 0 {
+				t.Errorf("manifest Always %v, needs %v: a cancelled run or a failed stage would leave no manifest", m.Always, m.Needs)
+			}
+			if n := byName["hostname"].Needs; len(n) > 0 {
+				t.Errorf("hostname needs %v: a dead network must leave the node unnamed, not the stage skipped", n)
+			}
+			for _, name := range []string{"publish", "push"} {
+				// With passage.net=off publish goes to a loopback URL only, and needs no network.
+				if n := byName[name].Needs; !slices.Contains(n, "manifest") || !slices.Contains(n, "network") && (name == "push" || b.Config.Net != initramfs.NetOff) {
+					t.Errorf("%s needs %v, want network and manifest", name, n)
+				}
+			}
+			// Nothing is written before the decision, and nothing bound unless the acs stage
+			// completed: a vfio stage after a failed acs stage would bind units whose isolation
+			// was never written.
+			for name, want := range map[string][]string{"decide": {"scan"}, "acs": {"decide"}, "vfio": {"decide", "acs"}} {
+				if n := byName[name].Needs; !reflect.DeepEqual(n, want) {
+					t.Errorf("%s needs %v, want %v", name, n, want)
+				}
+			}
+			if byName["network"].Timeout != b.Config.NetTimeout || b.Config.NetTimeout <= 0 {
+				t.Errorf("network timeout %v, want passage.net_timeout (%v)", byName["network"].Timeout, b.Config.NetTimeout)
+			}
+		})
 	}
 }
 
@@ -86,6 +115,9 @@ func newBootNodeOf(t *testing.T, spec pcitest.Spec) *bootNode {
 	files := map[string]string{
 		"proc/sys/kernel/osrelease":      "6.12.0-passage\n",
 		"proc/sys/kernel/random/boot_id": "b00705de\n",
+		// Named before passage runs (the kernel's own hostname= argument): the manifest
+		// keeps its place before the network (hostname_test.go has the other ways).
+		"proc/sys/kernel/hostname": "b300-r07-n3\n",
 		"lib/modules/6.12.0-passage/modules.builtin": "kernel/drivers/vfio/vfio.ko\nkernel/drivers/vfio/vfio_iommu_type1.ko\n" +
 			"kernel/drivers/vfio/pci/vfio-pci.ko\nkernel/drivers/net/ethernet/broadcom/bnxt/bnxt_en.ko\n",
 	}
