@@ -44,6 +44,30 @@ func withModules(t *testing.T, r *noderig.Rig) {
 	r.Key.Sign(t, r.M, r.Path)
 }
 
+// modulesProfile is an operator's profile file: the built-in b300's YAML with the
+// modules: stanza withModules's IDs come from, keyed on each unit's GPU address.
+func modulesProfile(t *testing.T, r *noderig.Rig) string {
+	t.Helper()
+	b, err := os.ReadFile("../../topology/profiles/b300.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mods strings.Builder
+	mods.WriteString("\nmodules:\n")
+	for _, u := range r.M.Units {
+		for _, f := range u.Functions {
+			if f.Role == "gpu" {
+				fmt.Fprintf(&mods, "  %q: %d\n", f.BDF, u.ModuleID)
+			}
+		}
+	}
+	p := filepath.Join(t.TempDir(), "b300-modules.yaml")
+	if err := os.WriteFile(p, append(b, mods.String()...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 // withFabric is cfg with a Fabric whose ledger is in its StateDir, on the stand-in FM.
 func withFabric(t *testing.T, cfg *plugin.Config) {
 	t.Helper()
@@ -335,6 +359,10 @@ func TestFabricPluginRestart(t *testing.T) {
 func TestFabricBeforeTurnaround(t *testing.T) {
 	r := newTurnRig(t)
 	withModules(t, r.Rig)
+	// The generations the turnaround signs take the recycled units' Module IDs from the
+	// profile, as a node's do: one without would sign gpu0 and gpu1 with none, and a
+	// node that talks to FM offers no such unit.
+	r.cfg.Turnaround.Profile = modulesProfile(t, r.Rig)
 	fm := fabrictest.New(t)
 	withFabric(t, &r.cfg)
 	var mu sync.Mutex
