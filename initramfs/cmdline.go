@@ -319,9 +319,19 @@ func duration(dst *time.Duration, v string) error {
 // params maps each passage.* key (after the passage. prefix, '-' folded to '_') to its
 // parser. doc.go documents every one of them; TestParamsDocumented keeps the two in step.
 var params = map[string]setter{
+	// A built-in profile's name, or a profile file in the image by its absolute path
+	// (topology.LoadProfile reads it): a relative path would resolve against whatever
+	// directory the boot runs in.
 	"profile": func(c *Config, v string) error {
-		if v == "" || strings.ContainsAny(v, "/ ") {
-			return fmt.Errorf("want a profile name")
+		switch {
+		case v == "" || strings.ContainsAny(v, " \t"):
+			return fmt.Errorf("want a built-in profile name or the absolute path of a profile file")
+		case strings.HasPrefix(v, "/"):
+			if !strings.HasSuffix(v, ".yaml") && !strings.HasSuffix(v, ".yml") && !strings.HasSuffix(v, ".json") {
+				return fmt.Errorf("profile file %s: want a .yaml, .yml or .json file", v)
+			}
+		case strings.ContainsRune(v, '/') || strings.HasSuffix(v, ".yaml") || strings.HasSuffix(v, ".yml") || strings.HasSuffix(v, ".json"):
+			return fmt.Errorf("profile file %s: want an absolute path (the file in the image, e.g. /etc/passage/%s)", v, filepath.Base(v))
 		}
 		c.Profile = v
 		return nil

@@ -49,6 +49,14 @@ func TestParseCmdline(t *testing.T) {
 			d.Cmdline = c.Cmdline
 			return reflect.DeepEqual(c, d)
 		}, nil},
+		{"profile file by absolute path", "passage.profile=/etc/passage/site.yaml", func(c Config) bool {
+			return c.Profile == "/etc/passage/site.yaml"
+		}, nil},
+		// The README once said a file was taken; only a bare NAME.yaml was, resolved
+		// against the boot's working directory. A file is named by its path in the image.
+		{"profile file not absolute", "passage.profile=site.yaml passage.profile=etc/site.yaml passage.profile=/etc/site.txt", func(c Config) bool {
+			return c.Profile == Defaults().Profile
+		}, []string{"passage.profile=site.yaml", "passage.profile=etc/site.yaml", "passage.profile=/etc/site.txt"}},
 		{"erase", "passage.erase=require passage.erase_timeout=2h passage.erase_overwrite=on", func(c Config) bool {
 			return c.Erase == "require" && c.EraseTimeout == 2*time.Hour && c.EraseOverwrite
 		}, nil},

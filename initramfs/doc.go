@@ -12,7 +12,7 @@
 // its default. A later argument overrides an earlier one.
 //
 //	argument                  default            meaning
-//	passage.profile=NAME      b300               labelling profile (b300, b200, qemu, or an operator's)
+//	passage.profile=NAME|FILE b300               labelling profile: b300, b200, qemu, or /ABSOLUTE/PATH.yaml in the image
 //	passage.key=PATH          /etc/passage/key   ed25519 private key file that signs the manifest
 //	passage.tpm=on|off|auto   auto               TPM signing + PCR extend; auto uses a TPM when one is present, on fails without one
 //	passage.ats=require|prefer prefer            a CX-8 function without ATS: prefer degrades its unit (no DT), require fails it
