@@ -144,7 +144,7 @@ func ModulesStanza(gpus []NVSMIGPU, source string) (stanza []byte, unknown []pci
 			continue
 		}
 		if o, dup := byModule[g.Module]; dup {
-			return nil, nil, fmt.Errorf("Module ID %d: GPUs %s (line %d) and %s (line %d)", g.Module, o.Addr, o.Line, g.Addr, g.Line)
+			return nil, nil, fmt.Errorf("modules: Module ID %d: GPUs %s (line %d) and %s (line %d)", g.Module, o.Addr, o.Line, g.Addr, g.Line)
 		}
 		byModule[g.Module] = g
 	}
