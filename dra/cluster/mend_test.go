@@ -334,7 +334,7 @@ func equalCounts(a, b map[string]float64) bool {
 // PassageNode, reads the API server's whole answer, and closes the replica's connection
 // without it — a create made whose answer was lost.
 type answerDropper struct {
-	url     string
+	url, ca string // its https URL and the certificate to trust it with
 	armed   atomic.Bool
 	dropped atomic.Int64
 	status  atomic.Int64 // the dropped answer's status
@@ -355,30 +355,42 @@ func newAnswerDropper(t *testing.T, c *cluster.Cluster) *answerDropper {
 	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: roots}}
 	rp := httputil.NewSingleHostReverseProxy(target)
 	rp.Transport = tr
-	d := &answerDropper{}
+	// TLS: clientcmd sends a kubeconfig's token over TLS only.
+	certPEM, keyPEM := serving(t)
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &answerDropper{ca: filepath.Join(t.TempDir(), "proxy.crt")}
+	if err := os.WriteFile(d.ca, certPEM, 0o600); err != nil {
+		t.Fatal(err)
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/"+control.NodeResource.Resource) && d.armed.CompareAndSwap(true, false) {
-			out := r.Clone(r.Context())
-			out.URL.Scheme, out.URL.Host, out.Host, out.RequestURI = target.Scheme, target.Host, target.Host, ""
-			resp, err := tr.RoundTrip(out)
-			if err == nil {
-				io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-				d.status.Store(int64(resp.StatusCode))
+	srv := &http.Server{ReadHeaderTimeout: 10 * time.Second,
+		// HTTP/1.1 only: a dropped answer is a closed connection, as a lost one is.
+		TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}}, TLSNextProto: map[string]func(*http.Server, *tls.Conn, http.Handler){},
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/"+control.NodeResource.Resource) && d.armed.CompareAndSwap(true, false) {
+				out := r.Clone(r.Context())
+				out.URL.Scheme, out.URL.Host, out.Host, out.RequestURI = target.Scheme, target.Host, target.Host, ""
+				resp, err := tr.RoundTrip(out)
+				if err == nil {
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					d.status.Store(int64(resp.StatusCode))
+				}
+				d.dropped.Add(1)
+				panic(http.ErrAbortHandler) // the connection closed, no answer
 			}
-			d.dropped.Add(1)
-			panic(http.ErrAbortHandler) // the connection closed, no answer
-		}
-		rp.ServeHTTP(w, r)
-	})}
+			rp.ServeHTTP(w, r)
+		})}
 	var wg sync.WaitGroup
-	wg.Go(func() { srv.Serve(ln) })
+	wg.Go(func() { srv.ServeTLS(ln, "", "") })
 	t.Cleanup(func() { srv.Close(); wg.Wait(); tr.CloseIdleConnections() })
-	d.url = "http://" + ln.Addr().String()
+	d.url = "https://" + ln.Addr().String()
 	return d
 }
 
@@ -402,15 +414,15 @@ func TestClusterLostCreate(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := newAnswerDropper(t, c)
-	// The account's token, through the proxy (plain http on loopback).
+	// The account's token, through the proxy.
 	proxied := filepath.Join(work, "passage-control-proxied.kubeconfig")
 	cfg := fmt.Sprintf(`apiVersion: v1
 kind: Config
-clusters: [{name: e2e, cluster: {server: %q}}]
+clusters: [{name: e2e, cluster: {server: %q, certificate-authority: %q}}]
 users: [{name: u, user: {token: %q}}]
 contexts: [{name: e2e, context: {cluster: e2e, user: u}}]
 current-context: e2e
-`, d.url, rc.BearerToken)
+`, d.url, d.ca, rc.BearerToken)
 	if err := os.WriteFile(proxied, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
