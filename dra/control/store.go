@@ -16,7 +16,8 @@ import (
 )
 
 // Store is the control plane's state, all of it in the Kubernetes API: records
-// (PassageNode) and EK claims (PassageEK), each read by name, never by a list. It keeps
+// (PassageNode) and EK claims (PassageEK), each read by name on a request's path (the
+// reconciler alone lists the records, once a pass: Nodes). It keeps
 // nothing between calls but a counter of its own writes (for the metrics and the
 // benchmark).
 type Store struct {
@@ -51,6 +52,30 @@ func (s *Store) Node(ctx context.Context, name string) (*Node, error) {
 		return nil, fmt.Errorf("record %s: %w", name, err)
 	}
 	return nodeOf(u)
+}
+
+// Nodes are the records there are, by name, read in pages of page (at most
+// maxSweepPages of them): the reconciler's view of every verdict in one walk.
+func (s *Store) Nodes(ctx context.Context, page int64) (map[string]*Node, error) {
+	out := map[string]*Node{}
+	opts := metav1.ListOptions{Limit: page}
+	for range maxSweepPages {
+		l, err := s.Client.Resource(NodeResource).List(ctx, opts)
+		if err != nil {
+			return nil, fmt.Errorf("records: %w", err)
+		}
+		for i := range l.Items {
+			n, err := nodeOf(&l.Items[i])
+			if err != nil {
+				return nil, fmt.Errorf("record %s: %w", l.Items[i].GetName(), err)
+			}
+			out[n.Name] = n
+		}
+		if opts.Continue = l.GetContinue(); opts.Continue == "" {
+			return out, nil
+		}
+	}
+	return nil, fmt.Errorf("records: over %d pages of %d listed", maxSweepPages, page)
 }
 
 func nodeOf(u *unstructured.Unstructured) (*Node, error) {

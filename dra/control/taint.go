@@ -140,20 +140,8 @@ func (t *Taints) Mend(ctx context.Context, record, pool string, r Rule) (wrote b
 func (t *Taints) put(ctx context.Context, record, pool string, r Rule) (wrote bool, err error) {
 	rules := t.Client.ResourceV1().DeviceTaintRules()
 	name := RuleName(record)
-	taint := resourcev1.DeviceTaint{Key: TaintUnverified, Effect: resourcev1.DeviceTaintEffectNoSchedule}
-	if r.Verdict == VerdictFailed {
-		taint = resourcev1.DeviceTaint{Key: TaintFailed, Value: labelValue(r.Check), Effect: resourcev1.DeviceTaintEffectNoExecute}
-	}
+	want := ruleOf(record, pool, r)
 	reason := r.Reason
-	driver := resources.DriverName
-	want := &resourcev1.DeviceTaintRule{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{ReasonAnnotation: reason},
-			Labels: map[string]string{Group + "/record": labelValue(record)}},
-		Spec: resourcev1.DeviceTaintRuleSpec{
-			DeviceSelector: &resourcev1.DeviceTaintSelector{Driver: &driver, Pool: &pool},
-			Taint:          taint,
-		},
-	}
 	for range 3 {
 		cur, err := rules.Get(ctx, name, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
@@ -170,9 +158,7 @@ func (t *Taints) put(ctx context.Context, record, pool string, r Rule) (wrote bo
 		if err != nil {
 			return wrote, fmt.Errorf("device taint rule %s: %w", name, err)
 		}
-		if cur.Spec.Taint.Key == taint.Key && cur.Spec.Taint.Value == taint.Value && cur.Spec.Taint.Effect == taint.Effect &&
-			cur.Annotations[ReasonAnnotation] == reason && cur.Spec.DeviceSelector != nil && cur.Spec.DeviceSelector.Pool != nil && *cur.Spec.DeviceSelector.Pool == pool &&
-			cur.Spec.DeviceSelector.Driver != nil && *cur.Spec.DeviceSelector.Driver == driver && cur.Spec.DeviceSelector.Device == nil {
+		if Says(cur, pool, r) {
 			return wrote, nil
 		}
 		// The old timeAdded kept: the API server bumps it when the effect changes
@@ -196,6 +182,56 @@ func (t *Taints) put(ctx context.Context, record, pool string, r Rule) (wrote bo
 		return true, nil
 	}
 	return wrote, fmt.Errorf("device taint rule %s: conflicts on every try", name)
+}
+
+// ruleOf is the rule r (not verified) puts on pool for record.
+func ruleOf(record, pool string, r Rule) *resourcev1.DeviceTaintRule {
+	taint := resourcev1.DeviceTaint{Key: TaintUnverified, Effect: resourcev1.DeviceTaintEffectNoSchedule}
+	if r.Verdict == VerdictFailed {
+		taint = resourcev1.DeviceTaint{Key: TaintFailed, Value: labelValue(r.Check), Effect: resourcev1.DeviceTaintEffectNoExecute}
+	}
+	driver := resources.DriverName
+	return &resourcev1.DeviceTaintRule{
+		ObjectMeta: metav1.ObjectMeta{Name: RuleName(record), Annotations: map[string]string{ReasonAnnotation: r.Reason},
+			Labels: map[string]string{Group + "/record": labelValue(record)}},
+		Spec: resourcev1.DeviceTaintRuleSpec{
+			DeviceSelector: &resourcev1.DeviceTaintSelector{Driver: &driver, Pool: &pool},
+			Taint:          taint,
+		},
+	}
+}
+
+// Says reports whether cur, a pool's rule as read (nil: there is none), already says r:
+// none for verified; otherwise its taint, its reason and a selector of exactly the pool.
+func Says(cur *resourcev1.DeviceTaintRule, pool string, r Rule) bool {
+	if r.Verdict == VerdictVerified || cur == nil {
+		return (r.Verdict == VerdictVerified) == (cur == nil)
+	}
+	want := ruleOf("", pool, r).Spec
+	sel := cur.Spec.DeviceSelector
+	return cur.Spec.Taint.Key == want.Taint.Key && cur.Spec.Taint.Value == want.Taint.Value && cur.Spec.Taint.Effect == want.Taint.Effect &&
+		cur.Annotations[ReasonAnnotation] == r.Reason && sel != nil && sel.Pool != nil && *sel.Pool == pool &&
+		sel.Driver != nil && *sel.Driver == *want.DeviceSelector.Driver && sel.Device == nil
+}
+
+// Rules are the DeviceTaintRules there are, by name, read in pages of page (at most
+// maxSweepPages of them): what the reconciler compares each pool's verdict with.
+func (t *Taints) Rules(ctx context.Context, page int64) (map[string]*resourcev1.DeviceTaintRule, error) {
+	out := map[string]*resourcev1.DeviceTaintRule{}
+	opts := metav1.ListOptions{Limit: page}
+	for range maxSweepPages {
+		l, err := t.Client.ResourceV1().DeviceTaintRules().List(ctx, opts)
+		if err != nil {
+			return nil, fmt.Errorf("device taint rules: %w", err)
+		}
+		for i := range l.Items {
+			out[l.Items[i].Name] = &l.Items[i]
+		}
+		if opts.Continue = l.Continue; opts.Continue == "" {
+			return out, nil
+		}
+	}
+	return nil, fmt.Errorf("device taint rules: over %d pages of %d listed", maxSweepPages, page)
 }
 
 // Clear deletes the record's rule, if there is one.
