@@ -4,7 +4,6 @@ package qemutest
 
 import (
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -25,24 +24,7 @@ const (
 // UUID, and by label.
 func TestScenario7SwitchRoot(t *testing.T) {
 	dir := t.TempDir()
-	root := filepath.Join(dir, "root")
-	for _, d := range []string{"sbin", "etc"} {
-		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	build := exec.Command("go", "build", "-o", filepath.Join(root, "sbin", "init"), "./internal/rootinit")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build rootinit: %v\n%s", err, out)
-	}
-	if err := os.WriteFile(filepath.Join(root, "etc", "passage-root"), []byte("disk"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	disk := filepath.Join(dir, "root.img")
-	if err := NewGPTDisk(disk, 64, rootPartUUID, rootFSUUID, rootLabel, root); err != nil {
-		t.Fatal(err)
-	}
+	disk := newRootDisk(t)
 	scratch := filepath.Join(dir, "scratch.img")
 	if err := NewGPTDisk(scratch, 16, "9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d", "11111111-2222-4333-8444-555555555555", "scratch", ""); err != nil {
 		t.Fatal(err)
