@@ -631,3 +631,17 @@ func freePorts(t testing.TB, n int) []int {
 	}
 	return out
 }
+
+// controlCluster is what an exchange test starts from: passage-control built into a
+// work directory, a control plane with passage's CRDs, and the kubeconfig of
+// passage-control's service account bound to the shipped role.
+func controlCluster(t *testing.T, ctx context.Context) (work, ctlBin string, c *cluster.Cluster, kubeconfig string) {
+	t.Helper()
+	work = t.TempDir()
+	ctlBin = goBuild(t, work, "passage-control")
+	c = startCluster(t, ctx, work)
+	applyCRDs(t, ctx, c)
+	kubeconfig = filepath.Join(work, "passage-control.kubeconfig")
+	deployControlRBAC(t, ctx, c, kubeconfig)
+	return work, ctlBin, c, kubeconfig
+}

@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -52,12 +51,7 @@ import (
 func TestClusterExchange(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
-	work := t.TempDir()
-	ctlBin := goBuild(t, work, "passage-control")
-	c := startCluster(t, ctx, work)
-	applyCRDs(t, ctx, c)
-	ctlConfig := filepath.Join(work, "passage-control.kubeconfig")
-	deployControlRBAC(t, ctx, c, ctlConfig)
+	work, ctlBin, c, ctlConfig := controlCluster(t, ctx)
 	ca, err := softtpm.NewCA()
 	if err != nil {
 		t.Fatal(err)

@@ -96,12 +96,7 @@ func (a *ruleAccess) set(t *testing.T, ctx context.Context, allowed bool) {
 func TestClusterVerdictRule(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	work := t.TempDir()
-	ctlBin := goBuild(t, work, "passage-control")
-	c := startCluster(t, ctx, work)
-	applyCRDs(t, ctx, c)
-	kc := filepath.Join(work, "passage-control.kubeconfig")
-	deployControlRBAC(t, ctx, c, kc)
+	work, ctlBin, c, kc := controlCluster(t, ctx)
 	access := newRuleAccess(t, ctx, c, kc)
 	ca, err := softtpm.NewCA()
 	if err != nil {
@@ -403,12 +398,7 @@ func newAnswerDropper(t *testing.T, c *cluster.Cluster) *answerDropper {
 func TestClusterLostCreate(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	work := t.TempDir()
-	ctlBin := goBuild(t, work, "passage-control")
-	c := startCluster(t, ctx, work)
-	applyCRDs(t, ctx, c)
-	kc := filepath.Join(work, "passage-control.kubeconfig")
-	deployControlRBAC(t, ctx, c, kc)
+	work, ctlBin, c, kc := controlCluster(t, ctx)
 	rc, err := clientcmdConfig(kc)
 	if err != nil {
 		t.Fatal(err)
