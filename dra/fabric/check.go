@@ -6,6 +6,8 @@ import (
 	"strings"
 
 	"github.com/passage-boot/passage/manifest"
+	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/topology"
 )
 
 // Layout is what a node's manifest says of its NVLink fabric, for Check: its units'
@@ -94,6 +96,42 @@ func Check(l Layout, fm []Partition) []string {
 				src = fmt.Sprintf(" (%s)", l.Source)
 			}
 			out = append(out, fmt.Sprintf("the manifest's NVLink layout%s declares modules {%s}: FM offers no partition of them", src, moduleList(d)))
+		}
+	}
+	return out
+}
+
+// CheckMap holds each unit's Module ID in the manifest to the one the NVIDIA driver
+// reported for the unit's GPU (topology.ParseNVSMI of `nvidia-smi -q`, captured on this
+// node while its GPUs were still on nvidia): the one thing FM cannot say, which GPU is
+// which module, since it names members by Module ID with the PCI fields zeroed. It
+// returns each mismatch: a unit whose GPU the capture does not hold, or holds with
+// another Module ID (or none). None: the manifest's map is the driver's.
+func CheckMap(m *manifest.Manifest, gpus []topology.NVSMIGPU) []string {
+	driver := map[pci.Address]int{}
+	for _, g := range gpus {
+		driver[g.Addr] = g.Module
+	}
+	var out []string
+	for _, u := range m.Units {
+		for _, f := range u.Functions {
+			if f.Role != string(topology.RoleGPU) {
+				continue
+			}
+			a, err := pci.ParseAddress(f.BDF)
+			if err != nil {
+				out = append(out, fmt.Sprintf("unit %s: GPU %q: %v", u.ID, f.BDF, err))
+				continue
+			}
+			mod, ok := driver[a]
+			switch {
+			case !ok:
+				out = append(out, fmt.Sprintf("unit %s: GPU %s is not in nvidia-smi's output: the capture is of another node, or was taken after the GPU left nvidia", u.ID, a))
+			case mod == 0:
+				out = append(out, fmt.Sprintf("unit %s: GPU %s: the driver reports no Module ID; the manifest says %d", u.ID, a, u.ModuleID))
+			case mod != u.ModuleID:
+				out = append(out, fmt.Sprintf("unit %s: GPU %s is module %d to the driver, %d to the manifest (module_source %q)", u.ID, a, mod, u.ModuleID, u.ModuleSource))
+			}
 		}
 	}
 	return out

@@ -228,3 +228,103 @@ func TestFabricModulesCommand(t *testing.T) {
 		t.Errorf("no --nvidia-smi: exit %d", code)
 	}
 }
+
+// TestFabricCheckNVSMI: FM names members by Module ID alone, so a manifest whose map
+// swaps two GPUs' modules agrees with FM; --nvidia-smi holds each unit's GPU to the
+// Module ID the NVIDIA driver reported for it, and names the swap, a GPU the capture
+// lacks and one the driver gives no Module ID.
+func TestFabricCheckNVSMI(t *testing.T) {
+	keys := filepath.Join(t.TempDir(), "keys")
+	uuid := manifesttest.NodeUUID(6)
+	r := noderig.New(t, uuid, "b300-smi", 4, keys)
+	for i := range r.M.Units {
+		r.M.Units[i].ModuleID, r.M.Units[i].ModuleSource = i+1, "test"
+	}
+	r.M.NVLink = &manifest.NVLink{Partitions: b300Sets, Source: "FM User Guide, HGX B200/B300"}
+	good := r.Sign(t)
+	lib := fabrictest.Library(t)
+	fabrictest.New(t)
+	// The driver's view: each unit's GPU with the manifest's Module ID, unless edit says.
+	capture := func(edit func(addr string, mod int) (string, bool)) string {
+		t.Helper()
+		var sections []string
+		for _, u := range r.M.Units {
+			for _, f := range u.Functions {
+				if f.Role != "gpu" {
+					continue
+				}
+				mod, keep := fmt.Sprint(u.ModuleID), true
+				if edit != nil {
+					mod, keep = edit(f.BDF, u.ModuleID)
+				}
+				if keep {
+					sections = append(sections, fmt.Sprintf("GPU %s\n    Platform Info\n        Module Id : %s\n    PCI\n        Bus Id : %s\n", f.BDF, mod, f.BDF))
+				}
+			}
+		}
+		p := filepath.Join(t.TempDir(), "smi.txt")
+		if err := os.WriteFile(p, []byte(fmt.Sprintf("Attached GPUs : %d\n%s", len(sections), strings.Join(sections, ""))), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	check := func(args ...string) (int, string, string) {
+		return runCmd(append(append([]string{"fabric", "check", "--pub", keys, "--node-uuid", uuid, "--fm-lib", lib}, args...), good)...)
+	}
+	gpu := func(unit int) string {
+		for _, f := range r.M.Units[unit].Functions {
+			if f.Role == "gpu" {
+				return f.BDF
+			}
+		}
+		t.Fatalf("unit %d has no GPU", unit)
+		return ""
+	}
+
+	if code, out, errs := check("--nvidia-smi", capture(nil)); code != 0 || !strings.Contains(out, "each unit's GPU is the module the NVIDIA driver reported for it") {
+		t.Fatalf("the driver's map is the manifest's: exit %d\n%s%s", code, out, errs)
+	}
+	// The driver has units 0 and 1's modules the other way round: FM alone agrees.
+	swapped := capture(func(addr string, mod int) (string, bool) {
+		switch mod {
+		case 1:
+			return "2", true
+		case 2:
+			return "1", true
+		}
+		return fmt.Sprint(mod), true
+	})
+	if code, out, errs := check(); code != 0 {
+		t.Fatalf("without --nvidia-smi: exit %d\n%s%s", code, out, errs)
+	}
+	code, out, errs := check("--nvidia-smi", swapped)
+	for _, w := range []string{
+		fmt.Sprintf("unit %s: GPU %s is module 2 to the driver, 1 to the manifest", r.M.Units[0].ID, gpu(0)),
+		fmt.Sprintf("unit %s: GPU %s is module 1 to the driver, 2 to the manifest", r.M.Units[1].ID, gpu(1)),
+	} {
+		if code != 1 || !strings.Contains(out, w) {
+			t.Errorf("swapped modules: exit %d, want a line %q\n%s%s", code, w, out, errs)
+		}
+	}
+	// A GPU the capture lacks; one the driver gives no Module ID.
+	code, out, errs = check("--nvidia-smi", capture(func(addr string, mod int) (string, bool) {
+		switch mod {
+		case 3:
+			return "N/A", true
+		case 5:
+			return "", false
+		}
+		return fmt.Sprint(mod), true
+	}))
+	for _, w := range []string{
+		fmt.Sprintf("unit %s: GPU %s: the driver reports no Module ID; the manifest says 3", r.M.Units[2].ID, gpu(2)),
+		fmt.Sprintf("unit %s: GPU %s is not in nvidia-smi's output", r.M.Units[4].ID, gpu(4)),
+	} {
+		if code != 1 || !strings.Contains(out, w) {
+			t.Errorf("a GPU missing, one without a Module ID: exit %d, want a line %q\n%s%s", code, w, out, errs)
+		}
+	}
+	if code, _, errs := check("--nvidia-smi", "main.go"); code != 2 || !strings.Contains(errs, "--nvidia-smi main.go") {
+		t.Errorf("not nvidia-smi -q: exit %d %s", code, errs)
+	}
+}

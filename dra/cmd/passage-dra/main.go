@@ -65,8 +65,9 @@ const usage = `usage: passage-dra COMMAND [flags]
                      (units that are one NVLink partition: their GPUs' NVLinks too)
   plugin             run the kubelet plugin
   fabric check MANIFEST  hold Fabric Manager's NVLink partitions to the manifest's units
-                     and NVLink layout; each mismatch printed, exit 1 on any (it cannot
-                     tell which GPU is which module, nor FM's FABRIC_MODE: see fabric modules)
+                     and NVLink layout; each mismatch printed, exit 1 on any (FM cannot
+                     tell which GPU is which module: --nvidia-smi FILE holds the map to
+                     the driver's; FM's FABRIC_MODE is not checked)
   fabric modules --nvidia-smi FILE  print the SKU profile's modules: stanza (GPU address:
                      Module ID) from nvidia-smi -q's output, taken while the GPUs were on nvidia
 `
@@ -649,9 +650,18 @@ func (f *fabricFlags) options() (fabric.Options, error) {
 func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr io.Writer) int {
 	var fm fabricFlags
 	fm.register(fs)
+	smi := fs.String("nvidia-smi", "", "also hold each unit's Module ID to the NVIDIA driver's: nvidia-smi -q's output `FILE`, captured on this node before its GPUs went to vfio-pci")
 	v, code := verified(fs, args, &o.src, stderr)
 	if v == nil {
 		return code
+	}
+	var gpus []topology.NVSMIGPU
+	if *smi != "" {
+		var err error
+		if gpus, err = readNVSMI(*smi); err != nil {
+			fmt.Fprintf(stderr, "%s: --nvidia-smi %s: %v\n", fs.Name(), *smi, err)
+			return 2
+		}
 	}
 	fo, err := fm.options()
 	if err != nil {
@@ -674,6 +684,9 @@ func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr 
 	}
 	m := v.Manifest
 	mismatches := fabric.Check(fabric.LayoutOf(m), ps)
+	if *smi != "" {
+		mismatches = append(mismatches, fabric.CheckMap(m, gpus)...)
+	}
 	for _, l := range mismatches {
 		fmt.Fprintln(stdout, manifest.Printable(l))
 	}
@@ -687,7 +700,12 @@ func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr 
 	// permutation of the module map agrees; and a list is read in every FABRIC_MODE.
 	fmt.Fprintf(stdout, "FM's %d partitions and manifest generation %d of node %s agree: the %d units' Module IDs are distinct and each in FM's list, FM's module sets are the declared layout, no NVLink down\n",
 		len(ps), m.Generation, manifest.Printable(m.Node.Hostname), len(m.Units))
-	fmt.Fprintln(stdout, "not checked: which GPU is which module (FM reports Module IDs only; the map is the profile's modules:, from passage-dra fabric modules), nor that FM runs FABRIC_MODE=1 (nothing is activated: the first claim's activation is)")
+	if *smi != "" {
+		fmt.Fprintf(stdout, "each unit's GPU is the module the NVIDIA driver reported for it (%s)\n", manifest.Printable(*smi))
+		fmt.Fprintln(stdout, "not checked: that FM runs FABRIC_MODE=1 (nothing is activated: the first claim's activation is)")
+	} else {
+		fmt.Fprintln(stdout, "not checked: which GPU is which module (FM reports Module IDs only; the map is the profile's modules:, from passage-dra fabric modules; --nvidia-smi holds it to the driver's), nor that FM runs FABRIC_MODE=1 (nothing is activated: the first claim's activation is)")
+	}
 	return 0
 }
 
@@ -704,30 +722,37 @@ func cmdFabricModules(fs *flag.FlagSet, args []string, stdout, stderr io.Writer)
 		fmt.Fprintf(stderr, "%s: give --nvidia-smi FILE and no arguments\n", fs.Name())
 		return 2
 	}
-	var b []byte
-	var err error
-	if *file == "-" {
-		b, err = io.ReadAll(io.LimitReader(os.Stdin, topology.MaxNVSMI+1))
-	} else {
-		b, err = manifest.ReadRegular(*file, topology.MaxNVSMI)
-	}
+	gpus, err := readNVSMI(*file)
 	if err == nil {
-		var gpus []topology.NVSMIGPU
-		if gpus, err = topology.ParseNVSMI(b); err == nil {
-			var stanza []byte
-			var unknown []pci.Address
-			if stanza, unknown, err = topology.ModulesStanza(gpus, "nvidia-smi -q, "+*file); err == nil {
-				stdout.Write(stanza)
-				for _, a := range unknown {
-					fmt.Fprintf(stderr, "%s: GPU %s: the driver gives no Module ID (N/A or none): left out of the stanza\n", fs.Name(), a)
-				}
-				if len(unknown) > 0 {
-					return 1
-				}
-				return 0
+		var stanza []byte
+		var unknown []pci.Address
+		if stanza, unknown, err = topology.ModulesStanza(gpus, "nvidia-smi -q, "+*file); err == nil {
+			stdout.Write(stanza)
+			for _, a := range unknown {
+				fmt.Fprintf(stderr, "%s: GPU %s: the driver gives no Module ID (N/A or none): left out of the stanza\n", fs.Name(), a)
 			}
+			if len(unknown) > 0 {
+				return 1
+			}
+			return 0
 		}
 	}
 	fmt.Fprintf(stderr, "%s: %s: %v\n", fs.Name(), *file, err)
 	return 1
+}
+
+// readNVSMI reads and parses nvidia-smi -q's text from file ("-": stdin), at most
+// topology.MaxNVSMI bytes.
+func readNVSMI(file string) ([]topology.NVSMIGPU, error) {
+	var b []byte
+	var err error
+	if file == "-" {
+		b, err = io.ReadAll(io.LimitReader(os.Stdin, topology.MaxNVSMI+1))
+	} else {
+		b, err = manifest.ReadRegular(file, topology.MaxNVSMI)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return topology.ParseNVSMI(b)
 }
