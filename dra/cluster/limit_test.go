@@ -134,7 +134,7 @@ func controlReplica(t *testing.T, ctx context.Context, extra ...string) (*replic
 	pool := replicaFiles(t, work, ekCA)
 	r := startReplica(t, ctx, bin, kc, work, 1, extra...)
 	e := &replicaEnv{c: c, hc: &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}},
-		base: strings.TrimSuffix(r.metrics, "metrics")}
+		base: strings.TrimSuffix(r.metrics, "metrics"), kubeconfig: kc}
 	return e, r
 }
 
@@ -142,6 +142,8 @@ type replicaEnv struct {
 	c    *cluster.Cluster
 	hc   *http.Client
 	base string // http://<metrics address>/
+	// kubeconfig is the replica's (passage-control's service account).
+	kubeconfig string
 }
 
 // TestClusterHungAPI: the API server stopped (SIGSTOP: its sockets stay open, nothing
@@ -238,12 +240,13 @@ func procStatus(t testing.TB, pid int, field string) int64 {
 
 // TestClusterMetricsFlood: with records holding far more than the bound (64 of about
 // 1 MiB each, as strangers' envelopes once made them), scrapes of /metrics, six at once,
-// leave the replica's peak RSS (VmHWM) within 16 MiB of what it was before the records
-// existed: a scrape reads no record.
+// and passes of the reconciler, one a second, leave the replica's peak RSS (VmHWM)
+// within 16 MiB of what it was before the records existed: a scrape reads no record,
+// and the reconciler reads each one's verdict, not its bytes.
 func TestClusterMetricsFlood(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	e, r := controlReplica(t, ctx)
+	e, r := controlReplica(t, ctx, "--reconcile-every", "1s")
 	pid := r.cmd.Process.Pid
 	// A scrape that lists the records takes long; it is let finish, so that what it
 	// costs shows in the peak.
@@ -300,9 +303,27 @@ func TestClusterMetricsFlood(t *testing.T) {
 		t.Fatalf("a flood record is %d bytes: the envelope was not kept", len(b))
 	}
 
+	passes := func() int {
+		resp, err := e.hc.Get(r.metrics)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		m, _ := io.ReadAll(resp.Body)
+		var n int
+		fmt.Sscan(strings.TrimPrefix(metricLine(m, `passage_control_reconcile_passes_total{result="ok"} `), `passage_control_reconcile_passes_total{result="ok"} `), &n)
+		return n
+	}
+	since := passes()
 	for range 5 {
 		scrape()
 	}
+	// Two whole passes after the records were all there: the reconciler walked them.
+	waitFor(t, ctx, time.Minute, "two reconcile passes over the flood", func() (bool, string) {
+		n := passes()
+		return n >= since+2, fmt.Sprintf("%d passes", n-since)
+	})
+	sameVerdicts(t, ctx, e.kubeconfig, records)
 	after := procStatus(t, pid, "VmHWM")
 	const boundKiB = 16 << 10
 	t.Logf("replica VmHWM %d KiB before %d MiB of records, %d KiB after 30 scrapes (RSS now %d KiB)",

@@ -297,6 +297,41 @@ func TestClusterVerdictRule(t *testing.T) {
 	if rule("b300-a") == nil {
 		t.Fatal("b300-a's rule went (its pool is not published: the reconciler does not look at it)")
 	}
+	sameVerdicts(t, ctx, kc, 2)
+}
+
+// sameVerdicts: the reconciler's walk of the verdicts, a table the API server projects
+// from the CRD's printer columns (Store.Verdicts with Table, as passage-control asks
+// for it, with its own account), holds each record's verdict, generation and reason
+// as the records themselves do (the same walk without Table, listing them whole); it
+// reports how many there were, at least want.
+func sameVerdicts(t *testing.T, ctx context.Context, kubeconfig string, want int) {
+	t.Helper()
+	rc, err := clientcmdConfig(kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kc := kubernetes.NewForConfigOrDie(rc)
+	dyn := dynamic.NewForConfigOrDie(rc)
+	table, err := (&control.Store{Client: dyn, Table: kc.Discovery().RESTClient()}).Verdicts(ctx, 2)
+	if err != nil {
+		t.Fatalf("the verdicts as a table: %v", err)
+	}
+	whole, err := (&control.Store{Client: dyn}).Verdicts(ctx, 2)
+	if err != nil {
+		t.Fatalf("the records whole: %v", err)
+	}
+	if len(table) != len(whole) || len(table) < want {
+		t.Fatalf("%d verdicts in the table, %d records listed (at least %d written)", len(table), len(whole), want)
+	}
+	verdicts := map[string]int{}
+	for name, n := range whole {
+		if got := table[name]; got == nil || got.Status.Verdict != n.Status.Verdict || got.Status.Generation != n.Status.Generation || got.Status.Reason != n.Status.Reason {
+			t.Errorf("record %s: the table says %+v, the record %+v", name, got, n.Status)
+		}
+		verdicts[fmt.Sprintf("%q at %d, %d bytes of reason", n.Status.Verdict, n.Status.Generation, len(n.Status.Reason))]++
+	}
+	t.Logf("%d records, the same in the table: %v", len(whole), verdicts)
 }
 
 // costOf is a request's API calls on passage's resources, "VERB resource": not the

@@ -31,6 +31,9 @@ type Metrics struct {
 	// ShedDeadline.
 	inFlight, slots int64
 	sheds           map[string]int64
+	// Reconcile's: passes by result, and the pools the last finished pass left tainted.
+	passes  map[string]int64
+	tainted int64
 }
 
 // bucketBounds are the nonce-to-verdict histogram's upper bounds, seconds.
@@ -39,7 +42,7 @@ var bucketBounds = []float64{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300}
 // NewMetrics makes empty counters.
 func NewMetrics() *Metrics {
 	return &Metrics{refusals: map[string]int64{}, verdicts: map[string]int64{}, durations: make([]float64, len(bucketBounds)),
-		sheds: map[string]int64{ShedFull: 0, ShedDeadline: 0}}
+		sheds: map[string]int64{ShedFull: 0, ShedDeadline: 0}, passes: map[string]int64{"ok": 0, "error": 0}}
 }
 
 func (m *Metrics) setSlots(n int) {
@@ -76,6 +79,20 @@ func (m *Metrics) shed(reason string) {
 	m.mu.Lock()
 	m.sheds[reason]++
 	m.mu.Unlock()
+}
+
+func (m *Metrics) reconciled(tainted int, err error) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err != nil {
+		m.passes["error"]++
+		return
+	}
+	m.passes["ok"]++
+	m.tainted = int64(tainted)
 }
 
 func (m *Metrics) issued() {
@@ -165,6 +182,12 @@ func (m *Metrics) write(w io.Writer) {
 	for _, r := range sortedKeys(m.sheds) {
 		p("passage_control_requests_shed_total{reason=%q} %d\n", r, m.sheds[r])
 	}
+	p("# HELP passage_control_reconcile_passes_total Passes of this replica's reconciler (rules made to follow verdicts), by result: error is a pass that could not finish every pool.\n# TYPE passage_control_reconcile_passes_total counter\n")
+	for _, r := range sortedKeys(m.passes) {
+		p("passage_control_reconcile_passes_total{result=%q} %d\n", r, m.passes[r])
+	}
+	p("# HELP passage_control_reconcile_tainted_pools Published pools the last finished pass left tainted (their generation not verified).\n# TYPE passage_control_reconcile_tainted_pools gauge\n")
+	p("passage_control_reconcile_tainted_pools %d\n", m.tainted)
 }
 
 func sortedKeys[V any](m map[string]V) []string {

@@ -39,6 +39,12 @@ import (
 // last, the rule ends as the record says. It returns the pools whose record leaves
 // them tainted (tainted now or already).
 func (s *Server) Reconcile(ctx context.Context, page int64) (int, error) {
+	tainted, err := s.reconcile(ctx, page)
+	s.Metrics.reconciled(tainted, err)
+	return tainted, err
+}
+
+func (s *Server) reconcile(ctx context.Context, page int64) (int, error) {
 	pools, err := s.pools(ctx, page)
 	if err != nil {
 		return 0, fmt.Errorf("reconcile: %w", err)
@@ -47,7 +53,7 @@ func (s *Server) Reconcile(ctx context.Context, page int64) (int, error) {
 	// record's verdict does costs nothing more. Where either list fails (a role without
 	// list, an API hiccup) every pool is mended the exact way, one by one: the rule
 	// still follows the verdict, at a pass's old cost.
-	records, rerr := s.Store.Nodes(ctx, page)
+	records, rerr := s.Store.Verdicts(ctx, page)
 	rules, lerr := s.Taints.Rules(ctx, page)
 	listed := rerr == nil && lerr == nil
 	tainted := 0

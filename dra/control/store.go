@@ -4,8 +4,10 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
 )
 
 // Store is the control plane's state, all of it in the Kubernetes API: records
@@ -22,6 +25,9 @@ import (
 // benchmark).
 type Store struct {
 	Client dynamic.Interface
+	// Table, when not nil, is a client of the same API server through which the
+	// reconciler's walk asks for a table of verdicts (Verdicts), not whole records.
+	Table  rest.Interface
 	Now    func() time.Time
 	writes atomic.Int64
 }
@@ -54,9 +60,99 @@ func (s *Store) Node(ctx context.Context, name string) (*Node, error) {
 	return nodeOf(u)
 }
 
-// Nodes are the records there are, by name, read in pages of page (at most
+// Verdicts are the records there are, by name, each holding only what RuleFor reads
+// (its status's verdict, generation and reason), read in pages of page rows (at most
 // maxSweepPages of them): the reconciler's view of every verdict in one walk.
-func (s *Store) Nodes(ctx context.Context, page int64) (map[string]*Node, error) {
+//
+// The API server projects them: the list asks for a Table (the rows kubectl get
+// prints, from the CRD's printer columns Generation, Verdict and Reason) without the
+// objects, so a record's size does not reach the replica, whatever its spec holds (a
+// status's reason is at most 4096 bytes by the schema; a spec is not bounded by it,
+// and records of a megabyte once existed). Without Table (client-go's fake API serves
+// none: the unit tests' stand-in) the records are listed whole.
+func (s *Store) Verdicts(ctx context.Context, page int64) (map[string]*Node, error) {
+	if s.Table == nil {
+		return s.listed(ctx, page)
+	}
+	out := map[string]*Node{}
+	cont := ""
+	for range maxSweepPages {
+		req := s.Table.Get().AbsPath("/apis", Group, Version, NodeResource.Resource).
+			SetHeader("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io").
+			Param("includeObject", string(metav1.IncludeNone)).Param("limit", strconv.FormatInt(page, 10))
+		if cont != "" {
+			req.Param("continue", cont)
+		}
+		b, err := req.Do(ctx).Raw()
+		if err != nil {
+			return nil, fmt.Errorf("records: %w", err)
+		}
+		var tab metav1.Table
+		if err := json.Unmarshal(b, &tab); err != nil {
+			return nil, fmt.Errorf("records: the API server's table: %w", err)
+		}
+		if tab.Kind != "Table" {
+			return nil, fmt.Errorf("records: the API server answered a %q, not a Table", tab.Kind)
+		}
+		if err := verdictRows(&tab, out); err != nil {
+			return nil, fmt.Errorf("records: %w", err)
+		}
+		if cont = tab.Continue; cont == "" {
+			return out, nil
+		}
+	}
+	return nil, fmt.Errorf("records: over %d pages of %d listed", maxSweepPages, page)
+}
+
+// verdictRows adds each row of a PassageNode table to out, its cells found by their
+// columns' names (the CRD's printer columns, and the Name the API server puts first).
+func verdictRows(tab *metav1.Table, out map[string]*Node) error {
+	col := map[string]int{}
+	for i, c := range tab.ColumnDefinitions {
+		col[c.Name] = i
+	}
+	for _, name := range []string{"Name", "Generation", "Verdict", "Reason"} {
+		if _, ok := col[name]; !ok {
+			return fmt.Errorf("the table has no column %s (deploy/passage-control-crd.yaml's printer columns: Generation, Verdict and Reason)", name)
+		}
+	}
+	for i, r := range tab.Rows {
+		cell := func(name string) any {
+			if j := col[name]; j < len(r.Cells) {
+				return r.Cells[j]
+			}
+			return nil
+		}
+		name, ok := cell("Name").(string)
+		if !ok || name == "" {
+			return fmt.Errorf("table row %d: no name", i)
+		}
+		n := &Node{Name: name}
+		// A field the record does not hold is an absent cell (nil).
+		var bad bool
+		if v := cell("Generation"); v != nil {
+			f, ok := v.(float64)
+			bad = !ok || f != float64(int64(f))
+			n.Status.Generation = int64(f)
+		}
+		if v := cell("Verdict"); v != nil {
+			n.Status.Verdict, ok = v.(string)
+			bad = bad || !ok
+		}
+		if v := cell("Reason"); v != nil {
+			n.Status.Reason, ok = v.(string)
+			bad = bad || !ok
+		}
+		if bad {
+			return fmt.Errorf("record %s: table row %v: a cell of the wrong type", name, r.Cells)
+		}
+		out[name] = n
+	}
+	return nil
+}
+
+// listed are the records there are, whole, read in pages of page.
+func (s *Store) listed(ctx context.Context, page int64) (map[string]*Node, error) {
 	out := map[string]*Node{}
 	opts := metav1.ListOptions{Limit: page}
 	for range maxSweepPages {

@@ -166,7 +166,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 			return fail(1, "%v", err)
 		}
 	}
-	srv.Store = &control.Store{Client: dyn}
+	srv.Store = &control.Store{Client: dyn, Table: kc.Discovery().RESTClient()}
 	srv.Taints = &control.Taints{Client: kc}
 
 	ln, err := net.Listen("tcp", f.listen)
