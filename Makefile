@@ -55,13 +55,14 @@ uki: initramfs build
 
 # unit checks formatting, runs vet, staticcheck and the race-enabled unit tests (synthetic
 # trees, lspci oracle, TPM simulator). staticcheck runs from its own module at a pinned
-# version, so it adds nothing to passage's dependencies. dra/, the DRA driver, is a module
-# of its own (the Kubernetes libraries stay out of the initramfs binary): it gets the same
-# checks. dra/hook, the KubeVirt hook sidecar, is one more. Its go.mod moves KubeVirt
-# v1.9.0's k8s.io pins (v0.34.2) to dra/'s v0.37.2, grpc and protobuf with them, so every
-# module both compile is at one version (dra/cluster TestHookSharesDra): after dra/, its
-# vet and race tests compile 58 packages of their own (KubeVirt's 45 among them) rather
-# than 204, the rest are dra/'s build-cache entries. Warm, seconds.
+# version, so it adds nothing to passage's dependencies. kube/, everything that runs on
+# Kubernetes, is a module of its own (the Kubernetes libraries stay out of the initramfs
+# binary): it gets the same checks. kube/kubevirthook, the KubeVirt hook sidecar, is one
+# more. Its go.mod moves KubeVirt v1.9.0's k8s.io pins (v0.34.2) to kube/'s v0.37.2, grpc
+# and protobuf with them, so every module both compile is at one version (kube/harness
+# TestHookSharesKube): after kube/, its vet and race tests compile 58 packages of their
+# own (KubeVirt's 45 among them) rather than 204, the rest are kube/'s build-cache
+# entries. Warm, seconds.
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 unit: deps
 	@unformatted=$$("$$($(GO) env GOROOT)/bin/gofmt" -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './build/*')); \
@@ -69,12 +70,12 @@ unit: deps
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
 	$(GO) test -race -count=1 ./...
-	cd dra && $(GO) vet ./...
-	cd dra && $(GO) run $(STATICCHECK) ./...
-	cd dra && $(GO) test -race -count=1 ./...
-	cd dra/hook && $(GO) vet ./...
-	cd dra/hook && $(GO) run $(STATICCHECK) ./...
-	cd dra/hook && $(GO) test -race -count=1 ./...
+	cd kube && $(GO) vet ./...
+	cd kube && $(GO) run $(STATICCHECK) ./...
+	cd kube && $(GO) test -race -count=1 ./...
+	cd kube/kubevirthook && $(GO) vet ./...
+	cd kube/kubevirthook && $(GO) run $(STATICCHECK) ./...
+	cd kube/kubevirthook && $(GO) test -race -count=1 ./...
 
 # qemu-test boots the real initramfs on Debian's kernels under QEMU (see qemu-tests/).
 # The timeout catches a hang, not a slow suite: cold, with the control plane compiled
@@ -91,7 +92,7 @@ qemu-bench: deps
 	PASSAGE_BUILD=$(abspath $(BUILD)) $(GO) test -count=1 -timeout 20m -tags qemu -run '^$$' -bench ModulesStage -benchtime 3x ./qemu-tests/ | tee $(BUILD)/qemu-bench.txt
 
 # turnaround-bench times a released unit's way back on the control plane cluster-test
-# runs (dra/cluster BenchmarkTurnaround): RELEASES releases one at a time (default 40),
+# runs (kube/harness BenchmarkTurnaround): RELEASES releases one at a time (default 40),
 # p50 and p99 of pod deletion to the unit allocated again and of each recycle step (erase,
 # reset, sign, attest, verify, publish). FORMAT is the simulated NVMe's latency per admin
 # command (default none: the erase's own cost is then the simulator's). Not part of test
@@ -100,23 +101,23 @@ qemu-bench: deps
 RELEASES ?= 40
 FORMAT ?=
 turnaround-bench: cluster-bin
-	cd dra && PASSAGE_CONTROL_PLANE=$$(bash cluster/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_TURN_FORMAT=$(FORMAT) \
-		$(GO) test -count=1 -tags cluster -timeout 30m -run '^$$' -bench Turnaround -benchtime $(RELEASES)x ./cluster/ | tee $(abspath $(BUILD))/turnaround-bench.txt
+	cd kube && PASSAGE_CONTROL_PLANE=$$(bash harness/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_TURN_FORMAT=$(FORMAT) \
+		$(GO) test -count=1 -tags cluster -timeout 30m -run '^$$' -bench Turnaround -benchtime $(RELEASES)x ./harness/ | tee $(abspath $(BUILD))/turnaround-bench.txt
 
-# cluster-test runs passage-dra against a real control plane on loopback (dra/cluster):
+# cluster-test runs passage-dra against a real control plane on loopback (kube/harness):
 # kube-apiserver, kube-scheduler, kube-controller-manager and etcd at the versions
-# dra/cluster/kube and dra/cluster/etcd pin, built from the Go module proxy into
+# kube/harness/kubernetes and kube/harness/etcd pin, built from the Go module proxy into
 # $(BUILD)/controlplane/<versions>/ once (cold: about 10 minutes on 2 idle cores, less
-# when dra's packages are already compiled: build.sh); afterwards the binaries are reused and the test takes about 30 s).
+# when kube's packages are already compiled: build.sh); afterwards the binaries are reused and the test takes about 30 s).
 cluster-bin:
-	@bash dra/cluster/build.sh $(abspath $(BUILD))/controlplane >/dev/null
+	@bash kube/harness/build.sh $(abspath $(BUILD))/controlplane >/dev/null
 
 cluster-test: cluster-bin
-	cd dra && $(GO) vet -tags cluster ./cluster/
-	cd dra && PASSAGE_CONTROL_PLANE=$$(bash cluster/build.sh $(abspath $(BUILD))/controlplane) \
-		$(GO) test -count=1 -tags cluster -timeout 15m -v -run TestCluster ./cluster/
+	cd kube && $(GO) vet -tags cluster ./harness/
+	cd kube && PASSAGE_CONTROL_PLANE=$$(bash harness/build.sh $(abspath $(BUILD))/controlplane) \
+		$(GO) test -count=1 -tags cluster -timeout 15m -v -run TestCluster ./harness/
 
-# storm-bench is the boot storm (dra/cluster BenchmarkBootStorm): NODES soft-TPM nodes
+# storm-bench is the boot storm (kube/harness BenchmarkBootStorm): NODES soft-TPM nodes
 # (default 1000,5000,10000; a comma list runs each) enrolling and attesting at once, then
 # rebooting at once, against two passage-control replicas on the control plane
 # cluster-test runs, and the floor that API server sustains. Not part of test or
@@ -124,8 +125,8 @@ cluster-test: cluster-bin
 # $(BUILD)/storm-bench.txt.
 NODES ?= 1000,5000,10000
 storm-bench: cluster-bin
-	cd dra && PASSAGE_CONTROL_PLANE=$$(bash cluster/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_STORM_NODES=$(NODES) \
-		$(GO) test -count=1 -tags cluster -timeout 120m -run '^$$' -bench BootStorm -benchtime 1x ./cluster/ | tee $(abspath $(BUILD))/storm-bench.txt
+	cd kube && PASSAGE_CONTROL_PLANE=$$(bash harness/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_STORM_NODES=$(NODES) \
+		$(GO) test -count=1 -tags cluster -timeout 120m -run '^$$' -bench BootStorm -benchtime 1x ./harness/ | tee $(abspath $(BUILD))/storm-bench.txt
 
 # test: the unit tests, then the QEMU suite with the control plane's build and the cluster
 # tests beside it. The unit phase leaves no core free: started beside the race tests, the
@@ -142,7 +143,7 @@ test: deps
 	@t0=$$SECONDS; $(MAKE) --no-print-directory unit || exit 1; \
 	echo "test: unit phase (gofmt, vet, staticcheck, race unit tests of the three modules) took $$((SECONDS - t0)) s"; \
 	mkdir -p $(BUILD); t1=$$SECONDS; \
-	setsid bash -c 's=$$SECONDS; chrt --idle 0 bash dra/cluster/build.sh $(abspath $(BUILD))/controlplane >$(BUILD)/controlplane-build.log 2>&1 || exit 3; \
+	setsid bash -c 's=$$SECONDS; chrt --idle 0 bash kube/harness/build.sh $(abspath $(BUILD))/controlplane >$(BUILD)/controlplane-build.log 2>&1 || exit 3; \
 		b=$$SECONDS; echo "test: the control plane built (at idle priority, beside the QEMU suite) after $$((b - s)) s; cluster tests:"; \
 		nice -n 10 $(MAKE) --no-print-directory cluster-test || exit 4; \
 		echo "test: cluster tests (at nice 10, beside the QEMU suite) took $$((SECONDS - b)) s"' >$(BUILD)/cluster-test.log 2>&1 & side=$$!; \

@@ -8,7 +8,7 @@ command -v lspci >/dev/null || need+=(pciutils)
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v swtpm >/dev/null || need+=(swtpm swtpm-tools)
 command -v cpio >/dev/null || need+=(cpio)
-# gcc: dra/fabric's tests build their stand-in libnvfm.so (fmstub.c); cgo builds need it too.
+# gcc: kube/fabricmanager's tests build their stand-in libnvfm.so (fmstub.c); cgo builds need it too.
 command -v gcc >/dev/null || need+=(gcc)
 [[ -e /usr/include/openssl/evp.h ]] || need+=(libssl-dev) # manifest/tpmkey tests: the TPM simulator is cgo and links -lcrypto
 # promtool: metrics/ checks the exposition (promtool check metrics) and runs the alert rules' tests.

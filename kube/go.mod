@@ -1,4 +1,4 @@
-module github.com/passage-boot/passage/dra
+module github.com/passage-boot/passage/kube
 
 go 1.26.0
 

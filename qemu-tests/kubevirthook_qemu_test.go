@@ -24,10 +24,10 @@ import (
 	"github.com/passage-boot/passage/topology"
 )
 
-// hookTestdata holds what the KubeVirt hook's test (dra/hook, its own module) holds the
+// hookTestdata holds what the KubeVirt hook's test (kube/kubevirthook, its own module) holds the
 // hook to: for each case, the final domain libvirt kept after virt-launcher's three
 // calls (<case>.final.xml) and the NCCL topology file of the last call.
-const hookTestdata = "../dra/hook/testdata"
+const hookTestdata = "../kube/kubevirthook/testdata"
 
 // jsonDevice is a -device in libvirt's JSON form, as libvirt 9 writes it.
 var jsonDevice = regexp.MustCompile(`-device '(\{[^']*\})'`)

@@ -60,7 +60,7 @@ func largeBARStandIn(t *testing.T, dir string, objects *[]string) topology.QEMUD
 // width the hook demands beside KubeVirt's root ports and one bit less, and 8 units at
 // the width the hook demands for them, OVMF's widest; each with stand-ins of those
 // sizes and no I/O BAR; checkLargeBARs holds every guest to the same checks. render
-// refuses each of its guests at one bit less; the hook's refusals are dra/hook's test
+// refuses each of its guests at one bit less; the hook's refusals are kube/kubevirthook's test
 // (TestOnDefineDomainThreeCalls).
 func TestLargeBARGuests(t *testing.T) {
 	m := manifesttest.B300(1)
@@ -128,7 +128,7 @@ func TestLargeBARGuests(t *testing.T) {
 	}
 }
 
-// largeBARHookGuest boots the hook's final domain (dra/hook/testdata/<domain>.final.xml:
+// largeBARHookGuest boots the hook's final domain (kube/kubevirthook/testdata/<domain>.final.xml:
 // what libvirt kept after virt-launcher's three calls for a VMI with host-passthrough)
 // whole, as TestKubeVirtHookGuest boots its domains: libvirt's own command line, each
 // hostdev replaced by the largeBARStandIn of its function's BARs at the same bus and

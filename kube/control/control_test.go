@@ -28,8 +28,8 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/control/controltest"
 )
 
 // The firmware fixture is a real OVMF Secure Boot boot of a signed UKI and the approved
@@ -73,7 +73,7 @@ type env struct {
 }
 
 // newEnv serves a control plane over TLS on loopback with a fake API (the handler's
-// logic; the compare-and-swap is tested against the real API server in dra/cluster).
+// logic; the compare-and-swap is tested against the real API server in kube/harness).
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	e := &env{ca: attesttest.NewCA(t)}

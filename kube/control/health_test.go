@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/kube/control"
 )
 
 // fakeAPI is a probe target that answers, or hangs until the probe's context ends.

@@ -18,7 +18,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/passage-boot/passage/attest"
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/kube/control"
 )
 
 // tryClient is a boot's try: an answer that does not come within it is no answer.

@@ -17,9 +17,9 @@ import (
 	kubefake "k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/control/controltest"
+	"github.com/passage-boot/passage/kube/dra/resources"
 )
 
 // refuseOnce makes the fake API refuse the next verb on resource with err (as an API

@@ -17,8 +17,8 @@ import (
 	kubefake "k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/dra/resources"
 )
 
 // TestReconcile: the pools passage-dra publishes are tainted unless their record has

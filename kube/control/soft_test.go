@@ -17,9 +17,9 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/softtpm"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
 	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/control/controltest"
 )
 
 // softEnv is newEnv with a software EK CA and the fixture's firmware for soft nodes.

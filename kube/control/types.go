@@ -7,8 +7,8 @@
 // under a key the replicas share (checked without being stored, spent by the
 // compare-and-swap of the write that records the attestation), an enrolment's state
 // travels sealed in its challenge, and a record is created or changed only by a
-// correct activation answer or an attestation whose quote verifies (README, "Control
-// plane"; docs/DESIGN.md, "Who can send what").
+// correct activation answer or an attestation whose quote verifies (README.md; the
+// top-level README, "Control plane"; docs/DESIGN.md, "Who can send what").
 package control
 
 import (
@@ -19,7 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/dra/resources"
 )
 
 // Group is the API group of the control plane's resources: the driver's name, so a

@@ -18,7 +18,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/passage-boot/passage/attest"
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/kube/control"
 )
 
 // TestUnavailable: an API that fails is a 503 (the boot retries) naming what was asked,

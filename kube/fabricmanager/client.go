@@ -1,6 +1,6 @@
 //go:build cgo
 
-package fabric
+package fabricmanager
 
 import (
 	"fmt"

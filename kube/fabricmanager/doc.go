@@ -1,4 +1,4 @@
-// Package fabric drives NVIDIA Fabric Manager (FM) in shared NVSwitch mode
+// Package fabricmanager drives NVIDIA Fabric Manager (FM) in shared NVSwitch mode
 // (FABRIC_MODE=1) for the DRA plugin: FM must activate a partition holding exactly a
 // VM's GPUs before the VM starts, and deactivate it before the GPUs are reset and
 // recycled. It talks to FM through FM's own client library, libnvfm.so, loaded at run
@@ -50,4 +50,4 @@
 // *UnreachableError, never as a code, and Deactivate counts a partition released only
 // on FM's word (Fabric.Deactivate), so the units of a partition FM may still
 // hold are quarantined, never reset.
-package fabric
+package fabricmanager

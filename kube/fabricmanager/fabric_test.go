@@ -1,6 +1,6 @@
 //go:build cgo
 
-package fabric_test
+package fabricmanager_test
 
 // Every test here runs against fmstub.c, passage's stand-in for FM behind libnvfm (see
 // package fabrictest), loaded through go-nvfm's real dlopen path: they show that
@@ -20,16 +20,16 @@ import (
 
 	"github.com/NVIDIA/go-nvfm/pkg/nvfm"
 
-	"github.com/passage-boot/passage/dra/fabric"
-	"github.com/passage-boot/passage/dra/fabric/fabrictest"
+	"github.com/passage-boot/passage/kube/fabricmanager"
+	"github.com/passage-boot/passage/kube/fabricmanager/fabrictest"
 )
 
 // open is a Client of the stand-in FM fm.
-func open(t *testing.T) (*fabric.Client, *fabrictest.FM) {
+func open(t *testing.T) (*fabricmanager.Client, *fabrictest.FM) {
 	t.Helper()
 	lib := fabrictest.Library(t)
 	fm := fabrictest.New(t)
-	c, err := fabric.Open(fabric.Options{Library: lib, Reconnect: 300 * time.Millisecond})
+	c, err := fabricmanager.Open(fabricmanager.Options{Library: lib, Reconnect: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,17 +39,17 @@ func open(t *testing.T) (*fabric.Client, *fabrictest.FM) {
 
 func wantUnreachable(t *testing.T, what string, err error) {
 	t.Helper()
-	if !fabric.Unreachable(err) {
+	if !fabricmanager.Unreachable(err) {
 		t.Fatalf("%s: %v, want FM unreachable", what, err)
 	}
-	if r, ok := fabric.Code(err); ok {
+	if r, ok := fabricmanager.Code(err); ok {
 		t.Fatalf("%s: %v read as FM's answer %s", what, err, r)
 	}
 }
 
-func wantCode(t *testing.T, what string, err error, want fabric.Return) {
+func wantCode(t *testing.T, what string, err error, want fabricmanager.Return) {
 	t.Helper()
-	if r, ok := fabric.Code(err); !ok || r != want {
+	if r, ok := fabricmanager.Code(err); !ok || r != want {
 		t.Fatalf("%s: %v, want %s", what, err, want)
 	}
 }
@@ -95,14 +95,14 @@ func TestStubStateMachine(t *testing.T) {
 		t.Fatal(err)
 	}
 	err := c.Activate(4)
-	wantCode(t, "activate an active partition", err, fabric.FM_ST_PARTITION_ID_IN_USE)
+	wantCode(t, "activate an active partition", err, fabricmanager.FM_ST_PARTITION_ID_IN_USE)
 	if err.Error() != "fm: activate partition 4: FM_ST_PARTITION_ID_IN_USE (-17)" {
 		t.Errorf("error %q", err)
 	}
 	// Partitions 2 and 1 share modules 1 and 2 with 4; 9 is module 2 alone.
 	for _, id := range []uint32{1, 2, 9} {
 		err := c.Activate(id)
-		wantCode(t, fmt.Sprintf("activate %d over partition 4", id), err, fabric.FM_ST_IN_USE)
+		wantCode(t, fmt.Sprintf("activate %d over partition 4", id), err, fabricmanager.FM_ST_IN_USE)
 		if want := fmt.Sprintf("fm: activate partition %d: FM_ST_IN_USE (-7)", id); err.Error() != want {
 			t.Errorf("error %q, want %q", err, want)
 		}
@@ -110,12 +110,12 @@ func TestStubStateMachine(t *testing.T) {
 	if err := c.Activate(3); err != nil { // modules 5-8 beside 1-2
 		t.Fatal(err)
 	}
-	wantCode(t, "deactivate an inactive partition", c.Deactivate(5), fabric.FM_ST_PARTITION_ID_NOT_IN_USE)
-	wantCode(t, "activate partition 16", c.Activate(16), fabric.FM_ST_BADPARAM)
-	wantCode(t, "activate partition 0", c.Activate(0), fabric.FM_ST_BADPARAM)
-	wantCode(t, "deactivate partition 99", c.Deactivate(99), fabric.FM_ST_BADPARAM)
+	wantCode(t, "deactivate an inactive partition", c.Deactivate(5), fabricmanager.FM_ST_PARTITION_ID_NOT_IN_USE)
+	wantCode(t, "activate partition 16", c.Activate(16), fabricmanager.FM_ST_BADPARAM)
+	wantCode(t, "activate partition 0", c.Activate(0), fabricmanager.FM_ST_BADPARAM)
+	wantCode(t, "deactivate partition 99", c.Deactivate(99), fabricmanager.FM_ST_BADPARAM)
 	// Outside a --restart FM is not waiting for an active list.
-	wantCode(t, "set activated while serving", c.SetActivated([]uint32{4}), fabric.FM_ST_NOT_SUPPORTED)
+	wantCode(t, "set activated while serving", c.SetActivated([]uint32{4}), fabricmanager.FM_ST_NOT_SUPPORTED)
 	if got := fm.Active(t); !slices.Equal(got, []int{3, 4}) {
 		t.Fatalf("active %v, want [3 4]", got)
 	}
@@ -134,10 +134,10 @@ func TestStubStateMachine(t *testing.T) {
 
 	// As the FM User Guide documents the two answers: IN_USE and UNINITIALIZED. The
 	// client takes UNINITIALIZED for a broken connection first, and asks once more on
-	// a new one (package fabric then holds it to FM's list).
+	// a new one (package fabricmanager then holds it to FM's list).
 	fm.Update(t, func(s *fabrictest.State) { s.FMUGCodes = true })
-	wantCode(t, "activate an active partition (guide's code)", c.Activate(2), fabric.FM_ST_IN_USE)
-	wantCode(t, "deactivate an inactive partition (guide's code)", c.Deactivate(4), fabric.FM_ST_UNINITIALIZED)
+	wantCode(t, "activate an active partition (guide's code)", c.Activate(2), fabricmanager.FM_ST_IN_USE)
+	wantCode(t, "deactivate an inactive partition (guide's code)", c.Deactivate(4), fabricmanager.FM_ST_UNINITIALIZED)
 	if n := len(fm.Calls(t, "deactivate 4")); n != 3 {
 		t.Errorf("deactivate 4 called %d times, want 3 (once, then once more after UNINITIALIZED): %v", n, fm.Log(t))
 	}
@@ -159,12 +159,12 @@ func TestStubConnect(t *testing.T) {
 	}
 	sock := filepath.Join(t.TempDir(), "fm.sock")
 	fm.Update(t, func(s *fabrictest.State) { s.Listen = "unix:" + sock })
-	_, err := fabric.Open(fabric.Options{Library: fabrictest.Library(t)})
+	_, err := fabricmanager.Open(fabricmanager.Options{Library: fabrictest.Library(t)})
 	wantUnreachable(t, "connect to 127.0.0.1:6666 when FM listens on a socket", err)
 	if !strings.Contains(err.Error(), "FM unreachable at 127.0.0.1:6666: connect FM_ST_CONNECTION_NOT_VALID (-9)") {
 		t.Errorf("error %q does not name the address", err)
 	}
-	c2, err := fabric.Open(fabric.Options{Library: fabrictest.Library(t), Socket: sock})
+	c2, err := fabricmanager.Open(fabricmanager.Options{Library: fabrictest.Library(t), Socket: sock})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -173,13 +173,13 @@ func TestStubConnect(t *testing.T) {
 		t.Errorf("connects %v", got)
 	}
 	fm.Update(t, func(s *fabrictest.State) { s.Listen = "inet:127.0.0.1:6666" })
-	c3, err := fabric.Open(fabric.Options{Library: fabrictest.Library(t), Address: "127.0.0.1"})
+	c3, err := fabricmanager.Open(fabricmanager.Options{Library: fabrictest.Library(t), Address: "127.0.0.1"})
 	if err != nil {
 		t.Fatalf("a bare address is FM's port 6666: %v", err)
 	}
 	c3.Close()
 
-	_, err = fabric.Open(fabric.Options{Library: filepath.Join(t.TempDir(), "libnvfm.so")})
+	_, err = fabricmanager.Open(fabricmanager.Options{Library: filepath.Join(t.TempDir(), "libnvfm.so")})
 	if err == nil || !strings.Contains(err.Error(), "no such file") {
 		t.Errorf("a library not there: %v", err)
 	}
@@ -195,34 +195,34 @@ func TestStubRestartWindow(t *testing.T) {
 	}
 	fm.Restart(t, 5*time.Second)
 	_, err := c.Partitions()
-	wantCode(t, "list while FM waits", err, fabric.FM_ST_NOT_CONFIGURED)
-	wantCode(t, "activate while FM waits", c.Activate(5), fabric.FM_ST_NOT_CONFIGURED)
-	wantCode(t, "deactivate while FM waits", c.Deactivate(4), fabric.FM_ST_NOT_CONFIGURED)
+	wantCode(t, "list while FM waits", err, fabricmanager.FM_ST_NOT_CONFIGURED)
+	wantCode(t, "activate while FM waits", c.Activate(5), fabricmanager.FM_ST_NOT_CONFIGURED)
+	wantCode(t, "deactivate while FM waits", c.Deactivate(4), fabricmanager.FM_ST_NOT_CONFIGURED)
 	// The connection from before the restart was answered CONNECTION_NOT_VALID once,
 	// and the client connected again.
 	if log := strings.Join(fm.Log(t), "\n"); !strings.Contains(log, "list - = -9\nconnect inet:127.0.0.1:6666 = 0") {
 		t.Errorf("no reconnect after the restart:\n%s", log)
 	}
-	wantCode(t, "an overlapping list", c.SetActivated([]uint32{4, 2}), fabric.FM_ST_BADPARAM)
+	wantCode(t, "an overlapping list", c.SetActivated([]uint32{4, 2}), fabricmanager.FM_ST_BADPARAM)
 	if err := c.SetActivated([]uint32{4}); err != nil {
 		t.Fatal(err)
 	}
 	if got := fm.Active(t); !slices.Equal(got, []int{4}) {
 		t.Fatalf("active %v after the list", got)
 	}
-	wantCode(t, "activate 4 after the list", c.Activate(4), fabric.FM_ST_PARTITION_ID_IN_USE)
+	wantCode(t, "activate 4 after the list", c.Activate(4), fabricmanager.FM_ST_PARTITION_ID_IN_USE)
 
 	// A restart nobody answers: 150 ms here (the state file's window; FM's is 60 s).
 	fm.Restart(t, 150*time.Millisecond)
 	_, err = c.Partitions()
-	wantCode(t, "list within the window", err, fabric.FM_ST_NOT_CONFIGURED)
+	wantCode(t, "list within the window", err, fabricmanager.FM_ST_NOT_CONFIGURED)
 	time.Sleep(300 * time.Millisecond)
 	_, err = c.Partitions()
 	wantUnreachable(t, "list after FM exited", err)
 	if !strings.Contains(err.Error(), "(the connection answered FM_ST_CONNECTION_NOT_VALID (-9), not taken as FM's answer): connect FM_ST_CONNECTION_NOT_VALID (-9)") {
 		t.Errorf("error %q does not say the reconnect failed", err)
 	}
-	if _, err := fabric.Open(fabric.Options{Library: fabrictest.Library(t)}); err == nil {
+	if _, err := fabricmanager.Open(fabricmanager.Options{Library: fabrictest.Library(t)}); err == nil {
 		t.Error("connected to an FM that exited")
 	}
 	if st := fm.Read(t); st.Mode != "exited" {
@@ -231,13 +231,13 @@ func TestStubRestartWindow(t *testing.T) {
 }
 
 // newFabric is a Fabric with its ledger in a new directory, against the stand-in.
-func newFabric(t *testing.T) (*fabric.Fabric, *fabrictest.FM, string) {
+func newFabric(t *testing.T) (*fabricmanager.Fabric, *fabrictest.FM, string) {
 	t.Helper()
 	lib := fabrictest.Library(t)
 	fm := fabrictest.New(t)
 	dir := t.TempDir()
 	// FM out of reach fails a call after 300 ms of connects, not the default 2 s.
-	f, err := fabric.New(dir, fabric.Options{Library: lib, Reconnect: 300 * time.Millisecond})
+	f, err := fabricmanager.New(dir, fabricmanager.Options{Library: lib, Reconnect: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -246,14 +246,14 @@ func newFabric(t *testing.T) (*fabric.Fabric, *fabrictest.FM, string) {
 }
 
 type ledgerFile struct {
-	Version int                     `json:"version"`
-	Claims  map[string]fabric.Entry `json:"claims"`
+	Version int                            `json:"version"`
+	Claims  map[string]fabricmanager.Entry `json:"claims"`
 }
 
 func readLedger(t *testing.T, dir string) ledgerFile {
 	t.Helper()
 	var l ledgerFile
-	b, err := os.ReadFile(filepath.Join(dir, fabric.LedgerFile))
+	b, err := os.ReadFile(filepath.Join(dir, fabricmanager.LedgerFile))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -267,7 +267,7 @@ func writeLedger(t *testing.T, dir string, l ledgerFile) {
 	t.Helper()
 	l.Version = 1
 	b, _ := json.Marshal(l)
-	if err := os.WriteFile(filepath.Join(dir, fabric.LedgerFile), b, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, fabricmanager.LedgerFile), b, 0o644); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -278,7 +278,7 @@ func TestFabricActivateDeactivate(t *testing.T) {
 	if err != nil || p.ID != 4 {
 		t.Fatalf("activate modules 1,2: %v, %v", p, err)
 	}
-	if e := readLedger(t, dir).Claims["vm-a"]; e.Partition != 4 || e.State != fabric.StateActive || !slices.Equal(e.Modules, []int{1, 2}) {
+	if e := readLedger(t, dir).Claims["vm-a"]; e.Partition != 4 || e.State != fabricmanager.StateActive || !slices.Equal(e.Modules, []int{1, 2}) {
 		t.Fatalf("ledger: %+v", e)
 	}
 	// The kubelet asks again: the same partition, FM not asked to activate again.
@@ -349,7 +349,7 @@ func TestFabricRecordsFirst(t *testing.T) {
 	if _, err := f.Activate("vm-a", []int{1}); err != nil {
 		t.Fatal(err)
 	}
-	p := filepath.Join(dir, fabric.LedgerFile)
+	p := filepath.Join(dir, fabricmanager.LedgerFile)
 	os.Remove(p)
 	if err := os.MkdirAll(filepath.Join(p, "planted"), 0o755); err != nil {
 		t.Fatal(err)
@@ -366,7 +366,7 @@ func TestFabricRecordsFirst(t *testing.T) {
 	if got := fm.Active(t); !slices.Equal(got, []int{8}) {
 		t.Fatalf("FM active %v", got)
 	}
-	if _, err := fabric.New(dir, fabric.Options{}); err == nil || !strings.Contains(err.Error(), p) {
+	if _, err := fabricmanager.New(dir, fabricmanager.Options{}); err == nil || !strings.Contains(err.Error(), p) {
 		t.Errorf("a restart with the ledger a directory: %v, want it refused", err)
 	}
 }
@@ -377,7 +377,7 @@ func TestFabricRecordsFirst(t *testing.T) {
 // FM back.
 func TestFabricRefusedAndGone(t *testing.T) {
 	f, fm, dir := newFabric(t)
-	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate = int(fabric.FM_ST_NVLINK_ERROR) })
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate = int(fabricmanager.FM_ST_NVLINK_ERROR) })
 	_, err := f.Activate("vm-a", []int{1, 2, 3, 4})
 	if err == nil || !strings.Contains(err.Error(), "fm: activate partition 2: FM_ST_NVLINK_ERROR (-10)") {
 		t.Fatalf("FM refusing: %v", err)
@@ -399,7 +399,7 @@ func TestFabricRefusedAndGone(t *testing.T) {
 	err = f.Deactivate("vm-a")
 	wantUnreachable(t, "deactivate with FM gone", err)
 	e := readLedger(t, dir).Claims["vm-a"]
-	if e.State != fabric.StateDeactivating || !strings.Contains(e.LastError, "FM unreachable") {
+	if e.State != fabricmanager.StateDeactivating || !strings.Contains(e.LastError, "FM unreachable") {
 		t.Fatalf("ledger after a failed release: %+v", e)
 	}
 	// The released claim's modules are still its own.
@@ -440,12 +440,12 @@ func TestFabricResume(t *testing.T) {
 	// restarting; vm-c recorded, FM not asked yet.
 	f.Close()
 	l := readLedger(t, dir)
-	l.Claims["vm-b"] = fabric.Entry{Partition: 5, Modules: []int{3, 4}, State: fabric.StateDeactivating}
-	l.Claims["vm-c"] = fabric.Entry{Partition: 6, Modules: []int{5, 6}, State: fabric.StateActivating}
+	l.Claims["vm-b"] = fabricmanager.Entry{Partition: 5, Modules: []int{3, 4}, State: fabricmanager.StateDeactivating}
+	l.Claims["vm-c"] = fabricmanager.Entry{Partition: 6, Modules: []int{5, 6}, State: fabricmanager.StateActivating}
 	writeLedger(t, dir, l)
 	fm.Restart(t, 5*time.Second)
 
-	f2, err := fabric.New(dir, fabric.Options{Library: fabrictest.Library(t)})
+	f2, err := fabricmanager.New(dir, fabricmanager.Options{Library: fabrictest.Library(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -463,7 +463,7 @@ func TestFabricResume(t *testing.T) {
 	if got := fm.Active(t); !slices.Equal(got, []int{4}) {
 		t.Fatalf("FM active %v, want [4]", got)
 	}
-	if l := readLedger(t, dir); len(l.Claims) != 1 || l.Claims["vm-a"].State != fabric.StateActive {
+	if l := readLedger(t, dir); len(l.Claims) != 1 || l.Claims["vm-a"].State != fabricmanager.StateActive {
 		t.Fatalf("ledger %+v", l)
 	}
 
@@ -471,11 +471,11 @@ func TestFabricResume(t *testing.T) {
 	// FM's activation and the ledger's record.
 	fm.Update(t, func(s *fabrictest.State) { s.Active = []int{4, 7, 13} })
 	l = readLedger(t, dir)
-	l.Claims["vm-d"] = fabric.Entry{Partition: 12, Modules: []int{5}, State: fabric.StateActive}
-	l.Claims["vm-e"] = fabric.Entry{Partition: 13, Modules: []int{6}, State: fabric.StateActivating}
+	l.Claims["vm-d"] = fabricmanager.Entry{Partition: 12, Modules: []int{5}, State: fabricmanager.StateActive}
+	l.Claims["vm-e"] = fabricmanager.Entry{Partition: 13, Modules: []int{6}, State: fabricmanager.StateActivating}
 	writeLedger(t, dir, l)
 	f2.Close()
-	f3, err := fabric.New(dir, fabric.Options{Library: fabrictest.Library(t)})
+	f3, err := fabricmanager.New(dir, fabricmanager.Options{Library: fabrictest.Library(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -501,7 +501,7 @@ func TestFabricResume(t *testing.T) {
 	if p, err := f3.Activate("vm-e", []int{6}); err != nil || p.ID != 13 {
 		t.Fatalf("activate vm-e: %v %v", p, err)
 	}
-	if slices.Contains(fm.Log(t), "activate 13 = 0") || readLedger(t, dir).Claims["vm-e"].State != fabric.StateActive {
+	if slices.Contains(fm.Log(t), "activate 13 = 0") || readLedger(t, dir).Claims["vm-e"].State != fabricmanager.StateActive {
 		t.Errorf("vm-e not taken as it was: %v", fm.Log(t))
 	}
 }
@@ -538,20 +538,20 @@ func TestLedgerRefusedAtStart(t *testing.T) {
 		"null claims":   `{"version":1,"claims":null}`,
 	} {
 		dir := t.TempDir()
-		if err := os.WriteFile(filepath.Join(dir, fabric.LedgerFile), []byte(body), 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, fabricmanager.LedgerFile), []byte(body), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := fabric.New(dir, fabric.Options{}); err == nil {
+		if _, err := fabricmanager.New(dir, fabricmanager.Options{}); err == nil {
 			t.Errorf("%s: ledger %s accepted", name, body)
 		}
 	}
 }
 
 func TestReturnNames(t *testing.T) {
-	for r, want := range map[fabric.Return]string{
-		fabric.FM_ST_IN_USE:                            "FM_ST_IN_USE (-7)",
-		fabric.FM_ST_PARTITION_ID_IN_USE:               "FM_ST_PARTITION_ID_IN_USE (-17)",
-		fabric.FM_ST_PARTITION_ROUTE_PROGRAMMING_ERROR: "FM_ST_PARTITION_ROUTE_PROGRAMMING_ERROR (-29)",
+	for r, want := range map[fabricmanager.Return]string{
+		fabricmanager.FM_ST_IN_USE:                            "FM_ST_IN_USE (-7)",
+		fabricmanager.FM_ST_PARTITION_ID_IN_USE:               "FM_ST_PARTITION_ID_IN_USE (-17)",
+		fabricmanager.FM_ST_PARTITION_ROUTE_PROGRAMMING_ERROR: "FM_ST_PARTITION_ROUTE_PROGRAMMING_ERROR (-29)",
 		-30: "fmReturn_t -30",
 		1:   "fmReturn_t 1",
 	} {
@@ -561,25 +561,25 @@ func TestReturnNames(t *testing.T) {
 	}
 	// go-nvfm's names are the header's without the prefix.
 	for r := nvfm.Return(0); r >= -29; r-- {
-		if got := fabric.Return(r).String(); !strings.HasPrefix(got, "FM_ST_"+r.String()+" (") {
+		if got := fabricmanager.Return(r).String(); !strings.HasPrefix(got, "FM_ST_"+r.String()+" (") {
 			t.Errorf("%d: %q, go-nvfm says %s", int32(r), got, r)
 		}
 	}
-	if _, ok := fabric.Code(errors.New("x")); ok {
+	if _, ok := fabricmanager.Code(errors.New("x")); ok {
 		t.Error("Code of an error not FM's")
 	}
 }
 
 func TestCheck(t *testing.T) {
-	var fm []fabric.Partition
+	var fm []fabricmanager.Partition
 	for id := uint32(1); id <= 15; id++ {
-		p := fabric.Partition{ID: id}
+		p := fabricmanager.Partition{ID: id}
 		for _, m := range b300[id] {
 			links := uint32(18)
 			if len(b300[id]) == 1 {
 				links = 0
 			}
-			p.GPUs = append(p.GPUs, fabric.GPU{PhysicalID: uint32(m), NumNvLinksAvailable: links, MaxNumNvLinks: links})
+			p.GPUs = append(p.GPUs, fabricmanager.GPU{PhysicalID: uint32(m), NumNvLinksAvailable: links, MaxNumNvLinks: links})
 		}
 		fm = append(fm, p)
 	}
@@ -587,40 +587,43 @@ func TestCheck(t *testing.T) {
 	for id := uint32(1); id <= 15; id++ {
 		declared = append(declared, b300[id])
 	}
-	units := func() []fabric.LayoutUnit {
-		var u []fabric.LayoutUnit
+	units := func() []fabricmanager.LayoutUnit {
+		var u []fabricmanager.LayoutUnit
 		for i := range 8 {
-			u = append(u, fabric.LayoutUnit{ID: fmt.Sprintf("gpu%d", i), Module: i + 1, Source: "nvml"})
+			u = append(u, fabricmanager.LayoutUnit{ID: fmt.Sprintf("gpu%d", i), Module: i + 1, Source: "nvml"})
 		}
 		return u
 	}
-	good := fabric.Layout{Units: units(), Partitions: declared}
-	if got := fabric.Check(good, fm); len(got) != 0 {
+	good := fabricmanager.Layout{Units: units(), Partitions: declared}
+	if got := fabricmanager.Check(good, fm); len(got) != 0 {
 		t.Fatalf("a matching layout: %q", got)
 	}
 	h100 := [][]int{{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4}, {5, 6, 7, 8}, {1, 3}, {2, 4}, {5, 7}, {6, 8}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}}
 	for name, c := range map[string]struct {
-		l    func(*fabric.Layout)
-		fm   func([]fabric.Partition) []fabric.Partition
+		l    func(*fabricmanager.Layout)
+		fm   func([]fabricmanager.Partition) []fabricmanager.Partition
 		want []string
 	}{
-		"unknown module": {l: func(l *fabric.Layout) { l.Units[3].Module, l.Units[3].Source = 0, "" },
+		"unknown module": {l: func(l *fabricmanager.Layout) { l.Units[3].Module, l.Units[3].Source = 0, "" },
 			want: []string{"unit gpu3: GPU Module ID unknown: no FM partition can be matched to it"}},
-		"module twice": {l: func(l *fabric.Layout) { l.Units[3].Module = 3 },
+		"module twice": {l: func(l *fabricmanager.Layout) { l.Units[3].Module = 3 },
 			want: []string{"unit gpu3: module 3 is unit gpu2's too"}},
-		"module not in FM": {l: func(l *fabric.Layout) { l.Units[7].Module = 9 },
+		"module not in FM": {l: func(l *fabricmanager.Layout) { l.Units[7].Module = 9 },
 			want: []string{"unit gpu7: module 9 is in none of FM's partitions"}},
-		"H100 pairs declared": {l: func(l *fabric.Layout) { l.Partitions = h100 },
+		"H100 pairs declared": {l: func(l *fabricmanager.Layout) { l.Partitions = h100 },
 			want: []string{
 				"FM partition 4 (modules 1,2): the manifest's NVLink layout has no such module set",
 				"FM partition 5 (modules 3,4)", "FM partition 6 (modules 5,6)", "FM partition 7 (modules 7,8)",
 				"declares modules {1,3}: FM offers no partition of them", "{2,4}", "{5,7}", "{6,8}"}},
-		"no layout": {l: func(l *fabric.Layout) { l.Partitions = nil },
+		"no layout": {l: func(l *fabricmanager.Layout) { l.Partitions = nil },
 			want: []string{"the manifest declares no NVLink layout"}},
-		"degraded": {fm: func(ps []fabric.Partition) []fabric.Partition { ps[3].GPUs[1].NumNvLinksAvailable = 9; return ps },
+		"degraded": {fm: func(ps []fabricmanager.Partition) []fabricmanager.Partition {
+			ps[3].GPUs[1].NumNvLinksAvailable = 9
+			return ps
+		},
 			want: []string{"FM partition 4 (modules 1,2) is degraded: module 2 has 9 of 18 NVLinks"}},
 	} {
-		l := fabric.Layout{Units: units(), Partitions: declared}
+		l := fabricmanager.Layout{Units: units(), Partitions: declared}
 		if c.l != nil {
 			c.l(&l)
 		}
@@ -631,7 +634,7 @@ func TestCheck(t *testing.T) {
 		if c.fm != nil {
 			f = c.fm(f)
 		}
-		got := fabric.Check(l, f)
+		got := fabricmanager.Check(l, f)
 		if len(got) != len(c.want) {
 			t.Errorf("%s: %q, want %d mismatches", name, got, len(c.want))
 			continue
@@ -654,19 +657,19 @@ func TestFabricDeactivateUnreachable(t *testing.T) {
 		t.Fatal(err)
 	}
 	fm.Update(t, func(s *fabrictest.State) {
-		s.FMUGCodes, s.StaleCode, s.Mode = true, int(fabric.FM_ST_UNINITIALIZED), "gone"
+		s.FMUGCodes, s.StaleCode, s.Mode = true, int(fabricmanager.FM_ST_UNINITIALIZED), "gone"
 	})
 	err := f.Deactivate("vm-a")
 	if err == nil {
 		t.Fatalf("deactivate with FM unreachable: nil; FM's log %v", fm.Log(t))
 	}
-	if r, ok := fabric.Code(err); ok {
+	if r, ok := fabricmanager.Code(err); ok {
 		t.Errorf("FM out of reach read as FM's answer %s: %v", r, err)
 	}
 	if !strings.Contains(err.Error(), "unreachable") {
 		t.Errorf("error %q does not say FM is unreachable", err)
 	}
-	if e, ok := readLedger(t, dir).Claims["vm-a"]; !ok || e.State != fabric.StateDeactivating || e.Partition != 4 {
+	if e, ok := readLedger(t, dir).Claims["vm-a"]; !ok || e.State != fabricmanager.StateDeactivating || e.Partition != 4 {
 		t.Fatalf("ledger after a release FM did not answer: %+v (held %v)", e, ok)
 	}
 	if got := fm.Active(t); !slices.Equal(got, []int{4}) {
@@ -689,11 +692,11 @@ func TestFabricDeactivateUnreachable(t *testing.T) {
 	if _, err := f.Activate("vm-b", []int{3, 4}); err != nil {
 		t.Fatal(err)
 	}
-	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabric.FM_ST_UNINITIALIZED) })
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabricmanager.FM_ST_UNINITIALIZED) })
 	if err := f.Deactivate("vm-b"); err == nil {
 		t.Fatal("UNINITIALIZED for a partition FM lists active: taken as released")
 	}
-	if e := readLedger(t, dir).Claims["vm-b"]; e.State != fabric.StateDeactivating {
+	if e := readLedger(t, dir).Claims["vm-b"]; e.State != fabricmanager.StateDeactivating {
 		t.Errorf("ledger vm-b: %+v", e)
 	}
 }
@@ -703,7 +706,7 @@ func TestFabricDeactivateUnreachable(t *testing.T) {
 // is dropped and made again: FM waiting after its --restart is handed the ledger's
 // list within its window.
 func TestFabricReconnects(t *testing.T) {
-	for _, code := range []fabric.Return{fabric.FM_ST_TIMEOUT, fabric.FM_ST_GENERIC_ERROR} {
+	for _, code := range []fabricmanager.Return{fabricmanager.FM_ST_TIMEOUT, fabricmanager.FM_ST_GENERIC_ERROR} {
 		t.Run(fmt.Sprint(int32(code)), func(t *testing.T) {
 			f, fm, _ := newFabric(t)
 			if _, err := f.Activate("vm-a", []int{8}); err != nil {
@@ -733,7 +736,7 @@ func TestFabricReconnects(t *testing.T) {
 // connects.
 func TestFabricUnreachableBounded(t *testing.T) {
 	fm := fabrictest.New(t)
-	f, err := fabric.New(t.TempDir(), fabric.Options{Library: fabrictest.Library(t), Reconnect: 400 * time.Millisecond})
+	f, err := fabricmanager.New(t.TempDir(), fabricmanager.Options{Library: fabrictest.Library(t), Reconnect: 400 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -741,7 +744,7 @@ func TestFabricUnreachableBounded(t *testing.T) {
 	if _, err := f.Activate("vm-a", []int{1}); err != nil {
 		t.Fatal(err)
 	}
-	fm.Update(t, func(s *fabrictest.State) { s.Mode, s.StaleCode = "gone", int(fabric.FM_ST_TIMEOUT) })
+	fm.Update(t, func(s *fabrictest.State) { s.Mode, s.StaleCode = "gone", int(fabricmanager.FM_ST_TIMEOUT) })
 	start := time.Now()
 	_, err = f.Activate("vm-b", []int{2})
 	took := time.Since(start)

@@ -1,4 +1,4 @@
-package fabric_test
+package fabricmanager_test
 
 import (
 	"os"
@@ -6,7 +6,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/passage-boot/passage/dra/fabric"
+	"github.com/passage-boot/passage/kube/fabricmanager"
 )
 
 // FuzzLedger: whatever the ledger file holds, New refuses it or gives entries in a
@@ -18,15 +18,15 @@ func FuzzLedger(f *testing.F) {
 	f.Add([]byte(`{"version":1,"claims":{"":{"partition":4,"modules":[1],"state":"active"}}}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		dir := t.TempDir()
-		if err := os.WriteFile(filepath.Join(dir, fabric.LedgerFile), b, 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, fabricmanager.LedgerFile), b, 0o644); err != nil {
 			t.Fatal(err)
 		}
-		fb, err := fabric.New(dir, fabric.Options{})
+		fb, err := fabricmanager.New(dir, fabricmanager.Options{})
 		if err != nil {
 			return
 		}
 		for c, e := range fb.Entries() {
-			ok := e.State == fabric.StateActivating || e.State == fabric.StateActive || e.State == fabric.StateDeactivating
+			ok := e.State == fabricmanager.StateActivating || e.State == fabricmanager.StateActive || e.State == fabricmanager.StateDeactivating
 			if c == "" || !ok || len(e.Modules) == 0 || !slices.IsSorted(e.Modules) {
 				t.Fatalf("accepted claim %q: %+v", c, e)
 			}

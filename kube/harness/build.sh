@@ -1,11 +1,11 @@
 #!/bin/bash
 # build.sh OUT: builds the pinned control plane the cluster e2e runs (kube-apiserver,
-# kube-scheduler, kube-controller-manager from kube/go.mod, etcd from etcd/go.mod) into
+# kube-scheduler, kube-controller-manager from kubernetes/go.mod, etcd from etcd/go.mod) into
 # OUT/kubernetes-<version>-etcd-<version>-<key>/ and prints that directory. The key is a
-# digest of kube/ and etcd/'s go.mod and go.sum and of this script, so a second run
+# digest of kubernetes/ and etcd/'s go.mod and go.sum and of this script, so a second run
 # finds the binaries and builds nothing, and a new pin, dependency version or build flag
 # builds a new directory (with a warm Go build cache, a link of a minute).
-# Cold, after make test's unit phase (which compiles the packages it shares with dra), it
+# Cold, after make test's unit phase (which compiles the packages it shares with the kube module), it
 # took 577 s on 2 idle cores; with nothing shared, the Kubernetes part alone took 670 s.
 set -euo pipefail
 out=${1:?usage: build.sh OUT}
@@ -17,9 +17,9 @@ GO=${GO:-go}
 pin() { # pin MODDIR MODULE: the version MODDIR's go.mod requires of MODULE
 	(cd "$here/$1" && "$GO" list -m -f '{{.Version}}' "$2")
 }
-kver=$(pin kube k8s.io/kubernetes)
+kver=$(pin kubernetes k8s.io/kubernetes)
 ever=$(pin etcd go.etcd.io/etcd/server/v3)
-key=$(cat "$here/kube/go.mod" "$here/kube/go.sum" "$here/etcd/go.mod" "$here/etcd/go.sum" "$here/build.sh" | sha256sum | cut -c1-12)
+key=$(cat "$here/kubernetes/go.mod" "$here/kubernetes/go.sum" "$here/etcd/go.mod" "$here/etcd/go.sum" "$here/build.sh" | sha256sum | cut -c1-12)
 dir=$out/kubernetes-$kver-etcd-$ever-$key
 bins="kube-apiserver kube-scheduler kube-controller-manager etcd"
 
@@ -34,13 +34,13 @@ minor=${kver#v1.}; minor=${minor%%.*}
 ld="-s -w -X k8s.io/component-base/version.gitVersion=$kver -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 # One go build of the three commands: their shared packages are compiled once, both
 # cores busy. -mod=readonly: the go.sum files are the pin, never rewritten here.
-# Built as the dra module's tests build (cgo as the go command defaults, no -trimpath)
-# and kube/go.mod requires the versions dra/go.mod selects of every module both compile:
+# Built as the kube module's tests build (cgo as the go command defaults, no -trimpath)
+# and kubernetes/go.mod requires the versions kube/go.mod selects of every module both compile:
 # the packages they share (k8s.io/api, apimachinery, client-go, grpc, protobuf, ...)
 # are then the same Go build-cache entries, compiled once by make test's unit phase
-# and not again here (TestControlPlaneSharesDra checks the versions).
+# and not again here (TestControlPlaneSharesKube checks the versions).
 echo "cluster: building kube-apiserver, kube-scheduler, kube-controller-manager $kver (cold: about 10 minutes on 2 idle cores)" >&2
-(cd "$here/kube" && nice -n 10 "$GO" build -mod=readonly -ldflags "$ld" -o "$dir.tmp/" \
+(cd "$here/kubernetes" && nice -n 10 "$GO" build -mod=readonly -ldflags "$ld" -o "$dir.tmp/" \
 	k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager)
 echo "cluster: building etcd $ever" >&2
 # etcd builds the same way, and etcd/go.mod requires the control plane's version of

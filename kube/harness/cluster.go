@@ -1,9 +1,9 @@
-// Package cluster runs a real Kubernetes control plane on loopback for the driver's
+// Package harness runs a real Kubernetes control plane on loopback for the driver's
 // end-to-end test: etcd, kube-apiserver, kube-scheduler and kube-controller-manager
 // (only the resourceclaim, garbage-collector and device-taint-eviction controllers), the pinned binaries
 // build.sh builds, with throw-away certificates and tokens made here. There is no
 // kubelet: the test plays its part (NodePrepareResources over the plugin's socket).
-package cluster
+package harness
 
 import (
 	"bytes"

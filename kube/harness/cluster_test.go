@@ -1,4 +1,4 @@
-package cluster_test
+package harness_test
 
 import (
 	"context"
@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/passage-boot/passage/dra/cluster"
+	"github.com/passage-boot/passage/kube/harness"
 )
 
 // TestStartFailsNamingTheComponent: a component that dies before it is ready fails Start
@@ -15,7 +15,7 @@ import (
 // and how to build it (the waits never run into their bounds for these).
 func TestStartFailsNamingTheComponent(t *testing.T) {
 	bin := t.TempDir()
-	if _, err := cluster.Start(context.Background(), bin, t.TempDir()); err == nil || !strings.Contains(err.Error(), filepath.Join(bin, "etcd")) || !strings.Contains(err.Error(), "make cluster-bin") {
+	if _, err := harness.Start(context.Background(), bin, t.TempDir()); err == nil || !strings.Contains(err.Error(), filepath.Join(bin, "etcd")) || !strings.Contains(err.Error(), "make cluster-bin") {
 		t.Fatalf("no binaries: %v", err)
 	}
 	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"} {
@@ -24,7 +24,7 @@ func TestStartFailsNamingTheComponent(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	_, err := cluster.Start(context.Background(), bin, t.TempDir())
+	_, err := harness.Start(context.Background(), bin, t.TempDir())
 	if err == nil || !strings.Contains(err.Error(), "etcd exited") || !strings.Contains(err.Error(), "address already in use") {
 		t.Fatalf("etcd dying at start: %v", err)
 	}

@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"bytes"
@@ -45,10 +45,10 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
-	"github.com/passage-boot/passage/dra/cluster"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/control/controltest"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/harness"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/stages"
 )
@@ -64,7 +64,7 @@ type replica struct {
 }
 
 // TestClusterControl: two passage-control replicas as processes on the real control
-// plane, boots with swtpm TPMs POSTing to them (see README.md, "Tests").
+// plane, boots with swtpm TPMs POSTing to them (see README.md, "The tests").
 func TestClusterControl(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
@@ -393,7 +393,7 @@ func clientcmdConfig(path string) (*rest.Config, error) {
 	return clientcmd.BuildConfigFromFlags("", path)
 }
 
-func restConfig(t testing.TB, c *cluster.Cluster) *rest.Config {
+func restConfig(t testing.TB, c *harness.Cluster) *rest.Config {
 	t.Helper()
 	rc, err := clientcmdConfig(c.Admin)
 	if err != nil {
@@ -404,7 +404,7 @@ func restConfig(t testing.TB, c *cluster.Cluster) *rest.Config {
 
 // applyCRDs creates deploy/passage-control-crd.yaml's definitions and waits until
 // they are served.
-func applyCRDs(t testing.TB, ctx context.Context, c *cluster.Cluster) {
+func applyCRDs(t testing.TB, ctx context.Context, c *harness.Cluster) {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "deploy", "passage-control-crd.yaml"))
 	if err != nil {
@@ -431,7 +431,7 @@ func applyCRDs(t testing.TB, ctx context.Context, c *cluster.Cluster) {
 
 // deployControlRBAC creates deploy/passage-control.yaml's namespace, account and role
 // and writes a kubeconfig of the account: the replicas run with what the role grants.
-func deployControlRBAC(t testing.TB, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
+func deployControlRBAC(t testing.TB, ctx context.Context, c *harness.Cluster, kubeconfig string) {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "deploy", "passage-control.yaml"))
 	if err != nil {
@@ -485,7 +485,7 @@ func deployControlRBAC(t testing.TB, ctx context.Context, c *cluster.Cluster, ku
 }
 
 // printerColumns is `kubectl get passagenodes` as the API's Table answer gives it.
-func printerColumns(t *testing.T, ctx context.Context, c *cluster.Cluster) string {
+func printerColumns(t *testing.T, ctx context.Context, c *harness.Cluster) string {
 	t.Helper()
 	rc := restConfig(t, c)
 	hc, err := rest.HTTPClientFor(rc)
@@ -581,7 +581,7 @@ func startReplica(t testing.TB, ctx context.Context, bin, kubeconfig, work strin
 		r.cmd.Process.Kill()
 		<-r.done
 		if t.Failed() {
-			t.Log(cluster.Tail(r.log, 3000))
+			t.Log(harness.Tail(r.log, 3000))
 		}
 	})
 	waitFor(t, ctx, 30*time.Second, "passage-control "+r.url, func() (bool, string) {
@@ -635,7 +635,7 @@ func freePorts(t testing.TB, n int) []int {
 // controlCluster is what an exchange test starts from: passage-control built into a
 // work directory, a control plane with passage's CRDs, and the kubeconfig of
 // passage-control's service account bound to the shipped role.
-func controlCluster(t *testing.T, ctx context.Context) (work, ctlBin string, c *cluster.Cluster, kubeconfig string) {
+func controlCluster(t *testing.T, ctx context.Context) (work, ctlBin string, c *harness.Cluster, kubeconfig string) {
 	t.Helper()
 	work = t.TempDir()
 	ctlBin = goBuild(t, work, "passage-control")

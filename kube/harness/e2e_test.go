@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"context"
@@ -31,9 +31,9 @@ import (
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
-	"github.com/passage-boot/passage/dra/cluster"
-	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/harness"
+	"github.com/passage-boot/passage/kube/internal/noderig"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 )
@@ -75,12 +75,12 @@ func (n *node) run(t testing.TB, bin string, args ...string) {
 		cmd.Process.Kill()
 		<-done
 		if t.Failed() {
-			t.Log(cluster.Tail(n.log, 2000))
+			t.Log(harness.Tail(n.log, 2000))
 		}
 	})
 }
 
-// TestCluster: passage-dra against the real control plane (see README.md, "Tests").
+// TestCluster: passage-dra against the real control plane (see README.md, "The tests").
 func TestCluster(t *testing.T) {
 	began := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
@@ -300,9 +300,9 @@ func TestCluster(t *testing.T) {
 	select {
 	case <-d.done:
 	case <-time.After(30 * time.Second):
-		t.Fatalf("the plugin of a tampered manifest still runs: %s", cluster.Tail(d.log, 2000))
+		t.Fatalf("the plugin of a tampered manifest still runs: %s", harness.Tail(d.log, 2000))
 	}
-	if log := cluster.Tail(d.log, 4000); d.cmd.ProcessState.ExitCode() != 1 || !strings.Contains(log, "REFUSED") || !strings.Contains(log, manifest.ErrBadSignature.Error()) {
+	if log := harness.Tail(d.log, 4000); d.cmd.ProcessState.ExitCode() != 1 || !strings.Contains(log, "REFUSED") || !strings.Contains(log, manifest.ErrBadSignature.Error()) {
 		t.Fatalf("tampered manifest: exit %v, %s", d.cmd.ProcessState, log)
 	}
 	if p := pools(t, ctx, api); len(p["b300-d"]) != 0 {
@@ -392,7 +392,7 @@ func TestCluster(t *testing.T) {
 // startCluster starts the pinned control plane (PASSAGE_CONTROL_PLANE, which make
 // cluster-test builds) under work/cp, stopped when the test ends, its logs printed when
 // the test failed.
-func startCluster(t testing.TB, ctx context.Context, work string) *cluster.Cluster {
+func startCluster(t testing.TB, ctx context.Context, work string) *harness.Cluster {
 	t.Helper()
 	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
 	if bin == "" {
@@ -400,14 +400,14 @@ func startCluster(t testing.TB, ctx context.Context, work string) *cluster.Clust
 	}
 	cdir := filepath.Join(work, "cp")
 	os.MkdirAll(cdir, 0o755)
-	c, err := cluster.Start(ctx, bin, cdir)
+	c, err := harness.Start(ctx, bin, cdir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		if t.Failed() {
 			for _, l := range c.Logs() {
-				t.Log(cluster.Tail(l, 3000))
+				t.Log(harness.Tail(l, 3000))
 			}
 		}
 		c.Stop()
@@ -429,11 +429,11 @@ func createNamespace(t testing.TB, ctx context.Context, api *kubernetes.Clientse
 	})
 }
 
-// goBuild builds the dra module's command cmd/NAME into work.
+// goBuild builds the kube module's command cmd/NAME into work.
 func goBuild(t testing.TB, work, name string) string {
 	t.Helper()
 	out := filepath.Join(work, name)
-	if b, err := exec.Command("go", "build", "-o", out, "github.com/passage-boot/passage/dra/cmd/"+name).CombinedOutput(); err != nil {
+	if b, err := exec.Command("go", "build", "-o", out, "github.com/passage-boot/passage/kube/cmd/"+name).CombinedOutput(); err != nil {
 		t.Fatalf("go build %s: %v\n%s", name, err, b)
 	}
 	return out
@@ -599,7 +599,7 @@ func waitUnschedulable(t testing.TB, ctx context.Context, api *kubernetes.Client
 }
 
 // attempts is how many times the scheduler has found no node for pod so far.
-func attempts(t testing.TB, c *cluster.Cluster, pod string) int {
+func attempts(t testing.TB, c *harness.Cluster, pod string) int {
 	t.Helper()
 	n, err := c.SchedulingAttempts(ns, pod)
 	if err != nil {
@@ -613,7 +613,7 @@ func attempts(t testing.TB, c *cluster.Cluster, pod string) int {
 // the new attempt a Pending pod would prove nothing: its condition may be the verdict of
 // before the change. What it cannot rule out: an attempt another event set off just
 // before the change, logged after the count was taken.
-func waitRejudged(t testing.TB, ctx context.Context, c *cluster.Cluster, api *kubernetes.Clientset, pod string, tried int, reason string) {
+func waitRejudged(t testing.TB, ctx context.Context, c *harness.Cluster, api *kubernetes.Clientset, pod string, tried int, reason string) {
 	t.Helper()
 	waitFor(t, ctx, 60*time.Second, pod+" tried again by the scheduler", func() (bool, string) {
 		n := attempts(t, c, pod)
@@ -764,7 +764,7 @@ func tamper(t *testing.T, path string) {
 // binding through the API (its validation and admission), and writes at kubeconfig a
 // credential of the service account the DaemonSet's pods run as. The DaemonSet itself is
 // not created: no kubelet runs its pods; the test starts the plugins.
-func deployRBAC(t testing.TB, ctx context.Context, c *cluster.Cluster, kubeconfig string) {
+func deployRBAC(t testing.TB, ctx context.Context, c *harness.Cluster, kubeconfig string) {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "deploy", "daemonset.yaml"))
 	if err != nil {

@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"bufio"
@@ -29,8 +29,8 @@ import (
 	"k8s.io/client-go/dynamic"
 
 	"github.com/passage-boot/passage/attest"
-	"github.com/passage-boot/passage/dra/cluster"
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/harness"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 )
@@ -139,7 +139,7 @@ func controlReplica(t *testing.T, ctx context.Context, extra ...string) (*replic
 }
 
 type replicaEnv struct {
-	c    *cluster.Cluster
+	c    *harness.Cluster
 	hc   *http.Client
 	base string // http://<metrics address>/
 	// kubeconfig is the replica's (passage-control's service account).

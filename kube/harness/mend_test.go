@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"bytes"
@@ -31,11 +31,11 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/softtpm"
-	"github.com/passage-boot/passage/dra/cluster"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
-	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/control/controltest"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/harness"
 )
 
 // ruleAccess withdraws passage-control's permission on DeviceTaintRules (the deploy
@@ -43,12 +43,12 @@ import (
 // account's own requests show it: the API server refuses the replicas' rule writes in
 // between, as it would any write it does not allow.
 type ruleAccess struct {
-	c       *cluster.Cluster
+	c       *harness.Cluster
 	account kubernetes.Interface
 	rules   []rbacv1.PolicyRule
 }
 
-func newRuleAccess(t *testing.T, ctx context.Context, c *cluster.Cluster, kubeconfig string) *ruleAccess {
+func newRuleAccess(t *testing.T, ctx context.Context, c *harness.Cluster, kubeconfig string) *ruleAccess {
 	t.Helper()
 	rc, err := clientcmdConfig(kubeconfig)
 	if err != nil {
@@ -370,7 +370,7 @@ type answerDropper struct {
 	status  atomic.Int64 // the dropped answer's status
 }
 
-func newAnswerDropper(t *testing.T, c *cluster.Cluster) *answerDropper {
+func newAnswerDropper(t *testing.T, c *harness.Cluster) *answerDropper {
 	t.Helper()
 	ca, err := os.ReadFile(filepath.Join(c.Dir, "serving.crt"))
 	if err != nil {

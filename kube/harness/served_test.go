@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"bufio"
@@ -29,10 +29,10 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/yaml"
 
-	"github.com/passage-boot/passage/dra/cluster"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/harness"
+	"github.com/passage-boot/passage/kube/internal/noderig"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 )
 
@@ -61,30 +61,30 @@ func TestClusterServed(t *testing.T) {
 
 	for _, c := range []struct {
 		name string
-		opts cluster.Options
+		opts harness.Options
 		// refused: the components refuse to start (else they start).
 		refused bool
 		// gateOff: passage-control alone refuses, naming this gate.
 		gateOff string
 	}{
 		{name: "default"},
-		{name: "taints-off", opts: cluster.Options{FeatureGates: "DRADeviceTaints=false,DRADeviceTaintRules=false",
+		{name: "taints-off", opts: harness.Options{FeatureGates: "DRADeviceTaints=false,DRADeviceTaintRules=false",
 			RuntimeConfig: "resource.k8s.io/v1/devicetaintrules=false"}, refused: true},
 		// v1 DeviceTaintRules still served, ignored by the scheduler: only the API
 		// server's own feature series tells.
-		{name: "rules-gate-off", opts: cluster.Options{FeatureGates: "DRADeviceTaintRules=false"}, gateOff: "DRADeviceTaintRules"},
+		{name: "rules-gate-off", opts: harness.Options{FeatureGates: "DRADeviceTaintRules=false"}, gateOff: "DRADeviceTaintRules"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir := filepath.Join(work, c.name)
 			os.MkdirAll(filepath.Join(dir, "cp"), 0o755)
-			cl, err := cluster.StartWith(ctx, bin, filepath.Join(dir, "cp"), c.opts)
+			cl, err := harness.StartWith(ctx, bin, filepath.Join(dir, "cp"), c.opts)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer func() {
 				if t.Failed() {
 					for _, l := range cl.Logs() {
-						t.Log(cluster.Tail(l, 3000))
+						t.Log(harness.Tail(l, 3000))
 					}
 				}
 				cl.Stop()
@@ -135,7 +135,7 @@ func TestClusterServed(t *testing.T) {
 				select {
 				case <-n.done:
 				case <-time.After(time.Minute):
-					t.Fatalf("passage-dra still running a minute after its start: %s", cluster.Tail(n.log, 2000))
+					t.Fatalf("passage-dra still running a minute after its start: %s", harness.Tail(n.log, 2000))
 				}
 				log, _ := os.ReadFile(n.log)
 				if n.cmd.ProcessState.ExitCode() != 1 || !bytes.Contains(log, []byte("REFUSED")) || !bytes.Contains(log, []byte("DRADeviceTaints")) {
@@ -162,10 +162,10 @@ func TestClusterServed(t *testing.T) {
 				}
 				select {
 				case <-n.done:
-					t.Fatalf("passage-dra exited: %s", cluster.Tail(n.log, 2000))
+					t.Fatalf("passage-dra exited: %s", harness.Tail(n.log, 2000))
 				default:
 				}
-				return devs == 32, cluster.Tail(n.log, 500)
+				return devs == 32, harness.Tail(n.log, 500)
 			})
 		})
 	}
@@ -177,7 +177,7 @@ func TestClusterServed(t *testing.T) {
 // into their namespace, which is made for real first (a dry-run Namespace does not make
 // it). kubevirt-hook.yaml is left out: its VirtualMachineInstance is KubeVirt's kind, not
 // served here.
-func dryRunDeploy(t *testing.T, ctx context.Context, cl *cluster.Cluster) {
+func dryRunDeploy(t *testing.T, ctx context.Context, cl *harness.Cluster) {
 	t.Helper()
 	rc, err := clientcmd.BuildConfigFromFlags("", cl.Admin)
 	if err != nil {

@@ -1,4 +1,4 @@
-package cluster_test
+package harness_test
 
 import (
 	"bufio"
@@ -11,40 +11,41 @@ import (
 	"golang.org/x/mod/semver"
 )
 
-// The control plane's Kubernetes commands, as build.sh builds them from kube/go.mod.
+// The control plane's Kubernetes commands, as build.sh builds them from kubernetes/go.mod.
 var kubeCommands = []string{"k8s.io/kubernetes/cmd/kube-apiserver",
 	"k8s.io/kubernetes/cmd/kube-scheduler", "k8s.io/kubernetes/cmd/kube-controller-manager"}
 
-// TestControlPlaneSharesDra: every module whose packages both the control plane's build
-// (build.sh: kube-apiserver, kube-scheduler, kube-controller-manager from kube/go.mod)
-// and the dra module compile is at one version in both. build.sh builds as dra's tests
+// TestControlPlaneSharesKube: every module whose packages both the control plane's build
+// (build.sh: kube-apiserver, kube-scheduler, kube-controller-manager from
+// kubernetes/go.mod) and the kube module compile is at one version in both. build.sh
+// builds as kube's tests
 // do (cgo as the go command defaults, no -trimpath), so those packages are then the
 // same Go build-cache entries: make test's unit phase compiles them once, and the
 // control plane's cold build, about a third smaller, does not compile them again. A
 // version that differs compiles its whole dependent graph twice; the error says which
 // to align.
-func TestControlPlaneSharesDra(t *testing.T) {
-	kube := compiledModules(t, "kube", false, kubeCommands...)
-	dra := compiledModules(t, "..", true, "./...") // make test compiles dra's tests
+func TestControlPlaneSharesKube(t *testing.T) {
+	cp := compiledModules(t, "kubernetes", false, kubeCommands...)
+	kube := compiledModules(t, "..", true, "./...") // make test compiles kube's tests
 	// k8s.io/api, apimachinery, client-go, apiserver, component-base, grpc, protobuf,
 	// golang.org/x/*, ...: fewer means a list went wrong, not that nothing is shared.
-	sameVersions(t, "dra", dra, "the control plane", kube, false,
-		"require one version in both dra/go.mod and dra/cluster/kube/go.mod")
+	sameVersions(t, "kube", kube, "the control plane", cp, false,
+		"require one version in both kube/go.mod and kube/harness/kubernetes/go.mod")
 }
 
-// TestHookSharesDra: every module whose packages both dra/hook (the KubeVirt hook
-// sidecar, a module of its own) and dra compile is at one version in both, as for the
+// TestHookSharesKube: every module whose packages both kube/kubevirthook (the KubeVirt
+// hook sidecar, a module of its own) and kube compile is at one version in both, as for the
 // control plane above. make test vets and race-tests both modules with the same flags,
 // so their Kubernetes, grpc, protobuf and golang.org/x packages are then the same Go
-// build-cache entries, compiled once. dra/hook/go.mod's replace block is KubeVirt
-// v1.9.0's with its k8s.io pins moved to dra's versions: a version that differs (a
-// KubeVirt bump that brings its own pins back, a dra bump not made in dra/hook) compiles
+// build-cache entries, compiled once. kube/kubevirthook/go.mod's replace block is
+// KubeVirt v1.9.0's with its k8s.io pins moved to kube's versions: a version that differs (a
+// KubeVirt bump that brings its own pins back, a kube bump not made in kube/kubevirthook) compiles
 // that module and everything above it twice; the error says which to align.
-func TestHookSharesDra(t *testing.T) {
-	hook := compiledModules(t, "../hook", true, "./...")
-	dra := compiledModules(t, "..", true, "./...")
-	sameVersions(t, "dra/hook", hook, "dra", dra, false,
-		"require (or, for k8s.io/*, replace) one version in both dra/go.mod and dra/hook/go.mod")
+func TestHookSharesKube(t *testing.T) {
+	hook := compiledModules(t, "../kubevirthook", true, "./...")
+	kube := compiledModules(t, "..", true, "./...")
+	sameVersions(t, "kube/kubevirthook", hook, "kube", kube, false,
+		"require (or, for k8s.io/*, replace) one version in both kube/go.mod and kube/kubevirthook/go.mod")
 }
 
 // TestEtcdSharesControlPlane: build.sh builds etcd (from etcd/go.mod) as it builds the
@@ -52,14 +53,14 @@ func TestHookSharesDra(t *testing.T) {
 // a Go build-cache hit when etcd's turn comes (the standard library, protobuf,
 // prometheus, x/sys, ...). etcd v3.7.3 requires newer versions of some (grpc, otel,
 // x/net, its own client and api) than Kubernetes v1.37.2 does; raising those in
-// kube/go.mod would raise them in dra/go.mod too, so they are left: etcd compiles them
+// kubernetes/go.mod would raise them in kube/go.mod too, so they are left: etcd compiles them
 // and what stands on them itself. What the test holds: etcd never compiles a module at
 // an older version than the control plane does (that one etcd/go.mod can raise).
 func TestEtcdSharesControlPlane(t *testing.T) {
 	etcd := compiledModules(t, "etcd", false, "go.etcd.io/etcd/server/v3")
-	kube := compiledModules(t, "kube", false, kubeCommands...)
-	sameVersions(t, "etcd", etcd, "the control plane", kube, true,
-		"raise it in dra/cluster/etcd/go.mod (go get MODULE@<the control plane's>)")
+	cp := compiledModules(t, "kubernetes", false, kubeCommands...)
+	sameVersions(t, "etcd", etcd, "the control plane", cp, true,
+		"raise it in kube/harness/etcd/go.mod (go get MODULE@<the control plane's>)")
 }
 
 // sameVersions fails naming every module a and b both compile at different versions (if

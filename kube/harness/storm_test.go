@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"bufio"
@@ -33,10 +33,10 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/passage-boot/passage/attest/softtpm"
-	"github.com/passage-boot/passage/dra/cluster"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
 	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/control/controltest"
+	"github.com/passage-boot/passage/kube/harness"
 )
 
 // BenchmarkBootStorm: N nodes booting for the first time at once, each enrolling its TPM
@@ -250,7 +250,7 @@ type floor struct {
 // measureFloor creates PassageNodes the size of an enrolled record from clients
 // goroutines for d, then read-modify-writes their status for d, and says how many of
 // each the API server did a second.
-func measureFloor(b *testing.B, ctx context.Context, c *cluster.Cluster, clients int, d time.Duration) floor {
+func measureFloor(b *testing.B, ctx context.Context, c *harness.Cluster, clients int, d time.Duration) floor {
 	rc := restConfig(b, c)
 	rc.QPS, rc.Burst = -1, 0 // no client-side limit: the server's rate is what is measured
 	dyn := dynamic.NewForConfigOrDie(rc)
@@ -536,7 +536,7 @@ func cpuSeconds(pids map[string]int) map[string]float64 {
 
 // verifiedRecords are the PassageNodes whose verdict is verified at generation gen or
 // later.
-func verifiedRecords(b *testing.B, ctx context.Context, c *cluster.Cluster, gen int64) map[string]bool {
+func verifiedRecords(b *testing.B, ctx context.Context, c *harness.Cluster, gen int64) map[string]bool {
 	dyn := dynamic.NewForConfigOrDie(restConfig(b, c))
 	n := map[string]bool{}
 	opts := metav1.ListOptions{Limit: 500}

@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"bytes"
@@ -13,8 +13,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/passage-boot/passage/dra/internal/simnode"
-	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/internal/simnode"
 )
 
 // BenchmarkTurnaround times a released unit's way back, one release per iteration on

@@ -1,6 +1,6 @@
 //go:build cluster
 
-package cluster_test
+package harness_test
 
 import (
 	"bytes"
@@ -29,12 +29,12 @@ import (
 	"k8s.io/client-go/kubernetes"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 
-	"github.com/passage-boot/passage/dra/cluster"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/internal/simnode"
-	"github.com/passage-boot/passage/dra/plugin"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/harness"
+	"github.com/passage-boot/passage/kube/internal/noderig"
+	"github.com/passage-boot/passage/kube/internal/simnode"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 	"github.com/passage-boot/passage/pci"
 )
@@ -50,7 +50,7 @@ const lastLBA = 1<<16 - 1 // simnode's namespace's last block
 // turns released units around against a passage-control replica on the real control
 // plane, the test playing the node's kubelet.
 type turnEnv struct {
-	c        *cluster.Cluster
+	c        *harness.Cluster
 	api      *kubernetes.Clientset
 	dyn      dynamic.Interface
 	rig      *noderig.Rig
@@ -489,7 +489,7 @@ func (e *turnEnv) waitLog(t testing.TB, ctx context.Context, d time.Duration, s 
 }
 
 // TestClusterTurnaround: passage-dra's turnaround on the real control plane (see
-// README.md, "Tests"): a unit released is erased, re-signed, verified by passage-control
+// README.md, "The tests"): a unit released is erased, re-signed, verified by passage-control
 // and allocated to a waiting pod with no command run, never before; eight at once with
 // one failing erase; a plugin SIGKILLed mid-recycle.
 func TestClusterTurnaround(t *testing.T) {

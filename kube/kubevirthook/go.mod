@@ -1,4 +1,4 @@
-module github.com/passage-boot/passage/dra/hook
+module github.com/passage-boot/passage/kube/kubevirthook
 
 go 1.26.0
 
@@ -6,19 +6,19 @@ replace github.com/passage-boot/passage => ../..
 
 // KubeVirt v1.9.0's own replace block but for two changes. Its ./staging paths (absent
 // from the module zip) are its published kubevirt.io/api and client-go v1.9.0. Its k8s.io
-// pins (v0.34.2, kube-openapi f3f2b991d03b) are dra/'s versions instead (v0.37.2,
-// d427ff9ee9ad), and grpc is required at dra/'s v1.82.1; protobuf, genproto, k8s.io/utils,
-// cbor, yaml/v2 and structured-merge-diff then select dra/'s versions too. The hook does
+// pins (v0.34.2, kube-openapi f3f2b991d03b) are kube/'s versions instead (v0.37.2,
+// d427ff9ee9ad), and grpc is required at kube/'s v1.82.1; protobuf, genproto, k8s.io/utils,
+// cbor, yaml/v2 and structured-merge-diff then select kube/'s versions too. The hook does
 // not build KubeVirt, only the packages it imports (pkg/dra/metadata, pkg/hooks,
 // pkg/hooks/info, pkg/hooks/v1alpha3, pkg/virt-launcher/virtwrap/api,
 // pkg/virt-launcher/virtwrap/device/hostdevice/dra, kubevirt.io/api/core/v1) and their
-// dependencies, and those compile and pass the hook's tests against dra/'s versions. So
-// every module both dra/ and the hook compile is at one version, and make test's vet and
-// race tests reuse dra/'s compiled Kubernetes, grpc and protobuf packages from the Go
-// build cache rather than compile a second stack. dra/cluster's TestHookSharesDra fails
-// naming any module the two compile at different versions: a KubeVirt bump, or a dra/
+// dependencies, and those compile and pass the hook's tests against kube/'s versions. So
+// every module both kube/ and the hook compile is at one version, and make test's vet and
+// race tests reuse kube/'s compiled Kubernetes, grpc and protobuf packages from the Go
+// build cache rather than compile a second stack. kube/harness's TestHookSharesKube fails
+// naming any module the two compile at different versions: a KubeVirt bump, or a kube/
 // bump, changes this block too. The other k8s.io lines follow at v0.37.2
-// (apiextensions-apiserver, which dra/ does not compile, stays one release with
+// (apiextensions-apiserver, which kube/ does not compile, stays one release with
 // apimachinery; the hook compiles nothing of the rest). The openshift, OLM and nxadm/tail
 // lines are KubeVirt's; the hook compiles nothing of those modules either.
 replace (

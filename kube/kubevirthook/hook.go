@@ -2,7 +2,7 @@
 // passage unit functions (DRA host devices) behind one virtual PCIe switch per unit, laid
 // out by topology's guest plan (the plan passage render writes), read from the node's
 // verified manifest.
-package hook
+package kubevirthook
 
 import (
 	"encoding/xml"

@@ -1,4 +1,4 @@
-package hook
+package kubevirthook
 
 import (
 	"bytes"
@@ -11,7 +11,7 @@ import (
 	"github.com/passage-boot/passage/manifest"
 )
 
-// hookDir holds what passage-dra plugin --hook-dir wrote in dra/plugin's
+// hookDir holds what passage-dra plugin --hook-dir wrote in kube/dra/plugin's
 // TestHookDirExport (manifest.dsse.json, the DaemonSet's side of the hook's PV) beside
 // the key that signed it with its enrolment and the node's UUID (node.pub,
 // node.enrol.json, product_uuid: the hook's trust root, in its image in a deployment);
@@ -19,7 +19,7 @@ import (
 const hookDir = "testdata/hookdir"
 
 // dirConfig is the hook's Config over a hook dir as passage-hook's flags in
-// dra/deploy/kubevirt-hook.yaml name it.
+// kube/deploy/kubevirt-hook.yaml name it.
 func dirConfig(t *testing.T, dir string) Config {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(dir, "product_uuid"))
@@ -30,7 +30,7 @@ func dirConfig(t *testing.T, dir string) Config {
 }
 
 // TestHookDirFromPlugin: the hook verifies exactly the plugin's export with the key that
-// signed it, the key's enrolment and the node UUID (dra/plugin's TestHookDirExport holds
+// signed it, the key's enrolment and the node UUID (kube/dra/plugin's TestHookDirExport holds
 // all four to the plugin's rig) and lays out a unit; any of them edited (payload, key,
 // enrolment or UUID) is refused, naming the hostdev.
 func TestHookDirFromPlugin(t *testing.T) {

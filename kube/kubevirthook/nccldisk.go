@@ -1,4 +1,4 @@
-package hook
+package kubevirthook
 
 import (
 	"bytes"
@@ -10,7 +10,7 @@ import (
 )
 
 // The guest's NCCL topology file reaches the guest as a read-only SATA CD-ROM whose
-// contents are the file itself (dra/README.md "The NCCL file in the guest"): of what
+// contents are the file itself (README.md, "The guest's switch"): of what
 // virt-launcher keeps of a domain (api.DomainSpec), a <disk> is the one way to hand the
 // guest bytes — DomainSpec has no fw_cfg and no SMBIOS OEM strings, its SMBIOS entries
 // are short fixed fields — and a SATA drive sits on q35's built-in AHCI at 00:1f.2, so it

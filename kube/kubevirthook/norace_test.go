@@ -1,5 +1,5 @@
 //go:build !race
 
-package hook
+package kubevirthook
 
 const raceFactor = 1

@@ -1,6 +1,6 @@
 //go:build race
 
-package hook
+package kubevirthook
 
 // raceFactor stretches answerBound under the race detector, which makes encoding/xml,
 // most of a call's time, several times slower.

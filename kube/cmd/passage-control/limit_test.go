@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/passage-boot/passage/attest"
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/kube/control"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 	appsv1 "k8s.io/api/apps/v1"

@@ -21,7 +21,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/kube/control"
 )
 
 func selfSigned(t *testing.T, dir string) (cert, key string) {

@@ -16,9 +16,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/passage-boot/passage/dra/fabric/fabrictest"
-	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/fabricmanager/fabrictest"
+	"github.com/passage-boot/passage/kube/internal/noderig"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 )

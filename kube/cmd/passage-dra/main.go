@@ -39,12 +39,12 @@ import (
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"sigs.k8s.io/yaml"
 
-	"github.com/passage-boot/passage/dra/fabric"
-	"github.com/passage-boot/passage/dra/plugin"
-	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/fabricmanager"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/recycle"
@@ -611,9 +611,9 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 		cfg.Turnaround, err = p.turn.turnaround(cfg.Root)
 	}
 	if err == nil && fm.on() {
-		var fo fabric.Options
+		var fo fabricmanager.Options
 		if fo, err = fm.options(); err == nil {
-			cfg.Fabric, err = fabric.New(p.dataDir, fo)
+			cfg.Fabric, err = fabricmanager.New(p.dataDir, fo)
 		}
 	}
 	if err != nil {
@@ -631,21 +631,21 @@ type fabricFlags struct {
 }
 
 func (f *fabricFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&f.lib, "fm-lib", "", "Fabric Manager's client library `FILE` (default "+fabric.DefaultLibrary+" from the loader's path); the plugin activates each claim's NVLink partition when an --fm- flag is given")
-	fs.StringVar(&f.socket, "fm-socket", "", "FM's unix socket `PATH` (its FM_CMD_UNIX_SOCKET_PATH, "+fabric.DefaultSocket+" as the NVIDIA DRA driver sets it)")
-	fs.StringVar(&f.address, "fm-address", "", "FM's `IPV4:PORT` (default "+fabric.DefaultAddress+", FM's own)")
+	fs.StringVar(&f.lib, "fm-lib", "", "Fabric Manager's client library `FILE` (default "+fabricmanager.DefaultLibrary+" from the loader's path); the plugin activates each claim's NVLink partition when an --fm- flag is given")
+	fs.StringVar(&f.socket, "fm-socket", "", "FM's unix socket `PATH` (its FM_CMD_UNIX_SOCKET_PATH, "+fabricmanager.DefaultSocket+" as the NVIDIA DRA driver sets it)")
+	fs.StringVar(&f.address, "fm-address", "", "FM's `IPV4:PORT` (default "+fabricmanager.DefaultAddress+", FM's own)")
 }
 
 func (f *fabricFlags) on() bool { return f.lib != "" || f.socket != "" || f.address != "" }
 
-func (f *fabricFlags) options() (fabric.Options, error) {
+func (f *fabricFlags) options() (fabricmanager.Options, error) {
 	if f.socket != "" && f.address != "" {
-		return fabric.Options{}, errors.New("give one of --fm-socket and --fm-address")
+		return fabricmanager.Options{}, errors.New("give one of --fm-socket and --fm-address")
 	}
-	return fabric.Options{Library: f.lib, Socket: f.socket, Address: f.address}, nil
+	return fabricmanager.Options{Library: f.lib, Socket: f.socket, Address: f.address}, nil
 }
 
-// cmdFabricCheck holds FM's partition list to the verified manifest (fabric.Check):
+// cmdFabricCheck holds FM's partition list to the verified manifest (fabricmanager.Check):
 // each mismatch is printed, and any is exit 1; so is FM out of reach.
 func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr io.Writer) int {
 	var fm fabricFlags
@@ -668,7 +668,7 @@ func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr 
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 2
 	}
-	c, err := fabric.Open(fo)
+	c, err := fabricmanager.Open(fo)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 1
@@ -676,16 +676,16 @@ func cmdFabricCheck(fs *flag.FlagSet, args []string, o *options, stdout, stderr 
 	defer c.Close()
 	ps, err := c.Partitions()
 	if err != nil {
-		if r, ok := fabric.Code(err); ok && r == fabric.FM_ST_NOT_CONFIGURED {
+		if r, ok := fabricmanager.Code(err); ok && r == fabricmanager.FM_ST_NOT_CONFIGURED {
 			err = fmt.Errorf("%w: FM restarted and waits for its active partitions (passage-dra plugin hands them over)", err)
 		}
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 1
 	}
 	m := v.Manifest
-	mismatches := fabric.Check(fabric.LayoutOf(m), ps)
+	mismatches := fabricmanager.Check(fabricmanager.LayoutOf(m), ps)
 	if *smi != "" {
-		mismatches = append(mismatches, fabric.CheckMap(m, gpus)...)
+		mismatches = append(mismatches, fabricmanager.CheckMap(m, gpus)...)
 	}
 	for _, l := range mismatches {
 		fmt.Fprintln(stdout, manifest.Printable(l))

@@ -5,8 +5,8 @@ package main
 import (
 	"fmt"
 
-	"github.com/passage-boot/passage/dra/internal/simnode"
-	"github.com/passage-boot/passage/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/internal/simnode"
 )
 
 // A passagesim binary is the cluster tests' node: its turnaround binds through

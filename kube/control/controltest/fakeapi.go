@@ -8,7 +8,7 @@ import (
 	dynamicfake "k8s.io/client-go/dynamic/fake"
 	k8stesting "k8s.io/client-go/testing"
 
-	"github.com/passage-boot/passage/dra/control"
+	"github.com/passage-boot/passage/kube/control"
 )
 
 // FakeStore is a Store on the fake API (client-go's fakes), for tests of the handler

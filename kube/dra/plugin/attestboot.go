@@ -8,8 +8,8 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/kube/dra/resources"
 )
 
 // AttestTries bounds AttestCurrent: with the turnaround's backoff (30 s doubling to 10

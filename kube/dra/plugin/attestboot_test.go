@@ -12,10 +12,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/plugin"
 	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/internal/noderig"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/recycle"
 )

@@ -11,7 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/passage-boot/passage/dra/fabric"
+	"github.com/passage-boot/passage/kube/fabricmanager"
 	"github.com/passage-boot/passage/manifest"
 )
 
@@ -20,7 +20,7 @@ import (
 // it is handed the active partitions, and exits if they do not come within 60 s
 // (NVLINK.md §0.6 and §3 "FM restart / HA"; FM User Guide, "Resiliency"). A reconnect
 // of the connection FM restarted under is one of ResumeFabric's calls, so the list is
-// handed at most FabricEvery, plus a call's connects (fabric.DefaultReconnect, 2 s, and
+// handed at most FabricEvery, plus a call's connects (fabricmanager.DefaultReconnect, 2 s, and
 // one connect timeout, 1 s), after FM came back: 8 s of the 60.
 const FabricEvery = 5 * time.Second
 
@@ -53,8 +53,8 @@ func moduleIDs(m *manifest.Manifest, units []string) ([]int, error) {
 
 // activate gives the claim's units their NVLink partition, the one whose members are
 // exactly their GPUs' Module IDs, before the claim is answered (the ledger records it
-// first: package fabric); d.mu held.
-func (d *Driver) activate(f *fabric.Fabric, uid types.UID, units []string) error {
+// first: package fabricmanager); d.mu held.
+func (d *Driver) activate(f *fabricmanager.Fabric, uid types.UID, units []string) error {
 	mods, err := moduleIDs(d.v.Manifest, units)
 	if err == nil {
 		_, err = f.Activate(string(uid), mods)
@@ -110,7 +110,7 @@ func (d *Driver) quarantineFabric(ctx context.Context, claim string, units []str
 
 // fabric is the Fabric Manager this node talks to (fabricFor the manifest verified
 // last); d.mu held.
-func (d *Driver) fabric() *fabric.Fabric {
+func (d *Driver) fabric() *fabricmanager.Fabric {
 	if d.v == nil {
 		return d.fabricFor(nil)
 	}
@@ -121,7 +121,7 @@ func (d *Driver) fabric() *fabric.Fabric {
 // m knows a GPU Module ID, or the ledger still gives a claim a partition. A node whose
 // manifest knows none opens no FM (no library loaded, nothing logged) and prepares
 // claims without a partition, so one DaemonSet serves every node.
-func (d *Driver) fabricFor(m *manifest.Manifest) *fabric.Fabric {
+func (d *Driver) fabricFor(m *manifest.Manifest) *fabricmanager.Fabric {
 	f := d.cfg.Fabric
 	if f == nil {
 		return nil
@@ -170,7 +170,7 @@ func (d *Driver) unmatchedLines(v *manifest.Verified) []string {
 	return lines
 }
 
-// ResumeFabric brings Fabric Manager and the fabric ledger together (fabric.Resume:
+// ResumeFabric brings Fabric Manager and the fabric ledger together (fabricmanager.Resume:
 // FM waiting after a --restart is handed the active partitions, releases FM refused
 // are asked again), releases the partitions of claims no longer prepared (no CDI
 // spec: a prepare that failed after FM answered, a node restarted under them), and
@@ -183,11 +183,11 @@ func (d *Driver) ResumeFabric() {
 	var lines []string
 	var ferr error
 	if f := d.fabric(); f != nil {
-		var r fabric.Report
+		var r fabricmanager.Report
 		r, ferr = f.Resume()
 		d.fmParts, d.fmErr = r.Partitions, ferr
 		if ferr == nil && d.fmParts == nil {
-			d.fmParts = []fabric.Partition{} // read, and FM listed none
+			d.fmParts = []fabricmanager.Partition{} // read, and FM listed none
 		}
 		lines = append(lines, r.Lines()...)
 		if ferr == nil {
@@ -215,7 +215,7 @@ func (d *Driver) ResumeFabric() {
 
 // releaseUnprepared deactivates the partitions of the ledger's claims that no CDI spec
 // holds, and says what it did; d.mu held.
-func (d *Driver) releaseUnprepared(f *fabric.Fabric) []string {
+func (d *Driver) releaseUnprepared(f *fabricmanager.Fabric) []string {
 	specs, err := d.specs()
 	if err != nil {
 		return []string{fmt.Sprintf("prepared claims: %v", err)}
@@ -227,7 +227,7 @@ func (d *Driver) releaseUnprepared(f *fabric.Fabric) []string {
 	var lines []string
 	entries := f.Entries()
 	for _, c := range slices.Sorted(maps.Keys(entries)) {
-		if e := entries[c]; !prepared[c] && e.State != fabric.StateDeactivating {
+		if e := entries[c]; !prepared[c] && e.State != fabricmanager.StateDeactivating {
 			if err := f.Deactivate(c); err != nil {
 				lines = append(lines, fmt.Sprintf("claim %s is not prepared: partition %d not released: %v", c, e.Partition, err))
 			} else {
@@ -266,7 +266,7 @@ func (d *Driver) holdNVLink() (string, []string) {
 
 // nvlinkOffFor decides whether v's NVLink partitions are published (the one place that
 // does): only while Fabric Manager's list, as ResumeFabric read it last, agrees with
-// them (fabric.Check over the units whose Module ID the manifest knows: the others
+// them (fabricmanager.Check over the units whose Module ID the manifest knows: the others
 // publish none anyway). A claim of a partition is prepared only once FM activated it,
 // so a partition published without FM's word would be allocated and then refused, or,
 // with no FM configured, prepared with no NVLink at all. It returns why none is
@@ -277,7 +277,7 @@ func (d *Driver) nvlinkOffFor(v *manifest.Verified) string {
 	if v == nil {
 		return ""
 	}
-	l := fabric.LayoutOf(v.Manifest)
+	l := fabricmanager.LayoutOf(v.Manifest)
 	if l.Partitions == nil {
 		return ""
 	}
@@ -300,7 +300,7 @@ func (d *Driver) nvlinkOffFor(v *manifest.Verified) string {
 	case d.fmParts == nil:
 		return fmt.Sprintf("Fabric Manager's partitions not read yet: %s", none)
 	}
-	mm := fabric.Check(l, d.fmParts)
+	mm := fabricmanager.Check(l, d.fmParts)
 	if len(mm) == 0 {
 		return ""
 	}

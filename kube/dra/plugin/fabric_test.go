@@ -22,11 +22,11 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 
-	"github.com/passage-boot/passage/dra/fabric"
-	"github.com/passage-boot/passage/dra/fabric/fabrictest"
-	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/plugin"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/fabricmanager"
+	"github.com/passage-boot/passage/kube/fabricmanager/fabrictest"
+	"github.com/passage-boot/passage/kube/internal/noderig"
 	"github.com/passage-boot/passage/manifest"
 )
 
@@ -48,7 +48,7 @@ func withModules(t *testing.T, r *noderig.Rig) {
 // modules: stanza withModules's IDs come from, keyed on each unit's GPU address.
 func modulesProfile(t *testing.T, r *noderig.Rig) string {
 	t.Helper()
-	b, err := os.ReadFile("../../topology/profiles/b300.yaml")
+	b, err := os.ReadFile("../../../topology/profiles/b300.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,7 +71,7 @@ func modulesProfile(t *testing.T, r *noderig.Rig) string {
 // withFabric is cfg with a Fabric whose ledger is in its StateDir, on the stand-in FM.
 func withFabric(t *testing.T, cfg *plugin.Config) {
 	t.Helper()
-	f, err := fabric.New(cfg.StateDir, fabric.Options{Library: fabrictest.Library(t), Reconnect: 300 * time.Millisecond})
+	f, err := fabricmanager.New(cfg.StateDir, fabricmanager.Options{Library: fabrictest.Library(t), Reconnect: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,13 +107,13 @@ func claimUnits(t *testing.T, client *fake.Clientset, d *plugin.Driver, name str
 }
 
 type ledgerOnDisk struct {
-	Claims map[string]fabric.Entry `json:"claims"`
+	Claims map[string]fabricmanager.Entry `json:"claims"`
 }
 
 func ledgerOf(t *testing.T, dir string) ledgerOnDisk {
 	t.Helper()
 	var l ledgerOnDisk
-	b, err := os.ReadFile(filepath.Join(dir, fabric.LedgerFile))
+	b, err := os.ReadFile(filepath.Join(dir, fabricmanager.LedgerFile))
 	if os.IsNotExist(err) {
 		return l
 	}
@@ -174,7 +174,7 @@ func TestFabricPrepareUnprepare(t *testing.T) {
 	if n := len(fm.Calls(t, "activate")); n != 1 {
 		t.Errorf("%d activations for one claim: %v", n, fm.Log(t))
 	}
-	if e := ledgerOf(t, data).Claims["uid-vm01"]; e.Partition != 4 || e.State != fabric.StateActive {
+	if e := ledgerOf(t, data).Claims["uid-vm01"]; e.Partition != 4 || e.State != fabricmanager.StateActive {
 		t.Fatalf("ledger uid-vm01: %+v", e)
 	}
 	vm2 := claimUnits(t, client, d, "vm2", "gpu2")
@@ -200,7 +200,7 @@ func TestFabricPrepareUnprepare(t *testing.T) {
 		}
 	}
 	refused("vm3", "nvlink partition of units gpu4,gpu6: fm: none of FM's 15 partitions has exactly modules 5,7", "gpu4", "gpu6")
-	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate = int(fabric.FM_ST_NVLINK_ERROR) })
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate = int(fabricmanager.FM_ST_NVLINK_ERROR) })
 	refused("vm4", "fm: activate partition 6: FM_ST_NVLINK_ERROR (-10)", "gpu4", "gpu5")
 	fm.Update(t, func(s *fabrictest.State) { s.RefuseActivate, s.Mode = 0, "gone" })
 	refused("vm5", "FM_ST_CONNECTION_NOT_VALID (-9)", "gpu6", "gpu7")
@@ -228,7 +228,7 @@ func TestFabricPrepareUnprepare(t *testing.T) {
 	}
 
 	// FM will not deactivate partition 10: the claim is let go of, gpu2 quarantined.
-	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabric.FM_ST_GENERIC_ERROR) })
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabricmanager.FM_ST_GENERIC_ERROR) })
 	if got := unprepare(t, k, vm2); got != "" {
 		t.Fatalf("unprepare vm2: %q", got)
 	}
@@ -239,7 +239,7 @@ func TestFabricPrepareUnprepare(t *testing.T) {
 	if g2 == nil || g2.State != plugin.StateQuarantined || g2.Step != plugin.StepFabric || !strings.Contains(g2.LastError, "fm: deactivate partition 10: FM_ST_GENERIC_ERROR (-2)") {
 		t.Fatalf("units.json gpu2: %+v", g2)
 	}
-	if e := ledgerOf(t, data).Claims["uid-vm2"]; e.State != fabric.StateDeactivating || !strings.Contains(e.LastError, "FM_ST_GENERIC_ERROR") {
+	if e := ledgerOf(t, data).Claims["uid-vm2"]; e.State != fabricmanager.StateDeactivating || !strings.Contains(e.LastError, "FM_ST_GENERIC_ERROR") {
 		t.Fatalf("ledger uid-vm2: %+v", e)
 	}
 	if !logs.has("units gpu2 quarantined: claim uid-vm2 released, its NVLink partition not deactivated: fm: deactivate partition 10: FM_ST_GENERIC_ERROR (-2)") {
@@ -312,9 +312,9 @@ func TestFabricPluginRestart(t *testing.T) {
 	// As a plugin stopped between FM's activation of 7 for a claim and its spec leaves
 	// the ledger; FM restarts.
 	l := ledgerOf(t, data)
-	l.Claims["uid-ghost"] = fabric.Entry{Partition: 7, Modules: []int{7, 8}, State: fabric.StateActive}
+	l.Claims["uid-ghost"] = fabricmanager.Entry{Partition: 7, Modules: []int{7, 8}, State: fabricmanager.StateActive}
 	b, _ := json.Marshal(map[string]any{"version": 1, "claims": l.Claims})
-	write(t, filepath.Join(data, fabric.LedgerFile), b)
+	write(t, filepath.Join(data, fabricmanager.LedgerFile), b)
 	fm.Update(t, func(s *fabrictest.State) { s.Active = append(s.Active, 7) })
 	fm.Restart(t, 5*time.Second)
 
@@ -333,7 +333,7 @@ func TestFabricPluginRestart(t *testing.T) {
 	if st := fm.Read(t); st.Mode != "serving" {
 		t.Fatalf("FM %s", st.Mode)
 	}
-	if l := ledgerOf(t, data); len(l.Claims) != 1 || l.Claims["uid-vm"].State != fabric.StateActive {
+	if l := ledgerOf(t, data); len(l.Claims) != 1 || l.Claims["uid-vm"].State != fabricmanager.StateActive {
 		t.Fatalf("ledger after the restart: %+v", l.Claims)
 	}
 	// Started on the API the kubelet wiped: the claim still holds gpu0 and gpu1.
@@ -386,7 +386,7 @@ func TestFabricBeforeTurnaround(t *testing.T) {
 	}
 	_, c0 := r.nvme(0)
 	c0.Write(1, 0, tenantData)
-	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabric.FM_ST_NVLINK_ERROR) })
+	fm.Update(t, func(s *fabrictest.State) { s.RefuseDeactivate = int(fabricmanager.FM_ST_NVLINK_ERROR) })
 	if got := unprepare(t, k, vm); got != "" {
 		t.Fatalf("unprepare: %q", got)
 	}
@@ -637,7 +637,7 @@ func TestNVLinkNeedsFM(t *testing.T) {
 		logs := &logLines{}
 		data := filepath.Join(r.Dir, "plugin")
 		lib := filepath.Join(r.Dir, "usr/lib/x86_64-linux-gnu/libnvfm.so.1")
-		f, err := fabric.New(data, fabric.Options{Library: lib})
+		f, err := fabricmanager.New(data, fabricmanager.Options{Library: lib})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -676,7 +676,7 @@ func TestFabricUnusedWithoutModules(t *testing.T) {
 				must(t, os.WriteFile(lib, b, 0o755))
 			}
 			data := filepath.Join(r.Dir, "plugin")
-			f, err := fabric.New(data, fabric.Options{Library: lib, Socket: "/run/nvidia-fabricmanager/socket"})
+			f, err := fabricmanager.New(data, fabricmanager.Options{Library: lib, Socket: "/run/nvidia-fabricmanager/socket"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -748,7 +748,7 @@ func TestFabricUnprepareFMUnreachable(t *testing.T) {
 		t.Fatalf("prepare: %+v", got)
 	}
 	fm.Update(t, func(s *fabrictest.State) {
-		s.FMUGCodes, s.StaleCode, s.Mode = true, int(fabric.FM_ST_UNINITIALIZED), "gone"
+		s.FMUGCodes, s.StaleCode, s.Mode = true, int(fabricmanager.FM_ST_UNINITIALIZED), "gone"
 	})
 	if got := unprepare(t, k, vm); got != "" {
 		t.Fatalf("unprepare: %q", got)
@@ -759,7 +759,7 @@ func TestFabricUnprepareFMUnreachable(t *testing.T) {
 			t.Fatalf("units.json %s: %+v; FM's log %v", u, s, fm.Log(t))
 		}
 	}
-	if e, ok := ledgerOf(t, data).Claims["uid-vm"]; !ok || e.State != fabric.StateDeactivating {
+	if e, ok := ledgerOf(t, data).Claims["uid-vm"]; !ok || e.State != fabricmanager.StateDeactivating {
 		t.Fatalf("ledger uid-vm: %+v (held %v)", e, ok)
 	}
 	if got := fm.Active(t); !slices.Equal(got, []int{4}) {

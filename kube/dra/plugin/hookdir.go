@@ -12,7 +12,7 @@ import (
 // HookManifest is the file the plugin writes into Config.HookDir for passage-hook,
 // KubeVirt's sidecar, which reaches it through a PVC over a hostPath PV: the envelope it
 // verified, byte for byte. Only the manifest: the hook's keys are built into its image
-// and its node identity is the kernel's boot ID (dra/README.md "Where the hook's trust
+// and its node identity is the kernel's boot ID (kube/kubevirthook/README.md "Where the hook's trust
 // comes from"), since any pod of the namespace may write that PVC; the hook verifies
 // the manifest on its own.
 const HookManifest = "manifest.dsse.json"

@@ -8,19 +8,19 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/passage-boot/passage/dra/plugin"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/resources"
 	"github.com/passage-boot/passage/manifest"
 )
 
-var updateHook = flag.Bool("update-hook", false, "rewrite ../hook/testdata/hookdir from the plugin's export")
+var updateHook = flag.Bool("update-hook", false, "rewrite ../../kubevirthook/testdata/hookdir from the plugin's export")
 
 // hookFixture is the hook module's copy of this test's export (its own module cannot
 // import the plugin's) beside the key that signed it with its enrolment and the node's
 // DMI UUID (what the hook's tests take for the keys built into its image and a
 // --node-uuid-file): dra/hook's TestHookDirFromPlugin verifies from exactly these
 // bytes, and this test holds them to what the plugin writes and the rig signs with.
-const hookFixture = "../hook/testdata/hookdir"
+const hookFixture = "../../kubevirthook/testdata/hookdir"
 
 // TestHookDirExport: the plugin, verifying the node's manifest, writes into --hook-dir
 // the envelope byte for byte and nothing else (the hook reads no key or UUID from the

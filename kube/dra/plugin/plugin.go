@@ -38,8 +38,8 @@ import (
 	"tags.cncf.io/container-device-interface/pkg/cdi"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
-	"github.com/passage-boot/passage/dra/fabric"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/fabricmanager"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/vfiobind"
@@ -96,7 +96,7 @@ type Config struct {
 	// agrees with the manifest (nvlinkOffFor). On a node whose manifest knows no Module
 	// ID (and whose ledger is empty) FM is never opened. nil: no FM, claims are prepared
 	// without a partition and no NVLink partition is published.
-	Fabric *fabric.Fabric
+	Fabric *fabricmanager.Fabric
 }
 
 // MaxFile bounds every file the plugin reads back (units.json, the claims' CDI
@@ -127,7 +127,7 @@ type Driver struct {
 	// FM out of reach: fmErr says why); nvlinkOff is why the rendered objects carry no
 	// NVLink partition (resources.Options.NoNVLink, from nvlinkOffFor), "" when they
 	// do. nvlinkSaid is the reason ResumeFabric last logged.
-	fmParts    []fabric.Partition
+	fmParts    []fabricmanager.Partition
 	fmErr      error
 	nvlinkOff  string
 	nvlinkSaid string

@@ -19,9 +19,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/passage-boot/passage/attest"
-	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/initramfs/netboot"
+	"github.com/passage-boot/passage/kube/dra/resources"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/recycle"
@@ -257,7 +257,7 @@ func (d *Driver) turnUnit(ctx context.Context, id string) {
 		final, step, err := s.Final, "", error(nil)
 		if s.State != StateVerifying || final == 0 {
 			// Deactivated before anything is reset: "GPU reset is done from the host after
-			// the VM shuts down and the partition is deactivated" (package fabric).
+			// the VM shuts down and the partition is deactivated" (package fabricmanager).
 			if err := d.releaseFabric(id); err != nil {
 				d.failed(ctx, id, StepFabric, err)
 				continue

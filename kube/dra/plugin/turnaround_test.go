@@ -22,13 +22,13 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/passage-boot/passage/attest"
-	"github.com/passage-boot/passage/dra/control"
-	"github.com/passage-boot/passage/dra/control/controltest"
-	"github.com/passage-boot/passage/dra/internal/noderig"
-	"github.com/passage-boot/passage/dra/plugin"
-	"github.com/passage-boot/passage/dra/resources"
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/erase/erasetest"
+	"github.com/passage-boot/passage/kube/control"
+	"github.com/passage-boot/passage/kube/control/controltest"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/internal/noderig"
 	"github.com/passage-boot/passage/pci"
 	"github.com/passage-boot/passage/pci/pcitest"
 	"github.com/passage-boot/passage/recycle"
@@ -83,7 +83,7 @@ func (l *logLines) String() string {
 func newTurnRig(t *testing.T) *turnRig {
 	t.Helper()
 	r := &turnRig{Rig: newRig(t), ctrls: map[pci.Address]*erasetest.Controller{}, logs: &logLines{}}
-	fw, err := os.ReadFile("../../attest/testdata/ovmf-secureboot.log")
+	fw, err := os.ReadFile("../../../attest/testdata/ovmf-secureboot.log")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,8 +16,8 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 
-	"github.com/passage-boot/passage/dra/plugin"
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/dra/plugin"
+	"github.com/passage-boot/passage/kube/dra/resources"
 )
 
 // without is publishedDevices' want: n devices, none of unit's.

@@ -21,7 +21,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/dynamic-resource-allocation/cel"
 
-	"github.com/passage-boot/passage/dra/resources"
+	"github.com/passage-boot/passage/kube/dra/resources"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 )

@@ -1,6 +1,6 @@
 /*
  * fmstub: a stand-in for NVIDIA Fabric Manager (FM) behind its client library, for
- * passage's tests only. It is built by the tests (package fabric/fabrictest) into a
+ * passage's tests only. It is built by the tests (package fabricmanager/fabrictest) into a
  * libnvfm.so of its own against go-nvfm's copy of the FM SDK headers (nv_fm_agent.h,
  * nv_fm_types.h, taken from the Go module cache at test time, never copied here), and
  * go-nvfm loads it through its real dlopen path. No FM, NVSwitch or libnvfm is involved:

@@ -1,5 +1,5 @@
 // Module etcd pins the etcd server the cluster e2e's kube-apiserver stores in.
-module github.com/passage-boot/passage/dra/cluster/etcd
+module github.com/passage-boot/passage/kube/harness/etcd
 
 go 1.26.0
 

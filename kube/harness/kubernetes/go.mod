@@ -1,7 +1,7 @@
-// Module kube pins the Kubernetes control plane the cluster e2e runs against.
+// Module kubernetes pins the Kubernetes control plane the cluster e2e runs against.
 // k8s.io/kubernetes replaces its staging modules with paths its module zip
 // does not hold, so this module replaces each with the published v0.37.2.
-module github.com/passage-boot/passage/dra/cluster/kube
+module github.com/passage-boot/passage/kube/harness/kubernetes
 
 go 1.26.0
 

@@ -12,7 +12,7 @@ import (
 	"strconv"
 	"testing"
 
-	"github.com/passage-boot/passage/dra/internal/signedtest"
+	"github.com/passage-boot/passage/kube/internal/signedtest"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 	"github.com/passage-boot/passage/pci"

@@ -10,8 +10,8 @@ import (
 
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/attest/attesttest"
-	"github.com/passage-boot/passage/dra/control/controltest"
-	"github.com/passage-boot/passage/dra/internal/signedtest"
+	"github.com/passage-boot/passage/kube/control/controltest"
+	"github.com/passage-boot/passage/kube/internal/signedtest"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/pci"

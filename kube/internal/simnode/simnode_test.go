@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/passage-boot/passage/dra/internal/simnode"
 	"github.com/passage-boot/passage/erase"
+	"github.com/passage-boot/passage/kube/internal/simnode"
 	"github.com/passage-boot/passage/pci"
 )
 

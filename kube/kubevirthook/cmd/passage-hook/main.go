@@ -1,5 +1,5 @@
 // Command passage-hook is passage's KubeVirt hook sidecar: it keeps each passage unit's
-// GPU, NICs and NVMe behind one virtual PCIe switch in the guest (see dra/hook).
+// GPU, NICs and NVMe behind one virtual PCIe switch in the guest (see kube/kubevirthook).
 package main
 
 import (
@@ -18,12 +18,12 @@ import (
 	"golang.org/x/sys/unix"
 	"kubevirt.io/kubevirt/pkg/hooks"
 
-	"github.com/passage-boot/passage/dra/hook"
+	"github.com/passage-boot/passage/kube/kubevirthook"
 	"github.com/passage-boot/passage/manifest"
 )
 
 type options struct {
-	c                                                        hook.Config
+	c                                                        kubevirthook.Config
 	uuidFile, bootIDFile, root, socket, ncclDir, ncclDiskDir string
 	cpuinfo                                                  string // --cpuinfo: the node's address width
 }
@@ -111,7 +111,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		return 1
 	}
 	if o.cpuinfo != "" {
-		if o.c.HostPhysBits, err = hook.HostPhysBits(o.cpuinfo); err != nil {
+		if o.c.HostPhysBits, err = kubevirthook.HostPhysBits(o.cpuinfo); err != nil {
 			fmt.Fprintf(stderr, "passage-hook: --cpuinfo: %v\n", err)
 			return 1
 		}
@@ -127,8 +127,8 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	if o.ncclDir != "" && o.ncclDiskDir != "" {
 		fmt.Fprintf(stderr, "passage-hook: NCCL files in %s, which QEMU opens as %s\n", o.ncclDir, o.ncclDiskDir)
 	}
-	s := &hook.Server{Config: o.c, NCCLDir: o.ncclDir, NCCLDiskDir: o.ncclDiskDir, Log: log.New(stderr, "passage-hook: ", 0)}
-	if err := hook.Serve(ctx, o.socket, s); err != nil {
+	s := &kubevirthook.Server{Config: o.c, NCCLDir: o.ncclDir, NCCLDiskDir: o.ncclDiskDir, Log: log.New(stderr, "passage-hook: ", 0)}
+	if err := kubevirthook.Serve(ctx, o.socket, s); err != nil {
 		fmt.Fprintf(stderr, "passage-hook: %v\n", err)
 		return 1
 	}

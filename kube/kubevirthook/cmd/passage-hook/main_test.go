@@ -74,7 +74,7 @@ func TestDeployAnnotation(t *testing.T) {
 	if err != nil {
 		t.Fatalf("args %q: %v", list[0].Args, err)
 	}
-	// The manifest passage-dra plugin --hook-dir writes (dra/plugin's HookManifest;
+	// The manifest passage-dra plugin --hook-dir writes (kube/dra/plugin's HookManifest;
 	// TestHookDirFromPlugin verifies it), on the PV over the DaemonSet's hook dir; the
 	// trust root not on that read-write PVC but in the image (the default --pub), and
 	// the node identity the kernel's boot ID, not a file on it.
