@@ -128,6 +128,31 @@ storm-bench: cluster-bin
 	cd kube && PASSAGE_CONTROL_PLANE=$$(bash harness/build.sh $(abspath $(BUILD))/controlplane) PASSAGE_STORM_NODES=$(NODES) \
 		$(GO) test -count=1 -tags cluster -timeout 120m -run '^$$' -bench BootStorm -benchtime 1x ./harness/ | tee $(abspath $(BUILD))/storm-bench.txt
 
+# images writes the Kubernetes side's container images with no container daemon
+# (kube/images, on go-containerregistry): passage-dra built with cgo (it dlopens
+# libnvfm) on a glibc base of Debian packages, the ones kube/images/glibc-base names and
+# says why, downloaded into $(IMAGES)/debs unless there at the archive's version;
+# passage-control and passage-hook static (CGO_ENABLED=0) on no base. Each image is an
+# OCI image layout, $(IMAGES)/NAME, its manifest's digest in $(IMAGES)/NAME.digest; the
+# base's packages and their sha256 in $(IMAGES)/debs.lock (and the image's labels). The
+# same commit and the same packages give the same digests: -trimpath and -buildvcs=false
+# keep the build's directory and the work tree's state out of the binaries (-s -w: no
+# symbol table or DWARF, a third of passage-dra; Go's stack traces do not use them), and
+# every time in an image is the commit's (SOURCE_DATE_EPOCH) or the package's own.
+# Not part of test; kube/images's tests build and run an image themselves.
+.PHONY: images
+IMAGES := $(BUILD)/images
+IMAGE_GOFLAGS := -trimpath -buildvcs=false -ldflags='-s -w'
+images:
+	@mkdir -p $(IMAGES)/bin
+	cd kube && CGO_ENABLED=1 $(GO) build $(IMAGE_GOFLAGS) -o $(abspath $(IMAGES))/bin/ ./cmd/passage-dra
+	cd kube && CGO_ENABLED=0 $(GO) build $(IMAGE_GOFLAGS) -o $(abspath $(IMAGES))/bin/ ./cmd/passage-control
+	cd kube/kubevirthook && CGO_ENABLED=0 $(GO) build $(IMAGE_GOFLAGS) -o $(abspath $(IMAGES))/bin/ ./cmd/passage-hook
+	@debs=$$(bash kube/images/debs.sh $(abspath $(IMAGES))/debs $$(grep -v '^#' kube/images/glibc-base)) || exit 1; \
+	export SOURCE_DATE_EPOCH=$${SOURCE_DATE_EPOCH:-$$(git log -1 --format=%ct)}; \
+	cd kube && $(GO) run ./cmd/passage-images -bin $(abspath $(IMAGES))/bin -out $(abspath $(IMAGES)) \
+		-source https://github.com/passage-boot/passage -revision "$$(git rev-parse HEAD)" -version "$$(git describe --tags --always --dirty)" $$debs
+
 # test: the unit tests, then the QEMU suite with the control plane's build and the cluster
 # tests beside it. The unit phase leaves no core free: started beside the race tests, the
 # control plane's build (cold: some 18 minutes of CPU) made the unit phase take 1661 s

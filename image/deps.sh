@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs, from Debian's archive, the tools passage's build and tests use when they are
-# missing: pciutils (lspci, our decoding oracle), QEMU, swtpm, e2fsprogs. Nothing is installed when
+# missing: pciutils (lspci, our decoding oracle), QEMU, swtpm, e2fsprogs, runc. Nothing is installed when
 # everything is already there.
 set -euo pipefail
 need=()
@@ -38,6 +38,9 @@ command -v sfdisk >/dev/null || need+=(fdisk)
 # udev: systemd-hwdb, which pciids' test uses to build a hardware database of its own, and
 # the system's hwdb.bin (made by udev's postinst), the second source lspci takes names from.
 command -v systemd-hwdb >/dev/null || need+=(udev)
+# runc: kube/images runs the passage-dra image as a node's runtime would (TestRuncRunsDRA).
+# make images reads the base's .debs itself; apt-get download fetches them.
+command -v runc >/dev/null || need+=(runc)
 if ((${#need[@]})); then
 	if [[ $(id -u) != 0 ]]; then
 		echo "deps: missing ${need[*]}; run as root or install them" >&2
