@@ -105,11 +105,9 @@ func (n *NetBoot) args(work, kernel, initrd, cmdline string, topology []string) 
 	script := filepath.Join(filepath.Dir(self), "..", "image", "uki.sh")
 	guestfwd := ""
 	if n.ControlPlane != "" {
-		fwd := filepath.Join(work, "fwd")
-		build := exec.Command("go", "build", "-o", fwd, "./internal/fwd")
-		build.Dir = filepath.Dir(self)
-		if out, err := build.CombinedOutput(); err != nil {
-			return nil, fmt.Errorf("netboot: build internal/fwd: %v: %s", err, out)
+		fwd, err := BuildFwd(work)
+		if err != nil {
+			return nil, fmt.Errorf("netboot: %w", err)
 		}
 		guestfwd = ",guestfwd=tcp:10.0.2.100:80-cmd:" + fwd + " " + n.ControlPlane
 		// The test's control plane is plain http on the management network: the boot

@@ -6,9 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -86,6 +89,11 @@ type Options struct {
 	// input (the keyboard of an operator at the console). Returning true ends the boot:
 	// QEMU is killed, which Run does not count as an error.
 	Console func(line string, keyboard io.Writer) (end bool)
+	// Forward joins addresses on the management NIC's user network to the host's
+	// loopback: each key, "IP:PORT" in 10.0.2.0/24, is a guestfwd whose connections
+	// internal/fwd carries to the value, "127.0.0.1:PORT" (restrict=on still keeps the
+	// guest off every other address).
+	Forward map[string]string
 }
 
 // DefaultKernel is the kernel line the suite boots unless PASSAGE_KERNEL names another
@@ -277,6 +285,11 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		}
 		args = append(args, "-drive", "if=pflash,format=raw,unit=0,readonly=on,file="+OVMFCodeNoSecureBoot,
 			"-drive", "if=pflash,format=raw,unit=1,file="+vars)
+	}
+	if len(o.Forward) > 0 {
+		if devices, err = forward(work, devices, o.Forward); err != nil {
+			return nil, err
+		}
 	}
 	args = append(args, devices...)
 	if o.Disk != "" {
@@ -571,4 +584,45 @@ func Timings() []Timing {
 	timingsMu.Lock()
 	defer timingsMu.Unlock()
 	return append([]Timing(nil), timings...)
+}
+
+// BuildFwd builds internal/fwd, the program a guestfwd runs for each guest connection,
+// into dir and returns its path.
+func BuildFwd(dir string) (string, error) {
+	_, self, _, ok := runtime.Caller(0)
+	if !ok {
+		return "", fmt.Errorf("fwd: cannot locate qemu-tests")
+	}
+	fwd := filepath.Join(dir, "fwd")
+	build := exec.Command("go", "build", "-o", fwd, "./internal/fwd")
+	build.Dir = filepath.Dir(self)
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build internal/fwd: %v: %s", err, out)
+	}
+	return fwd, nil
+}
+
+// forward adds a guestfwd to the management NIC's netdev for each of fwds.
+func forward(work string, devices []string, fwds map[string]string) ([]string, error) {
+	fwd, err := BuildFwd(work)
+	if err != nil {
+		return nil, err
+	}
+	out := append([]string(nil), devices...)
+	for i, a := range out {
+		if !strings.HasPrefix(a, "user,id=mgmt0,") {
+			continue
+		}
+		for _, guest := range slices.Sorted(maps.Keys(fwds)) {
+			host := fwds[guest]
+			if strings.ContainsAny(guest+host, ", ") {
+				return nil, fmt.Errorf("forward %q -> %q: no commas or spaces", guest, host)
+			}
+			a += ",guestfwd=tcp:" + guest + "-cmd:" + fwd + " " + host
+		}
+		out[i] = a
+		return out, nil
+	}
+	return nil, fmt.Errorf("forward: no management NIC (user,id=mgmt0) among the devices")
 }

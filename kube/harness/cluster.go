@@ -44,6 +44,10 @@ type Cluster struct {
 	opts      Options
 	caPEM     []byte
 	adminTokn string
+	// NodeToken is the bearer token of Options.Node's kubelet ("" without a node).
+	NodeToken string
+	// CA is the PEM certificate the API server's serving certificate chains to.
+	CA []byte
 }
 
 type proc struct {
@@ -61,6 +65,24 @@ type Options struct {
 	// RuntimeConfig is kube-apiserver's --runtime-config
 	// ("resource.k8s.io/v1/devicetaintrules=false").
 	RuntimeConfig string
+	// Node readies the control plane for a real kubelet (a QEMU guest's): nil for the
+	// tests that play the kubelet's part themselves.
+	Node *NodeAccess
+}
+
+// NodeAccess is what a real node's kubelet needs of the control plane.
+type NodeAccess struct {
+	// Name is the node's: a token (Cluster.NodeToken) authenticates its kubelet as
+	// system:node:<Name> in group system:nodes, which the Node authorizer and
+	// NodeRestriction judge.
+	Name string
+	// ServiceCIDR is --service-cluster-ip-range. The kubernetes Service's ClusterIP,
+	// which pods dial (KUBERNETES_SERVICE_HOST), is its first address: a guest with no
+	// kube-proxy reaches it when that address is the guestfwd to the API server.
+	ServiceCIDR string
+	// Addresses are more IP addresses the serving certificate names: where the node
+	// dials the API server.
+	Addresses []net.IP
 }
 
 // Start starts the control plane from the binaries in bin (kube-apiserver,
@@ -115,7 +137,7 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 		"--endpoint-reconciler-type=none",
 		"--tls-cert-file="+f("serving.crt"), "--tls-private-key-file="+f("serving.key"),
 		"--service-account-key-file="+f("sa.pub"), "--service-account-signing-key-file="+f("sa.key"),
-		"--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.96.0.0/16",
+		"--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range="+c.serviceCIDR(),
 		"--token-auth-file="+f("tokens.csv"), "--authorization-mode=Node,RBAC", "--cert-dir="+f("apiserver-certs"),
 		// As kubeadm runs it: without, the API server refuses deploy/daemonset.yaml's
 		// privileged container ("disallowed by cluster policy").
@@ -163,11 +185,31 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 		}
 	}
 	// The node controller is left out: with no kubelet it marks the nodes NotReady.
-	cm, err := c.start(bin, "kube-controller-manager", c.flags(false, "--kubeconfig="+f("controller-manager.kubeconfig"), "--leader-elect=false",
-		// device-taint-eviction-controller deletes the pods using a device a NoExecute
-		// DeviceTaintRule taints (passage-control's attestation-failed).
-		"--controllers=resourceclaim-controller,garbage-collector-controller,device-taint-eviction-controller",
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ports[4]), "--cert-dir="+f("cm-certs"))...)
+	// device-taint-eviction-controller deletes the pods using a device a NoExecute
+	// DeviceTaintRule taints (passage-control's attestation-failed).
+	controllers := "resourceclaim-controller,garbage-collector-controller,device-taint-eviction-controller"
+	cmArgs := []string{"--kubeconfig=" + f("controller-manager.kubeconfig"), "--leader-elect=false",
+		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(ports[4]), "--cert-dir=" + f("cm-certs")}
+	if c.opts.Node != nil {
+		// A real kubelet runs what the deploy files make: DaemonSets and Deployments
+		// (their ReplicaSets), in namespaces whose default service account and
+		// kube-root-ca.crt ConfigMap (every pod's projected token volume names it) the
+		// controller-manager makes.
+		// node-lifecycle-controller lifts the not-ready taint admission gives a new Node
+		// once its kubelet reports Ready.
+		controllers += ",daemonset-controller,deployment-controller,replicaset-controller,serviceaccount-controller,root-ca-certificate-publisher-controller,node-lifecycle-controller"
+		cmArgs = append(cmArgs, "--root-ca-file="+f("serving.crt"))
+		for _, role := range []string{"system:controller:daemon-set-controller", "system:controller:deployment-controller",
+			"system:controller:replicaset-controller", "system:controller:service-account-controller", "system:controller:root-ca-cert-publisher", "system:controller:node-controller"} {
+			b := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "e2e:" + role},
+				RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
+				Subjects: []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: "system:kube-controller-manager"}}}
+			if _, err := c.Client.RbacV1().ClusterRoleBindings().Create(ctx, b, metav1.CreateOptions{}); err != nil {
+				return fmt.Errorf("controller-manager role %s: %w", role, err)
+			}
+		}
+	}
+	cm, err := c.start(bin, "kube-controller-manager", c.flags(false, append(cmArgs, "--controllers="+controllers)...)...)
 	if err != nil {
 		return err
 	}
@@ -180,6 +222,13 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 		}
 	}
 	return nil
+}
+
+func (c *Cluster) serviceCIDR() string {
+	if c.opts.Node != nil && c.opts.Node.ServiceCIDR != "" {
+		return c.opts.Node.ServiceCIDR
+	}
+	return "10.96.0.0/16"
 }
 
 // flags are a component's args with the Options' flags: --feature-gates for every
@@ -328,11 +377,15 @@ func (c *Cluster) secrets() error {
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"localhost"},
 	}
+	if c.opts.Node != nil {
+		tmpl.IPAddresses = append(tmpl.IPAddresses, c.opts.Node.Addresses...)
+	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
 	if err != nil {
 		return err
 	}
 	c.caPEM = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+	c.CA = c.caPEM
 	kb, err := x509.MarshalECPrivateKey(key)
 	if err != nil {
 		return err
@@ -354,6 +407,10 @@ func (c *Cluster) secrets() error {
 	c.adminTokn = fmt.Sprintf("%x", tok)
 	tokens := fmt.Sprintf("%s,admin,admin,system:masters\nscheduler-%s,system:kube-scheduler,kube-scheduler\ncm-%s,system:kube-controller-manager,kube-controller-manager\n",
 		c.adminTokn, c.adminTokn, c.adminTokn)
+	if c.opts.Node != nil {
+		c.NodeToken = "node-" + c.adminTokn
+		tokens += fmt.Sprintf("%s,system:node:%s,node-%s,system:nodes\n", c.NodeToken, c.opts.Node.Name, c.opts.Node.Name)
+	}
 	for name, b := range map[string][]byte{
 		"serving.crt": c.caPEM,
 		"serving.key": pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}),
