@@ -285,7 +285,39 @@ func unmarshal(payload []byte) (*Manifest, error) {
 	if err := checkModuleFields(payload, &m); err != nil {
 		return nil, err
 	}
+	if err := checkKubeletKey(payload, &m); err != nil {
+		return nil, err
+	}
 	return &m, nil
+}
+
+// checkKubeletKey holds node.kubelet_key to its schema: absent before schema 6; from
+// schema 6 absent (no key made) or a digest "sha256:<64 lower-case hex>". An empty or
+// null one is refused: it would marshal back without the field, to other bytes.
+func checkKubeletKey(payload []byte, m *Manifest) error {
+	var raw struct {
+		Node struct {
+			KubeletKey json.RawMessage `json:"kubelet_key"`
+		} `json:"node"`
+	}
+	if err := json.Unmarshal(payload, &raw); err != nil {
+		return err
+	}
+	switch k := m.Node.KubeletKey; {
+	case raw.Node.KubeletKey == nil:
+		return nil
+	case m.SchemaVersion < 6:
+		return fmt.Errorf("schema_version %d has no node.kubelet_key, the payload gives one", m.SchemaVersion)
+	case !canonicalDigest(k):
+		return fmt.Errorf("node.kubelet_key %s: want sha256:<64 lower-case hex digits>", Printable(string(raw.Node.KubeletKey)))
+	}
+	return nil
+}
+
+// canonicalDigest says whether s is "sha256:" and 64 lower-case hex digits, the one
+// spelling Digest and the kubelet key's digest write.
+func canonicalDigest(s string) bool {
+	return validDigest(s) && strings.ToLower(s) == s
 }
 
 // checkModuleFields holds the payload's Module ID fields to its schema, which decoding

@@ -22,6 +22,7 @@ func fuzzSeeds(t testing.TB) map[string][]byte {
 	m := manifesttest.B300Fabric(4)
 	m.Units = m.Units[:2]
 	m.Units[1].ModuleID, m.Units[1].ModuleSource = 0, "" // one known, one unknown
+	m.Node.KubeletKey = manifesttest.KubeletKey
 	signed, err := Sign(context.Background(), m, testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
@@ -66,11 +67,20 @@ func schema3(t testing.TB, payload []byte) []byte {
 	})
 }
 
-// schema4 is a payload as the previous release signed it: no Module IDs, no nvlink.
+// schema5 is a payload as the previous release signed it: no kubelet key.
+func schema5(t testing.TB, payload []byte) []byte {
+	t.Helper()
+	return older(t, payload, func(m *Manifest) {
+		m.SchemaVersion, m.Node.KubeletKey = 5, ""
+	})
+}
+
+// schema4 is a payload as the release before schema 5 signed it: no Module IDs, no
+// nvlink.
 func schema4(t testing.TB, payload []byte) []byte {
 	t.Helper()
 	return older(t, payload, func(m *Manifest) {
-		m.SchemaVersion, m.NVLink = 4, nil
+		m.SchemaVersion, m.NVLink, m.Node.KubeletKey = 4, nil, ""
 		for i := range m.Units {
 			m.Units[i].ModuleID, m.Units[i].ModuleSource = 0, ""
 		}

@@ -509,15 +509,18 @@ func TestGenerateKeyWaitsForThePool(t *testing.T) {
 }
 
 // TestVerifySchemaVersions: a verifier accepts what this release signs and what the
-// releases before it signed (schema 4: no Module IDs or nvlink; schema 3: no bars either;
-// schema 2: no build either); a payload whose fields do not match its version is
-// refused.
+// releases before it signed (schema 5: no kubelet key; schema 4: no Module IDs or
+// nvlink either; schema 3: no bars either; schema 2: no build either); a payload whose
+// fields do not match its version is refused.
 func TestVerifySchemaVersions(t *testing.T) {
-	signed, err := Sign(context.Background(), manifesttest.B300Fabric(3), testSigner(t, 1))
+	fabric := manifesttest.B300Fabric(3)
+	fabric.Node.KubeletKey = manifesttest.KubeletKey
+	signed, err := Sign(context.Background(), fabric, testSigner(t, 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	v5 := signed.Payload
+	v6 := signed.Payload
+	v5 := schema5(t, v6)
 	v4 := schema4(t, v5)
 	v3 := schema3(t, v4)
 	v2 := schema2(t, v3)
@@ -537,18 +540,30 @@ func TestVerifySchemaVersions(t *testing.T) {
 	}
 	nullNVLink := append(append(append([]byte{}, v5[:nvStart]...), `"nvlink":null`...), v5[nvEnd+len(`nvlink_partitions"}`):]...)
 	unknown := bytes.ReplaceAll(v5, []byte(`"module_id":5,"module_source":"profile b300: modules[0000:22:00.0]"`), []byte(`"module_id":0,"module_source":""`))
+	key := []byte(`,"kubelet_key":"` + manifesttest.KubeletKey + `"`)
+	if !bytes.Contains(v6, key) || bytes.Contains(v5, []byte(`kubelet_key`)) {
+		t.Fatalf("the schema 6 payload lacks its kubelet key, or its schema 5 copy has one:\n%s", v6)
+	}
+	withKey := func(v string) []byte { return bytes.Replace(v6, key, []byte(`,"kubelet_key":`+v), 1) }
 	for name, tc := range map[string]struct {
 		payload []byte
 		want    error // nil: accepted
 	}{
-		"current":                           {v5, nil},
-		"current, a Module ID unknown":      {unknown, nil},
-		"current without Module IDs":        {retag(v4, 4, 5), ErrMalformed}, // absent is not unknown
-		"current without module_source":     {bytes.Replace(unknown, []byte(`,"module_source":""`), nil, 1), ErrMalformed},
-		"current with a null module_id":     {bytes.Replace(unknown, []byte(`"module_id":0`), []byte(`"module_id":null`), 1), ErrMalformed},
-		"current with a null nvlink":        {nullNVLink, ErrMalformed},
-		"previous":                          {v4, nil},
-		"previous with Module IDs":          {retag(unknown, 5, 4), ErrMalformed},
+		"current":                           {v6, nil},
+		"current without a kubelet key":     {retag(v5, 5, 6), nil},
+		"current, an empty kubelet key":     {withKey(`""`), ErrMalformed},
+		"current, a null kubelet key":       {withKey(`null`), ErrMalformed},
+		"current, a kubelet key not sha256": {withKey(`"sha1:` + strings.Repeat("ab", 20) + `"`), ErrMalformed},
+		"current, a kubelet key upper-case": {withKey(`"sha256:` + strings.ToUpper(strings.TrimPrefix(manifesttest.KubeletKey, "sha256:")) + `"`), ErrMalformed},
+		"previous":                          {v5, nil},
+		"previous with a kubelet key":       {retag(v6, 6, 5), ErrMalformed},
+		"schema 5, a Module ID unknown":     {unknown, nil},
+		"schema 5 without Module IDs":       {retag(v4, 4, 5), ErrMalformed}, // absent is not unknown
+		"schema 5 without module_source":    {bytes.Replace(unknown, []byte(`,"module_source":""`), nil, 1), ErrMalformed},
+		"schema 5 with a null module_id":    {bytes.Replace(unknown, []byte(`"module_id":0`), []byte(`"module_id":null`), 1), ErrMalformed},
+		"schema 5 with a null nvlink":       {nullNVLink, ErrMalformed},
+		"schema 4":                          {v4, nil},
+		"schema 4 with Module IDs":          {retag(unknown, 5, 4), ErrMalformed},
 		"schema 3 without bars":             {v3, nil},
 		"schema 3 with bars":                {retag(v4, 4, 3), ErrMalformed},
 		"schema 4 without bars":             {retag(v3, 3, 4), nil}, // a node without BARs read (an older kernel's tree)
@@ -556,7 +571,7 @@ func TestVerifySchemaVersions(t *testing.T) {
 		"schema 2 with build":               {retag(v3, 3, 2), ErrMalformed},
 		"schema 3 without build":            {retag(v2, 2, 3), ErrMalformed},
 		"older than the oldest":             {retag(v2, 2, 1), ErrUnknownSchema},
-		"newer than this":                   {retag(v5, 5, 6), ErrUnknownSchema},
+		"newer than this":                   {retag(v6, 6, 7), ErrUnknownSchema},
 		"a Module ID twice":                 {bytes.Replace(v5, []byte(`"module_id":6,`), []byte(`"module_id":5,`), 1), ErrContradiction},
 		"a Module ID without its source":    {bytes.Replace(v5, []byte(`"module_source":"profile b300: modules[0000:22:00.0]"`), []byte(`"module_source":""`), 1), ErrContradiction},
 		"a source without a Module ID":      {bytes.Replace(v5, []byte(`"module_id":5,`), []byte(`"module_id":0,`), 1), ErrContradiction},
@@ -591,6 +606,9 @@ func TestVerifySchemaVersions(t *testing.T) {
 	m5, err := Unmarshal(v5)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if m6, err := Unmarshal(v6); err != nil || m6.Node.KubeletKey != manifesttest.KubeletKey {
+		t.Errorf("node.kubelet_key after signing and decoding: %v %+v", err, m6)
 	}
 	if u := m5.Units[0]; u.ModuleID != 5 || u.ModuleSource != "profile b300: modules[0000:22:00.0]" ||
 		m5.NVLink == nil || len(m5.NVLink.Partitions) != 15 || m5.NVLink.Source != "profile b300: nvlink_partitions" {

@@ -18,12 +18,12 @@ import (
 
 // SchemaVersion is the version this package writes. Any change to the payload's fields,
 // their meaning or their encoding bumps it.
-const SchemaVersion = 5 // 5 added units[].module_id, module_source and nvlink; 4 units[].functions[].bars; 3 build and image_plan
+const SchemaVersion = 6 // 6 added node.kubelet_key; 5 units[].module_id, module_source and nvlink; 4 units[].functions[].bars; 3 build and image_plan
 
 // OldestSchemaVersion is the oldest version Verify still accepts: a hypervisor upgraded
 // before its nodes must go on accepting what their previous image signs, for one
-// release. Schema 4 is schema 5 without units' module_id and module_source and without
-// nvlink; schema 3 is schema 4 without functions' bars; schema 2 is schema 3 without
+// release. Schema 5 is schema 6 without node.kubelet_key; schema 4 is schema 5 without
+// units' module_id and module_source and without nvlink; schema 3 is schema 4 without functions' bars; schema 2 is schema 3 without
 // build and image_plan.
 const OldestSchemaVersion = 2
 
@@ -101,6 +101,11 @@ type Node struct {
 	BoardName string `json:"board_name"` // /sys/class/dmi/id/board_name
 	Vendor    string `json:"vendor"`     // /sys/class/dmi/id/sys_vendor
 	Product   string `json:"product"`    // /sys/class/dmi/id/product_name
+	// KubeletKey is "sha256:<hex>" of the SubjectPublicKeyInfo (DER) of the kubelet client
+	// key this boot made (schema 6; absent when it made none): the attestation that
+	// vouches for the manifest vouches for the key, and passage-control approves the
+	// kubelet's certificate request only for it (initramfs/kubelet).
+	KubeletKey string `json:"kubelet_key,omitempty"`
 }
 
 // NUMACPUs is one NUMA node's CPU list, as /sys/devices/system/node/node<N>/cpulist

@@ -17,6 +17,12 @@ func WriteAtomic(dir, name string, data []byte) error {
 	return writeAtomic(dir, name, data, 0o644)
 }
 
+// WriteAtomicPrivate is WriteAtomic for a secret (a private key): the file is mode 0600
+// from its creation (os.CreateTemp's) to its rename, never readable by another user.
+func WriteAtomicPrivate(dir, name string, data []byte) error {
+	return writeAtomic(dir, name, data, 0o600)
+}
+
 func writeAtomic(dir, name string, data []byte, perm os.FileMode) (err error) {
 	target := filepath.Join(dir, name)
 	if name == "" || filepath.Base(name) != name {

@@ -448,6 +448,12 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 		m.Profile = prev.Profile
 		m.GuestPlan = prev.GuestPlan
 		m.Stages = prev.Stages
+		// The kubelet's key is the boot's (initramfs/kubelet): every generation of the
+		// same boot signs it again, so the record's verified key stays the one the
+		// kubelet holds. Another boot's key is not carried.
+		if prev.BootID == m.BootID {
+			m.Node.KubeletKey = prev.Node.KubeletKey
+		}
 	}
 	m.Errors = []string{}
 	if cpus, err := record.NUMACPUs(o.Root); err != nil {

@@ -14,6 +14,10 @@ import (
 // BootID is the boot id of the manifests built here.
 const BootID = "6f1c2a4e-8d3b-4c7a-9e15-2b7d0f4a9c31"
 
+// KubeletKey is a node.kubelet_key of the right shape (the digest of no key anyone
+// holds), for manifests whose kubelet key only has to be there.
+const KubeletKey = "sha256:5d41402abc4b2a76b9719d911017c592f3c6a8e4b1d9e0f2a7c5b3d1e9f0a8c6"
+
 // Build is the build the manifests built here name.
 var Build = buildinfo.Info{Version: "v1.4.0", Revision: "3f2a9c1d5e7b8a604f1c2d3e4b5a69788c9d0e1f", GoVersion: "go1.26.0"}
 

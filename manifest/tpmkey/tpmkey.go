@@ -175,6 +175,25 @@ func (k *TPM) Close() error {
 // attest) on the same connection.
 func (k *TPM) Transport() transport.TPM { return k.t }
 
+// Random returns n bytes from the TPM's random number generator (TPM2_GetRandom, TPM 2.0
+// Part 3 section 16.1), asked in as many commands as the TPM's answer size needs: each
+// answer holds at most its largest digest's size. It draws nothing from the kernel's
+// pool, so it does not wait for it.
+func (k *TPM) Random(n int) ([]byte, error) {
+	out := make([]byte, 0, n)
+	for len(out) < n {
+		rsp, err := tpm2.GetRandom{BytesRequested: uint16(min(n-len(out), 64))}.Execute(k.t)
+		if err != nil {
+			return nil, fmt.Errorf("tpm: get random: %w", err)
+		}
+		if len(rsp.RandomBytes.Buffer) == 0 {
+			return nil, errors.New("tpm: get random: the TPM answered no bytes")
+		}
+		out = append(out, rsp.RandomBytes.Buffer...)
+	}
+	return out[:n], nil
+}
+
 // Public returns the signing key's public part.
 func (k *TPM) Public() crypto.PublicKey { return k.pub }
 

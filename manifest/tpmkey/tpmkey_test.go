@@ -218,3 +218,20 @@ func BenchmarkVerifyTPM(b *testing.B) {
 		}
 	}
 }
+
+// TestRandom: the TPM's generator answers as many bytes as asked, over several
+// TPM2_GetRandom commands when one answer is not enough, and not the same twice.
+func TestRandom(t *testing.T) {
+	_, k := openSim(t)
+	a, err := k.Random(200)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := k.Random(200)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(a) != 200 || len(b) != 200 || bytes.Equal(a, b) {
+		t.Errorf("%d and %d bytes, equal %v", len(a), len(b), bytes.Equal(a, b))
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/initramfs/kubelet"
 	"github.com/passage-boot/passage/manifest"
 	"github.com/passage-boot/passage/manifest/tpmkey"
 	"github.com/passage-boot/passage/record"
@@ -276,6 +277,13 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 	case len(counters) == 0:
 		r.Findingf("generation 0: no TPM and no passage.out, nothing persistent to count on")
 	}
+	if b.Config.Handoff == initramfs.HandoffSwitchRoot {
+		// Before the manifest is signed: it carries the key's digest.
+		if err := b.kubeletKey(tpm, m, r); err != nil {
+			errs = append(errs, err.Error())
+			r.Degrade("%v", err)
+		}
+	}
 	m.Errors = errs
 	if !b.commit(ctx, func() { b.Manifest = m }) {
 		return fmt.Errorf("manifest: %w before anything was written", ctx.Err())
@@ -356,6 +364,30 @@ func (b *Boot) manifest(ctx context.Context, st *stages.State, r *stages.Result)
 			return fmt.Errorf("passage.tpm=on: the TPM key did not sign: %w", err)
 		}
 	}
+	return nil
+}
+
+// kubeletKey makes the kubelet's client key for the root this boot hands off to
+// (package kubelet): from the TPM's random number generator, so it waits on no kernel
+// pool, and only when the TPM signs, since only a TPM's attestation gets its
+// certificate approved. The manifest signs its digest (node.kubelet_key). Without a TPM
+// the kubelet makes a key of its own, which passage-control never approves.
+func (b *Boot) kubeletKey(tpm bootTPM, m *manifest.Manifest, r *stages.Result) error {
+	rng, ok := tpm.signer.(interface{ Random(int) ([]byte, error) })
+	if !ok {
+		r.Findingf("kubelet key: none made (no TPM signs this manifest: passage-control approves a kubelet's certificate only for a TPM-attested boot)")
+		return nil
+	}
+	dir, err := Beneath(b.Root, kubelet.CertDir)
+	if err != nil {
+		return fmt.Errorf("kubelet key: %w", err)
+	}
+	digest, err := kubelet.Make(dir, rng.Random)
+	if err != nil {
+		return fmt.Errorf("%w: this boot's kubelet will not be approved", err)
+	}
+	m.Node.KubeletKey = digest
+	r.Changef("kubelet client key %s made for %s (node.kubelet_key)", digest, filepath.Join(kubelet.CertDir, kubelet.KeyFile))
 	return nil
 }
 
