@@ -34,6 +34,8 @@ type Metrics struct {
 	// Reconcile's: passes by result, and the pools the last finished pass left tainted.
 	passes  map[string]int64
 	tainted int64
+	// Approver's: the kubelet's certificate requests judged, by result.
+	csrs map[string]int64
 }
 
 // bucketBounds are the nonce-to-verdict histogram's upper bounds, seconds.
@@ -41,8 +43,12 @@ var bucketBounds = []float64{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300}
 
 // NewMetrics makes empty counters.
 func NewMetrics() *Metrics {
-	return &Metrics{refusals: map[string]int64{}, verdicts: map[string]int64{}, durations: make([]float64, len(bucketBounds)),
-		sheds: map[string]int64{ShedFull: 0, ShedDeadline: 0}, passes: map[string]int64{"ok": 0, "error": 0}}
+	m := &Metrics{refusals: map[string]int64{}, verdicts: map[string]int64{}, durations: make([]float64, len(bucketBounds)),
+		sheds: map[string]int64{ShedFull: 0, ShedDeadline: 0}, passes: map[string]int64{"ok": 0, "error": 0}, csrs: map[string]int64{}}
+	for _, r := range csrResults {
+		m.csrs[r] = 0
+	}
+	return m
 }
 
 func (m *Metrics) setSlots(n int) {
@@ -93,6 +99,15 @@ func (m *Metrics) reconciled(tainted int, err error) {
 	}
 	m.passes["ok"]++
 	m.tainted = int64(tainted)
+}
+
+func (m *Metrics) csr(result string) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	m.csrs[result]++
+	m.mu.Unlock()
 }
 
 func (m *Metrics) issued() {
@@ -188,6 +203,10 @@ func (m *Metrics) write(w io.Writer) {
 	}
 	p("# HELP passage_control_reconcile_tainted_pools Published pools the last finished pass left tainted (their generation not verified).\n# TYPE passage_control_reconcile_tainted_pools gauge\n")
 	p("passage_control_reconcile_tainted_pools %d\n", m.tainted)
+	p("# HELP passage_control_csr_total Kubelet client certificate requests this replica judged, by result: approved, or why it left one pending (not-kubelet-client, requester, no-record, not-verified, key-mismatch; error: the API failed, tried again).\n# TYPE passage_control_csr_total counter\n")
+	for _, r := range sortedKeys(m.csrs) {
+		p("passage_control_csr_total{result=%q} %d\n", r, m.csrs[r])
+	}
 }
 
 func sortedKeys[V any](m map[string]V) []string {

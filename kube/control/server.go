@@ -93,6 +93,9 @@ type Server struct {
 	Intake *Intake
 	// Approved is the approved image; nil checks the TPM's word only (attest.VerifyTPM).
 	Approved *attest.Approved
+	// Approver, when not nil, approves the kubelet's certificate request for the key of
+	// each boot this replica verifies.
+	Approver *Approver
 	Metrics  *Metrics
 	Log      *log.Logger
 }
@@ -593,7 +596,7 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, n *Node, a *
 		now := s.Store.now().UTC()
 		nonce := issued.UTC()
 		n.Status = NodeStatus{Verdict: verdict, Reason: reason, Time: &now, Generation: gen, Digest: digest, Nonce: &nonce,
-			ResetCount: n.Status.ResetCount, BootID: ver.Manifest.BootID}
+			ResetCount: n.Status.ResetCount, BootID: ver.Manifest.BootID, KubeletKey: ver.Manifest.Node.KubeletKey}
 		if res != nil {
 			n.Status.ResetCount = int64(res.Seen.ResetCount)
 		}
@@ -624,6 +627,9 @@ func (s *Server) verify(ctx context.Context, w http.ResponseWriter, n *Node, a *
 	if verr != nil {
 		return refuse(http.StatusForbidden, strings.ToLower(check), "record %s: %s", n.Name, lowerFirst(verr.Error()))
 	}
+	// The kubelet's request for the key this boot attested, pending or to come, is
+	// approved by this replica at once (no API call: its cache).
+	s.Approver.Verified(n.Name, n.Status.KubeletKey)
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(VerdictBody{Record: n.Name, Verdict: verdict, Generation: gen})
 }

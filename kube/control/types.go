@@ -98,6 +98,10 @@ type NodeStatus struct {
 	BootID     string `json:"bootID,omitempty"`
 	// Digest is the sha256 of the judged manifest's payload ("sha256:<hex>").
 	Digest string `json:"digest,omitempty"`
+	// KubeletKey is the judged manifest's node.kubelet_key: the digest of the kubelet
+	// client key its boot made ("" when it made none). The Approver approves a kubelet's
+	// certificate request only for this key of a verified record.
+	KubeletKey string `json:"kubeletKey,omitempty"`
 	// Nonce is when the nonce of the attestation judged was issued: a nonce issued no
 	// later is spent for this record. The status write carries the resourceVersion
 	// read, so of two attestations racing with one nonce only one is recorded.

@@ -48,6 +48,9 @@ type Cluster struct {
 	NodeToken string
 	// CA is the PEM certificate the API server's serving certificate chains to.
 	CA []byte
+	// BootstrapToken is Options.Signing's bootstrap token ("<id>.<secret>"), a user
+	// system:bootstrap:<id> in group system:bootstrappers.
+	BootstrapToken string
 }
 
 type proc struct {
@@ -68,6 +71,11 @@ type Options struct {
 	// Node readies the control plane for a real kubelet (a QEMU guest's): nil for the
 	// tests that play the kubelet's part themselves.
 	Node *NodeAccess
+	// Signing readies it for the kubelet's TLS bootstrap (signing.go): a client CA the
+	// API server trusts and kube-controller-manager's csrsigning controller signs with,
+	// a bootstrap token (Cluster.BootstrapToken) whose group may create certificate
+	// requests, and no approver: csrapproving does not run.
+	Signing bool
 }
 
 // NodeAccess is what a real node's kubelet needs of the control plane.
@@ -209,6 +217,11 @@ func (c *Cluster) start0(ctx context.Context, bin, dir string) error {
 			}
 		}
 	}
+	if c.opts.Signing {
+		if controllers, cmArgs, err = c.signing(ctx, controllers, cmArgs); err != nil {
+			return err
+		}
+	}
 	cm, err := c.start(bin, "kube-controller-manager", c.flags(false, append(cmArgs, "--controllers="+controllers)...)...)
 	if err != nil {
 		return err
@@ -239,6 +252,9 @@ func (c *Cluster) flags(apiserver bool, args ...string) []string {
 	}
 	if apiserver && c.opts.RuntimeConfig != "" {
 		args = append(args, "--runtime-config="+c.opts.RuntimeConfig)
+	}
+	if apiserver && c.opts.Signing {
+		args = append(args, signingAPIServerFlags(c.Dir)...)
 	}
 	return args
 }
@@ -410,6 +426,11 @@ func (c *Cluster) secrets() error {
 	if c.opts.Node != nil {
 		c.NodeToken = "node-" + c.adminTokn
 		tokens += fmt.Sprintf("%s,system:node:%s,node-%s,system:nodes\n", c.NodeToken, c.opts.Node.Name, c.opts.Node.Name)
+	}
+	if c.opts.Signing {
+		if err := clientCA(c.Dir); err != nil {
+			return err
+		}
 	}
 	for name, b := range map[string][]byte{
 		"serving.crt": c.caPEM,

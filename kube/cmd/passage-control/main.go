@@ -7,7 +7,8 @@
 //	passage-control --tls-cert F --tls-key F --ek-ca F --exchange-key F [--approved F]
 //	                [--intake F] [--listen ADDR] [--metrics ADDR] [--kubeconfig F]
 //	                [--nonce-ttl D] [--kube-qps N] [--max-in-flight N]
-//	                [--request-deadline D] [--max-conns N]
+//	                [--request-deadline D] [--max-conns N] [--approve-kubelet=false]
+//	                [--approve-grace D]
 package main
 
 import (
@@ -43,9 +44,10 @@ func main() {
 
 type flags struct {
 	listen, metrics, cert, key, ekCA, approved, intake, kubeconfig, exchangeKey string
-	nonceTTL, reconcileEvery, deadline                                          time.Duration
+	nonceTTL, reconcileEvery, deadline, approveGrace                            time.Duration
 	qps                                                                         float64
 	maxInFlight, maxConns                                                       int
+	approveKubelet                                                              bool
 }
 
 // run serves until ctx ends. ready, when not nil, gets the listening addresses (tests).
@@ -68,6 +70,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.IntVar(&f.maxInFlight, "max-in-flight", control.DefaultMaxInFlight, "requests doing API work at once (each may hold an 8 MiB attestation): one more is answered 503 with Retry-After at once")
 	fs.DurationVar(&f.deadline, "request-deadline", control.DefaultDeadline, "a request's answer, 503 with Retry-After if its work is not done, comes within this, and so does each API call; under a boot's 10 s try")
 	fs.IntVar(&f.maxConns, "max-conns", 1024, "connections open at once on --listen (each holds its TLS and read buffers, some 40 KiB): past it a connection waits in the kernel's backlog")
+	fs.BoolVar(&f.approveKubelet, "approve-kubelet", true, "approve the kubelet's client certificate requests (signer "+control.KubeletSigner+") of boots this control plane verified, for the key each boot attested; false leaves them to another approver")
+	fs.DurationVar(&f.approveGrace, "approve-grace", control.DefaultApproveGrace, "how long a replica that did not verify a boot leaves its kubelet's request to the one that did, before judging it itself")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -98,6 +102,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	if f.deadline < 100*time.Millisecond {
 		return fail(2, "--request-deadline %s: want at least 100ms", f.deadline)
+	}
+	if f.approveGrace <= 0 {
+		return fail(2, "--approve-grace %s: want more than 0", f.approveGrace)
 	}
 	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
 	if err != nil {
@@ -168,6 +175,17 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	srv.Store = &control.Store{Client: dyn, Table: kc.Discovery().RESTClient()}
 	srv.Taints = &control.Taints{Client: kc}
+	if f.approveKubelet {
+		// The watch is long-lived: its client has no deadline (rc.Timeout would cut it
+		// every few seconds); each call the approver makes is bounded by its context.
+		wc := rest.CopyConfig(rc)
+		wc.Timeout = 0
+		wkc, err := kubernetes.NewForConfig(wc)
+		if err != nil {
+			return fail(2, "kubernetes client: %v", err)
+		}
+		srv.Approver = &control.Approver{Client: wkc, Store: srv.Store, Metrics: srv.Metrics, Log: logger, Grace: f.approveGrace}
+	}
 
 	ln, err := net.Listen("tcp", f.listen)
 	if err != nil {
@@ -216,6 +234,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	logger.Printf("serving passage.url on https://%s, metrics on %s", ln.Addr(), maddr)
 	if ready != nil {
 		ready(ln.Addr().String(), maddr)
+	}
+	if srv.Approver != nil {
+		go srv.Approver.Run(ctx)
 	}
 	// Every replica reconciles the pools with their records (Server.Reconcile: each
 	// write idempotent, a verification landing meanwhile undone by none).

@@ -22,9 +22,12 @@ import (
 // network); Boot is the publish stage's exchange.
 type SoftNode struct {
 	Hostname string
-	tpm      *softtpm.TPM
-	signed   *manifest.Signed
-	log      []byte
+	// KubeletKey is the node.kubelet_key each manifest Sign and Reboot sign from now on
+	// (initramfs/kubelet's digest of the key the boot made); "" signs none.
+	KubeletKey string
+	tpm        *softtpm.TPM
+	signed     *manifest.Signed
+	log        []byte
 }
 
 // NewSoftNode manufactures the node's TPM around ek (its certificate issued by ca),
@@ -226,7 +229,7 @@ func (n *SoftNode) Reboot(ctx context.Context, fw *softtpm.Firmware, hostname st
 // running host's next generation, or a manifest for another name: an attack's).
 func (n *SoftNode) Sign(ctx context.Context, hostname string, gen uint64) error {
 	m := manifesttest.B300(gen)
-	m.Node.Hostname = hostname
+	m.Node.Hostname, m.Node.KubeletKey = hostname, n.KubeletKey
 	s, log, err := n.tpm.SignManifest(ctx, m, "manifest.dsse.json")
 	if err != nil {
 		return fmt.Errorf("node %s: sign: %w", hostname, err)
