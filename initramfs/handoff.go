@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/u-root/u-root/pkg/mount"
@@ -33,9 +34,12 @@ type System struct {
 	NotRoot    []string
 	MountRoot  func(dev, dir, fstype string) error
 	SwitchRoot func(newRoot, init string) error // returns only on failure
-	RunShell   func(path string) error          // runs the shell to completion
-	Stat       func(path string) error
-	Sleep      func(time.Duration)
+	// ReleaseCgroups unmounts the cgroup v1 hierarchies of the initramfs
+	// (CgroupV1Mounts) and says which.
+	ReleaseCgroups func() ([]string, error)
+	RunShell       func(path string) error // runs the shell to completion
+	Stat           func(path string) error
+	Sleep          func(time.Duration)
 }
 
 // LinuxSystem returns the operations of a live boot.
@@ -69,6 +73,27 @@ func LinuxSystem() System {
 			return rootdev.Wait(ctx, "/", s, notRoot)
 		},
 		SwitchRoot: mount.SwitchRoot,
+		ReleaseCgroups: func() ([]string, error) {
+			f, err := os.Open("/proc/self/mountinfo")
+			if err != nil {
+				return nil, err
+			}
+			dirs, err := CgroupV1Mounts(f)
+			f.Close()
+			if err != nil {
+				return nil, err
+			}
+			var done []string
+			var errs []error
+			for _, d := range dirs {
+				if err := unix.Unmount(d, 0); err != nil {
+					errs = append(errs, fmt.Errorf("umount %s: %w", d, err))
+					continue
+				}
+				done = append(done, d)
+			}
+			return done, errors.Join(errs...)
+		},
 		RunShell: func(path string) error {
 			c := exec.Command(path)
 			c.Stdin, c.Stdout, c.Stderr = os.Stdin, os.Stdout, os.Stderr
@@ -228,6 +253,16 @@ func switchRoot(c Config, sys System, console io.Writer) error {
 	}
 	if err := sys.Stat(filepath.Join(NewRoot, c.Init)); err != nil {
 		return fmt.Errorf("switch_root: init %s on %s: %w", c.Init, c.Root, err)
+	}
+	// The real root's init mounts cgroup2 and needs every controller in it: the v1
+	// hierarchies u-root's init mounted would keep cpu and the others from it. A failure
+	// is said and the handoff goes on (the real root may use cgroup v1 itself).
+	if sys.ReleaseCgroups != nil {
+		if dirs, err := sys.ReleaseCgroups(); err != nil {
+			fmt.Fprintf(console, "passage: switch_root: cgroup v1 hierarchies left mounted (the real root's cgroup2 lacks their controllers): %v\n", err)
+		} else if len(dirs) > 0 {
+			fmt.Fprintf(console, "passage: switch_root: unmounted the initramfs's cgroup v1 hierarchies %s\n", strings.Join(dirs, " "))
+		}
 	}
 	if err := sys.SwitchRoot(NewRoot, c.Init); err != nil {
 		return fmt.Errorf("switch_root %s: %w", c.Root, err)

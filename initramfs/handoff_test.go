@@ -16,17 +16,19 @@ import (
 // fakeSystem records calls; its Sleep ends the goroutine running Do, so a test can observe
 // that Do reached Hold (or a respawn) instead of returning.
 type fakeSystem struct {
-	mu       *sync.Mutex
-	calls    []string
-	pid      int
-	powerErr error
-	mountErr error
-	roots    map[string]string // passage.root= identity -> device; a /dev path is itself
-	findErr  error
-	switchTo error
-	exists   map[string]bool
-	sleeps   int
-	maxSleep int
+	mu        *sync.Mutex
+	calls     []string
+	pid       int
+	powerErr  error
+	mountErr  error
+	roots     map[string]string // passage.root= identity -> device; a /dev path is itself
+	findErr   error
+	switchTo  error
+	cgroups   []string // what ReleaseCgroups unmounted
+	cgroupErr error
+	exists    map[string]bool
+	sleeps    int
+	maxSleep  int
 }
 
 func (f *fakeSystem) log(s string) {
@@ -56,7 +58,11 @@ func (f *fakeSystem) sys() System {
 			return f.mountErr
 		},
 		SwitchRoot: func(nr, init string) error { f.log("switch_root " + nr + " " + init); return f.switchTo },
-		RunShell:   func(p string) error { f.log("shell " + p); return errors.New("exit status 0") },
+		ReleaseCgroups: func() ([]string, error) {
+			f.log("release-cgroups")
+			return f.cgroups, f.cgroupErr
+		},
+		RunShell: func(p string) error { f.log("shell " + p); return errors.New("exit status 0") },
 		Stat: func(p string) error {
 			if f.exists[p] {
 				return nil
@@ -126,10 +132,20 @@ func TestHandoff(t *testing.T) {
 			"find /dev/sda2 30s sync mount /dev/sda2 /newroot  sleep", "init /sbin/init on /dev/sda2"},
 		{"switch_root exec fails", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "/dev/sda2" },
 			fakeSystem{pid: 1, exists: map[string]bool{"/newroot/sbin/init": true}, switchTo: errors.New("exec format error")},
-			"find /dev/sda2 30s sync mount /dev/sda2 /newroot  switch_root /newroot /sbin/init sleep", "exec format error"},
+			"find /dev/sda2 30s sync mount /dev/sda2 /newroot  release-cgroups switch_root /newroot /sbin/init sleep", "exec format error"},
 		{"switch_root by label", func(c *Config) { c.Handoff, c.Root, c.RootFSType = HandoffSwitchRoot, "LABEL=root", "ext4" },
 			fakeSystem{pid: 1, roots: map[string]string{"LABEL=root": "/dev/nvme2n1p2"}, exists: map[string]bool{"/newroot/sbin/init": true}},
-			"find LABEL=root 30s sync mount /dev/nvme2n1p2 /newroot ext4 switch_root /newroot /sbin/init sleep", "root LABEL=root is /dev/nvme2n1p2"},
+			"find LABEL=root 30s sync mount /dev/nvme2n1p2 /newroot ext4 release-cgroups switch_root /newroot /sbin/init sleep", "root LABEL=root is /dev/nvme2n1p2"},
+		{"switch_root frees the cgroup controllers", func(c *Config) { c.Handoff, c.Root, c.RootFSType = HandoffSwitchRoot, "LABEL=root", "ext4" },
+			fakeSystem{pid: 1, roots: map[string]string{"LABEL=root": "/dev/vda1"}, exists: map[string]bool{"/newroot/sbin/init": true},
+				cgroups: []string{"/sys/fs/cgroup/cpu", "/sys/fs/cgroup"}},
+			"find LABEL=root 30s sync mount /dev/vda1 /newroot ext4 release-cgroups switch_root /newroot /sbin/init sleep",
+			"unmounted the initramfs's cgroup v1 hierarchies /sys/fs/cgroup/cpu /sys/fs/cgroup"},
+		{"switch_root goes on when a hierarchy stays", func(c *Config) { c.Handoff, c.Root, c.RootFSType = HandoffSwitchRoot, "LABEL=root", "ext4" },
+			fakeSystem{pid: 1, roots: map[string]string{"LABEL=root": "/dev/vda1"}, exists: map[string]bool{"/newroot/sbin/init": true},
+				cgroupErr: errors.New("umount /sys/fs/cgroup/cpu: device or resource busy")},
+			"find LABEL=root 30s sync mount /dev/vda1 /newroot ext4 release-cgroups switch_root /newroot /sbin/init sleep",
+			"cgroup v1 hierarchies left mounted (the real root's cgroup2 lacks their controllers): umount /sys/fs/cgroup/cpu: device or resource busy"},
 		{"switch_root root never appears", func(c *Config) { c.Handoff, c.Root = HandoffSwitchRoot, "UUID=c0ffee00-1234-4cde-8f00-abcdef012345" },
 			fakeSystem{pid: 1, findErr: errors.New("waiting for the root block device UUID=c0ffee00-1234-4cde-8f00-abcdef012345, 30s: context deadline exceeded")},
 			"find UUID=c0ffee00-1234-4cde-8f00-abcdef012345 30s sleep", "switch_root: waiting for the root block device UUID="},

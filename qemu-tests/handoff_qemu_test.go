@@ -21,6 +21,7 @@ type rootReport struct {
 	init     string            // "pid=1 root=disk"
 	runFS    string            // the file system on /run ("none": not a mount)
 	hostname string            // the kernel's, as the real root reads it
+	cgroup   []string          // the controllers cgroup2 offers the real root
 	files    map[string]string // /run/passage's regular files: name -> sha256 hex
 	end      bool              // it got to the end of its report
 }
@@ -49,6 +50,8 @@ func readRootReport(t *testing.T, console string) rootReport {
 			r.runFS = strings.TrimPrefix(rest, "fstype=")
 		case "HOSTNAME":
 			r.hostname = rest
+		case "CGROUP":
+			r.cgroup = strings.Fields(rest)
 		case "FILE":
 			name, sum, _ := strings.Cut(rest, " ")
 			r.files[name] = strings.TrimPrefix(sum, "sha256=")
@@ -173,6 +176,13 @@ func TestHandoffRunAndHostname(t *testing.T) {
 			r := readRootReport(t, run.Console)
 			if r.init != "pid=1 root=disk" || !r.end {
 				t.Fatalf("the real root's init: %q (report complete: %v), want pid=1 on the disk; console end:\n%s", r.init, r.end, consoleTail(run.Console, 40))
+			}
+			// Every controller is free for the real root's cgroup2: none left bound to the
+			// v1 hierarchies u-root's init mounted in the initramfs.
+			for _, c := range []string{"cpu", "io", "pids"} {
+				if !slices.Contains(r.cgroup, c) {
+					t.Errorf("the real root's cgroup2 controllers %q: no %s", r.cgroup, c)
+				}
 			}
 			if r.runFS != "tmpfs" {
 				t.Errorf("the real root's /run: %q, want a tmpfs (moved by switch_root)", r.runFS)

@@ -7,6 +7,7 @@
 //	PASSAGE-ROOT-RUN fstype=tmpfs          the file system mounted on /run (none: not a mount)
 //	PASSAGE-ROOT-HOSTNAME b300-r07-n3      /proc/sys/kernel/hostname
 //	PASSAGE-ROOT-FILE NAME sha256=HEX      each regular file of /run/passage, by name
+//	PASSAGE-ROOT-CGROUP cpu memory ...     the controllers cgroup2 offers the real root
 //	PASSAGE-ROOT-END files=N               N files listed (-1: no /run/passage)
 package main
 
@@ -36,6 +37,14 @@ func main() {
 		host = strings.TrimSpace(string(b))
 	}
 	fmt.Printf("PASSAGE-ROOT-HOSTNAME %s\n", host)
+	// What a real root's init (systemd, a node's) does first: cgroup2 at /sys/fs/cgroup.
+	ctl := "unmountable"
+	if err := unix.Mount("cgroup2", "/sys/fs/cgroup", "cgroup2", 0, ""); err != nil {
+		ctl = "mount: " + err.Error()
+	} else if b, err := os.ReadFile("/sys/fs/cgroup/cgroup.controllers"); err == nil {
+		ctl = strings.TrimSpace(string(b))
+	}
+	fmt.Printf("PASSAGE-ROOT-CGROUP %s\n", ctl)
 	n := -1
 	if ents, err := os.ReadDir("/run/passage"); err == nil {
 		n = 0
