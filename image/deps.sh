@@ -41,6 +41,9 @@ command -v systemd-hwdb >/dev/null || need+=(udev)
 # runc: kube/images runs the passage-dra image as a node's runtime would (TestRuncRunsDRA).
 # make images reads the base's .debs itself; apt-get download fetches them.
 command -v runc >/dev/null || need+=(runc)
+# libseccomp-dev: kube/harness/noderuntime/build.sh links the node's runc statically with
+# seccomp (pods asking for the RuntimeDefault profile need it): seccomp.h and libseccomp.a.
+[[ -e /usr/include/seccomp.h && -e /usr/lib/x86_64-linux-gnu/libseccomp.a ]] || need+=(libseccomp-dev)
 if ((${#need[@]})); then
 	if [[ $(id -u) != 0 ]]; then
 		echo "deps: missing ${need[*]}; run as root or install them" >&2
