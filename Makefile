@@ -132,8 +132,11 @@ storm-bench: cluster-bin
 # (kube/images, on go-containerregistry): passage-dra built with cgo (it dlopens
 # libnvfm) on a glibc base of Debian packages, the ones kube/images/glibc-base names and
 # says why, downloaded into $(IMAGES)/debs unless there at the archive's version;
-# passage-control and passage-hook static (CGO_ENABLED=0) on no base. Each image is an
-# OCI image layout, $(IMAGES)/NAME, its manifest's digest in $(IMAGES)/NAME.digest; the
+# passage-control and passage-hook static (CGO_ENABLED=0) on no base; and the images the
+# real node test runs that passage does not ship (kube/images Node): pause, the pods'
+# sandbox, and vfio-probe, static. Each image is an OCI image layout, $(IMAGES)/NAME,
+# the same layout as one tar for ctr images import, $(IMAGES)/NAME.oci.tar, named
+# $(REGISTRY)/NAME:latest in it, and its manifest's digest in $(IMAGES)/NAME.digest; the
 # base's packages and their sha256 in $(IMAGES)/debs.lock (and the image's labels). The
 # same commit and the same packages give the same digests: -trimpath and -buildvcs=false
 # keep the build's directory and the work tree's state out of the binaries (-s -w: no
@@ -142,15 +145,16 @@ storm-bench: cluster-bin
 # Not part of test; kube/images's tests build and run an image themselves.
 .PHONY: images
 IMAGES := $(BUILD)/images
+REGISTRY ?= passage.test
 IMAGE_GOFLAGS := -trimpath -buildvcs=false -ldflags='-s -w'
 images:
 	@mkdir -p $(IMAGES)/bin
 	cd kube && CGO_ENABLED=1 $(GO) build $(IMAGE_GOFLAGS) -o $(abspath $(IMAGES))/bin/ ./cmd/passage-dra
-	cd kube && CGO_ENABLED=0 $(GO) build $(IMAGE_GOFLAGS) -o $(abspath $(IMAGES))/bin/ ./cmd/passage-control
+	cd kube && CGO_ENABLED=0 $(GO) build $(IMAGE_GOFLAGS) -o $(abspath $(IMAGES))/bin/ ./cmd/passage-control ./images/pause ./images/vfio-probe
 	cd kube/kubevirthook && CGO_ENABLED=0 $(GO) build $(IMAGE_GOFLAGS) -o $(abspath $(IMAGES))/bin/ ./cmd/passage-hook
 	@debs=$$(bash kube/images/debs.sh $(abspath $(IMAGES))/debs $$(grep -v '^#' kube/images/glibc-base)) || exit 1; \
 	export SOURCE_DATE_EPOCH=$${SOURCE_DATE_EPOCH:-$$(git log -1 --format=%ct)}; \
-	cd kube && $(GO) run ./cmd/passage-images -bin $(abspath $(IMAGES))/bin -out $(abspath $(IMAGES)) \
+	cd kube && $(GO) run ./cmd/passage-images -bin $(abspath $(IMAGES))/bin -out $(abspath $(IMAGES)) -registry $(REGISTRY) \
 		-source https://github.com/passage-boot/passage -revision "$$(git rev-parse HEAD)" -version "$$(git describe --tags --always --dirty)" $$debs
 
 # test: the unit tests, then the QEMU suite with the control plane's build and the cluster

@@ -49,6 +49,22 @@ func Passage() []Recipe {
 	}
 }
 
+// Node are the images the real node test runs (containerd and a kubelet in a QEMU
+// guest) that passage does not ship: the pod sandbox and a probe. make images writes them
+// beside Passage's; their programs are this package's pause and vfio-probe commands.
+func Node() []Recipe {
+	return []Recipe{
+		// The CRI's sandbox image (containerd's pinned_images.sandbox): every pod's first
+		// process, holding its namespaces. /pause as 65535:65535, as Kubernetes'
+		// registry.k8s.io/pause is built (build/pause/Dockerfile).
+		{Name: "pause", Path: "/pause", User: "65535:65535"},
+		// Lists the /dev/vfio the pod was given into its termination message. Nonroot:
+		// listing needs no privilege, and the kubelet makes the termination log
+		// writable by any user (kuberuntime: chmod 0666).
+		{Name: "vfio-probe", Path: "/usr/bin/vfio-probe", User: "65532:65532"},
+	}
+}
+
 // Spec is everything one image is made of.
 type Spec struct {
 	Recipe

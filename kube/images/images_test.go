@@ -136,11 +136,11 @@ func TestReproducible(t *testing.T) {
 	}
 }
 
-// TestConfig: each of passage's images, written and read back, names its entrypoint,
-// user, PATH, working directory, labels and creation time; its files are where the
-// entrypoint says, with fixed owners, modes and times.
+// TestConfig: each of passage's images and the node test's (Node), written and read
+// back, names its entrypoint, user, PATH, working directory, labels and creation time;
+// its files are where the entrypoint says, with fixed owners, modes and times.
 func TestConfig(t *testing.T) {
-	for _, r := range Passage() {
+	for _, r := range append(Passage(), Node()...) {
 		t.Run(r.Name, func(t *testing.T) {
 			s := draSpec(t)
 			s.Recipe, s.Binary = r, []byte("program "+r.Name)
