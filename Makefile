@@ -7,9 +7,11 @@ GO ?= go
 
 all: build
 
-# deps installs what the commands need from Debian's archive when it is missing.
+# deps installs what the commands need from Debian's archive when it is missing, and
+# fetches passage-dra's glibc base (.debs) into $(BUILD)/images/debs: the tests that use
+# them read them there and download nothing.
 deps:
-	@bash image/deps.sh
+	@BUILD=$(abspath $(BUILD)) bash image/deps.sh
 
 # The build passage names (passage version, the manifest) is stamped from git by
 # image/buildstamp.sh, as the image's is: the same revision whatever -buildvcs says.

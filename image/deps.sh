@@ -39,7 +39,7 @@ command -v sfdisk >/dev/null || need+=(fdisk)
 # the system's hwdb.bin (made by udev's postinst), the second source lspci takes names from.
 command -v systemd-hwdb >/dev/null || need+=(udev)
 # runc: kube/images runs the passage-dra image as a node's runtime would (TestRuncRunsDRA).
-# make images reads the base's .debs itself; apt-get download fetches them.
+# make images reads the base's .debs itself; apt-get download fetches them (below).
 command -v runc >/dev/null || need+=(runc)
 # libseccomp-dev: kube/harness/noderuntime/build.sh links the node's runc statically with
 # seccomp (pods asking for the RuntimeDefault profile need it): seccomp.h and libseccomp.a.
@@ -80,3 +80,19 @@ for s in prometheus prometheus-pushgateway; do
 		systemctl disable --quiet "$s" 2>/dev/null || true
 	fi
 done
+# passage-dra's glibc base (kube/images/glibc-base), the Debian packages make images and
+# kube/images's TestRuncRunsDRA put under the image: fetched here, with the other
+# downloads, so no test reaches the network. debs.sh downloads only what is not already in
+# $BUILD/images/debs at the archive's version (a second or two of apt-cache otherwise);
+# glibc-base.list there names this base's .debs, under the digest of the glibc-base it
+# was made from, and the test refuses a list of another.
+root=$(cd "$(dirname "$0")/.." && pwd)
+debs=${BUILD:-$root/build}/images/debs
+mkdir -p "$debs"
+base=$root/kube/images/glibc-base
+got=$(bash "$root/kube/images/debs.sh" "$debs" $(grep -v '^#' "$base")) || exit 1
+{
+	echo "# kube/images/glibc-base sha256:$(sha256sum <"$base" | cut -d' ' -f1)"
+	for p in $got; do basename "$p"; done
+} >"$debs/glibc-base.list.tmp"
+mv "$debs/glibc-base.list.tmp" "$debs/glibc-base.list"

@@ -7,9 +7,10 @@ package images
 
 import (
 	"archive/tar"
-	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -34,8 +35,8 @@ import (
 )
 
 // TestRuncRunsDRA builds passage-dra with cgo (buildDRA), its image on
-// the glibc base kube/images/glibc-base names (Debian's packages, downloaded once into
-// the system's temporary directory), writes and reads back the layout, unpacks it into
+// the glibc base kube/images/glibc-base names (Debian's packages, which make deps
+// fetches into the build directory: glibcBase), writes and reads back the layout, unpacks it into
 // a bundle and runs it with runc: passage-dra fabric check, the library given as the
 // daemonset gives it (--fm-lib under the read-only host mount), answers that FM's
 // partitions and the manifest agree, and the stand-in logged the calls. Then the same
@@ -140,39 +141,41 @@ func TestRuncRunsDRA(t *testing.T) {
 	t.Logf("took %v", time.Since(start).Round(time.Millisecond))
 }
 
-// glibcBase are the packages glibc-base names, as make images takes them (debs.sh),
-// cached in the system's temporary directory: debs.sh downloads only what is not there
-// at the archive's version.
+// glibcBase are the packages glibc-base names, as make images takes them: fetched by
+// make deps (image/deps.sh runs debs.sh into $PASSAGE_BUILD/images/debs, default the
+// work tree's build/, and names them in glibc-base.list there), never downloaded here.
+// A list made from another glibc-base than this one is refused as absent.
 func glibcBase(t *testing.T) []*Deb {
 	t.Helper()
-	b, err := os.ReadFile("glibc-base")
+	build := os.Getenv("PASSAGE_BUILD")
+	if build == "" {
+		build = filepath.Join("..", "..", "build")
+	}
+	dir := filepath.Join(build, "images", "debs")
+	base, err := os.ReadFile("glibc-base")
 	if err != nil {
 		t.Fatal(err)
 	}
-	args := []string{"debs.sh", filepath.Join(os.TempDir(), "passage-image-debs")}
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		if l := strings.TrimSpace(sc.Text()); l != "" && !strings.HasPrefix(l, "#") {
-			args = append(args, l)
-		}
-	}
-	var stderr bytes.Buffer
-	cmd := exec.Command("bash", args...)
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
+	sum := sha256.Sum256(base)
+	want := "# kube/images/glibc-base sha256:" + hex.EncodeToString(sum[:])
+	list, err := os.ReadFile(filepath.Join(dir, "glibc-base.list"))
 	if err != nil {
-		t.Fatalf("bash %s: %v\n%s", strings.Join(args, " "), err, stderr.Bytes())
+		t.Fatalf("passage-dra's base packages: %v: run make deps (image/deps.sh fetches them)", err)
+	}
+	first, names, _ := strings.Cut(string(list), "\n")
+	if first != want {
+		t.Fatalf("%s was made from another glibc-base (%q, this one's is %q): run make deps", filepath.Join(dir, "glibc-base.list"), first, want)
 	}
 	var debs []*Deb
-	for _, p := range strings.Fields(string(out)) {
-		d, err := OpenDeb(p)
+	for _, n := range strings.Fields(names) {
+		d, err := OpenDeb(filepath.Join(dir, n))
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("%v: run make deps (image/deps.sh fetches passage-dra's base packages)", err)
 		}
 		debs = append(debs, d)
 	}
 	if len(debs) < 3 {
-		t.Fatalf("debs.sh gave %d packages: %q", len(debs), out)
+		t.Fatalf("%s names %d packages: run make deps", filepath.Join(dir, "glibc-base.list"), len(debs))
 	}
 	return debs
 }
