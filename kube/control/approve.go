@@ -306,7 +306,14 @@ func (a *Approver) next(ctx context.Context) bool {
 	// Its client has no deadline of its own (it watches): each judgement's calls do.
 	ctx, cancel := context.WithTimeout(ctx, VerdictTimeout)
 	defer cancel()
-	if err := a.handle(ctx, name); err != nil {
+	err := a.handle(ctx, name)
+	if apierrors.IsConflict(err) {
+		// Another writer's (another replica's approval, the signer): the cache catches
+		// up, and the next look finds it decided or judges it again.
+		a.queue.AddRateLimited(name)
+		return true
+	}
+	if err != nil {
 		a.Metrics.csr(CSRError)
 		a.logf("approver: csr %s: %v (tried again)", name, err)
 		a.queue.AddRateLimited(name)
@@ -458,8 +465,6 @@ func (a *Approver) handle(ctx context.Context, name string) error {
 		if apierrors.IsNotFound(err) {
 			return nil
 		}
-		// A conflict is another writer's (another replica's approval, the signer): the
-		// cache catches up and the next try finds it decided or judges it again.
 		return fmt.Errorf("approve: %w", err)
 	}
 	a.judged(csr, r, CSRApproved, why)

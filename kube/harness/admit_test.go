@@ -73,24 +73,7 @@ func TestClusterAdmit(t *testing.T) {
 	defer cancel()
 	work := t.TempDir()
 	ctlBin := goBuild(t, work, "passage-control")
-	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
-	if bin == "" {
-		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
-	}
-	cdir := filepath.Join(work, "cp")
-	os.MkdirAll(cdir, 0o755)
-	c, err := harness.StartWith(ctx, bin, cdir, harness.Options{Signing: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			for _, l := range c.Logs() {
-				t.Log(harness.Tail(l, 3000))
-			}
-		}
-		c.Stop()
-	})
+	c := startSigningCluster(t, ctx, work)
 	applyCRDs(t, ctx, c)
 	ctlConfig := filepath.Join(work, "passage-control.kubeconfig")
 	deployControlRBAC(t, ctx, c, ctlConfig)
@@ -174,7 +157,7 @@ func TestClusterAdmit(t *testing.T) {
 		}
 	}
 	for i, n := range soft {
-		certPEM := kubeletBootstrap(t, ctx, bootstrap, keys[i], n.Hostname, true)
+		certPEM := kubeletBootstrap(t, ctx, bootstrap, keys[i], n.Hostname)
 		keyPEM, _ := keyutil.MarshalPrivateKeyToPEM(keys[i])
 		nc := kubernetes.NewForConfigOrDie(c.CertConfig(certPEM, keyPEM))
 		r, err := nc.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authnv1.SelfSubjectReview{}, metav1.CreateOptions{})
@@ -264,7 +247,7 @@ func TestClusterAdmit(t *testing.T) {
 		}
 	}
 	for i, n := range soft {
-		kubeletBootstrap(t, ctx, bootstrap, keys[i], n.Hostname, true)
+		kubeletBootstrap(t, ctx, bootstrap, keys[i], n.Hostname)
 	}
 	reqs3 := apiRequests(t, ctx, admin, c.Server)
 	again, againBy := writes(reqs3.minus(reqs2))
@@ -274,6 +257,30 @@ func TestClusterAdmit(t *testing.T) {
 		t.Fatalf("API writes for %d reboots and their kubelets: %.0f (%v); want at most %d, one approval each", nodes, again, againBy, 3*nodes)
 	}
 	never("(e) a new request for b300-00's previous boot's key", control.CSRKeyMismatch, old, soft[0].Hostname)
+}
+
+// startSigningCluster is startCluster with harness.Options{Signing: true}.
+func startSigningCluster(t testing.TB, ctx context.Context, work string) *harness.Cluster {
+	t.Helper()
+	bin := os.Getenv("PASSAGE_CONTROL_PLANE")
+	if bin == "" {
+		t.Fatal("PASSAGE_CONTROL_PLANE: the directory of the control plane's binaries (make cluster-test builds them)")
+	}
+	cdir := filepath.Join(work, "cp")
+	os.MkdirAll(cdir, 0o755)
+	c, err := harness.StartWith(ctx, bin, cdir, harness.Options{Signing: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, l := range c.Logs() {
+				t.Log(harness.Tail(l, 3000))
+			}
+		}
+		c.Stop()
+	})
+	return c
 }
 
 // bootKey makes a kubelet key as the boot does (kubelet.Make; the TPM's bytes from
@@ -312,33 +319,55 @@ func bootKey(t testing.TB, work, name string) (*ecdsa.PrivateKey, string) {
 // true (a kubelet asking again for the same key finds its request), else generated.
 func kubeletRequest(t testing.TB, ctx context.Context, client kubernetes.Interface, key *ecdsa.PrivateKey, node string, named bool) (string, types.UID) {
 	t.Helper()
+	name, uid, err := requestNodeCertificate(client, key, node, named)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return name, uid
+}
+
+func requestNodeCertificate(client kubernetes.Interface, key *ecdsa.PrivateKey, node string, named bool) (string, types.UID, error) {
 	subject := &pkix.Name{Organization: []string{"system:nodes"}, CommonName: "system:node:" + node}
 	der, err := certutil.MakeCSR(key, subject, nil, nil)
 	if err != nil {
-		t.Fatal(err)
+		return "", "", err
 	}
 	usages := []certificatesv1.KeyUsage{certificatesv1.UsageDigitalSignature, certificatesv1.UsageClientAuth}
 	name := ""
 	if named {
-		name = digestedName(t, key, subject, usages)
+		name = digestedName(key, subject, usages)
 	}
 	reqName, uid, err := csr.RequestCertificate(client, der, name, certificatesv1.KubeAPIServerClientKubeletSignerName, nil, usages, key)
 	if err != nil {
-		t.Fatalf("request for %s: %v", node, err)
+		return "", "", fmt.Errorf("request for %s: %w", node, err)
 	}
-	return reqName, uid
+	return reqName, uid, nil
 }
 
-// kubeletBootstrap is kubeletRequest then the kubelet's wait for its certificate
-// (csr.WaitForCertificate); it returns the certificate (PEM).
-func kubeletBootstrap(t testing.TB, ctx context.Context, client kubernetes.Interface, key *ecdsa.PrivateKey, node string, named bool) []byte {
-	t.Helper()
-	name, uid := kubeletRequest(t, ctx, client, key, node, named)
-	wctx, cancel := context.WithTimeout(ctx, time.Minute)
+// joinKubelet is the kubelet's TLS bootstrap with the boot's key: its request
+// (requestNodeCertificate, named as the kubelet names it), then its wait for the
+// certificate (csr.WaitForCertificate, up to wait); it returns the certificate (PEM).
+func joinKubelet(ctx context.Context, client kubernetes.Interface, key *ecdsa.PrivateKey, node string, wait time.Duration) ([]byte, string, error) {
+	name, uid, err := requestNodeCertificate(client, key, node, true)
+	if err != nil {
+		return nil, "", err
+	}
+	wctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	certPEM, err := csr.WaitForCertificate(wctx, client, name, uid)
 	if err != nil {
-		t.Fatalf("%s's certificate (request %s): %v", node, name, err)
+		return nil, name, fmt.Errorf("%s's certificate (request %s): %w", node, name, err)
+	}
+	return certPEM, name, nil
+}
+
+// kubeletBootstrap is joinKubelet, judged: the request approved with reason
+// PassageVerifiedBoot and the certificate for key.
+func kubeletBootstrap(t testing.TB, ctx context.Context, client kubernetes.Interface, key *ecdsa.PrivateKey, node string) []byte {
+	t.Helper()
+	certPEM, name, err := joinKubelet(ctx, client, key, node, time.Minute)
+	if err != nil {
+		t.Fatal(err)
 	}
 	got, err := client.CertificatesV1().CertificateSigningRequests().Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
@@ -366,17 +395,13 @@ func kubeletBootstrap(t testing.TB, ctx context.Context, client kubernetes.Inter
 
 // digestedName is the kubelet's name for its request (bootstrap.go's digestedName):
 // SHA-512/256 over the public key, subject and usages, each base64url'd and delimited.
-func digestedName(t testing.TB, key *ecdsa.PrivateKey, subject *pkix.Name, usages []certificatesv1.KeyUsage) string {
-	t.Helper()
+func digestedName(key *ecdsa.PrivateKey, subject *pkix.Name, usages []certificatesv1.KeyUsage) string {
 	h := sha512.New512_256()
 	write := func(b []byte) {
 		h.Write([]byte(base64.RawURLEncoding.EncodeToString(b)))
 		h.Write([]byte{'|'})
 	}
-	der, err := x509.MarshalPKIXPublicKey(key.Public())
-	if err != nil {
-		t.Fatal(err)
-	}
+	der, _ := x509.MarshalPKIXPublicKey(key.Public()) // an ECDSA key always marshals
 	write(der)
 	write([]byte(subject.CommonName))
 	for _, o := range subject.Organization {

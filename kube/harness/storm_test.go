@@ -6,6 +6,9 @@ import (
 	"bufio"
 	"cmp"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
@@ -14,6 +17,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -30,9 +34,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
 	"github.com/passage-boot/passage/attest/softtpm"
+	kubeletkey "github.com/passage-boot/passage/initramfs/kubelet"
 	"github.com/passage-boot/passage/initramfs/netboot"
 	"github.com/passage-boot/passage/kube/control"
 	"github.com/passage-boot/passage/kube/control/controltest"
@@ -54,6 +60,13 @@ import (
 // apiserver_request_total, before and after), each phase's mean and p99, and the CPU
 // seconds of each process. A timing is reported, never judged; what is judged is that
 // every node the load generator saw verified has a verified record in the API.
+//
+// PASSAGE_STORM_JOIN=1: each node's manifest carries its kubelet key, and once its
+// attestation is accepted the node's kubelet joins as its TLS bootstrap does (a request
+// for that key with a bootstrap token, the wait for its certificate: joinKubelet), on a
+// control plane started with harness.Options{Signing: true}; each round then also
+// prints the certificates issued, verdict-to-certificate p50/p99, the approvals and
+// passage-control's API writes per node with them.
 //
 // PASSAGE_STORM_NODES: the sizes, comma-separated (default 500). PASSAGE_STORM_QPS:
 // the replicas' --kube-qps (default theirs). PASSAGE_STORM_FOR: the seconds a node keeps
@@ -98,7 +111,13 @@ func storm(b *testing.B, n int) {
 	defer cancel()
 	work := b.TempDir()
 	ctlBin := goBuild(b, work, "passage-control")
-	c := startCluster(b, ctx, work)
+	join := os.Getenv("PASSAGE_STORM_JOIN") != ""
+	var c *harness.Cluster
+	if join {
+		c = startSigningCluster(b, ctx, work)
+	} else {
+		c = startCluster(b, ctx, work)
+	}
 	applyCRDs(b, ctx, c)
 	ctlConfig := filepath.Join(work, "passage-control.kubeconfig")
 	deployControlRBAC(b, ctx, c, ctlConfig)
@@ -131,6 +150,34 @@ func storm(b *testing.B, n int) {
 		return err
 	}, b)
 	b.Logf("%d nodes manufactured and booted in %s (%s)", n, time.Since(setup).Round(time.Millisecond), ekNote)
+	// The kubelets' keys (one a boot) and their bootstrap clients: 64 connections to the
+	// API server (a client of its own dialer is a transport of its own), each carrying the
+	// requests and certificate watches of its share of the nodes.
+	keys := make([]*ecdsa.PrivateKey, n)
+	var bootstrap []kubernetes.Interface
+	newKeys := func(gen uint64) {
+		parallel(n, func(i int) error {
+			k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+			if err != nil {
+				return err
+			}
+			keys[i] = k
+			nodes[i].KubeletKey, err = kubeletkey.Digest(k.Public())
+			if err != nil || gen > 1 {
+				return err
+			}
+			return nodes[i].Sign(ctx, nodes[i].Hostname, gen)
+		}, b)
+	}
+	if join {
+		newKeys(1)
+		for range 64 {
+			cfg := c.TokenConfig(c.BootstrapToken)
+			cfg.QPS, cfg.Burst = -1, 0
+			cfg.Dial = (&net.Dialer{}).DialContext
+			bootstrap = append(bootstrap, kubernetes.NewForConfigOrDie(cfg))
+		}
+	}
 
 	// The boot's policy with passage.publish_for=10m (stages/boot: the time budget, a
 	// 503's Retry-After waited with jitter, backoff up to 30 s), as an operator expecting
@@ -165,8 +212,13 @@ func storm(b *testing.B, n int) {
 	var rounds []report
 	for _, round := range []string{"first boot", "reboot"} {
 		if round == "reboot" {
+			if join {
+				newKeys(2)
+			}
 			parallel(n, func(i int) error { return nodes[i].Reboot(ctx, fw, nodes[i].Hostname, 2) }, b)
 		}
+		joined := make([]time.Duration, n)
+		joinErrs := make([]error, n)
 		reqs0 := apiRequests(b, ctx, admin, c.Server)
 		cpu0 := cpuSeconds(pids)
 		times := make([]*controltest.BootTimes, n)
@@ -183,6 +235,11 @@ func storm(b *testing.B, n int) {
 				hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
 				defer hc.CloseIdleConnections()
 				times[i], errs[i] = sn.Boot(ctx, hc, replicas[i%len(replicas)].url, policy)
+				if join && errs[i] == nil {
+					start := time.Now()
+					_, _, joinErrs[i] = joinKubelet(ctx, bootstrap[i%len(bootstrap)], keys[i], sn.Hostname, 10*time.Minute)
+					joined[i] = time.Since(start)
+				}
 			})
 		}
 		wg.Wait()
@@ -208,6 +265,9 @@ func storm(b *testing.B, n int) {
 			}
 		}
 		r := stormReport(round, n, inflight, policy, wall, times, errs, reqs1.minus(reqs0), cpu0, cpu1, len(inAPI), gaveUp)
+		if join {
+			r.table += joinReport(round, reqs1.minus(reqs0), r, joined, joinErrs, errs)
+		}
 		tables = append(tables, r.table)
 		rounds = append(rounds, r)
 		fmt.Print(r.table)
@@ -239,6 +299,32 @@ func storm(b *testing.B, n int) {
 			f.Close()
 		}
 	}
+}
+
+// joinReport is a round's kubelet joins: the certificates issued to the nodes verified,
+// their time from the verdict to the certificate, the approvals the API server saw, and
+// passage-control's API writes per node with them.
+func joinReport(round string, reqs requests, r report, joined []time.Duration, joinErrs, bootErrs []error) string {
+	var ok []time.Duration
+	failures := map[string]int{}
+	for i, err := range joinErrs {
+		switch {
+		case bootErrs[i] != nil:
+		case err != nil:
+			failures[nodeRE.ReplaceAllString(err.Error(), "storm-N")]++
+		default:
+			ok = append(ok, joined[i])
+		}
+	}
+	approvals := reqs[[3]string{"total", "PUT", "certificatesigningrequests/approval"}]
+	per := func(x float64) float64 { return x / float64(max(r.verified, 1)) }
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "kubelet join, %s: %d certificates issued to %d nodes verified; verdict to certificate p50 %s, p99 %s; approvals %.0f (%.2f/node); passage-control's API writes/node with the approval: %.2f\n",
+		round, len(ok), r.verified, quantile(ok, 0.50).Round(time.Millisecond), quantile(ok, 0.99).Round(time.Millisecond), approvals, per(approvals), r.writesPerNode+per(approvals))
+	for msg, k := range failures {
+		fmt.Fprintf(&sb, "  %d joins failed: %s\n", k, msg)
+	}
+	return sb.String()
 }
 
 // floor is what the API server and etcd sustain with no passage in the way.
