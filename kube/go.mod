@@ -9,6 +9,7 @@ require (
 	github.com/google/go-attestation v0.6.4
 	github.com/google/go-containerregistry v0.22.1
 	github.com/google/go-tpm v0.9.8
+	github.com/google/nftables v0.3.0
 	github.com/klauspost/compress v1.19.2
 	github.com/opencontainers/runtime-spec v1.3.0
 	github.com/passage-boot/passage v0.0.0-00010101000000-000000000000
@@ -29,6 +30,8 @@ require (
 
 require (
 	github.com/go-errors/errors v1.4.2 // indirect
+	github.com/google/go-cmp v0.7.0 // indirect
+	github.com/mdlayher/netlink v1.7.3-0.20250113171957-fbb4dce95f42 // indirect
 	github.com/monochromegane/go-gitignore v0.0.0-20200626010858-205db1a8cc00 // indirect
 	github.com/xlab/treeprint v1.2.0 // indirect
 )
@@ -98,7 +101,7 @@ require (
 	golang.org/x/net v0.57.0
 	golang.org/x/oauth2 v0.36.0 // indirect
 	golang.org/x/sync v0.22.0 // indirect
-	golang.org/x/sys v0.50.0 // indirect
+	golang.org/x/sys v0.50.0
 	golang.org/x/term v0.45.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 	golang.org/x/time v0.15.0 // indirect

@@ -94,6 +94,11 @@ type Options struct {
 	// internal/fwd carries to the value, "127.0.0.1:PORT" (restrict=on still keeps the
 	// guest off every other address).
 	Forward map[string]string
+	// UUID is the machine's SMBIOS system UUID (QEMU's -uuid), which the kernel shows as
+	// /sys/class/dmi/id/product_uuid, as a server's firmware does: the manifest's
+	// node.dmi_uuid, by which passage-dra tells its node's manifest from another's.
+	// "": QEMU gives none.
+	UUID string
 }
 
 // DefaultKernel is the kernel line the suite boots unless PASSAGE_KERNEL names another
@@ -292,6 +297,9 @@ func Boot(ctx context.Context, o Options) (*Run, error) {
 		}
 	}
 	args = append(args, devices...)
+	if o.UUID != "" {
+		args = append(args, "-uuid", o.UUID)
+	}
 	if o.Disk != "" {
 		args = append(args,
 			"-drive", fmt.Sprintf("file=%s,if=none,id=disk0,format=raw,cache=unsafe", o.Disk),

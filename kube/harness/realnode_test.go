@@ -1,0 +1,728 @@
+//go:build cluster && node
+
+package harness_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/restmapper"
+	"sigs.k8s.io/kustomize/api/krusty"
+	"sigs.k8s.io/kustomize/kyaml/filesys"
+
+	"github.com/passage-boot/passage/initramfs/emit"
+	"github.com/passage-boot/passage/initramfs/kmod"
+	"github.com/passage-boot/passage/kube/dra/resources"
+	"github.com/passage-boot/passage/kube/harness"
+	"github.com/passage-boot/passage/manifest"
+	qemutest "github.com/passage-boot/passage/qemu-tests"
+)
+
+// The real node's addresses on QEMU's user network (10.0.2.0/24, restrict=on). The
+// cluster's Service range is carved from it so that the kubernetes Service's ClusterIP,
+// its first address, is a guestfwd to the API server: pods reach the API server the way
+// they do on any node (KUBERNETES_SERVICE_HOST), with no kube-proxy on this one.
+const (
+	nodeServiceCIDR = "10.0.2.96/28"
+	nodeAPIAddr     = "10.0.2.97" // the kubernetes Service's ClusterIP, and where the kubelet dials
+	nodeIP          = "10.0.2.15" // QEMU's first DHCP lease
+	nodeName        = qemutest.DefaultHostname
+	nodeUUID        = "8c3f6f0e-2b1d-4e6a-9d7c-5a4b3c2d1e0f" // its SMBIOS system UUID
+	// The root disk passage switches to, found by its file system's UUID.
+	nodeRootPartUUID = "5e1f2c3a-0b6d-4c1e-9a57-2f0d3b8e4a61"
+	nodeRootFSUUID   = "a3c1f0de-6b7e-4f2a-8d19-0c5e7b2a9f44"
+)
+
+// nodeModules are what nodeinit loads (kube/internal/realnode/nodeinit), resolved with
+// their dependencies into the root's /lib/modules.
+var nodeModules = []string{"overlay", "veth", "nf_tables", "nft_chain_nat", "nft_masq"}
+
+// realNode is the guest: its console, what it said, and the boot's report.
+type realNode struct {
+	console string
+	mu      sync.Mutex
+	lines   []string
+	parser  *emit.Parser
+	done    chan struct{}
+	run     *qemutest.Run
+	err     error
+	began   time.Time
+}
+
+func (n *realNode) saw(prefix string) (string, bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, l := range n.lines {
+		if i := strings.Index(l, prefix); i >= 0 {
+			return l[i:], true
+		}
+	}
+	return "", false
+}
+
+// tail is the last k lines the node said after passage handed off (nodeinit's, the
+// programs' it started), or the console's last lines before that.
+func (n *realNode) tail(k int) string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []string
+	for _, l := range n.lines {
+		if len(out) > 0 || strings.Contains(l, "NODE-INIT") {
+			out = append(out, l)
+		}
+	}
+	if len(out) == 0 {
+		out = n.lines
+	}
+	return strings.Join(out[max(0, len(out)-k):], "\n")
+}
+
+func (n *realNode) files() map[string][]byte {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.parser.Report().Files
+}
+
+// TestRealNode boots a node through passage as the QEMU suite does (the real initramfs,
+// vIOMMU, units on vfio-pci, swtpm) and hands off by switch_root into a root that runs
+// the programs of a real node: containerd 2.x with runc and the CNI plugins, and
+// kubelet v1.37.2, joining the control plane on the host. Through the shipped deploy
+// files, with only the images set, the kubelet runs passage-dra; a pod with a unit's
+// claim gets exactly that unit's /dev/vfio nodes.
+func TestRealNode(t *testing.T) {
+	began := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	env := func(k, why string) string {
+		v := os.Getenv(k)
+		if v == "" {
+			t.Fatalf("%s: %s (make node-test sets it)", k, why)
+		}
+		return v
+	}
+	bootBuild := env("PASSAGE_BUILD", "the kernel and initramfs build directory (build/linux-6.12)")
+	cpBin := env("PASSAGE_CONTROL_PLANE", "the control plane's and the kubelet's binaries (kube/harness/build.sh)")
+	runtimeBin := env("PASSAGE_NODE_RUNTIME", "containerd, runc and the CNI plugins (kube/harness/noderuntime/build.sh)")
+	imagesDir := env("PASSAGE_IMAGES", "make images' output (build/images)")
+	work := t.TempDir()
+	step := func(what string, since time.Time) {
+		t.Logf("TIMING %-44s %6.1f s (%.1f s since the test began)", what, time.Since(since).Seconds(), time.Since(began).Seconds())
+	}
+
+	// The control plane, ready for a real kubelet.
+	t0 := time.Now()
+	cdir := filepath.Join(work, "cp")
+	os.MkdirAll(cdir, 0o755)
+	c, err := harness.StartWith(ctx, cpBin, cdir, harness.Options{Node: &harness.NodeAccess{
+		Name: nodeName, ServiceCIDR: nodeServiceCIDR, Addresses: []net.IP{net.ParseIP(nodeAPIAddr)}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	defer func() {
+		if t.Failed() {
+			for _, l := range c.Logs() {
+				t.Log(harness.Tail(l, 3000))
+			}
+		}
+	}()
+	step("control plane started", t0)
+	api := c.Client
+
+	// The image's key, the node's root.
+	t0 = time.Now()
+	os.MkdirAll(filepath.Join(work, "key"), 0o700)
+	priv, pub, err := manifest.GenerateKey(filepath.Join(work, "key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	refs := imageRefs(t, imagesDir)
+	root := filepath.Join(work, "root")
+	writeNodeRoot(t, root, nodeRootFiles{
+		bootBuild: bootBuild, cpBin: cpBin, runtimeBin: runtimeBin, imagesDir: imagesDir, pub: pub,
+		ca: c.CA, token: c.NodeToken, pause: refs["pause"],
+	})
+	disk := filepath.Join(work, "root.img")
+	if err := qemutest.NewGPTDisk(disk, 2048, nodeRootPartUUID, nodeRootFSUUID, "root", root); err != nil {
+		t.Fatal(err)
+	}
+	step("node root written", t0)
+
+	// The deploy files, with only the image set.
+	t0 = time.Now()
+	deployObjs := renderDeploy(t, work, map[string]string{"passage-dra": refs["passage-dra"], "passage-control": refs["passage-control"]}, "")
+	apply(t, ctx, c, deployObjs, func(u *unstructured.Unstructured) bool { return u.GetKind() != "Deployment" })
+	// The tenant's namespace; the controller-manager gives it its default account.
+	if _, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	step("deploy files applied", t0)
+
+	// The node.
+	n := bootRealNode(t, ctx, bootBuild, priv, disk, strings.TrimPrefix(c.Server, "https://"), work)
+	waitNode := func(what string, d time.Duration, cond func() (bool, string)) {
+		t.Helper()
+		deadline := time.Now().Add(d)
+		for {
+			ok, seen := cond()
+			if ok {
+				return
+			}
+			select {
+			case <-n.done:
+				t.Fatalf("%s: the guest ended (%v); console %s, its end:\n%s", what, n.err, n.console, n.tail(80))
+			default:
+			}
+			if time.Now().After(deadline) || ctx.Err() != nil {
+				t.Fatalf("%s: not after %v (last: %s); console %s, its end:\n%s", what, d, seen, n.console, n.tail(80))
+			}
+			if l, bad := n.saw("NODE-INIT failed"); bad {
+				t.Fatalf("%s: %s; console %s, its end:\n%s", what, l, n.console, n.tail(80))
+			}
+			time.Sleep(250 * time.Millisecond)
+		}
+	}
+	t0 = time.Now()
+	waitNode("passage's handoff", 5*time.Minute, func() (bool, string) {
+		_, ok := n.saw("NODE-INIT mounts")
+		return ok, ""
+	})
+	step("guest booted through passage to nodeinit", t0)
+	var m *manifest.Manifest
+	{
+		env, ok := n.files()["manifest.dsse.json"]
+		if !ok {
+			t.Fatalf("no manifest.dsse.json on the console before the handoff")
+		}
+		v, err := manifest.LoadVerifier(pub)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ver, err := manifest.Verify(env, v, manifest.VerifyOptions{})
+		if err != nil {
+			t.Fatalf("the boot's manifest: %v", err)
+		}
+		m = ver.Manifest
+	}
+	t0 = time.Now()
+	waitNode("containerd and kubelet started", 4*time.Minute, func() (bool, string) {
+		_, ok := n.saw("NODE-READY")
+		return ok, ""
+	})
+	step("containerd up, images imported, kubelet started", t0)
+	t0 = time.Now()
+	waitNode("the node Ready", 4*time.Minute, func() (bool, string) {
+		no, err := api.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, cond := range no.Status.Conditions {
+			if cond.Type == corev1.NodeReady {
+				return cond.Status == corev1.ConditionTrue, cond.Reason + ": " + cond.Message
+			}
+		}
+		return false, "no Ready condition"
+	})
+	step("node registered and Ready", t0)
+
+	// The kubelet runs the DaemonSet's pod; passage-dra registers with the kubelet
+	// (plugins_registry) and publishes the node's units.
+	t0 = time.Now()
+	waitNode("passage-dra's slices for "+nodeName, 5*time.Minute, func() (bool, string) {
+		p := pools(t, ctx, api)
+		return len(p[nodeName]) > 0, fmt.Sprint(counts(p), " ", dsPodState(ctx, api))
+	})
+	step("passage-dra running, slices published", t0)
+	// The class and a unit's template, rendered from the boot's manifest.
+	keys := filepath.Dir(pub)
+	v, err := resources.Verify(writeEnvelope(t, work, n.files()["manifest.dsse.json"]), resources.Source{Keys: keys, NodeUUID: m.Node.DMIUUID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := resources.Render(v, resources.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := api.ResourceV1().DeviceClasses().Create(ctx, objs.Class, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("DeviceClass: %v", err)
+	}
+	for _, tmpl := range objs.Templates {
+		if _, err := api.ResourceV1().ResourceClaimTemplates(ns).Create(ctx, tmpl, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("template %s: %v", tmpl.Name, err)
+		}
+	}
+
+	// A pod with a unit: bound, prepared by the kubelet, started by containerd with the
+	// CDI spec's device nodes.
+	t0 = time.Now()
+	probe := probePod("probe-1", objs.Shapes[0].TemplateName(), refs["vfio-probe"])
+	if _, err := api.CoreV1().Pods(ns).Create(ctx, probe, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var msg string
+	waitNode("probe-1 done", 4*time.Minute, func() (bool, string) {
+		p, err := api.CoreV1().Pods(ns).Get(ctx, "probe-1", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		if p.Status.Phase == corev1.PodFailed {
+			t.Fatalf("probe-1 failed: %+v", p.Status)
+		}
+		for _, s := range p.Status.ContainerStatuses {
+			if s.State.Terminated != nil {
+				msg = s.State.Terminated.Message
+			}
+		}
+		return p.Status.Phase == corev1.PodSucceeded, fmt.Sprintf("%s %s", p.Status.Phase, podWhy(p))
+	})
+	step("pod with a unit ran", t0)
+	cl := podClaim(t, ctx, api, "probe-1")
+	unit := claimUnit(t, cl, m)
+	want := []string{"vfio"}
+	for _, f := range unit.Functions {
+		g := strconv.Itoa(f.IOMMUGroup)
+		if !slices.Contains(want, g) {
+			want = append(want, g)
+		}
+	}
+	got := vfioNames(msg)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("probe-1 (unit %s) saw /dev/vfio %v, want %v (the unit's groups and vfio); it said:\n%s", unit.ID, got, want, msg)
+	}
+	t.Logf("probe-1 got unit %s: /dev/vfio %v", unit.ID, got)
+	step("TestRealNode", began)
+}
+
+// dsPodState is what passage-dra's pods are doing, for a wait's message.
+func dsPodState(ctx context.Context, api *kubernetes.Clientset) string {
+	l, err := api.CoreV1().Pods("passage-dra").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, p := range l.Items {
+		out = append(out, fmt.Sprintf("%s on %q: %s %s", p.Name, p.Spec.NodeName, p.Status.Phase, podWhy(&p)))
+	}
+	return fmt.Sprint(out)
+}
+
+func podWhy(p *corev1.Pod) string {
+	var out []string
+	for _, c := range p.Status.Conditions {
+		if c.Status != corev1.ConditionTrue && c.Message != "" {
+			out = append(out, string(c.Type)+": "+c.Message)
+		}
+	}
+	for _, s := range p.Status.ContainerStatuses {
+		if s.State.Waiting != nil {
+			out = append(out, s.State.Waiting.Reason+": "+s.State.Waiting.Message)
+		}
+	}
+	return strings.Join(out, "; ")
+}
+
+// claimUnit is the manifest unit whose functions the claim was allocated.
+func claimUnit(t *testing.T, cl *resourceapi.ResourceClaim, m *manifest.Manifest) manifest.Unit {
+	t.Helper()
+	var got []string
+	for _, r := range cl.Status.Allocation.Devices.Results {
+		got = append(got, r.Device)
+	}
+	slices.Sort(got)
+	for _, u := range m.Units {
+		var want []string
+		for _, f := range u.Functions {
+			want = append(want, resources.DeviceName(u.ID, f.BDF))
+		}
+		slices.Sort(want)
+		if slices.Equal(got, want) {
+			return u
+		}
+	}
+	t.Fatalf("claim %s: devices %v are no unit of the manifest", cl.Name, got)
+	return manifest.Unit{}
+}
+
+// vfioNames are the names vfio-probe listed ("NAME c MAJ:MIN" lines).
+func vfioNames(msg string) []string {
+	var out []string
+	for _, l := range strings.Split(msg, "\n") {
+		if f := strings.Fields(l); len(f) > 0 {
+			out = append(out, f[0])
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+func probePod(name, template, image string) *corev1.Pod {
+	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: corev1.PodSpec{
+		RestartPolicy:  corev1.RestartPolicyNever,
+		ResourceClaims: []corev1.PodResourceClaim{{Name: "unit", ResourceClaimTemplateName: &template}},
+		NodeSelector:   map[string]string{"kubernetes.io/hostname": nodeName},
+		Containers: []corev1.Container{{Name: "probe", Image: image, ImagePullPolicy: corev1.PullNever,
+			Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "unit"}}}}},
+	}}
+}
+
+func writeEnvelope(t *testing.T, work string, b []byte) string {
+	p := filepath.Join(work, "manifest.dsse.json")
+	if err := os.WriteFile(p, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// imageRefs are the images' digest references by name: make images names each
+// passage.test/<name> in its .oci.tar and writes its digest beside it; nodeinit imports
+// them with ctr's --digests, which names each image by its digest too.
+func imageRefs(t *testing.T, dir string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	for _, name := range []string{"passage-dra", "passage-control", "pause", "vfio-probe"} {
+		b, err := os.ReadFile(filepath.Join(dir, name+".digest"))
+		if err != nil {
+			t.Fatalf("image %s: %v (make images writes it)", name, err)
+		}
+		out[name] = "passage.test/" + name + "@" + strings.TrimSpace(string(b))
+	}
+	return out
+}
+
+// renderDeploy is `kubectl kustomize` of an operator's overlay of kube/deploy that sets
+// only the images (registry and digest, as the README's Deploy tells): kustomize's own
+// code, as kubectl runs it (krusty, legacy order). extra is more of the overlay's
+// kustomization.yaml (a patch a mutation test makes).
+func renderDeploy(t *testing.T, work string, images map[string]string, extra string) []*unstructured.Unstructured {
+	t.Helper()
+	dir := filepath.Join(work, "overlay")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	here, err := filepath.Abs(filepath.Join("..", "deploy"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// kustomize takes a base only by a relative path.
+	base, err := filepath.Rel(dir, here)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [" + base + "]\nimages:\n"
+	for _, name := range slices.Sorted(maps.Keys(images)) {
+		ref := images[name]
+		repo, digest, ok := strings.Cut(ref, "@")
+		if !ok {
+			t.Fatalf("image %s: %q is no digest reference", name, ref)
+		}
+		k += fmt.Sprintf("- {name: %s, newName: %s, digest: %s}\n", name, repo, digest)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k+extra), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	o := krusty.MakeDefaultOptions()
+	o.Reorder = krusty.ReorderOptionLegacy
+	m, err := krusty.MakeKustomizer(o).Run(filesys.MakeFsOnDisk(), dir)
+	if err != nil {
+		t.Fatalf("kustomize build: %v", err)
+	}
+	var out []*unstructured.Unstructured
+	for _, r := range m.Resources() {
+		obj, err := r.Map()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, &unstructured.Unstructured{Object: obj})
+	}
+	return out
+}
+
+// apply creates the objects in order with the admin's credentials, as `kubectl apply`
+// creates what does not exist; keep says which to create.
+func apply(t *testing.T, ctx context.Context, c *harness.Cluster, objs []*unstructured.Unstructured, keep func(*unstructured.Unstructured) bool) {
+	t.Helper()
+	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
+	for _, u := range objs {
+		if !keep(u) {
+			continue
+		}
+		gvk := u.GroupVersionKind()
+		var mp *meta.RESTMapping
+		var err error
+		// A CRD created a moment ago is served after discovery sees it.
+		waitFor(t, ctx, 30*time.Second, "the API of "+gvk.String(), func() (bool, string) {
+			mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(c.Client.Discovery()))
+			mp, err = mapper.RESTMapping(schema.GroupKind{Group: gvk.Group, Kind: gvk.Kind}, gvk.Version)
+			return err == nil, fmt.Sprint(err)
+		})
+		var ri dynamic.ResourceInterface = dyn.Resource(mp.Resource)
+		if mp.Scope.Name() == meta.RESTScopeNameNamespace {
+			ri = dyn.Resource(mp.Resource).Namespace(u.GetNamespace())
+		}
+		if _, err := ri.Create(ctx, u, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create %s %s/%s: %v", gvk.Kind, u.GetNamespace(), u.GetName(), err)
+		}
+	}
+}
+
+// bootRealNode starts the guest: passage boots as the suite boots it and switches to the
+// disk's root, whose init is nodeinit. It runs until the test ends.
+func bootRealNode(t *testing.T, ctx context.Context, build, key, disk, apiServer, work string) *realNode {
+	t.Helper()
+	n := &realNode{parser: emit.NewParser(time.Now), done: make(chan struct{}), began: time.Now()}
+	bctx, stop := context.WithCancel(ctx)
+	wd := filepath.Join(work, "guest")
+	n.console = filepath.Join(wd, "console.log")
+	o := qemutest.Options{
+		Build: build, Key: key, NVMe: []string{disk}, WorkDir: wd, Name: "TestRealNode",
+		Timeout: 20 * time.Minute, MemMiB: 4096, UUID: nodeUUID,
+		Append: []string{
+			"rdinit=/bbin/passage",
+			"passage.handoff=switch_root", "passage.root=UUID=" + nodeRootFSUUID, "passage.rootfstype=ext4",
+			"passage.host_modules=e1000e,nvme,crc32c_generic,ext4",
+		},
+		Forward: map[string]string{nodeAPIAddr + ":443": apiServer},
+		Console: func(line string, _ io.Writer) bool {
+			n.mu.Lock()
+			n.lines = append(n.lines, line)
+			n.parser.Line(line)
+			n.mu.Unlock()
+			return false
+		},
+	}
+	go func() {
+		defer close(n.done)
+		n.run, n.err = qemutest.Boot(bctx, o)
+	}()
+	t.Cleanup(func() {
+		stop()
+		<-n.done
+		// The console outlives the test's directory where make node-test asks.
+		if keep := os.Getenv("PASSAGE_NODE_CONSOLE"); keep != "" {
+			if b, err := os.ReadFile(n.console); err == nil {
+				os.WriteFile(keep, b, 0o644)
+			}
+		}
+	})
+	return n
+}
+
+// nodeRootFiles are what the node's root is made of.
+type nodeRootFiles struct {
+	bootBuild, cpBin, runtimeBin, imagesDir, pub string
+	ca                                           []byte
+	token, pause                                 string
+}
+
+// writeNodeRoot lays out the real node's root file system in dir.
+func writeNodeRoot(t *testing.T, dir string, f nodeRootFiles) {
+	t.Helper()
+	mk := func(p string, mode os.FileMode, b []byte) {
+		t.Helper()
+		p = filepath.Join(dir, p)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, b, mode); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cp := func(src, dst string) {
+		t.Helper()
+		b, err := os.ReadFile(src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mk(dst, 0o755, b)
+	}
+	for _, d := range []string{"proc", "sys", "dev", "run", "tmp", "var/lib/containerd", "var/lib/kubelet/plugins",
+		"var/lib/kubelet/plugins_registry", "var/run/cdi", "etc/cdi", "etc/passage/keys", "usr/lib/x86_64-linux-gnu",
+		"var/log", "root"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// nodeinit, static.
+	build := exec.Command("go", "build", "-o", filepath.Join(dir, "sbin", "init"), "github.com/passage-boot/passage/kube/internal/realnode/nodeinit")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build nodeinit: %v\n%s", err, out)
+	}
+	cp(filepath.Join(f.cpBin, "kubelet"), "usr/bin/kubelet")
+	for _, b := range []string{"containerd", "containerd-shim-runc-v2", "ctr", "runc"} {
+		cp(filepath.Join(f.runtimeBin, b), "usr/bin/"+b)
+	}
+	for _, b := range []string{"ptp", "host-local", "loopback"} {
+		cp(filepath.Join(f.runtimeBin, b), "opt/cni/bin/"+b)
+	}
+	// The kubelet mounts a pod's volumes (tmpfs, bind) with mount(8) and reads mounts
+	// with findmnt(8), as on every node: util-linux's, this Debian's, with the libraries
+	// and loader they link.
+	for _, b := range []string{"/usr/bin/mount", "/usr/bin/umount", "/usr/bin/findmnt"} {
+		cp(b, b[1:])
+		for _, lib := range sharedLibs(t, b) {
+			cp(lib, lib[1:])
+		}
+	}
+	// The image's public key: passage-dra verifies the boot's manifest with it.
+	pub, err := os.ReadFile(f.pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk("etc/passage/keys/"+nodeName+".pub", 0o644, pub)
+	for _, name := range []string{"passage-dra", "pause", "vfio-probe"} {
+		cp(filepath.Join(f.imagesDir, name+".oci.tar"), "images/"+name+".tar")
+	}
+	mk("etc/resolv.conf", 0o644, []byte("nameserver 10.0.2.3\n"))
+	mk("etc/hosts", 0o644, []byte("127.0.0.1 localhost\n"))
+	mk("etc/machine-id", 0o444, []byte("5e1f2c3a0b6d4c1e9a572f0d3b8e4a61\n"))
+	mk("etc/passwd", 0o644, []byte("root:x:0:0:root:/root:/sbin/nologin\n"))
+	mk("etc/group", 0o644, []byte("root:x:0:\n"))
+	mk("etc/kubernetes/ca.crt", 0o644, f.ca)
+	mk("etc/kubernetes/kubelet.conf", 0o600, []byte(fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters: [{name: e2e, cluster: {server: "https://%s:443", certificate-authority: /etc/kubernetes/ca.crt}}]
+users: [{name: kubelet, user: {token: %q}}]
+contexts: [{name: e2e, context: {cluster: e2e, user: kubelet}}]
+current-context: e2e
+`, nodeAPIAddr, f.token)))
+	mk("etc/kubernetes/kubelet.args", 0o644, []byte(strings.Join([]string{
+		"--node-ip=" + nodeIP,
+		"--hostname-override=" + nodeName,
+		"--node-labels=passage-boot.github.io/node=true",
+		"--v=0",
+	}, "\n")+"\n"))
+	mk("var/lib/kubelet/config.yaml", 0o644, []byte(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
+failSwapOn: false
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: false}
+authorization: {mode: AlwaysAllow}
+resolvConf: /etc/resolv.conf
+# A test disk: eviction would take the node's pods for a small free space.
+evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+nodeStatusUpdateFrequency: 10s
+serializeImagePulls: false
+`))
+	mk("etc/cni/net.d/10-passage.conflist", 0o644, []byte(`{
+  "cniVersion": "1.0.0",
+  "name": "passage-node",
+  "plugins": [{"type": "ptp", "ipMasq": false,
+    "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.88.0.0/16"}]], "routes": [{"dst": "0.0.0.0/0"}]}}]
+}
+`))
+	mk("etc/containerd/config.toml", 0o644, []byte(fmt.Sprintf(`version = 3
+root = "/var/lib/containerd"
+state = "/run/containerd"
+[grpc]
+  address = "/run/containerd/containerd.sock"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = %q
+[plugins.'io.containerd.cri.v1.runtime']
+  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+  [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+      SystemdCgroup = false
+      BinaryName = "/usr/bin/runc"
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["/opt/cni/bin"]
+    conf_dir = "/etc/cni/net.d"
+`, f.pause)))
+	writeModules(t, f.bootBuild, dir)
+}
+
+// sharedLibs are the files ldd(1) says a dynamic program loads, the loader among them.
+func sharedLibs(t *testing.T, bin string) []string {
+	t.Helper()
+	out, err := exec.Command("ldd", bin).Output()
+	if err != nil {
+		t.Fatalf("ldd %s: %v", bin, err)
+	}
+	var libs []string
+	for _, l := range strings.Split(string(out), "\n") {
+		// "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)", "/lib64/ld-linux-x86-64.so.2 (0x...)"
+		f := strings.Fields(l)
+		for _, x := range f {
+			if strings.HasPrefix(x, "/") {
+				libs = append(libs, x)
+				break
+			}
+		}
+	}
+	return libs
+}
+
+// writeModules copies the modules nodeinit loads, with their dependencies, from the
+// boot's kernel package into the root's /lib/modules/<release>, with their modules.dep.
+func writeModules(t *testing.T, bootBuild, dir string) {
+	t.Helper()
+	rel, err := os.ReadFile(filepath.Join(bootBuild, "kernel", "release"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := strings.TrimSpace(string(rel))
+	ix, err := kmod.Open(filepath.Join(bootBuild, "kernel", "lib", "modules", release))
+	if err != nil {
+		t.Fatal(err)
+	}
+	names, err := ix.Order(nodeModules...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := filepath.Join(dir, "lib", "modules", release)
+	var dep strings.Builder
+	if err := ix.WriteDep(&dep, names, func(m *kmod.Module) (string, error) {
+		r, err := filepath.Rel(ix.Dir(), m.Path)
+		if err != nil {
+			return "", err
+		}
+		b, err := os.ReadFile(m.Path)
+		if err != nil {
+			return "", err
+		}
+		if err := os.MkdirAll(filepath.Join(dst, filepath.Dir(r)), 0o755); err != nil {
+			return "", err
+		}
+		return r, os.WriteFile(filepath.Join(dst, r), b, 0o644)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dst, kmod.DepFile), []byte(dep.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"modules.builtin", "modules.order"} {
+		if b, err := os.ReadFile(filepath.Join(ix.Dir(), f)); err == nil {
+			os.WriteFile(filepath.Join(dst, f), b, 0o644)
+		}
+	}
+}
