@@ -159,6 +159,29 @@ images:
 	cd kube && $(GO) run ./cmd/passage-images -bin $(abspath $(IMAGES))/bin -out $(abspath $(IMAGES)) -registry $(REGISTRY) \
 		-source https://github.com/passage-boot/passage -revision "$$(git rev-parse HEAD)" -version "$$(git describe --tags --always --dirty)" $$debs
 
+# node-bin builds what the real node (the QEMU guest that runs containerd and a kubelet
+# against the control plane) needs that its root file system does not have: the kubelet
+# (with the control plane, kube/harness/build.sh), containerd, its runc shim, ctr, runc
+# and the CNI plugins (kube/harness/noderuntime/build.sh), all static, and the images
+# (make images: the .oci.tar files containerd imports). Each script reuses a finished
+# build; kube/harness/README.md, "The node's programs", has the versions, sizes and times.
+.PHONY: node-bin
+node-bin: deps images
+	@cp=$$(bash kube/harness/build.sh $(abspath $(BUILD))/controlplane) || exit 1; \
+	rt=$$(bash kube/harness/noderuntime/build.sh $(abspath $(BUILD))/noderuntime) || exit 1; \
+	echo "node-bin: kubelet           $$cp/kubelet"; \
+	echo "node-bin: containerd, containerd-shim-runc-v2, ctr, runc, CNI plugins (ptp bridge host-local loopback portmap)"; \
+	echo "node-bin:                   $$rt/"; \
+	echo "node-bin: images            $(abspath $(IMAGES))/{pause,vfio-probe,passage-dra,passage-control,passage-hook}.oci.tar"
+
+# node-import-test imports each image's .oci.tar with the node's own containerd and ctr
+# (kube/images TestContainerdImports, tag node): containerd as root for the import only,
+# in temporary directories and a mount namespace of its own; no container is started.
+.PHONY: node-import-test
+node-import-test: node-bin
+	cd kube && PASSAGE_NODE_RUNTIME=$$(bash harness/noderuntime/build.sh $(abspath $(BUILD))/noderuntime) PASSAGE_BUILD=$(abspath $(BUILD)) \
+		$(GO) test -count=1 -tags node -v -run TestContainerdImports ./images/
+
 # test: the unit tests, then the QEMU suite with the control plane's build and the cluster
 # tests beside it. The unit phase leaves no core free: started beside the race tests, the
 # control plane's build (cold: some 18 minutes of CPU) made the unit phase take 1661 s
