@@ -157,10 +157,13 @@ func TestRealNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The fleet's key directory (--pub): the image's key, enrolled for this machine.
+	keys := filepath.Join(work, "keys")
+	enrol(t, priv, pub, keys, nodeUUID)
 	refs := imageRefs(t, imagesDir)
 	root := filepath.Join(work, "root")
 	writeNodeRoot(t, root, nodeRootFiles{
-		bootBuild: bootBuild, cpBin: cpBin, runtimeBin: runtimeBin, imagesDir: imagesDir, pub: pub,
+		bootBuild: bootBuild, cpBin: cpBin, runtimeBin: runtimeBin, imagesDir: imagesDir, keys: keys,
 		ca: c.CA, token: c.NodeToken, pause: refs["pause"],
 	})
 	disk := filepath.Join(work, "root.img")
@@ -250,12 +253,21 @@ func TestRealNode(t *testing.T) {
 	// (plugins_registry) and publishes the node's units.
 	t0 = time.Now()
 	waitNode("passage-dra's slices for "+nodeName, 5*time.Minute, func() (bool, string) {
-		p := pools(t, ctx, api)
-		return len(p[nodeName]) > 0, fmt.Sprint(counts(p), " ", dsPodState(ctx, api))
+		// Listed here, not with pools: a slow answer on a loaded machine is waited out.
+		sl, err := api.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		n := 0
+		for _, s := range sl.Items {
+			if s.Spec.Driver == resources.DriverName && s.Spec.NodeName != nil && *s.Spec.NodeName == nodeName {
+				n += len(s.Spec.Devices)
+			}
+		}
+		return n > 0, fmt.Sprint(n, " devices; ", dsPodState(ctx, api))
 	})
 	step("passage-dra running, slices published", t0)
 	// The class and a unit's template, rendered from the boot's manifest.
-	keys := filepath.Dir(pub)
 	v, err := resources.Verify(writeEnvelope(t, work, n.files()["manifest.dsse.json"]), resources.Source{Keys: keys, NodeUUID: m.Node.DMIUUID})
 	if err != nil {
 		t.Fatal(err)
@@ -497,10 +509,12 @@ func bootRealNode(t *testing.T, ctx context.Context, build, key, disk, apiServer
 	n.console = filepath.Join(wd, "console.log")
 	o := qemutest.Options{
 		Build: build, Key: key, NVMe: []string{disk}, WorkDir: wd, Name: "TestRealNode",
+		Overlay: []qemutest.OverlayFile{{Name: strings.TrimPrefix(nodeProfile, "/"), Data: noFabricProfile(t)}},
 		Timeout: 20 * time.Minute, MemMiB: 4096, UUID: nodeUUID,
 		Append: []string{
 			"rdinit=/bbin/passage",
 			"passage.handoff=switch_root", "passage.root=UUID=" + nodeRootFSUUID, "passage.rootfstype=ext4",
+			"passage.profile=" + nodeProfile,
 			"passage.host_modules=e1000e,nvme,crc32c_generic,ext4",
 		},
 		Forward: map[string]string{nodeAPIAddr + ":443": apiServer},
@@ -529,9 +543,42 @@ func bootRealNode(t *testing.T, ctx context.Context, build, key, disk, apiServer
 	return n
 }
 
+// nodeProfile is the real node's profile in its initramfs (Options.Overlay).
+const nodeProfile = "/etc/passage/profiles/real-node.yaml"
+
+// noFabricProfile is the suite's qemu profile without its Module IDs and NVLink
+// partitions: the guest has no NVSwitch and no Fabric Manager, and says so in its
+// manifest, so passage-dra opens no FM and prepares each unit alone, as on any node
+// without NVLink (plugin.fabricFor). With them it would, rightly, prepare no claim
+// without FM's partition.
+func noFabricProfile(t *testing.T) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "..", "topology", "profiles", "qemu.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The two top-level keys dropped as text: the profile's IDs are hex, which a YAML
+	// round trip would turn into decimal numbers.
+	var out []string
+	skip := false
+	for _, l := range strings.Split(string(b), "\n") {
+		top := l != "" && l[0] != ' ' && l[0] != '#' && l[0] != '-'
+		if top {
+			skip = strings.HasPrefix(l, "modules:") || strings.HasPrefix(l, "nvlink_partitions:")
+		}
+		if strings.HasPrefix(l, "name: ") {
+			l = "name: real-node"
+		}
+		if !skip {
+			out = append(out, l)
+		}
+	}
+	return []byte(strings.Join(out, "\n"))
+}
+
 // nodeRootFiles are what the node's root is made of.
 type nodeRootFiles struct {
-	bootBuild, cpBin, runtimeBin, imagesDir, pub string
+	bootBuild, cpBin, runtimeBin, imagesDir, keys string
 	ca                                           []byte
 	token, pause                                 string
 }
@@ -586,12 +633,18 @@ func writeNodeRoot(t *testing.T, dir string, f nodeRootFiles) {
 			cp(lib, lib[1:])
 		}
 	}
-	// The image's public key: passage-dra verifies the boot's manifest with it.
-	pub, err := os.ReadFile(f.pub)
+	// The fleet's keys: passage-dra verifies the boot's manifest with them.
+	ents, err := os.ReadDir(f.keys)
 	if err != nil {
 		t.Fatal(err)
 	}
-	mk("etc/passage/keys/"+nodeName+".pub", 0o644, pub)
+	for _, e := range ents {
+		b, err := os.ReadFile(filepath.Join(f.keys, e.Name()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		mk("etc/passage/keys/"+e.Name(), 0o644, b)
+	}
 	for _, name := range []string{"passage-dra", "pause", "vfio-probe"} {
 		cp(filepath.Join(f.imagesDir, name+".oci.tar"), "images/"+name+".tar")
 	}
@@ -659,6 +712,36 @@ state = "/run/containerd"
     conf_dir = "/etc/cni/net.d"
 `, f.pause)))
 	writeModules(t, f.bootBuild, dir)
+}
+
+// enrol puts the image's public key in the fleet's key directory with its enrolment
+// for the machine of the given SMBIOS UUID, as an operator enrols a node's key.
+func enrol(t *testing.T, priv, pub, keys, uuid string) {
+	t.Helper()
+	signer, err := manifest.LoadSigner(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := signer.KeyID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.MkdirAll(keys, 0o755)
+	path := filepath.Join(keys, nodeName+".pub")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e, err := manifest.NewEnrolment(id, manifest.Node{DMIUUID: uuid}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := manifest.WriteEnrolment(path, e); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // sharedLibs are the files ldd(1) says a dynamic program loads, the loader among them.
