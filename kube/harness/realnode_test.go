@@ -293,10 +293,21 @@ func TestRealNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	var msg string
+	var cl *resourceapi.ResourceClaim
 	waitNode("probe-1 done", 4*time.Minute, func() (bool, string) {
 		p, err := api.CoreV1().Pods(ns).Get(ctx, "probe-1", metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
+		}
+		// The claim made from the template goes with the pod once it is done: its
+		// allocation is read while the pod runs.
+		for _, st := range p.Status.ResourceClaimStatuses {
+			if cl == nil && st.ResourceClaimName != nil {
+				c, err := api.ResourceV1().ResourceClaims(ns).Get(ctx, *st.ResourceClaimName, metav1.GetOptions{})
+				if err == nil && c.Status.Allocation != nil {
+					cl = c
+				}
+			}
 		}
 		if p.Status.Phase == corev1.PodFailed {
 			t.Fatalf("probe-1 failed: %+v", p.Status)
@@ -309,7 +320,9 @@ func TestRealNode(t *testing.T) {
 		return p.Status.Phase == corev1.PodSucceeded, fmt.Sprintf("%s %s", p.Status.Phase, podWhy(p))
 	})
 	step("pod with a unit ran", t0)
-	cl := podClaim(t, ctx, api, "probe-1")
+	if cl == nil {
+		t.Fatal("probe-1 ran, its allocated claim never seen")
+	}
 	unit := claimUnit(t, cl, m)
 	want := []string{"vfio"}
 	for _, f := range unit.Functions {
@@ -324,6 +337,38 @@ func TestRealNode(t *testing.T) {
 		t.Fatalf("probe-1 (unit %s) saw /dev/vfio %v, want %v (the unit's groups and vfio); it said:\n%s", unit.ID, got, want, msg)
 	}
 	t.Logf("probe-1 got unit %s: /dev/vfio %v", unit.ID, got)
+
+	// A mistake in the deploy files is named by the kubelet's own words: the
+	// DaemonSet's plugin registry at a path the kubelet does not watch (and that is
+	// not there) never mounts, and the wait for its slices says why.
+	t0 = time.Now()
+	if err := api.AppsV1().DaemonSets("passage-dra").Delete(ctx, "passage-dra", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitNode("passage-dra's pods gone", 2*time.Minute, func() (bool, string) {
+		l, err := api.CoreV1().Pods("passage-dra").List(ctx, metav1.ListOptions{})
+		return err == nil && len(l.Items) == 0, fmt.Sprint(err)
+	})
+	mutant := renderDeploy(t, filepath.Join(work, "mutant"), map[string]string{"passage-dra": refs["passage-dra"], "passage-control": refs["passage-control"]}, `patches:
+- patch: |-
+    apiVersion: apps/v1
+    kind: DaemonSet
+    metadata: {name: passage-dra, namespace: passage-dra}
+    spec:
+      template:
+        spec:
+          volumes:
+          - name: registry
+            hostPath: {path: /var/lib/kubelet/plugins-registry, type: Directory}
+`)
+	apply(t, ctx, c, mutant, func(u *unstructured.Unstructured) bool { return u.GetKind() == "DaemonSet" })
+	var said string
+	waitNode("the kubelet's word on the mutated registry directory", 3*time.Minute, func() (bool, string) {
+		said = dsPodState(ctx, api)
+		return strings.Contains(said, "hostPath type check failed") && strings.Contains(said, "/var/lib/kubelet/plugins-registry"), said
+	})
+	t.Logf("registry directory mutated: the wait for slices would say: %s", said)
+	step("deploy mutation named by the kubelet", t0)
 	step("TestRealNode", began)
 }
 
@@ -335,9 +380,28 @@ func dsPodState(ctx context.Context, api *kubernetes.Clientset) string {
 	}
 	var out []string
 	for _, p := range l.Items {
-		out = append(out, fmt.Sprintf("%s on %q: %s %s", p.Name, p.Spec.NodeName, p.Status.Phase, podWhy(&p)))
+		out = append(out, fmt.Sprintf("%s on %q: %s %s%s", p.Name, p.Spec.NodeName, p.Status.Phase, podWhy(&p), podEvents(ctx, api, &p)))
 	}
 	return fmt.Sprint(out)
+}
+
+// podEvents are the warnings the kubelet and the scheduler gave the pod (a volume
+// that does not mount, a sandbox that does not start), newest last.
+func podEvents(ctx context.Context, api *kubernetes.Clientset, p *corev1.Pod) string {
+	ev, err := api.CoreV1().Events(p.Namespace).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + p.Name})
+	if err != nil {
+		return "; events: " + err.Error()
+	}
+	var out []string
+	for _, e := range ev.Items {
+		if e.Type == corev1.EventTypeWarning {
+			out = append(out, e.Reason+": "+e.Message)
+		}
+	}
+	if len(out) == 0 {
+		return ""
+	}
+	return "; warnings: " + strings.Join(out[max(0, len(out)-3):], " | ")
 }
 
 func podWhy(p *corev1.Pod) string {
@@ -377,11 +441,12 @@ func claimUnit(t *testing.T, cl *resourceapi.ResourceClaim, m *manifest.Manifest
 	return manifest.Unit{}
 }
 
-// vfioNames are the names vfio-probe listed ("NAME c MAJ:MIN" lines).
+// vfioNames are the names vfio-probe listed: after its "/dev/vfio: N entries" line,
+// one "NAME TYPE MAJ:MIN" line each.
 func vfioNames(msg string) []string {
 	var out []string
 	for _, l := range strings.Split(msg, "\n") {
-		if f := strings.Fields(l); len(f) > 0 {
+		if f := strings.Fields(l); len(f) == 3 && !strings.HasPrefix(f[0], "/") {
 			out = append(out, f[0])
 		}
 	}
