@@ -644,8 +644,8 @@ func noFabricProfile(t *testing.T) []byte {
 // nodeRootFiles are what the node's root is made of.
 type nodeRootFiles struct {
 	bootBuild, cpBin, runtimeBin, imagesDir, keys string
-	ca                                           []byte
-	token, pause                                 string
+	ca                                            []byte
+	token, pause                                  string
 }
 
 // writeNodeRoot lays out the real node's root file system in dir.
