@@ -30,19 +30,12 @@ func WriteTar(path string, img v1.Image, ref string) (v1.Hash, error) {
 	if _, err := name.NewTag(ref, name.StrictValidation); err != nil {
 		return v1.Hash{}, fmt.Errorf("archive %s: reference %q: %w", path, ref, err)
 	}
-	cf, err := img.ConfigFile()
+	desc, err := descriptor(img, map[string]string{RefName: ref, ContainerdName: ref})
 	if err != nil {
 		return v1.Hash{}, err
 	}
-	mt, err := img.MediaType()
-	if err != nil {
-		return v1.Hash{}, err
-	}
+	digest := desc.Digest
 	raw, err := img.RawManifest()
-	if err != nil {
-		return v1.Hash{}, err
-	}
-	digest, err := img.Digest()
 	if err != nil {
 		return v1.Hash{}, err
 	}
@@ -57,9 +50,7 @@ func WriteTar(path string, img v1.Image, ref string) (v1.Hash, error) {
 	index, err := json.Marshal(v1.IndexManifest{
 		SchemaVersion: 2,
 		MediaType:     types.OCIImageIndex,
-		Manifests: []v1.Descriptor{{MediaType: mt, Size: int64(len(raw)), Digest: digest,
-			Platform:    &v1.Platform{OS: cf.OS, Architecture: cf.Architecture},
-			Annotations: map[string]string{RefName: ref, ContainerdName: ref}}},
+		Manifests:     []v1.Descriptor{desc},
 	})
 	if err != nil {
 		return v1.Hash{}, err

@@ -179,10 +179,6 @@ func Write(dir string, img v1.Image, ref string) (v1.Hash, error) {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return v1.Hash{}, err
 	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return v1.Hash{}, err
-	}
 	p, err := layout.Write(dir, empty.Index)
 	if err != nil {
 		return v1.Hash{}, fmt.Errorf("layout %s: %w", dir, err)
@@ -192,27 +188,41 @@ func Write(dir string, img v1.Image, ref string) (v1.Hash, error) {
 	}
 	// The descriptor is written here, not by AppendImage, which would add an
 	// artifactType (the config's media type) that image-spec gives artifacts, not images.
-	mt, err := img.MediaType()
-	if err != nil {
-		return v1.Hash{}, err
-	}
-	raw, err := img.RawManifest()
-	if err != nil {
-		return v1.Hash{}, err
-	}
-	digest, err := img.Digest()
-	if err != nil {
-		return v1.Hash{}, err
-	}
-	desc := v1.Descriptor{MediaType: mt, Size: int64(len(raw)), Digest: digest,
-		Platform: &v1.Platform{OS: cf.OS, Architecture: cf.Architecture}}
+	var ann map[string]string
 	if ref != "" {
-		desc.Annotations = map[string]string{RefName: ref}
+		ann = map[string]string{RefName: ref}
+	}
+	desc, err := descriptor(img, ann)
+	if err != nil {
+		return v1.Hash{}, err
 	}
 	if err := p.AppendDescriptor(desc); err != nil {
 		return v1.Hash{}, fmt.Errorf("layout %s: %w", dir, err)
 	}
-	return digest, nil
+	return desc.Digest, nil
+}
+
+// descriptor is img's entry in an index (a layout's index.json, Write's and
+// WriteTar's): its manifest's media type, size and digest, its platform, annotations.
+func descriptor(img v1.Image, annotations map[string]string) (v1.Descriptor, error) {
+	cf, err := img.ConfigFile()
+	if err != nil {
+		return v1.Descriptor{}, err
+	}
+	mt, err := img.MediaType()
+	if err != nil {
+		return v1.Descriptor{}, err
+	}
+	raw, err := img.RawManifest()
+	if err != nil {
+		return v1.Descriptor{}, err
+	}
+	digest, err := img.Digest()
+	if err != nil {
+		return v1.Descriptor{}, err
+	}
+	return v1.Descriptor{MediaType: mt, Size: int64(len(raw)), Digest: digest,
+		Platform: &v1.Platform{OS: cf.OS, Architecture: cf.Architecture}, Annotations: annotations}, nil
 }
 
 // Read is the one image of the layout at dir, as Write wrote it.
