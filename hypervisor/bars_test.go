@@ -1,6 +1,7 @@
 package hypervisor
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -55,6 +56,36 @@ func TestSourcesBARs(t *testing.T) {
 		_, err := Sources(m)
 		if err == nil || !strings.Contains(err.Error(), "unit gpu2: function "+m.Units[2].Functions[1].BDF+": bar ") {
 			t.Errorf("BAR %+v: %v", bad, err)
+		}
+	}
+}
+
+// TestRenderWidths: render sets the width B300 units' BARs demand, 43 bits for 1 unit to
+// 46 for 8, as the first line of its QEMU rendering, and refuses each at one bit less,
+// naming both widths, before any guest exists. qemu-tests' TestLargeBARGuests boots the
+// 1- and 8-unit guests at those widths under OVMF.
+func TestRenderWidths(t *testing.T) {
+	src, err := Sources(manifesttest.B300(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n, want := range map[int]int{1: 43, 2: 44, 4: 45, 8: 46} {
+		var ids []topology.UnitID
+		for i := range n {
+			ids = append(ids, topology.UnitID(i))
+		}
+		in := Input{Sources: src, Units: ids}
+		r, err := Render(in, FormatQEMU, topology.DomainOptions{})
+		if err != nil {
+			t.Fatalf("%d units: %v", n, err)
+		}
+		if first := strings.SplitN(string(r.Out), "\n", 2)[0]; r.PhysBits != want || first != fmt.Sprintf("-cpu host,phys-bits=%d \\", want) {
+			t.Fatalf("%d units: width %d, first line %q; want %d", n, r.PhysBits, first, want)
+		}
+		in.PhysBits = want - 1
+		if _, err := Render(in, FormatQEMU, topology.DomainOptions{}); err == nil ||
+			!strings.Contains(err.Error(), fmt.Sprintf("a %d-bit physical address width; the width given is %d bits", want, want-1)) {
+			t.Fatalf("%d units at %d bits: %v", n, want-1, err)
 		}
 	}
 }
