@@ -304,12 +304,18 @@ const MaxProfileSize = 1 << 20
 
 var errProfileSize = fmt.Errorf("larger than 1 MiB (%d bytes), the most a profile may hold; a real one is a few KB", MaxProfileSize)
 
+// ProfileIsFile tells whether LoadProfile takes nameOrFile as a file's path (it has a
+// slash or a .yaml/.yml/.json suffix) rather than a built-in profile's name.
+func ProfileIsFile(nameOrFile string) bool {
+	return strings.ContainsRune(nameOrFile, '/') || strings.HasSuffix(nameOrFile, ".yaml") ||
+		strings.HasSuffix(nameOrFile, ".yml") || strings.HasSuffix(nameOrFile, ".json")
+}
+
 // LoadProfile takes a built-in name or a file path (anything with a slash or a
 // .yaml/.yml/.json suffix is a path). A file larger than MaxProfileSize is refused from
 // its size, and whatever stat cannot size (a pipe, a device) is read only up to it.
 func LoadProfile(nameOrFile string) (*Profile, error) {
-	if !strings.ContainsRune(nameOrFile, '/') && !strings.HasSuffix(nameOrFile, ".yaml") &&
-		!strings.HasSuffix(nameOrFile, ".yml") && !strings.HasSuffix(nameOrFile, ".json") {
+	if !ProfileIsFile(nameOrFile) {
 		return Builtin(nameOrFile)
 	}
 	b, err := readProfile(nameOrFile)

@@ -510,7 +510,7 @@ func (f *turnFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.on, "turnaround", true, "recycle each released unit (erase, reset, a new signed generation, attested to the control plane) and offer it again once the control plane verified it; off: a released unit waits for passage recycle and a newer generation")
 	fs.StringVar(&f.url, "passage-url", "", "the control plane's `URL` (default: passage.url= of /proc/cmdline under --root; none: no turnaround)")
 	fs.StringVar(&f.ca, "passage-ca", "", "PEM `FILE` of the CA that issued the control plane's certificate (default: the system's roots)")
-	fs.StringVar(&f.profile, "profile", "", "role profile the recycle decides with (default: passage.profile= of /proc/cmdline, else b300); its erase policy, or passage.erase=, is the recycle's")
+	fs.StringVar(&f.profile, "profile", "", "role profile the recycle decides with (default: passage.profile= of /proc/cmdline, a path in it beneath --root, else b300); its erase policy, or passage.erase=, is the recycle's")
 	fs.StringVar(&f.keys.SigningKey, "signing-key", "/etc/passage/key", "the ed25519 private key `FILE` the recycled generations are signed with beside the TPM key, under --root")
 	fs.StringVar(&f.keys.Dir, "run-dir", initramfs.RunDir, "the directory of the manifest the recycle replaces, under --root (the one --manifest is in)")
 	fs.StringVar(&f.keys.GenerationFile, "generation-file", "", "file generation counter, when the TPM has none")
@@ -545,8 +545,13 @@ func (f *turnFlags) turnaround(root string) (*plugin.Turnaround, error) {
 		return nil, errors.New("--tpm off: the turnaround attests every recycled generation with the TPM (give --turnaround=false)")
 	}
 	profile := f.profile
-	if profile == "" {
+	if profile == "" && cl.Profile != "" {
 		profile = cl.Profile
+		// passage.profile= names a file of the host's (the boot read it from its
+		// initramfs; the host's root must hold it at the same path): beneath --root.
+		if topology.ProfileIsFile(profile) {
+			profile = filepath.Join(root, profile)
+		}
 	}
 	if profile == "" {
 		profile = "b300"

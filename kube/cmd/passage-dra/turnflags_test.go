@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"flag"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -30,5 +32,47 @@ func TestTurnaroundFlags(t *testing.T) {
 	}
 	if _, code, msg := parse("--recycle-poll", "0s"); code != 2 || !strings.Contains(msg, "--recycle-poll 0s") {
 		t.Fatalf("--recycle-poll 0s: exit %d %s", code, msg)
+	}
+}
+
+// TestTurnaroundProfileBeneathRoot: a profile that the host's passage.profile= names by
+// path is the host's file, read beneath --root (the container sees the host's
+// /etc/passage under /host); a built-in name stays a name; a path on the command line
+// that the root does not hold is refused naming the path beneath the root.
+func TestTurnaroundProfileBeneathRoot(t *testing.T) {
+	profile, err := os.ReadFile(filepath.Join("..", "..", "..", "topology", "profiles", "qemu.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		cmdline, file, want, refused string
+	}{
+		{"passage.profile=/etc/passage/profiles/node.yaml", "etc/passage/profiles/node.yaml", "ROOT/etc/passage/profiles/node.yaml", ""},
+		{"passage.profile=qemu", "", "qemu", ""},
+		{"", "", "b300", ""},
+		{"passage.profile=/etc/passage/profiles/gone.yaml", "", "", "ROOT/etc/passage/profiles/gone.yaml"},
+	} {
+		root := t.TempDir()
+		os.MkdirAll(filepath.Join(root, "proc"), 0o755)
+		if err := os.WriteFile(filepath.Join(root, "proc", "cmdline"), []byte("console=ttyS0 "+c.cmdline+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if c.file != "" {
+			os.MkdirAll(filepath.Dir(filepath.Join(root, c.file)), 0o755)
+			if err := os.WriteFile(filepath.Join(root, c.file), profile, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		f := &turnFlags{on: true, url: "https://127.0.0.1:1/", tries: 1, backoff: time.Second, timeout: time.Second, poll: time.Second}
+		tr, err := f.turnaround(root)
+		if c.refused != "" {
+			if want := strings.ReplaceAll(c.refused, "ROOT", root); err == nil || !strings.Contains(err.Error(), want) {
+				t.Fatalf("%q: %v, want a refusal naming %s", c.cmdline, err, want)
+			}
+			continue
+		}
+		if want := strings.ReplaceAll(c.want, "ROOT", root); err != nil || tr.Profile != want {
+			t.Fatalf("%q: %+v, %v; want profile %s", c.cmdline, tr, err, want)
+		}
 	}
 }
