@@ -453,6 +453,13 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 		// kubelet holds. Another boot's key is not carried.
 		if prev.BootID == m.BootID {
 			m.Node.KubeletKey = prev.Node.KubeletKey
+			// The node is the one the boot named: its record (passage-control's
+			// PassageNode) is the hostname the boot had. The hostname read now is the
+			// reader's UTS namespace's (proc/sys/kernel/hostname under any root), a
+			// pod's own name in passage-dra's container.
+			if prev.Node.Hostname != "" && prev.Node.Hostname != manifest.UnsetHostname {
+				m.Node.Hostname = prev.Node.Hostname
+			}
 		}
 	}
 	m.Errors = []string{}
