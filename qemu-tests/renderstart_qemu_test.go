@@ -41,6 +41,9 @@ import (
 // space OVMF used within what the planner demands. A --domain-type qemu domain (TCG's
 // CPU model) is booted too, for one unit.
 func TestRenderedGuestsStart(t *testing.T) {
+	// Beside the suite's other parallel test (TestLargeBARGuests): their guests share
+	// the two cores, two at a time, the longest (8 units --numa) beside all the others.
+	t.Parallel()
 	dir := t.TempDir()
 	passage := filepath.Join(dir, "passage")
 	if out, err := exec.Command("go", "build", "-o", passage, "../cmd/passage").CombinedOutput(); err != nil {
