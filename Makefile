@@ -196,7 +196,7 @@ node-test: node-bin
 	cd kube && CGO_ENABLED=0 PASSAGE_CONTROL_PLANE=$$(bash harness/build.sh $(abspath $(BUILD))/controlplane) \
 		PASSAGE_NODE_RUNTIME=$$(bash harness/noderuntime/build.sh $(abspath $(BUILD))/noderuntime) \
 		PASSAGE_IMAGES=$(abspath $(IMAGES)) PASSAGE_BUILD=$(abspath $(BUILD))/linux-$(KERNEL) PASSAGE_NODE_CONSOLE=$(NODE_CONSOLE) \
-		$(GO) test -count=1 -tags cluster,node -timeout 20m -v -run 'TestRealNode|TestRealBootVerified' ./harness/
+		$(GO) test -count=1 -tags cluster,node -timeout 20m -v -run TestRealNode ./harness/
 
 # test: the unit tests, then the QEMU suite with the control plane's build and the cluster
 # tests beside it. The unit phase leaves no core free: started beside the race tests, the

@@ -25,6 +25,8 @@ import (
 	authnv1 "k8s.io/api/authentication/v1"
 	certificatesv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
@@ -40,6 +42,7 @@ import (
 	"github.com/passage-boot/passage/initramfs/netboot"
 	"github.com/passage-boot/passage/kube/control"
 	"github.com/passage-boot/passage/kube/control/controltest"
+	"github.com/passage-boot/passage/kube/dra/resources"
 	"github.com/passage-boot/passage/kube/harness"
 )
 
@@ -61,7 +64,11 @@ import (
 //	(c) a node whose attestation failed (an unapproved image), its attested key: never;
 //	(d) a node that never attested: never;
 //	(e) the node rebooted and verified at generation 2 with a new key: its request
-//	    approved, a new request for the previous boot's key not.
+//	    approved, a new request for the previous boot's key not;
+//	(f) 20 times, a boot holding only the bootstrap token (all a boot that is not
+//	    verified ever holds) registering its Node and publishing its slice: both
+//	    forbidden by the API server, and a pod created for that node at that moment
+//	    is not bound. TestRealNode shows the same of a real kubelet.
 //
 // "Never" is judged once both replicas have judged the request (their
 // passage_control_csr_total, past the grace), as pending with no certificate. The API
@@ -257,6 +264,41 @@ func TestClusterAdmit(t *testing.T) {
 		t.Fatalf("API writes for %d reboots and their kubelets: %.0f (%v); want at most %d, one approval each", nodes, again, againBy, 3*nodes)
 	}
 	never("(e) a new request for b300-00's previous boot's key", control.CSRKeyMismatch, old, soft[0].Hostname)
+
+	// (f) What an unverified boot can do, 20 times over: it holds the bootstrap token
+	// and nothing else, so the moment it would publish (its Node, then its slice) is
+	// refused by the API server, and a pod created for that node at that moment is never
+	// bound.
+	createNamespace(t, ctx, c.Client)
+	for i := range 20 {
+		node := fmt.Sprintf("b300-unverified-%02d", i)
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: node, Namespace: ns},
+			Spec: corev1.PodSpec{NodeSelector: map[string]string{corev1.LabelHostname: node},
+				Containers: []corev1.Container{{Name: "c", Image: "passage.test/none"}}}}
+		if _, err := c.Client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		_, nerr := bootstrap.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node,
+			Labels: map[string]string{corev1.LabelHostname: node}}}, metav1.CreateOptions{})
+		_, serr := bootstrap.ResourceV1().ResourceSlices().Create(ctx, &resourceapi.ResourceSlice{
+			ObjectMeta: metav1.ObjectMeta{Name: node + "-units"},
+			Spec: resourceapi.ResourceSliceSpec{Driver: resources.DriverName, NodeName: &node,
+				Pool:    resourceapi.ResourcePool{Name: node, ResourceSliceCount: 1},
+				Devices: []resourceapi.Device{{Name: "gpu0"}}},
+		}, metav1.CreateOptions{})
+		if !apierrors.IsForbidden(nerr) || !apierrors.IsForbidden(serr) {
+			t.Fatalf("(f) %s with the bootstrap token: Node %v, ResourceSlice %v; want both forbidden", node, nerr, serr)
+		}
+		time.Sleep(time.Second)
+		p, err := c.Client.CoreV1().Pods(pod.Namespace).Get(ctx, node, metav1.GetOptions{})
+		if err != nil || p.Spec.NodeName != "" {
+			t.Fatalf("(f) the pod for %s: %v, bound to %q", node, err, p.Spec.NodeName)
+		}
+		if i == 0 {
+			t.Logf("(f) an unverified boot's writes: Node: %v; ResourceSlice: %v", nerr, serr)
+		}
+	}
+	t.Log("(f) 20 unverified boots: no Node, no slice written, each pod created for one unbound")
 }
 
 // startSigningCluster is startCluster with harness.Options{Signing: true}.

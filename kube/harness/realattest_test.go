@@ -14,6 +14,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"maps"
 	"math/big"
 	"net"
 	"os"
@@ -25,7 +26,6 @@ import (
 	"testing"
 	"time"
 
-	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/dynamic"
 
@@ -70,9 +70,11 @@ type guestControl struct {
 	Boot qemutest.Options
 }
 
-// ForwardTo is the Forward map that joins guestControlAddr:443 to replica i.
+// ForwardTo is Boot's Forward map with guestControlAddr:443 joined to replica i.
 func (g *guestControl) ForwardTo(i int) map[string]string {
-	return map[string]string{guestControlAddr + ":443": strings.TrimSuffix(strings.TrimPrefix(g.Replicas[i].url, "https://"), "/")}
+	f := maps.Clone(g.Boot.Forward)
+	f[guestControlAddr+":443"] = strings.TrimSuffix(strings.TrimPrefix(g.Replicas[i].url, "https://"), "/")
+	return f
 }
 
 // controlForGuest readies c for a QEMU guest booted as boot says (Build, Topology, Append,
@@ -81,8 +83,9 @@ func (g *guestControl) ForwardTo(i int) map[string]string {
 // from a private swtpm_localca (the replicas' --ek-ca), the signed UKI of that boot built
 // by the harness itself (Secure Boot, snakeoil db key) and its approved entry computed
 // from it by the real tools (approveImage), and replicas passage-control processes
-// started with both. work holds everything; each replica logs to work/control/control-N.log.
-func controlForGuest(t *testing.T, ctx context.Context, c *harness.Cluster, work string, replicas int, boot qemutest.Options) *guestControl {
+// started with both and extra flags. work holds everything; each replica logs to
+// work/control/control-N.log. boot's Forward is kept beside the one to replica 0.
+func controlForGuest(t *testing.T, ctx context.Context, c *harness.Cluster, work string, replicas int, boot qemutest.Options, extra ...string) *guestControl {
 	t.Helper()
 	dir := filepath.Join(work, "control")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -145,10 +148,14 @@ func controlForGuest(t *testing.T, ctx context.Context, c *harness.Cluster, work
 		// startReplica passes the fixture's approved list first; a flag given again
 		// takes the later value (package flag), so this image's list is the one judged.
 		g.Replicas = append(g.Replicas, startReplica(t, ctx, ctlBin, g.Kubeconfig, dir, i+1,
-			"--approved", g.ApprovedFile, "--reconcile-every", "1s"))
+			append([]string{"--approved", g.ApprovedFile, "--reconcile-every", "1s"}, extra...)...))
 	}
 	step(fmt.Sprintf("%d replicas started", replicas))
-	o.Forward = g.ForwardTo(0)
+	o.Forward = maps.Clone(boot.Forward)
+	if o.Forward == nil {
+		o.Forward = map[string]string{}
+	}
+	o.Forward[guestControlAddr+":443"] = strings.TrimSuffix(strings.TrimPrefix(g.Replicas[0].url, "https://"), "/")
 	o.NetBoot = &qemutest.NetBoot{Tamper: func(uki string) error {
 		// The harness signs the image again from the same options, and no two of
 		// uki.sh's images are the same bytes (objcopy stamps the PE header's
@@ -296,11 +303,10 @@ func guestRecord(t testing.TB, ctx context.Context, dyn dynamic.Interface, name 
 
 // bootManifest is the manifest the guest wrote, verified with the signing key the
 // record's enrolment certified: the generation and payload the record must show.
-func bootManifest(t testing.TB, run *qemutest.Run, rec control.Node) *manifest.Verified {
+func bootManifest(t testing.TB, env []byte, rec control.Node) *manifest.Verified {
 	t.Helper()
-	env, ok := run.Files["manifest.dsse.json"]
-	if !ok {
-		t.Fatalf("the guest wrote no manifest (done %q); console end:\n%s", run.Done, harness.Tail(run.Console, 4000))
+	if env == nil {
+		t.Fatal("the guest wrote no manifest")
 	}
 	pemKey, err := (&attest.NodeRecord{SigningKeyPublic: rec.Spec.SigningKeyPublic}).SigningKeyPEM()
 	if err != nil {
@@ -317,17 +323,12 @@ func bootManifest(t testing.TB, run *qemutest.Run, rec control.Node) *manifest.V
 	return ver
 }
 
-// stageLines is what the guest's console said of one stage: its result line and the
-// findings, changes and error under it (stages.stageLine's layout).
-func stageLines(t testing.TB, run *qemutest.Run, stage string) string {
-	t.Helper()
-	con, err := os.ReadFile(run.Console)
-	if err != nil {
-		t.Fatal(err)
-	}
+// stageLines is what the guest's console (con, its text) said of one stage: its result
+// line and the findings, changes and error under it (stages.stageLine's layout).
+func stageLines(con, stage string) string {
 	var out []string
 	in := false
-	for _, l := range strings.Split(string(con), "\n") {
+	for _, l := range strings.Split(con, "\n") {
 		l = strings.TrimRight(l, "\r")
 		switch {
 		case strings.HasPrefix(l, "passage: "+stage+" "):
@@ -345,127 +346,14 @@ func stageLines(t testing.TB, run *qemutest.Run, stage string) string {
 
 var stageResult = regexp.MustCompile(`^passage: (\S+)\s+(ok|degraded|failed|skipped)\s+[0-9.]+s\b`)
 
-// notOK is what the guest's console said of each stage that did not end ok.
-func notOK(t testing.TB, run *qemutest.Run) string {
-	t.Helper()
-	con, err := os.ReadFile(run.Console)
-	if err != nil {
-		t.Fatal(err)
-	}
+// notOK is what the guest's console (con, its text) said of each stage that did not
+// end ok.
+func notOK(con string) string {
 	var out []string
-	for _, l := range strings.Split(string(con), "\n") {
+	for _, l := range strings.Split(con, "\n") {
 		if m := stageResult.FindStringSubmatch(strings.TrimRight(l, "\r")); m != nil && m[2] != "ok" {
-			out = append(out, stageLines(t, run, m[1]))
+			out = append(out, stageLines(con, m[1]))
 		}
 	}
 	return strings.Join(out, "\n")
-}
-
-// TestRealBootVerified: the real passage-control verifies a real boot. A QEMU guest
-// netboots passage's signed UKI (OVMF Secure Boot, the real initramfs, the suite's
-// default units topology, a swtpm TPM with an EK certificate from a private CA) and
-// attests at boot to two passage-control replicas running as host processes against
-// the real API server: enrolled through the 428 round and verified with no command run
-// by hand, its PassageNode verified at the generation its manifest carries. A second
-// boot of the same node runs another image signed by the same db key (one kernel
-// argument more): passage-control, whose approved list is the first image's, records
-// attestation-failed naming PCR 4 and puts the NoExecute rule on the node's pool.
-func TestRealBootVerified(t *testing.T) {
-	build := os.Getenv("PASSAGE_BUILD")
-	if build == "" {
-		t.Skip("PASSAGE_BUILD: the image's build directory (make initramfs: build/linux-6.12)")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
-	began, last := time.Now(), time.Now()
-	step := func(what string) {
-		now := time.Now()
-		t.Logf("step %-58s %6.1f s (at %6.1f s)", what, now.Sub(last).Seconds(), now.Sub(began).Seconds())
-		last = now
-	}
-	work := t.TempDir()
-	c := startCluster(t, ctx, work)
-	step("control plane started")
-	g := controlForGuest(t, ctx, c, work, 2, qemutest.Options{Build: build, Name: "TestRealBootVerified"})
-	step("passage-control: image signed and approved, 2 replicas")
-	t.Logf("approved: Authenticode %x, PCR 11 %x", []byte(g.Approved.Authenticode[0]), []byte(g.Approved.PCR11[0]))
-	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
-	name := qemutest.DefaultHostname
-
-	o := g.Boot
-	o.WorkDir = filepath.Join(work, "approved")
-	run, err := qemutest.Boot(ctx, o)
-	if err != nil {
-		t.Fatalf("boot of the approved image: %v; console end:\n%s", err, harness.Tail(filepath.Join(o.WorkDir, "console.log"), 4000))
-	}
-	step("boot of the approved image")
-	t.Log(run.TimingLine("approved image"))
-	t.Logf("approved image: boot %s; stages not ok:\n%s", run.Done, notOK(t, run))
-	if con, _ := os.ReadFile(run.Console); !strings.Contains(string(con), "EFI stub: UEFI Secure Boot is enabled") {
-		t.Fatalf("the approved image did not boot under Secure Boot; console end:\n%s", harness.Tail(run.Console, 4000))
-	}
-	rec := guestRecord(t, ctx, dyn, name)
-	ver := bootManifest(t, run, rec)
-	if rec.Status.Verdict != control.VerdictVerified || rec.Status.Generation != int64(ver.Manifest.Generation) ||
-		rec.Status.Digest != manifest.Digest(ver.Payload) {
-		t.Fatalf("record %s after the approved boot: %s at generation %d (%s), digest %s; the boot's manifest: generation %d, %s; console end:\n%s",
-			name, rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, rec.Status.Digest, ver.Manifest.Generation,
-			manifest.Digest(ver.Payload), harness.Tail(run.Console, 4000))
-	}
-	if rec.Spec.Enrolled == nil || rec.Spec.Node != name {
-		t.Fatalf("record %s: not enrolled by the boot: %+v", name, rec.Spec)
-	}
-	// The attestation the guest kept beside its manifest is the one it delivered: over
-	// the replica's nonce, not its offline payload digest.
-	a, err := attest.ParseAttestation(run.Files["manifest.dsse.json"+attest.Suffix])
-	if err != nil {
-		t.Fatalf("the approved boot's attestation: %v", err)
-	}
-	if a.NonceSource != attest.NonceControlPlane {
-		t.Fatalf("the approved boot's attestation: nonce from %q, want the control plane's", a.NonceSource)
-	}
-	t.Logf("approved image: record %s %s at generation %d (%s), enrolled %s; the guest's publish stage (boot %s):\n%s", name,
-		rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, rec.Spec.Enrolled.Format(time.RFC3339), run.Done, stageLines(t, run, "publish"))
-	step("record verified at the boot's generation")
-
-	// The same node boots an image the operator did not approve: the same kernel and
-	// initramfs with one kernel argument more, signed by the same db key, which the
-	// firmware runs and measures. (A rebuild of the approved image's own inputs would be
-	// refused too: the operator approves a file, and uki.sh's are never the same bytes.)
-	// Through the other replica: they share the exchange key.
-	o = g.Boot
-	o.WorkDir = filepath.Join(work, "unapproved")
-	o.Append = append(slices.Clone(o.Append), "build=unapproved")
-	o.NetBoot = &qemutest.NetBoot{}
-	o.Forward = g.ForwardTo(1)
-	run, err = qemutest.Boot(ctx, o)
-	if err != nil {
-		t.Fatalf("boot of the unapproved image: %v; console end:\n%s", err, harness.Tail(filepath.Join(o.WorkDir, "console.log"), 4000))
-	}
-	step("boot of the unapproved image")
-	t.Log(run.TimingLine("unapproved image"))
-	other, err := approveImage(filepath.Join(o.WorkDir, "tftp", "passage.efi"), t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec = guestRecord(t, ctx, dyn, name)
-	ver = bootManifest(t, run, rec)
-	want := fmt.Sprintf("an image that is not approved was loaded (Authenticode sha256 %x)", []byte(other.Authenticode[0]))
-	if rec.Status.Verdict != control.VerdictFailed || rec.Status.Generation != int64(ver.Manifest.Generation) ||
-		!strings.Contains(rec.Status.Reason, "PCR 4") || !strings.Contains(rec.Status.Reason, want) {
-		t.Fatalf("record %s after the unapproved boot: %s at generation %d (%s); the boot's manifest: generation %d; want %s naming PCR 4: %s; console end:\n%s",
-			name, rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, ver.Manifest.Generation, control.VerdictFailed, want,
-			harness.Tail(run.Console, 4000))
-	}
-	r, err := c.Client.ResourceV1().DeviceTaintRules().Get(ctx, control.RuleName(name), metav1.GetOptions{})
-	if err != nil {
-		t.Fatalf("rule of %s after the unapproved boot: %v", name, err)
-	}
-	if r.Spec.Taint.Key != control.TaintFailed || r.Spec.Taint.Effect != resourceapi.DeviceTaintEffectNoExecute {
-		t.Fatalf("rule of %s after the unapproved boot: %+v", name, r.Spec.Taint)
-	}
-	t.Logf("unapproved image: record %s %s at generation %d: %s; rule %s %s=%s:%s; the guest's publish stage (boot %s):\n%s", name,
-		rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, r.Name, r.Spec.Taint.Key, r.Spec.Taint.Value, r.Spec.Taint.Effect,
-		run.Done, stageLines(t, run, "publish"))
-	step("record attestation-failed, NoExecute rule")
 }

@@ -4,6 +4,8 @@ package harness_test
 
 import (
 	"context"
+	"crypto/x509"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"maps"
@@ -11,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,8 +21,10 @@ import (
 	"testing"
 	"time"
 
+	certificatesv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -31,8 +36,11 @@ import (
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 
+	"github.com/passage-boot/passage/attest"
 	"github.com/passage-boot/passage/initramfs/emit"
 	"github.com/passage-boot/passage/initramfs/kmod"
+	kubeletkey "github.com/passage-boot/passage/initramfs/kubelet"
+	"github.com/passage-boot/passage/kube/control"
 	"github.com/passage-boot/passage/kube/dra/resources"
 	"github.com/passage-boot/passage/kube/harness"
 	"github.com/passage-boot/passage/manifest"
@@ -68,6 +76,7 @@ type realNode struct {
 	run     *qemutest.Run
 	err     error
 	began   time.Time
+	stop    func() // ends the guest and keeps its console
 }
 
 func (n *realNode) saw(prefix string) (string, bool) {
@@ -98,6 +107,13 @@ func (n *realNode) tail(k int) string {
 	return strings.Join(out[max(0, len(out)-k):], "\n")
 }
 
+// text is all the node said.
+func (n *realNode) text() string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return strings.Join(n.lines, "\n")
+}
+
 func (n *realNode) files() map[string][]byte {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -107,9 +123,16 @@ func (n *realNode) files() map[string][]byte {
 // TestRealNode boots a node through passage as the QEMU suite does (the real initramfs,
 // vIOMMU, units on vfio-pci, swtpm) and hands off by switch_root into a root that runs
 // the programs of a real node: containerd 2.x with runc and the CNI plugins, and
-// kubelet v1.37.2, joining the control plane on the host. Through the shipped deploy
-// files, with only the images set, the kubelet runs passage-dra; a pod with a unit's
-// claim gets exactly that unit's /dev/vfio nodes.
+// kubelet v1.37.2, joining the control plane on the host. The node netboots passage's
+// signed UKI under OVMF Secure Boot and attests at boot to two passage-control replicas
+// (host processes against the real API server); the kubelet holds no credential of its
+// own, only a bootstrap token, and its client certificate is approved by passage-control
+// for the key the verified boot made and attested (kube-controller-manager signs it).
+// Through the shipped deploy files, with only the images set, the kubelet runs
+// passage-dra; a pod with a unit's claim gets exactly that unit's /dev/vfio nodes.
+// Then the same node reboots into an image the operator did not approve (signed by the
+// same db key): passage-control records the attestation failed, its kubelet's request
+// is never approved, it publishes nothing and a pod created as it reboots never runs.
 func TestRealNode(t *testing.T) {
 	began := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
@@ -125,16 +148,20 @@ func TestRealNode(t *testing.T) {
 	cpBin := env("PASSAGE_CONTROL_PLANE", "the control plane's and the kubelet's binaries (kube/harness/build.sh)")
 	runtimeBin := env("PASSAGE_NODE_RUNTIME", "containerd, runc and the CNI plugins (kube/harness/noderuntime/build.sh)")
 	imagesDir := env("PASSAGE_IMAGES", "make images' output (build/images)")
+	if keep := os.Getenv("PASSAGE_NODE_CONSOLE"); keep != "" {
+		os.Remove(keep)
+	}
 	work := t.TempDir()
 	step := func(what string, since time.Time) {
-		t.Logf("TIMING %-44s %6.1f s (%.1f s since the test began)", what, time.Since(since).Seconds(), time.Since(began).Seconds())
+		t.Logf("TIMING %-52s %6.1f s (%.1f s since the test began)", what, time.Since(since).Seconds(), time.Since(began).Seconds())
 	}
 
-	// The control plane, ready for a real kubelet.
+	// The control plane, ready for a real kubelet's TLS bootstrap: a bootstrap token, a
+	// client CA, kube-controller-manager's signer and no approver but passage-control.
 	t0 := time.Now()
 	cdir := filepath.Join(work, "cp")
 	os.MkdirAll(cdir, 0o755)
-	c, err := harness.StartWith(ctx, cpBin, cdir, harness.Options{Node: &harness.NodeAccess{
+	c, err := harness.StartWith(ctx, cpBin, cdir, harness.Options{Signing: true, Node: &harness.NodeAccess{
 		Name: nodeName, ServiceCIDR: nodeServiceCIDR, Addresses: []net.IP{net.ParseIP(nodeAPIAddr)}}})
 	if err != nil {
 		t.Fatal(err)
@@ -149,6 +176,7 @@ func TestRealNode(t *testing.T) {
 	}()
 	step("control plane started", t0)
 	api := c.Client
+	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
 
 	// The image's key, the node's root.
 	t0 = time.Now()
@@ -163,8 +191,8 @@ func TestRealNode(t *testing.T) {
 	refs := imageRefs(t, imagesDir)
 	root := filepath.Join(work, "root")
 	writeNodeRoot(t, root, nodeRootFiles{
-		bootBuild: bootBuild, cpBin: cpBin, runtimeBin: runtimeBin, imagesDir: imagesDir, keys: keys,
-		ca: c.CA, token: c.NodeToken, pause: refs["pause"],
+		bootBuild: bootBuild, cpBin: cpBin, runtimeBin: runtimeBin, imagesDir: imagesDir, keys: keys, signingKey: priv,
+		ca: c.CA, bootstrapToken: c.BootstrapToken, pause: refs["pause"],
 	})
 	disk := filepath.Join(work, "root.img")
 	if err := qemutest.NewGPTDisk(disk, 2048, nodeRootPartUUID, nodeRootFSUUID, "root", root); err != nil {
@@ -172,99 +200,82 @@ func TestRealNode(t *testing.T) {
 	}
 	step("node root written", t0)
 
+	// The node's plan, from a reference boot of the same machine without Secure Boot,
+	// as an operator takes it for make uki PLAN=: under Secure Boot the kernel is locked
+	// down, and only the plan's pci=config_acs= on the signed image's command line sets
+	// the units' ACS (scenario 8's netboot, qemu-tests/README.md).
+	t0 = time.Now()
+	o := realNodeOptions(t, bootBuild, priv, disk, strings.TrimPrefix(c.Server, "https://"))
+	o.Plan = referencePlan(t, ctx, o, filepath.Join(work, "reference"))
+	step("reference boot: the node's plan", t0)
+
+	// passage-control for the node's boot: its signed image approved, two replicas.
+	t0 = time.Now()
+	g := controlForGuest(t, ctx, c, work, 2, o, "--approve-grace", approveGrace.String())
+	step("passage-control: image signed and approved, 2 replicas", t0)
+
 	// The deploy files, with only the image set.
 	t0 = time.Now()
 	deployObjs := renderDeploy(t, work, map[string]string{"passage-dra": refs["passage-dra"], "passage-control": refs["passage-control"]}, "")
-	apply(t, ctx, c, deployObjs, func(u *unstructured.Unstructured) bool { return u.GetKind() != "Deployment" })
+	apply(t, ctx, c, deployObjs, func(u *unstructured.Unstructured) bool {
+		// passage-dra's objects. passage-control runs as the host's processes above (no
+		// second node here runs its Deployment); its CRDs and RBAC, from the same files,
+		// are controlForGuest's.
+		return u.GetNamespace() == "passage-dra" || u.GetName() == "passage-dra"
+	})
+	// passage-control's CA, as the DaemonSet's comments tell the operator to give it.
+	if _, err := api.CoreV1().ConfigMaps("passage-dra").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "passage-control-ca"},
+		Data: map[string]string{"ca.crt": string(g.CA)}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	// The tenant's namespace; the controller-manager gives it its default account.
 	if _, err := api.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	step("deploy files applied", t0)
 
-	// The node.
-	n := bootRealNode(t, ctx, bootBuild, priv, disk, strings.TrimPrefix(c.Server, "https://"), work)
-	waitNode := func(what string, d time.Duration, cond func() (bool, string)) {
-		t.Helper()
-		deadline := time.Now().Add(d)
-		for {
-			ok, seen := cond()
-			if ok {
-				return
-			}
-			select {
-			case <-n.done:
-				t.Fatalf("%s: the guest ended (%v); console %s, its end:\n%s", what, n.err, n.console, n.tail(80))
-			default:
-			}
-			if time.Now().After(deadline) || ctx.Err() != nil {
-				t.Fatalf("%s: not after %v (last: %s); console %s, its end:\n%s", what, d, seen, n.console, n.tail(80))
-			}
-			if l, bad := n.saw("NODE-INIT failed"); bad {
-				t.Fatalf("%s: %s; console %s, its end:\n%s", what, l, n.console, n.tail(80))
-			}
-			time.Sleep(250 * time.Millisecond)
-		}
-	}
+	// The node: the approved image.
+	o = g.Boot
+	o.WorkDir = filepath.Join(work, "approved")
+	n := startRealNode(t, ctx, o, "approved")
 	t0 = time.Now()
-	waitNode("passage's handoff", 5*time.Minute, func() (bool, string) {
+	n.wait(t, ctx, "passage's handoff", 5*time.Minute, func() (bool, string) {
 		_, ok := n.saw("NODE-INIT mounts")
 		return ok, ""
 	})
-	step("guest booted through passage to nodeinit", t0)
-	var m *manifest.Manifest
-	{
-		env, ok := n.files()["manifest.dsse.json"]
-		if !ok {
-			t.Fatalf("no manifest.dsse.json on the console before the handoff")
-		}
-		v, err := manifest.LoadVerifier(pub)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ver, err := manifest.Verify(env, v, manifest.VerifyOptions{})
-		if err != nil {
-			t.Fatalf("the boot's manifest: %v", err)
-		}
-		m = ver.Manifest
+	step("guest netbooted under Secure Boot, attested, handed off", t0)
+	if _, ok := n.saw("EFI stub: UEFI Secure Boot is enabled"); !ok {
+		t.Fatalf("the approved image did not boot under Secure Boot; console %s", n.console)
 	}
+	m := verifiedBoot(t, ctx, dyn, n, pub)
 	t0 = time.Now()
-	waitNode("containerd and kubelet started", 4*time.Minute, func() (bool, string) {
+	n.wait(t, ctx, "containerd and kubelet started", 4*time.Minute, func() (bool, string) {
 		_, ok := n.saw("NODE-READY")
 		return ok, ""
 	})
 	step("containerd up, images imported, kubelet started", t0)
 	t0 = time.Now()
-	waitNode("the node Ready", 4*time.Minute, func() (bool, string) {
-		no, err := api.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		for _, cond := range no.Status.Conditions {
-			if cond.Type == corev1.NodeReady {
-				return cond.Status == corev1.ConditionTrue, cond.Reason + ": " + cond.Message
-			}
-		}
-		return false, "no Ready condition"
-	})
-	step("node registered and Ready", t0)
+	n.wait(t, ctx, "the node Ready", 4*time.Minute, func() (bool, string) { return nodeReady(ctx, api) })
+	step("certificate approved, node registered and Ready", t0)
+	csr := requestOfKey(t, ctx, api, c.BootstrapToken, m.Node.KubeletKey)
+	if csr == nil || !certApproved(csr) || len(csr.Status.Certificate) == 0 {
+		t.Fatalf("the kubelet's request for the boot's key %s: %+v", m.Node.KubeletKey, csr)
+	}
+	t.Logf("the kubelet's request %s by %s for key %s: %s", csr.Name, csr.Spec.Username, m.Node.KubeletKey, approvedBy(csr))
 
 	// The kubelet runs the DaemonSet's pod; passage-dra registers with the kubelet
 	// (plugins_registry) and publishes the node's units.
 	t0 = time.Now()
-	waitNode("passage-dra's slices for "+nodeName, 5*time.Minute, func() (bool, string) {
-		// Listed here, not with pools: a slow answer on a loaded machine is waited out.
-		sl, err := api.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	n.wait(t, ctx, "passage-dra's slices for "+nodeName, 5*time.Minute, func() (bool, string) {
+		sl, err := nodeSlices(ctx, api)
 		if err != nil {
 			return false, err.Error()
 		}
-		n := 0
-		for _, s := range sl.Items {
-			if s.Spec.Driver == resources.DriverName && s.Spec.NodeName != nil && *s.Spec.NodeName == nodeName {
-				n += len(s.Spec.Devices)
-			}
+		k := 0
+		for _, s := range sl {
+			k += len(s.Spec.Devices)
 		}
-		return n > 0, fmt.Sprint(n, " devices; ", dsPodState(ctx, api))
+		return k > 0, fmt.Sprint(k, " devices; ", dsPodState(ctx, api))
 	})
 	step("passage-dra running, slices published", t0)
 	// The class and a unit's template, rendered from the boot's manifest.
@@ -288,55 +299,44 @@ func TestRealNode(t *testing.T) {
 	// A pod with a unit: bound, prepared by the kubelet, started by containerd with the
 	// CDI spec's device nodes.
 	t0 = time.Now()
-	probe := probePod("probe-1", objs.Shapes[0].TemplateName(), refs["vfio-probe"])
-	if _, err := api.CoreV1().Pods(ns).Create(ctx, probe, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	var msg string
-	var cl *resourceapi.ResourceClaim
-	waitNode("probe-1 done", 4*time.Minute, func() (bool, string) {
-		p, err := api.CoreV1().Pods(ns).Get(ctx, "probe-1", metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		// The claim made from the template goes with the pod once it is done: its
-		// allocation is read while the pod runs.
-		for _, st := range p.Status.ResourceClaimStatuses {
-			if cl == nil && st.ResourceClaimName != nil {
-				c, err := api.ResourceV1().ResourceClaims(ns).Get(ctx, *st.ResourceClaimName, metav1.GetOptions{})
-				if err == nil && c.Status.Allocation != nil {
-					cl = c
-				}
-			}
-		}
-		if p.Status.Phase == corev1.PodFailed {
-			t.Fatalf("probe-1 failed: %+v", p.Status)
-		}
-		for _, s := range p.Status.ContainerStatuses {
-			if s.State.Terminated != nil {
-				msg = s.State.Terminated.Message
-			}
-		}
-		return p.Status.Phase == corev1.PodSucceeded, fmt.Sprintf("%s %s", p.Status.Phase, podWhy(p))
-	})
+	template := objs.Shapes[0].TemplateName()
+	createProbe(t, ctx, api, "probe-1", template, refs["vfio-probe"])
+	first := n.probed(t, ctx, api, m, "probe-1")[0]
 	step("pod with a unit ran", t0)
-	if cl == nil {
-		t.Fatal("probe-1 ran, its allocated claim never seen")
-	}
-	unit := claimUnit(t, cl, m)
-	want := []string{"vfio"}
-	for _, f := range unit.Functions {
-		g := strconv.Itoa(f.IOMMUGroup)
-		if !slices.Contains(want, g) {
-			want = append(want, g)
+
+	// The pod is done: the kubelet unprepares its claim through passage-dra, whose
+	// turnaround recycles the unit (erase, reset, a new generation signed and attested
+	// to passage-control through passage.url, with the CA of the ConfigMap) and offers
+	// it again once passage-control verified that generation. Two pods then take both
+	// units at once: one of them is the recycled unit.
+	t0 = time.Now()
+	var recycled control.Node
+	back := regexp.MustCompile(`turnaround ` + regexp.QuoteMeta(first) + `: back in generation (\d+) \(([^)]*)\)`)
+	var backIn []string
+	n.wait(t, ctx, "unit "+first+" recycled, its generation verified", 4*time.Minute, func() (bool, string) {
+		l, ok := n.saw("turnaround " + first + ": back in generation ")
+		if !ok {
+			return false, "passage-dra has not said the unit is back"
 		}
+		if backIn = back.FindStringSubmatch(l); backIn == nil {
+			t.Fatalf("passage-dra's line %q", l)
+		}
+		gen, _ := strconv.ParseInt(backIn[1], 10, 64)
+		recycled = guestRecord(t, ctx, dyn, nodeName)
+		return recycled.Status.Verdict == control.VerdictVerified && recycled.Status.Generation >= gen,
+			fmt.Sprintf("record %s at generation %d (%s)", recycled.Status.Verdict, recycled.Status.Generation, recycled.Status.Reason)
+	})
+	t.Logf("unit %s back in generation %s (%s); record %s at generation %d", first, backIn[1], backIn[2], recycled.Status.Verdict, recycled.Status.Generation)
+	step("unit released, recycled and verified", t0)
+	t0 = time.Now()
+	createProbe(t, ctx, api, "probe-2", template, refs["vfio-probe"])
+	createProbe(t, ctx, api, "probe-3", template, refs["vfio-probe"])
+	second := n.probed(t, ctx, api, m, "probe-2", "probe-3")
+	if !slices.Contains(second, first) || second[0] == second[1] {
+		t.Fatalf("after the recycle of %s, the two pods got units %v", first, second)
 	}
-	got := vfioNames(msg)
-	slices.Sort(want)
-	if !slices.Equal(got, want) {
-		t.Fatalf("probe-1 (unit %s) saw /dev/vfio %v, want %v (the unit's groups and vfio); it said:\n%s", unit.ID, got, want, msg)
-	}
-	t.Logf("probe-1 got unit %s: /dev/vfio %v", unit.ID, got)
+	t.Logf("the next two pods got units %v", second)
+	step("the recycled unit to a second pod", t0)
 
 	// A mistake in the deploy files is named by the kubelet's own words: the
 	// DaemonSet's plugin registry at a path the kubelet does not watch (and that is
@@ -345,7 +345,7 @@ func TestRealNode(t *testing.T) {
 	if err := api.AppsV1().DaemonSets("passage-dra").Delete(ctx, "passage-dra", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitNode("passage-dra's pods gone", 2*time.Minute, func() (bool, string) {
+	n.wait(t, ctx, "passage-dra's pods gone", 2*time.Minute, func() (bool, string) {
 		l, err := api.CoreV1().Pods("passage-dra").List(ctx, metav1.ListOptions{})
 		return err == nil && len(l.Items) == 0, fmt.Sprint(err)
 	})
@@ -363,13 +363,283 @@ func TestRealNode(t *testing.T) {
 `)
 	apply(t, ctx, c, mutant, func(u *unstructured.Unstructured) bool { return u.GetKind() == "DaemonSet" })
 	var said string
-	waitNode("the kubelet's word on the mutated registry directory", 3*time.Minute, func() (bool, string) {
+	n.wait(t, ctx, "the kubelet's word on the mutated registry directory", 3*time.Minute, func() (bool, string) {
 		said = dsPodState(ctx, api)
 		return strings.Contains(said, "hostPath type check failed") && strings.Contains(said, "/var/lib/kubelet/plugins-registry"), said
 	})
 	t.Logf("registry directory mutated: the wait for slices would say: %s", said)
 	step("deploy mutation named by the kubelet", t0)
+
+	// The same node reboots into an image the operator did not approve: the same kernel
+	// and initramfs with one kernel argument more, signed by the same db key, which the
+	// firmware runs and measures. It attests through the other replica (they share the
+	// exchange key). A pod for a unit is created as the node goes down.
+	t0 = time.Now()
+	before, err := nodeSlices(ctx, api)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.stop()
+	createProbe(t, ctx, api, "probe-reboot", template, refs["vfio-probe"])
+	o = g.Boot
+	o.WorkDir = filepath.Join(work, "unapproved")
+	o.Append = append(slices.Clone(o.Append), "build=unapproved")
+	o.NetBoot = &qemutest.NetBoot{}
+	o.Forward = g.ForwardTo(1)
+	n = startRealNode(t, ctx, o, "unapproved")
+	n.wait(t, ctx, "the unapproved boot's kubelet started", 6*time.Minute, func() (bool, string) {
+		_, ok := n.saw("NODE-READY")
+		return ok, ""
+	})
+	step("reboot into an unapproved image, kubelet started", t0)
+	other, err := approveImage(filepath.Join(o.WorkDir, "tftp", "passage.efi"), t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := guestRecord(t, ctx, dyn, nodeName)
+	ver := bootManifest(t, n.files()["manifest.dsse.json"], rec)
+	wantWhy := fmt.Sprintf("an image that is not approved was loaded (Authenticode sha256 %x)", []byte(other.Authenticode[0]))
+	if rec.Status.Verdict != control.VerdictFailed || rec.Status.Generation != int64(ver.Manifest.Generation) ||
+		!strings.Contains(rec.Status.Reason, "PCR 4") || !strings.Contains(rec.Status.Reason, wantWhy) {
+		t.Fatalf("record %s after the unapproved boot: %s at generation %d (%s); the boot's manifest: generation %d; want %s naming PCR 4: %s",
+			nodeName, rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, ver.Manifest.Generation, control.VerdictFailed, wantWhy)
+	}
+	r, err := api.ResourceV1().DeviceTaintRules().Get(ctx, control.RuleName(nodeName), metav1.GetOptions{})
+	if err != nil || r.Spec.Taint.Key != control.TaintFailed || r.Spec.Taint.Effect != resourceapi.DeviceTaintEffectNoExecute {
+		t.Fatalf("rule of %s after the unapproved boot: %v %+v", nodeName, err, r)
+	}
+	t.Logf("unapproved image: record %s %s at generation %d: %s; rule %s %s:%s", nodeName,
+		rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect)
+	// Its kubelet asks for a certificate for the key this boot made; no replica approves
+	// it, past the grace after which any replica judges any request.
+	var pending *certificatesv1.CertificateSigningRequest
+	n.wait(t, ctx, "the unapproved boot's certificate request", 2*time.Minute, func() (bool, string) {
+		pending = requestOfKey(t, ctx, api, c.BootstrapToken, ver.Manifest.Node.KubeletKey)
+		return pending != nil, "none for " + ver.Manifest.Node.KubeletKey
+	})
+	asked := time.Now()
+	time.Sleep(2*approveGrace + 5*time.Second)
+	pending = requestOfKey(t, ctx, api, c.BootstrapToken, ver.Manifest.Node.KubeletKey)
+	if pending == nil || certApproved(pending) || len(pending.Status.Certificate) != 0 || len(pending.Status.Conditions) != 0 {
+		t.Fatalf("the unapproved boot's request, %.0f s after it was made: %+v", time.Since(asked).Seconds(), pending)
+	}
+	after, err := nodeSlices(ctx, api)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !sameSlices(before, after) {
+		t.Fatalf("the unapproved boot published: slices before the reboot %v, after %v", sliceVersions(before), sliceVersions(after))
+	}
+	p2, err := api.CoreV1().Pods(ns).Get(ctx, "probe-reboot", metav1.GetOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	if err == nil && (p2.Status.Phase != corev1.PodPending || len(p2.Status.ContainerStatuses) != 0) {
+		t.Fatalf("probe-reboot, created as the node rebooted into the unapproved image: %s %s", p2.Status.Phase, podWhy(p2))
+	}
+	where := "deleted"
+	if err == nil {
+		where = fmt.Sprintf("%s on node %q (%s)", p2.Status.Phase, p2.Spec.NodeName, podWhy(p2))
+	}
+	t.Logf("unapproved boot: its request %s pending %.0f s, no condition; slices unchanged %v; probe-reboot %s",
+		pending.Name, time.Since(asked).Seconds(), sliceVersions(after), where)
+	step("unapproved boot: no certificate, no slice, no pod", t0)
 	step("TestRealNode", began)
+}
+
+// createProbe creates a vfio-probe pod whose claim comes from template.
+func createProbe(t *testing.T, ctx context.Context, api *kubernetes.Clientset, name, template, image string) {
+	t.Helper()
+	if _, err := api.CoreV1().Pods(ns).Create(ctx, probePod(name, template, image), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// probed waits for the probe pods names to succeed, watching them together (a claim
+// made from a template goes with its pod once the pod is done, so each pod's allocation
+// is read while it runs), and holds what each saw to its unit: /dev/vfio exactly that
+// unit's IOMMU groups and vfio. It returns the units' IDs, in names' order.
+func (n *realNode) probed(t *testing.T, ctx context.Context, api *kubernetes.Clientset, m *manifest.Manifest, names ...string) []string {
+	t.Helper()
+	msg := map[string]string{}
+	cl := map[string]*resourceapi.ResourceClaim{}
+	n.wait(t, ctx, strings.Join(names, ", ")+" done", 4*time.Minute, func() (bool, string) {
+		done := true
+		var seen []string
+		for _, name := range names {
+			p, err := api.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return false, err.Error()
+			}
+			for _, st := range p.Status.ResourceClaimStatuses {
+				if cl[name] == nil && st.ResourceClaimName != nil {
+					c, err := api.ResourceV1().ResourceClaims(ns).Get(ctx, *st.ResourceClaimName, metav1.GetOptions{})
+					if err == nil && c.Status.Allocation != nil {
+						cl[name] = c
+					}
+				}
+			}
+			if p.Status.Phase == corev1.PodFailed {
+				t.Fatalf("%s failed: %+v", name, p.Status)
+			}
+			for _, s := range p.Status.ContainerStatuses {
+				if s.State.Terminated != nil {
+					msg[name] = s.State.Terminated.Message
+				}
+			}
+			done = done && p.Status.Phase == corev1.PodSucceeded
+			seen = append(seen, fmt.Sprintf("%s: %s %s", name, p.Status.Phase, podWhy(p)))
+		}
+		return done, strings.Join(seen, "; ")
+	})
+	var ids []string
+	for _, name := range names {
+		if cl[name] == nil {
+			t.Fatalf("%s ran, its allocated claim never seen", name)
+		}
+		unit := claimUnit(t, cl[name], m)
+		want := []string{"vfio"}
+		for _, f := range unit.Functions {
+			g := strconv.Itoa(f.IOMMUGroup)
+			if !slices.Contains(want, g) {
+				want = append(want, g)
+			}
+		}
+		got := vfioNames(msg[name])
+		slices.Sort(want)
+		if !slices.Equal(got, want) {
+			t.Fatalf("%s (unit %s) saw /dev/vfio %v, want %v (the unit's groups and vfio); it said:\n%s", name, unit.ID, got, want, msg[name])
+		}
+		t.Logf("%s got unit %s: /dev/vfio %v", name, unit.ID, got)
+		ids = append(ids, string(unit.ID))
+	}
+	return ids
+}
+
+// approveGrace is the replicas' --approve-grace: how long past a request's creation any
+// replica judges it, not only the one that verified its boot.
+const approveGrace = 5 * time.Second
+
+// verifiedBoot holds the boot's record to its manifest: verified at the manifest's
+// generation and digest, enrolled, the kubelet key the manifest carries, attested over
+// the replica's nonce. It returns the manifest, verified with the image's key.
+func verifiedBoot(t *testing.T, ctx context.Context, dyn dynamic.Interface, n *realNode, pub string) *manifest.Manifest {
+	t.Helper()
+	env := n.files()["manifest.dsse.json"]
+	rec := guestRecord(t, ctx, dyn, nodeName)
+	ver := bootManifest(t, env, rec)
+	if rec.Status.Verdict != control.VerdictVerified || rec.Status.Generation != int64(ver.Manifest.Generation) ||
+		rec.Status.Digest != manifest.Digest(ver.Payload) || rec.Status.KubeletKey == "" || rec.Status.KubeletKey != ver.Manifest.Node.KubeletKey {
+		t.Fatalf("record %s after the approved boot: %s at generation %d (%s), digest %s, kubelet key %q; the boot's manifest: generation %d, %s, kubelet key %q; stages not ok:\n%s",
+			nodeName, rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, rec.Status.Digest, rec.Status.KubeletKey,
+			ver.Manifest.Generation, manifest.Digest(ver.Payload), ver.Manifest.Node.KubeletKey, notOK(n.text()))
+	}
+	if rec.Spec.Enrolled == nil || rec.Spec.Node != nodeName {
+		t.Fatalf("record %s: not enrolled by the boot: %+v", nodeName, rec.Spec)
+	}
+	a, err := attest.ParseAttestation(n.files()["manifest.dsse.json"+attest.Suffix])
+	if err != nil {
+		t.Fatalf("the approved boot's attestation: %v", err)
+	}
+	if a.NonceSource != attest.NonceControlPlane {
+		t.Fatalf("the approved boot's attestation: nonce from %q, want the control plane's", a.NonceSource)
+	}
+	// The image's own key signed it too: passage-dra verifies the manifest with it.
+	v, err := manifest.LoadVerifier(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := manifest.Verify(env, v, manifest.VerifyOptions{}); err != nil {
+		t.Fatalf("the boot's manifest and the image's key: %v", err)
+	}
+	t.Logf("approved image: record %s %s at generation %d (%s), kubelet key %s; the guest's publish stage:\n%s", nodeName,
+		rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, rec.Status.KubeletKey, stageLines(n.text(), "publish"))
+	return ver.Manifest
+}
+
+// nodeReady is the Node's Ready condition, for a wait.
+func nodeReady(ctx context.Context, api *kubernetes.Clientset) (bool, string) {
+	no, err := api.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		return false, err.Error()
+	}
+	for _, cond := range no.Status.Conditions {
+		if cond.Type == corev1.NodeReady {
+			return cond.Status == corev1.ConditionTrue, cond.Reason + ": " + cond.Message
+		}
+	}
+	return false, "no Ready condition"
+}
+
+// requestOfKey is the kubelet client certificate request of the key whose digest is
+// key, made by the bootstrap token's user; nil if there is none.
+func requestOfKey(t *testing.T, ctx context.Context, api *kubernetes.Clientset, token, key string) *certificatesv1.CertificateSigningRequest {
+	t.Helper()
+	l, err := api.CertificatesV1().CertificateSigningRequests().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	user := "system:bootstrap:" + strings.SplitN(token, ".", 2)[0]
+	for i, r := range l.Items {
+		if r.Spec.SignerName != control.KubeletSigner || r.Spec.Username != user {
+			continue
+		}
+		b, _ := pem.Decode(r.Spec.Request)
+		if b == nil {
+			continue
+		}
+		cr, err := x509.ParseCertificateRequest(b.Bytes)
+		if err == nil && kubeletkey.DigestSPKI(cr.RawSubjectPublicKeyInfo) == key {
+			return &l.Items[i]
+		}
+	}
+	return nil
+}
+
+func certApproved(r *certificatesv1.CertificateSigningRequest) bool {
+	for _, c := range r.Status.Conditions {
+		if c.Type == certificatesv1.CertificateApproved && c.Status == corev1.ConditionTrue {
+			return true
+		}
+	}
+	return false
+}
+
+func approvedBy(r *certificatesv1.CertificateSigningRequest) string {
+	var out []string
+	for _, c := range r.Status.Conditions {
+		out = append(out, fmt.Sprintf("%s (%s: %s)", c.Type, c.Reason, c.Message))
+	}
+	return strings.Join(out, "; ")
+}
+
+// nodeSlices are passage-dra's ResourceSlices of the node.
+func nodeSlices(ctx context.Context, api *kubernetes.Clientset) ([]resourceapi.ResourceSlice, error) {
+	sl, err := api.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	var out []resourceapi.ResourceSlice
+	for _, s := range sl.Items {
+		if s.Spec.Driver == resources.DriverName && s.Spec.NodeName != nil && *s.Spec.NodeName == nodeName {
+			out = append(out, s)
+		}
+	}
+	return out, nil
+}
+
+// sliceVersions names each slice with its resourceVersion: a write changes it.
+func sliceVersions(sl []resourceapi.ResourceSlice) []string {
+	var out []string
+	for _, s := range sl {
+		out = append(out, s.Name+"@"+s.ResourceVersion)
+	}
+	slices.Sort(out)
+	return out
+}
+
+func sameSlices(a, b []resourceapi.ResourceSlice) bool {
+	return slices.Equal(sliceVersions(a), sliceVersions(b))
 }
 
 // dsPodState is what passage-dra's pods are doing, for a wait's message.
@@ -564,18 +834,26 @@ func apply(t *testing.T, ctx context.Context, c *harness.Cluster, objs []*unstru
 	}
 }
 
-// bootRealNode starts the guest: passage boots as the suite boots it and switches to the
-// disk's root, whose init is nodeinit. It runs until the test ends.
-func bootRealNode(t *testing.T, ctx context.Context, build, key, disk, apiServer, work string) *realNode {
-	t.Helper()
-	n := &realNode{parser: emit.NewParser(time.Now), done: make(chan struct{}), began: time.Now()}
-	bctx, stop := context.WithCancel(ctx)
-	wd := filepath.Join(work, "guest")
-	n.console = filepath.Join(wd, "console.log")
-	o := qemutest.Options{
-		Build: build, Key: key, NVMe: []string{disk}, WorkDir: wd, Name: "TestRealNode",
-		Overlay: []qemutest.OverlayFile{{Name: strings.TrimPrefix(nodeProfile, "/"), Data: noFabricProfile(t)}},
-		Timeout: 20 * time.Minute, MemMiB: 4096, UUID: nodeUUID,
+// realNodeOptions boot the real node: passage as the suite boots it, switching to the
+// disk's root, whose init is nodeinit; the kubelet reaches the API server at
+// nodeAPIAddr. The control plane's part (the image, the TPM, passage.url) is
+// controlForGuest's.
+func realNodeOptions(t *testing.T, build, key, disk, apiServer string) qemutest.Options {
+	// Each unit's NVMe has a namespace (a sparse image beside the root's): the
+	// turnaround erases it and reads the erase back.
+	var units []string
+	for i := range 2 {
+		img := filepath.Join(filepath.Dir(disk), fmt.Sprintf("unit%d-nvme.img", i))
+		if err := os.WriteFile(img, nil, 0o644); err != nil || os.Truncate(img, 64<<20) != nil {
+			t.Fatalf("unit %d's NVMe image: %v", i, err)
+		}
+		units = append(units, img)
+	}
+	return qemutest.Options{
+		Build: build, Key: key, NVMe: []string{disk}, Name: "TestRealNode",
+		Topology: qemutest.Topology{NVMeImages: units},
+		Overlay:  []qemutest.OverlayFile{{Name: strings.TrimPrefix(nodeProfile, "/"), Data: noFabricProfile(t)}},
+		Timeout:  20 * time.Minute, MemMiB: 4096, UUID: nodeUUID,
 		Append: []string{
 			"rdinit=/bbin/passage",
 			"passage.handoff=switch_root", "passage.root=UUID=" + nodeRootFSUUID, "passage.rootfstype=ext4",
@@ -583,29 +861,105 @@ func bootRealNode(t *testing.T, ctx context.Context, build, key, disk, apiServer
 			"passage.host_modules=e1000e,nvme,crc32c_generic,ext4",
 		},
 		Forward: map[string]string{nodeAPIAddr + ":443": apiServer},
-		Console: func(line string, _ io.Writer) bool {
-			n.mu.Lock()
-			n.lines = append(n.lines, line)
-			n.parser.Line(line)
-			n.mu.Unlock()
-			return false
-		},
+	}
+}
+
+// referencePlan boots o once with qemu-tests' preflight as its uinit, which saves
+// `passage plan --out` of the machine, and powers off: the plan (decision.ImageArgs:
+// its pci=config_acs= and passage.plan=) that o's image then carries.
+func referencePlan(t *testing.T, ctx context.Context, o qemutest.Options, work string) []byte {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "preflight")
+	build := exec.Command("go", "build", "-trimpath", "-o", bin, "github.com/passage-boot/passage/qemu-tests/internal/preflight")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build preflight: %v\n%s", err, out)
+	}
+	uinit, err := os.ReadFile(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.WorkDir = work
+	o.Name += " (reference boot)"
+	o.Overlay = append(slices.Clone(o.Overlay), qemutest.OverlayFile{Name: "bbin/uinit", Data: uinit, Mode: 0o755})
+	// u-root's init runs the uinit (rdinit=/bbin/passage would skip it).
+	o.Append = slices.DeleteFunc(slices.Clone(o.Append), func(a string) bool { return strings.HasPrefix(a, "rdinit=") })
+	o.Append = append(o.Append, "passage.net=off", "passage.handoff=poweroff")
+	o.Timeout = 5 * time.Minute
+	run, err := qemutest.Boot(ctx, o)
+	if err != nil {
+		t.Fatalf("reference boot: %v; console end:\n%s", err, harness.Tail(filepath.Join(work, "console.log"), 4000))
+	}
+	plan := run.Files["preflight-plan.saved.json"]
+	if len(plan) == 0 {
+		t.Fatalf("the reference boot saved no plan (plan --out: %s)", run.Files["preflight-saveplan.exit"])
+	}
+	return plan
+}
+
+// startRealNode boots o in the background, the console read as it comes. The guest
+// runs until stop or the test's end; name heads its console where PASSAGE_NODE_CONSOLE
+// keeps it.
+func startRealNode(t *testing.T, ctx context.Context, o qemutest.Options, name string) *realNode {
+	t.Helper()
+	n := &realNode{parser: emit.NewParser(time.Now), done: make(chan struct{}), began: time.Now()}
+	bctx, stop := context.WithCancel(ctx)
+	n.console = filepath.Join(o.WorkDir, "console.log")
+	o.Console = func(line string, _ io.Writer) bool {
+		n.mu.Lock()
+		n.lines = append(n.lines, line)
+		n.parser.Line(line)
+		n.mu.Unlock()
+		return false
 	}
 	go func() {
 		defer close(n.done)
 		n.run, n.err = qemutest.Boot(bctx, o)
 	}()
-	t.Cleanup(func() {
-		stop()
-		<-n.done
-		// The console outlives the test's directory where make node-test asks.
-		if keep := os.Getenv("PASSAGE_NODE_CONSOLE"); keep != "" {
-			if b, err := os.ReadFile(n.console); err == nil {
-				os.WriteFile(keep, b, 0o644)
+	var once sync.Once
+	n.stop = func() {
+		once.Do(func() {
+			stop()
+			<-n.done
+			// The console outlives the test's directory where make node-test asks.
+			if keep := os.Getenv("PASSAGE_NODE_CONSOLE"); keep != "" {
+				if b, err := os.ReadFile(n.console); err == nil {
+					if f, err := os.OpenFile(keep, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644); err == nil {
+						fmt.Fprintf(f, "==== boot %q ====\n", name)
+						f.Write(b)
+						f.Close()
+					}
+				}
 			}
-		}
-	})
+		})
+	}
+	t.Cleanup(n.stop)
 	return n
+}
+
+// wait polls cond until it holds, failing the test with the node's last words when the
+// guest ends, nodeinit fails, or d passes.
+func (n *realNode) wait(t *testing.T, ctx context.Context, what string, d time.Duration, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		ok, seen := cond()
+		if ok {
+			return
+		}
+		select {
+		case <-n.done:
+			t.Fatalf("%s: the guest ended (%v); console %s, its end:\n%s", what, n.err, n.console, n.tail(80))
+		default:
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			t.Fatalf("%s: not after %v (last: %s); console %s, its end:\n%s", what, d, seen, n.console, n.tail(80))
+		}
+		if l, bad := n.saw("NODE-INIT failed"); bad {
+			t.Fatalf("%s: %s; console %s, its end:\n%s", what, l, n.console, n.tail(80))
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
 }
 
 // nodeProfile is the real node's profile in its initramfs (Options.Overlay).
@@ -644,8 +998,9 @@ func noFabricProfile(t *testing.T) []byte {
 // nodeRootFiles are what the node's root is made of.
 type nodeRootFiles struct {
 	bootBuild, cpBin, runtimeBin, imagesDir, keys string
+	signingKey                                    string // the image's ed25519 private key
 	ca                                            []byte
-	token, pause                                  string
+	bootstrapToken, pause                         string
 }
 
 // writeNodeRoot lays out the real node's root file system in dir.
@@ -713,20 +1068,39 @@ func writeNodeRoot(t *testing.T, dir string, f nodeRootFiles) {
 	for _, name := range []string{"passage-dra", "pause", "vfio-probe"} {
 		cp(filepath.Join(f.imagesDir, name+".oci.tar"), "images/"+name+".tar")
 	}
+	// The image's signing key, for the generations passage-dra's turnaround signs
+	// beside the TPM's: the fleet's key directory holds its enrolment, not the TPM's.
+	if f.signingKey != "" {
+		b, err := os.ReadFile(f.signingKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mk("etc/passage/key", 0o600, b)
+	}
+	// The profile the boot's command line names by path, where the boot read it in its
+	// initramfs: passage-dra's turnaround reads it there on the host's root.
+	mk(strings.TrimPrefix(nodeProfile, "/"), 0o644, noFabricProfile(t))
 	mk("etc/resolv.conf", 0o644, []byte("nameserver 10.0.2.3\n"))
 	mk("etc/hosts", 0o644, []byte("127.0.0.1 localhost\n"))
 	mk("etc/machine-id", 0o444, []byte("5e1f2c3a0b6d4c1e9a572f0d3b8e4a61\n"))
 	mk("etc/passwd", 0o644, []byte("root:x:0:0:root:/root:/sbin/nologin\n"))
 	mk("etc/group", 0o644, []byte("root:x:0:\n"))
 	mk("etc/kubernetes/ca.crt", 0o644, f.ca)
-	mk("etc/kubernetes/kubelet.conf", 0o600, []byte(fmt.Sprintf(`apiVersion: v1
+	// No credential of the node's own: a bootstrap token, which may ask for a
+	// certificate and nothing more. The kubelet's key is the boot's (initramfs/kubelet,
+	// in its --cert-dir), and its kubeconfig and certificate are written beside it, on
+	// the tmpfs a reboot erases.
+	mk("etc/kubernetes/bootstrap-kubelet.conf", 0o600, []byte(fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters: [{name: e2e, cluster: {server: "https://%s:443", certificate-authority: /etc/kubernetes/ca.crt}}]
-users: [{name: kubelet, user: {token: %q}}]
-contexts: [{name: e2e, context: {cluster: e2e, user: kubelet}}]
+users: [{name: kubelet-bootstrap, user: {token: %q}}]
+contexts: [{name: e2e, context: {cluster: e2e, user: kubelet-bootstrap}}]
 current-context: e2e
-`, nodeAPIAddr, f.token)))
+`, nodeAPIAddr, f.bootstrapToken)))
 	mk("etc/kubernetes/kubelet.args", 0o644, []byte(strings.Join([]string{
+		"--bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf",
+		"--kubeconfig=" + filepath.Join(kubeletkey.CertDir, "kubelet.conf"),
+		"--cert-dir=" + kubeletkey.CertDir,
 		"--node-ip=" + nodeIP,
 		"--hostname-override=" + nodeName,
 		"--node-labels=passage-boot.github.io/node=true",
@@ -747,6 +1121,9 @@ evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.availabl
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 nodeStatusUpdateFrequency: 10s
+# The boot's key is the only one the kubelet holds: rotation would make another,
+# which no boot attested (initramfs/kubelet).
+rotateCertificates: false
 serializeImagePulls: false
 `))
 	mk("etc/cni/net.d/10-passage.conflist", 0o644, []byte(`{

@@ -35,14 +35,14 @@ import (
 	"github.com/passage-boot/passage/initramfs/kmod"
 )
 
-// The node's layout, as the test writes its root (kube/harness/realnode.go).
+// The node's layout, as the test writes its root (kube/harness/realnode_test.go, writeNodeRoot).
 const (
 	containerdConfig = "/etc/containerd/config.toml"
 	containerdSock   = "/run/containerd/containerd.sock"
 	kubeletConfig    = "/var/lib/kubelet/config.yaml"
-	kubeletKubecfg   = "/etc/kubernetes/kubelet.conf"
 	imagesDir        = "/images"
-	// argsFile holds the kubelet's extra flags, one a line (node labels, node IP).
+	// argsFile holds the kubelet's other flags, one a line: its kubeconfigs (the
+	// bootstrap's and where its own goes), --cert-dir, node labels, node IP.
 	argsFile = "/etc/kubernetes/kubelet.args"
 	// podCIDR is the CNI plugin's range (/etc/cni/net.d): masqueraded out of the node.
 	podCIDR = "10.88.0.0/16"
@@ -268,7 +268,9 @@ func run() (map[int]string, bool) {
 	for _, l := range strings.Split(string(out), "\n")[1:] {
 		f := strings.Fields(l)
 		// The CRI's own entries are named by the image's ID (sha256:...).
-		if len(f) < 3 || !strings.HasPrefix(f[2], "sha256:") || strings.HasPrefix(f[0], "sha256:") {
+		// Names by digest are a pull's already (an earlier boot of the same root tagged
+		// them).
+		if len(f) < 3 || !strings.HasPrefix(f[2], "sha256:") || strings.HasPrefix(f[0], "sha256:") || strings.Contains(f[0], "@") {
 			continue
 		}
 		repo := f[0]
@@ -282,7 +284,7 @@ func run() (map[int]string, bool) {
 		}
 		say("NODE-IMAGE %s %s", f[0], byDigest)
 	}
-	args := []string{"--config=" + kubeletConfig, "--kubeconfig=" + kubeletKubecfg}
+	args := []string{"--config=" + kubeletConfig}
 	if b, err := os.ReadFile(argsFile); err == nil {
 		for _, l := range strings.Split(string(b), "\n") {
 			if l = strings.TrimSpace(l); l != "" {
