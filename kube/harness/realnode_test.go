@@ -24,7 +24,6 @@ import (
 	certificatesv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -411,39 +410,73 @@ func TestRealNode(t *testing.T) {
 	t.Logf("unapproved image: record %s %s at generation %d: %s; rule %s %s:%s", nodeName,
 		rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, r.Name, r.Spec.Taint.Key, r.Spec.Taint.Effect)
 	// Its kubelet asks for a certificate for the key this boot made; no replica approves
-	// it, past the grace after which any replica judges any request.
-	var pending *certificatesv1.CertificateSigningRequest
-	n.wait(t, ctx, "the unapproved boot's certificate request", 2*time.Minute, func() (bool, string) {
-		pending = requestOfKey(t, ctx, api, c.BootstrapToken, ver.Manifest.Node.KubeletKey)
-		return pending != nil, "none for " + ver.Manifest.Node.KubeletKey
-	})
-	asked := time.Now()
-	time.Sleep(2*approveGrace + 5*time.Second)
-	pending = requestOfKey(t, ctx, api, c.BootstrapToken, ver.Manifest.Node.KubeletKey)
-	if pending == nil || certApproved(pending) || len(pending.Status.Certificate) != 0 || len(pending.Status.Conditions) != 0 {
-		t.Fatalf("the unapproved boot's request, %.0f s after it was made: %+v", time.Since(asked).Seconds(), pending)
-	}
-	after, err := nodeSlices(ctx, api)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !sameSlices(before, after) {
-		t.Fatalf("the unapproved boot published: slices before the reboot %v, after %v", sliceVersions(before), sliceVersions(after))
-	}
-	p2, err := api.CoreV1().Pods(ns).Get(ctx, "probe-reboot", metav1.GetOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
-		t.Fatal(err)
-	}
-	if err == nil && (p2.Status.Phase != corev1.PodPending || len(p2.Status.ContainerStatuses) != 0) {
-		t.Fatalf("probe-reboot, created as the node rebooted into the unapproved image: %s %s", p2.Status.Phase, podWhy(p2))
-	}
-	where := "deleted"
-	if err == nil {
-		where = fmt.Sprintf("%s on node %q (%s)", p2.Status.Phase, p2.Spec.NodeName, podWhy(p2))
-	}
-	t.Logf("unapproved boot: its request %s pending %.0f s, no condition; slices unchanged %v; probe-reboot %s",
-		pending.Name, time.Since(asked).Seconds(), sliceVersions(after), where)
+	// it, past the grace after which any replica judges any request. It writes no
+	// slice, and the pod created as the node went down never starts.
+	pending, waited := n.neverApproved(t, ctx, api, c.BootstrapToken, ver.Manifest.Node.KubeletKey)
+	where := n.nothingRuns(t, ctx, api, before)
+	t.Logf("unapproved boot: its request %s pending %.0f s, no condition; slices unchanged; probe-reboot %s", pending.Name, waited.Seconds(), where)
 	step("unapproved boot: no certificate, no slice, no pod", t0)
+
+	// The approved image again, with passage-control out of reach (its address joined
+	// to a port nothing listens on): a boot that never attests. The record keeps the
+	// last verdict; its kubelet's request stays pending; it writes nothing.
+	t0 = time.Now()
+	last := guestRecord(t, ctx, dyn, nodeName)
+	n.stop()
+	o = g.Boot
+	o.WorkDir = filepath.Join(work, "unattested")
+	o.Forward = g.ForwardTo(0)
+	o.Forward[guestControlAddr+":443"] = fmt.Sprintf("127.0.0.1:%d", freePorts(t, 1)[0])
+	n = startRealNode(t, ctx, o, "unattested")
+	n.wait(t, ctx, "the unattested boot's kubelet started", 6*time.Minute, func() (bool, string) {
+		_, ok := n.saw("NODE-READY")
+		return ok, ""
+	})
+	step("reboot, passage-control out of reach, kubelet started", t0)
+	unattested := imageManifest(t, n, pub)
+	pending, waited = n.neverApproved(t, ctx, api, c.BootstrapToken, unattested.Node.KubeletKey)
+	where = n.nothingRuns(t, ctx, api, before)
+	if rec := guestRecord(t, ctx, dyn, nodeName); rec.Status.Verdict != last.Status.Verdict || rec.Status.Generation != last.Status.Generation {
+		t.Fatalf("record %s after a boot that never attested: %s at generation %d, before it %s at %d", nodeName,
+			rec.Status.Verdict, rec.Status.Generation, last.Status.Verdict, last.Status.Generation)
+	}
+	t.Logf("unattested boot (generation %d): record still %s at generation %d; its request %s pending %.0f s; slices unchanged; probe-reboot %s",
+		unattested.Generation, last.Status.Verdict, last.Status.Generation, pending.Name, waited.Seconds(), where)
+	step("unattested boot: no certificate, no slice, no pod", t0)
+
+	// Rebooted into the approved image with passage-control in reach: verified, its
+	// kubelet's new key approved, the Node Ready again. The DaemonSet restored, the pod
+	// created during the unapproved boot runs now, on a unit of this boot.
+	t0 = time.Now()
+	n.stop()
+	o = g.Boot
+	o.WorkDir = filepath.Join(work, "approved-again")
+	n = startRealNode(t, ctx, o, "approved again")
+	n.wait(t, ctx, "the approved boot's kubelet started", 6*time.Minute, func() (bool, string) {
+		_, ok := n.saw("NODE-READY")
+		return ok, ""
+	})
+	again := verifiedBoot(t, ctx, dyn, n, pub)
+	n.wait(t, ctx, "the node Ready again", 4*time.Minute, func() (bool, string) {
+		r := requestOfKey(t, ctx, api, c.BootstrapToken, again.Node.KubeletKey)
+		if r == nil || !certApproved(r) {
+			return false, "the request for " + again.Node.KubeletKey + " not approved"
+		}
+		return nodeReady(ctx, api)
+	})
+	step("reboot into the approved image: verified, joined, Ready", t0)
+	t0 = time.Now()
+	if err := api.AppsV1().DaemonSets("passage-dra").Delete(ctx, "passage-dra", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n.wait(t, ctx, "the mutated DaemonSet's pods gone", 2*time.Minute, func() (bool, string) {
+		l, err := api.CoreV1().Pods("passage-dra").List(ctx, metav1.ListOptions{})
+		return err == nil && len(l.Items) == 0, fmt.Sprint(err)
+	})
+	apply(t, ctx, c, deployObjs, func(u *unstructured.Unstructured) bool { return u.GetKind() == "DaemonSet" })
+	got := n.probed(t, ctx, api, again, "probe-reboot")
+	t.Logf("probe-reboot, created during the unapproved boot, ran on the approved boot's unit %s", got[0])
+	step("DaemonSet restored, the waiting pod ran", t0)
 	step("TestRealNode", began)
 }
 
@@ -516,6 +549,62 @@ func (n *realNode) probed(t *testing.T, ctx context.Context, api *kubernetes.Cli
 	return ids
 }
 
+// neverApproved waits for the kubelet's request for key (the boot's, from its
+// manifest), then holds it pending, with no condition and no certificate, past twice
+// the grace after which every replica judges every request. It returns the request and
+// how long it was seen pending.
+func (n *realNode) neverApproved(t *testing.T, ctx context.Context, api *kubernetes.Clientset, token, key string) (*certificatesv1.CertificateSigningRequest, time.Duration) {
+	t.Helper()
+	var r *certificatesv1.CertificateSigningRequest
+	n.wait(t, ctx, "the kubelet's certificate request for "+key, 2*time.Minute, func() (bool, string) {
+		r = requestOfKey(t, ctx, api, token, key)
+		return r != nil, "none yet"
+	})
+	asked := time.Now()
+	time.Sleep(2*approveGrace + 5*time.Second)
+	r = requestOfKey(t, ctx, api, token, key)
+	if r == nil || certApproved(r) || len(r.Status.Certificate) != 0 || len(r.Status.Conditions) != 0 {
+		t.Fatalf("the kubelet's request for %s, %.0f s after it was made: %+v", key, time.Since(asked).Seconds(), r)
+	}
+	return r, time.Since(asked)
+}
+
+// nothingRuns holds a boot without credentials to what it cannot do: the node's slices
+// are those before (no write: the same resourceVersions) and probe-reboot, the pod
+// created as the node went down, has started no container. It says where that pod is.
+func (n *realNode) nothingRuns(t *testing.T, ctx context.Context, api *kubernetes.Clientset, before []resourceapi.ResourceSlice) string {
+	t.Helper()
+	after, err := nodeSlices(ctx, api)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !sameSlices(before, after) {
+		t.Fatalf("a boot without credentials published: slices before %v, after %v", sliceVersions(before), sliceVersions(after))
+	}
+	p, err := api.CoreV1().Pods(ns).Get(ctx, "probe-reboot", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Status.Phase != corev1.PodPending || len(p.Status.ContainerStatuses) != 0 {
+		t.Fatalf("probe-reboot, created as the node went down: %s %s", p.Status.Phase, podWhy(p))
+	}
+	return fmt.Sprintf("%s on node %q (%s)", p.Status.Phase, p.Spec.NodeName, podWhy(p))
+}
+
+// imageManifest is the boot's manifest verified with the image's key.
+func imageManifest(t *testing.T, n *realNode, pub string) *manifest.Manifest {
+	t.Helper()
+	v, err := manifest.LoadVerifier(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ver, err := manifest.Verify(n.files()["manifest.dsse.json"], v, manifest.VerifyOptions{})
+	if err != nil {
+		t.Fatalf("the boot's manifest: %v", err)
+	}
+	return ver.Manifest
+}
+
 // approveGrace is the replicas' --approve-grace: how long past a request's creation any
 // replica judges it, not only the one that verified its boot.
 const approveGrace = 5 * time.Second
@@ -545,13 +634,7 @@ func verifiedBoot(t *testing.T, ctx context.Context, dyn dynamic.Interface, n *r
 		t.Fatalf("the approved boot's attestation: nonce from %q, want the control plane's", a.NonceSource)
 	}
 	// The image's own key signed it too: passage-dra verifies the manifest with it.
-	v, err := manifest.LoadVerifier(pub)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := manifest.Verify(env, v, manifest.VerifyOptions{}); err != nil {
-		t.Fatalf("the boot's manifest and the image's key: %v", err)
-	}
+	imageManifest(t, n, pub)
 	t.Logf("approved image: record %s %s at generation %d (%s), kubelet key %s; the guest's publish stage:\n%s", nodeName,
 		rec.Status.Verdict, rec.Status.Generation, rec.Status.Reason, rec.Status.KubeletKey, stageLines(n.text(), "publish"))
 	return ver.Manifest
@@ -937,29 +1020,25 @@ func startRealNode(t *testing.T, ctx context.Context, o qemutest.Options, name s
 	return n
 }
 
-// wait polls cond until it holds, failing the test with the node's last words when the
-// guest ends, nodeinit fails, or d passes.
+// wait is waitFor with the node's last words: it fails at once when the guest ends or
+// nodeinit fails, and a wait that times out says what the console said last.
 func (n *realNode) wait(t *testing.T, ctx context.Context, what string, d time.Duration, cond func() (bool, string)) {
 	t.Helper()
-	deadline := time.Now().Add(d)
-	for {
+	waitFor(t, ctx, d, what, func() (bool, string) {
 		ok, seen := cond()
 		if ok {
-			return
+			return true, seen
 		}
 		select {
 		case <-n.done:
 			t.Fatalf("%s: the guest ended (%v); console %s, its end:\n%s", what, n.err, n.console, n.tail(80))
 		default:
 		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			t.Fatalf("%s: not after %v (last: %s); console %s, its end:\n%s", what, d, seen, n.console, n.tail(80))
-		}
 		if l, bad := n.saw("NODE-INIT failed"); bad {
 			t.Fatalf("%s: %s; console %s, its end:\n%s", what, l, n.console, n.tail(80))
 		}
-		time.Sleep(250 * time.Millisecond)
-	}
+		return false, fmt.Sprintf("%s; console %s, its end:\n%s", seen, n.console, n.tail(80))
+	})
 }
 
 // nodeProfile is the real node's profile in its initramfs (Options.Overlay).
