@@ -5,11 +5,10 @@ import (
 	"bytes"
 	"fmt"
 	"os/exec"
-	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 
+	"github.com/passage-boot/passage/internal/checkout"
 	"github.com/passage-boot/passage/pci"
 )
 
@@ -22,14 +21,14 @@ type ScriptPort struct {
 	Target   pci.ACSBits
 }
 
-// ScriptPath is acs-plan.sh beside this file, found from the source location so the
-// test and cmd/benchtable work from any directory of the checkout.
+// ScriptPath is bench/acs-plan.sh of the checkout, so the test and cmd/benchtable
+// work from any directory of it.
 func ScriptPath() string {
-	_, file, _, ok := runtime.Caller(0)
-	if !ok {
+	p, err := checkout.Path("bench/acs-plan.sh")
+	if err != nil {
 		return "bench/acs-plan.sh"
 	}
-	return filepath.Join(filepath.Dir(file), "acs-plan.sh")
+	return p
 }
 
 // RunScript runs acs-plan.sh on root (with --apply when apply is set) and returns its

@@ -6,8 +6,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
+
+	"github.com/passage-boot/passage/internal/checkout"
 )
 
 // NetBoot boots the way a node does: UEFI firmware (OVMF) with Secure Boot, the
@@ -98,11 +99,10 @@ func (n *NetBoot) args(work, kernel, initrd, cmdline string, topology []string) 
 		}
 	}
 	// image/uki.sh of this source tree, wherever the harness runs from (go test, qemurun).
-	_, self, _, ok := runtime.Caller(0)
-	if !ok {
-		return nil, fmt.Errorf("netboot: cannot locate image/uki.sh")
+	script, err := checkout.Path("image/uki.sh")
+	if err != nil {
+		return nil, fmt.Errorf("netboot: %w", err)
 	}
-	script := filepath.Join(filepath.Dir(self), "..", "image", "uki.sh")
 	guestfwd := ""
 	if n.ControlPlane != "" {
 		fwd, err := BuildFwd(work)

@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/passage-boot/passage/decision"
 	"github.com/passage-boot/passage/initramfs/emit"
+	"github.com/passage-boot/passage/internal/checkout"
 )
 
 // Options says what to boot. Zero values give the default: the image from Build, the
@@ -597,13 +597,13 @@ func Timings() []Timing {
 // BuildFwd builds internal/fwd, the program a guestfwd runs for each guest connection,
 // into dir and returns its path.
 func BuildFwd(dir string) (string, error) {
-	_, self, _, ok := runtime.Caller(0)
-	if !ok {
-		return "", fmt.Errorf("fwd: cannot locate qemu-tests")
+	src, err := checkout.Path("qemu-tests")
+	if err != nil {
+		return "", fmt.Errorf("fwd: %w", err)
 	}
 	fwd := filepath.Join(dir, "fwd")
 	build := exec.Command("go", "build", "-o", fwd, "./internal/fwd")
-	build.Dir = filepath.Dir(self)
+	build.Dir = src
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("build internal/fwd: %v: %s", err, out)

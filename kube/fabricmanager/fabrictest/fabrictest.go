@@ -14,7 +14,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -22,6 +21,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/passage-boot/passage/internal/checkout"
 )
 
 // StateEnv names the stand-in's state file for every process that loads it.
@@ -43,11 +44,10 @@ func Library(t testing.TB) string {
 	if built.path != "" {
 		return built.path
 	}
-	_, self, _, ok := runtime.Caller(0)
-	if !ok {
-		t.Fatal("fabrictest: no source path")
+	src, err := checkout.Path("kube/fabricmanager/fmstub/fmstub.c")
+	if err != nil {
+		t.Fatalf("fabrictest: %v", err)
 	}
-	src := filepath.Join(filepath.Dir(self), "..", "fmstub", "fmstub.c")
 	// The headers are go-nvfm's (unmodified, in the module cache): NVIDIA's licence
 	// does not let a modified copy be handed on, and passage needs none of its own.
 	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "github.com/NVIDIA/go-nvfm").Output()
