@@ -31,9 +31,15 @@ type Metrics struct {
 	// ShedDeadline.
 	inFlight, slots int64
 	sheds           map[string]int64
-	// Reconcile's: passes by result, and the pools the last finished pass left tainted.
+	// Reconcile's and the Reconciler's: passes by result, and the pools the last
+	// finished pass left tainted.
 	passes  map[string]int64
 	tainted int64
+	// Reconciler's: its judgements by result; its queue's length, the pools settling
+	// and whether its caches are watching, read at each scrape (nil: no Reconciler).
+	judgements map[string]int64
+	queued     func() (ready, settling int)
+	watching   func() bool
 	// Approver's: the kubelet's certificate requests judged, by result.
 	csrs map[string]int64
 }
@@ -44,9 +50,13 @@ var bucketBounds = []float64{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300}
 // NewMetrics makes empty counters.
 func NewMetrics() *Metrics {
 	m := &Metrics{refusals: map[string]int64{}, verdicts: map[string]int64{}, durations: make([]float64, len(bucketBounds)),
-		sheds: map[string]int64{ShedFull: 0, ShedDeadline: 0}, passes: map[string]int64{"ok": 0, "error": 0}, csrs: map[string]int64{}}
+		sheds: map[string]int64{ShedFull: 0, ShedDeadline: 0}, passes: map[string]int64{"ok": 0, "error": 0}, csrs: map[string]int64{},
+		judgements: map[string]int64{}}
 	for _, r := range csrResults {
 		m.csrs[r] = 0
+	}
+	for _, r := range judgements {
+		m.judgements[r] = 0
 	}
 	return m
 }
@@ -99,6 +109,24 @@ func (m *Metrics) reconciled(tainted int, err error) {
 	}
 	m.passes["ok"]++
 	m.tainted = int64(tainted)
+}
+
+func (m *Metrics) judged(result string) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	m.judgements[result]++
+	m.mu.Unlock()
+}
+
+func (m *Metrics) watchReconciler(queued func() (ready, settling int), watching func() bool) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	m.queued, m.watching = queued, watching
+	m.mu.Unlock()
 }
 
 func (m *Metrics) csr(result string) {
@@ -197,12 +225,31 @@ func (m *Metrics) write(w io.Writer) {
 	for _, r := range sortedKeys(m.sheds) {
 		p("passage_control_requests_shed_total{reason=%q} %d\n", r, m.sheds[r])
 	}
-	p("# HELP passage_control_reconcile_passes_total Passes of this replica's reconciler (rules made to follow verdicts), by result: error is a pass that could not finish every pool.\n# TYPE passage_control_reconcile_passes_total counter\n")
+	p("# HELP passage_control_reconcile_passes_total Passes of this replica's reconciler over every published pool (rules made to follow verdicts; from its caches, or listing while they are not watching), by result: error is a listing pass that could not finish every pool.\n# TYPE passage_control_reconcile_passes_total counter\n")
 	for _, r := range sortedKeys(m.passes) {
 		p("passage_control_reconcile_passes_total{result=%q} %d\n", r, m.passes[r])
 	}
 	p("# HELP passage_control_reconcile_tainted_pools Published pools the last finished pass left tainted (their generation not verified).\n# TYPE passage_control_reconcile_tainted_pools gauge\n")
 	p("passage_control_reconcile_tainted_pools %d\n", m.tainted)
+	p("# HELP passage_control_reconcile_judgements_total Pools this replica's reconciler judged on an event or a pass, by result: follows (its cached rule is what its cached verdict says: nothing read or written), written (mended), unchanged (read and found right), unpublished (no slices: not judged), error (the API failed: judged again with backoff).\n# TYPE passage_control_reconcile_judgements_total counter\n")
+	for _, r := range sortedKeys(m.judgements) {
+		p("passage_control_reconcile_judgements_total{result=%q} %d\n", r, m.judgements[r])
+	}
+	if m.queued != nil {
+		ready, settling := m.queued()
+		p("# HELP passage_control_reconcile_queue_depth Pools queued to be judged now (not those settling or backing off after an error).\n# TYPE passage_control_reconcile_queue_depth gauge\n")
+		p("passage_control_reconcile_queue_depth %d\n", ready)
+		p("# HELP passage_control_reconcile_settling_pools Pools whose rule differs from their verdict, waiting this replica's settle before it writes.\n# TYPE passage_control_reconcile_settling_pools gauge\n")
+		p("passage_control_reconcile_settling_pools %d\n", settling)
+	}
+	if m.watching != nil {
+		watching := 0
+		if m.watching() {
+			watching = 1
+		}
+		p("# HELP passage_control_reconcile_watching 1 while this replica judges pools from its watched caches of the slices, records and rules; 0 while they are not listed or a watch failed within the last period, when each pass lists them.\n# TYPE passage_control_reconcile_watching gauge\n")
+		p("passage_control_reconcile_watching %d\n", watching)
+	}
 	p("# HELP passage_control_csr_total Kubelet client certificate requests this replica judged, by result: approved, or why it left one pending (not-kubelet-client, requester, no-record, not-verified, key-mismatch; error: the API failed, tried again).\n# TYPE passage_control_csr_total counter\n")
 	for _, r := range sortedKeys(m.csrs) {
 		p("passage_control_csr_total{result=%q} %d\n", r, m.csrs[r])

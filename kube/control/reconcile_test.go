@@ -1,18 +1,25 @@
 package control_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log"
 	"maps"
 	"net/http"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
 	dynamicfake "k8s.io/client-go/dynamic/fake"
 	kubefake "k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
@@ -177,3 +184,312 @@ func TestReconcilePassCost(t *testing.T) {
 		t.Fatal("lists refused: ghost-03's rule not mended")
 	}
 }
+
+// replica runs a Reconciler on e's fake API as one more replica would (its own Server
+// value and metrics over the same API and store) until the test ends: every is its
+// period, settle its wait before a write.
+func (e *env) replica(t *testing.T, name string, every, settle time.Duration) (*control.Reconciler, *control.Metrics) {
+	t.Helper()
+	srv := *e.srv
+	srv.Metrics = control.NewMetrics()
+	srv.Log = log.New(testLog{t}, name+": ", 0)
+	r := &control.Reconciler{Server: &srv, Every: every, Settle: func() time.Duration { return settle }}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	waitUntil(t, 10*time.Second, name+"'s caches", r.Synced)
+	return r, srv.Metrics
+}
+
+// setVerdict writes record name's status as the verifier would, creating the record
+// first if there is none.
+func (e *env) setVerdict(t *testing.T, name, verdict string, gen int64, reason string) {
+	t.Helper()
+	ctx := context.Background()
+	n, err := e.srv.Store.Node(ctx, name)
+	if errors.Is(err, control.ErrNoRecord) {
+		n, err = e.srv.Store.Create(ctx, &control.Node{Name: name, Spec: control.NodeSpec{Node: name}})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.Status.Verdict, n.Status.Generation, n.Status.Reason = verdict, gen, reason
+	if _, err := e.srv.Store.UpdateStatus(ctx, n); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// metric is the value of one series of m's exposition (e.g.
+// `passage_control_reconcile_judgements_total{result="written"}`).
+func metric(t *testing.T, m *control.Metrics, series string) float64 {
+	t.Helper()
+	var b bytes.Buffer
+	if err := m.Write(&b); err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.SplitSeq(b.String(), "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return f
+		}
+	}
+	t.Fatalf("no series %s in:\n%s", series, b.String())
+	return 0
+}
+
+func judged(t *testing.T, m *control.Metrics, result string) float64 {
+	t.Helper()
+	return metric(t, m, `passage_control_reconcile_judgements_total{result="`+result+`"}`)
+}
+
+// calls are the API calls made on the fake API since it was last cleared, "verb
+// resource", less those in skip.
+func (e *env) calls(skip ...string) map[string]int {
+	out := map[string]int{}
+	for _, a := range append(e.kc.(*kubefake.Clientset).Actions(), e.dyn.(*dynamicfake.FakeDynamicClient).Actions()...) {
+		c := a.GetVerb() + " " + a.GetResource().Resource
+		if a.GetSubresource() != "" {
+			c += "/" + a.GetSubresource()
+		}
+		if !slices.Contains(skip, c) {
+			out[c]++
+		}
+	}
+	return out
+}
+
+// ruleNow is pool's rule as the fake API holds it, read without a call (nil: none).
+func (e *env) ruleNow(t *testing.T, pool string) *resourcev1.DeviceTaintRule {
+	t.Helper()
+	o, err := e.kc.(*kubefake.Clientset).Tracker().Get(resourcev1.SchemeGroupVersion.WithResource("devicetaintrules"), "", control.RuleName(pool))
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return o.(*resourcev1.DeviceTaintRule)
+}
+
+func (e *env) clearCalls() {
+	e.kc.(*kubefake.Clientset).ClearActions()
+	e.dyn.(*dynamicfake.FakeDynamicClient).ClearActions()
+}
+
+// TestReconcilerEvent: a pool published at a generation no record verified gets its
+// rule from the slice's event, with no pass (the period is an hour): the record and the
+// rule read by name and the rule created, nothing listed. Another driver's slice is not
+// judged.
+func TestReconcilerEvent(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	_, m := e.replica(t, "replica", time.Hour, 0)
+	e.clearCalls()
+	other := &resourcev1.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: "other"},
+		Spec: resourcev1.ResourceSliceSpec{Driver: "gpu.example.com", Pool: resourcev1.ResourcePool{Name: "elsewhere", Generation: 1, ResourceSliceCount: 1}}}
+	if _, err := e.kc.ResourceV1().ResourceSlices().Create(ctx, other, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	e.publishSlice(t, "ghost-3", "ghost", 3)
+	// The mend is done when it is counted (after the record's second read).
+	waitUntil(t, 10*time.Second, "the ghost's rule", func() bool {
+		return e.ruleNow(t, "ghost") != nil && judged(t, m, control.JudgedWritten) >= 1
+	})
+	r := e.ruleNow(t, "ghost")
+	if r.Spec.Taint.Key != control.TaintUnverified || r.Spec.Taint.Effect != resourcev1.DeviceTaintEffectNoSchedule ||
+		r.Annotations[control.ReasonAnnotation] != "generation 3 published; no record: the node has not enrolled" {
+		t.Fatalf("the pool nobody posted for: %s=%s (%s)", r.Spec.Taint.Key, r.Spec.Taint.Effect, r.Annotations[control.ReasonAnnotation])
+	}
+	if e.ruleNow(t, "elsewhere") != nil {
+		t.Fatal("another driver's pool judged")
+	}
+	// The record read again after the write (mend): a verdict landing meanwhile.
+	want := map[string]int{"get passagenodes": 2, "get devicetaintrules": 1, "create devicetaintrules": 1}
+	if got := e.calls("create resourceslices"); !maps.Equal(got, want) {
+		t.Errorf("the event cost %v, want %v", got, want)
+	}
+	if p := metric(t, m, `passage_control_reconcile_passes_total{result="ok"}`) + metric(t, m, `passage_control_reconcile_passes_total{result="error"}`); p != 0 {
+		t.Errorf("%v passes ran; the rule is the event's", p)
+	}
+	if w := judged(t, m, control.JudgedWritten); w != 1 {
+		t.Errorf("%v judgements written, want 1", w)
+	}
+}
+
+// TestReconcilerFollows: pools whose rules already follow their verdicts cost nothing,
+// on an event or a pass: a verified pool with no rule, a ghost pool with its rule. Their
+// slices and records change (events) and passes run every 50 ms, all judged from the
+// caches: no read, no write, no list.
+func TestReconcilerFollows(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.setVerdict(t, "b300-a", control.VerdictVerified, 1, "")
+	e.publishSlice(t, "a-1", "b300-a", 1)
+	e.publishSlice(t, "ghost-2", "ghost", 2)
+	if err := e.srv.Taints.Set(ctx, "ghost", "ghost", control.RuleFor(nil, 2)); err != nil {
+		t.Fatal(err)
+	}
+	_, m := e.replica(t, "replica", 50*time.Millisecond, 0)
+	waitUntil(t, 10*time.Second, "the pools judged", func() bool { return judged(t, m, control.JudgedFollows) >= 2 })
+	e.clearCalls()
+	passes := metric(t, m, `passage_control_reconcile_passes_total{result="ok"}`)
+	follows := judged(t, m, control.JudgedFollows)
+	// Events: each slice relabelled, the record's status written again as it was.
+	for _, name := range []string{"a-1", "ghost-2"} {
+		s, err := e.kc.ResourceV1().ResourceSlices().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Labels = map[string]string{"touched": "yes"}
+		if _, err := e.kc.ResourceV1().ResourceSlices().Update(ctx, s, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.setVerdict(t, "b300-a", control.VerdictVerified, 1, "")
+	waitUntil(t, 10*time.Second, "three events and three passes judged", func() bool {
+		return judged(t, m, control.JudgedFollows) >= follows+3+2*3 &&
+			metric(t, m, `passage_control_reconcile_passes_total{result="ok"}`) >= passes+3
+	})
+	theirs := []string{"get resourceslices", "update resourceslices", "get passagenodes", "update passagenodes/status"}
+	if got := e.calls(theirs...); len(got) != 0 {
+		t.Errorf("pools that follow their verdicts cost %v, want nothing", got)
+	}
+	for _, r := range []string{control.JudgedWritten, control.JudgedUnchanged, control.JudgedError} {
+		if n := judged(t, m, r); n != 0 {
+			t.Errorf("%v judgements %s, want none", n, r)
+		}
+	}
+	if w := metric(t, m, "passage_control_reconcile_watching"); w != 1 {
+		t.Errorf("passage_control_reconcile_watching %v, want 1", w)
+	}
+	if tainted := metric(t, m, "passage_control_reconcile_tainted_pools"); tainted != 1 {
+		t.Errorf("passage_control_reconcile_tainted_pools %v, want 1 (the ghost)", tainted)
+	}
+}
+
+// TestReconcilerVerdictChange: a change of verdict (the record's status written) judges
+// its pool again, with no pass: generation 2 published and 1 verified is NoSchedule;
+// generation 2 verified deletes the rule; attestation-failed makes it NoExecute.
+func TestReconcilerVerdictChange(t *testing.T) {
+	e := newEnv(t)
+	e.setVerdict(t, "b300-a", control.VerdictVerified, 1, "")
+	e.publishSlice(t, "a-1", "b300-a", 1)
+	e.publishSlice(t, "a-2", "b300-a", 2)
+	_, m := e.replica(t, "replica", time.Hour, 0)
+	waitUntil(t, 10*time.Second, "the unverified rule", func() bool {
+		r := e.ruleNow(t, "b300-a")
+		return r != nil && r.Annotations[control.ReasonAnnotation] == "generation 2 published, generation 1 verified"
+	})
+	e.setVerdict(t, "b300-a", control.VerdictVerified, 2, "")
+	waitUntil(t, 10*time.Second, "the rule deleted once generation 2 is verified", func() bool { return e.ruleNow(t, "b300-a") == nil })
+	reason := "generation 3: pcr-4: not an approved boot"
+	e.setVerdict(t, "b300-a", control.VerdictFailed, 3, reason)
+	waitUntil(t, 10*time.Second, "the NoExecute rule", func() bool {
+		r := e.ruleNow(t, "b300-a")
+		return r != nil && r.Spec.Taint.Key == control.TaintFailed && r.Spec.Taint.Value == "pcr-4" &&
+			r.Spec.Taint.Effect == resourcev1.DeviceTaintEffectNoExecute && r.Annotations[control.ReasonAnnotation] == reason &&
+			judged(t, m, control.JudgedWritten) >= 3
+	})
+	if p := metric(t, m, `passage_control_reconcile_passes_total{result="ok"}`); p != 0 {
+		t.Errorf("%v passes ran; the rules are the events'", p)
+	}
+	if w := judged(t, m, control.JudgedWritten); w != 3 {
+		t.Errorf("%v judgements written, want 3 (create, delete, update)", w)
+	}
+}
+
+// TestReconcilerRetry: a mend the API refuses is judged again with backoff, with no
+// pass, until the rule is there.
+func TestReconcilerRetry(t *testing.T) {
+	e := newEnv(t)
+	_, m := e.replica(t, "replica", time.Hour, 0)
+	armed := e.refuseOnce("create", "devicetaintrules", apierrors.NewServiceUnavailable("etcd away"))
+	e.publishSlice(t, "ghost-1", "ghost", 1)
+	waitUntil(t, 10*time.Second, "the ghost's rule, after the refusal", func() bool {
+		return e.ruleNow(t, "ghost") != nil && judged(t, m, control.JudgedWritten) >= 1
+	})
+	if armed.Load() {
+		t.Fatal("the create was never refused")
+	}
+	if n, w := judged(t, m, control.JudgedError), judged(t, m, control.JudgedWritten); n != 1 || w != 1 {
+		t.Errorf("judgements: %v error, %v written; want 1 and 1", n, w)
+	}
+}
+
+// TestReconcilerReplicas: two replicas see the same event; the one whose wait ends
+// first writes the rule, and the other, looking at its cache after its own wait, finds
+// it there: one write in all, nothing more read.
+func TestReconcilerReplicas(t *testing.T) {
+	e := newEnv(t)
+	_, m1 := e.replica(t, "replica 1", time.Hour, 0)
+	// Replica 2's wait is long enough for replica 1's five writes on a loaded machine.
+	_, m2 := e.replica(t, "replica 2", time.Hour, 2*time.Second)
+	// Replica 1's creates take 50 ms: replica 2 judges each pool before its rule is
+	// there, and waits.
+	e.kc.(*kubefake.Clientset).PrependReactor("create", "devicetaintrules", func(k8stesting.Action) (bool, runtime.Object, error) {
+		time.Sleep(50 * time.Millisecond)
+		return false, nil, nil
+	})
+	e.clearCalls()
+	const pools = 5
+	published := time.Now()
+	for i := range pools {
+		e.publishSlice(t, fmt.Sprintf("ghost-%d", i), fmt.Sprintf("ghost-%d", i), 1)
+	}
+	waitUntil(t, 10*time.Second, "the rules", func() bool {
+		for i := range pools {
+			if e.ruleNow(t, fmt.Sprintf("ghost-%d", i)) == nil {
+				return false
+			}
+		}
+		return true
+	})
+	waitUntil(t, 10*time.Second, "replica 1's writes, replica 2's judgements after its wait", func() bool {
+		return time.Since(published) > 2*time.Second && judged(t, m1, control.JudgedWritten) >= pools &&
+			metric(t, m2, "passage_control_reconcile_settling_pools") == 0
+	})
+	if got := e.calls("create resourceslices"); got["create devicetaintrules"] != pools || got["get devicetaintrules"] != pools {
+		t.Errorf("two replicas on %d pools: %v; want one read and one create of each rule", pools, got)
+	}
+	if w1, w2 := judged(t, m1, control.JudgedWritten), judged(t, m2, control.JudgedWritten)+judged(t, m2, control.JudgedUnchanged); w1 != pools || w2 != 0 {
+		t.Errorf("replica 1 wrote %v, replica 2 mended %v; want %d and 0", w1, w2, pools)
+	}
+}
+
+// TestReconcilerLists: a replica whose role does not let it watch the slices (an old
+// role) has no cache to judge from: each pass lists, as Reconcile does, and the rule
+// still follows the verdict.
+func TestReconcilerLists(t *testing.T) {
+	e := newEnv(t)
+	e.kc.(*kubefake.Clientset).PrependWatchReactor("resourceslices", func(a k8stesting.Action) (bool, watch.Interface, error) {
+		return true, nil, apierrors.NewForbidden(a.GetResource().GroupResource(), "", errors.New("no watch"))
+	})
+	srv := *e.srv
+	srv.Metrics = control.NewMetrics()
+	var logged bytes.Buffer
+	var mu sync.Mutex
+	srv.Log = log.New(writerFunc(func(b []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return logged.Write(b) }), "", 0)
+	r := &control.Reconciler{Server: &srv, Every: 50 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	e.publishSlice(t, "ghost-1", "ghost", 1)
+	waitUntil(t, 10*time.Second, "the ghost's rule from a listing pass", func() bool { return e.ruleNow(t, "ghost") != nil })
+	if w := metric(t, srv.Metrics, "passage_control_reconcile_watching"); w != 0 {
+		t.Errorf("passage_control_reconcile_watching %v, want 0", w)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !strings.Contains(logged.String(), "watch of the resource slices: ") || !strings.Contains(logged.String(), "each pass lists them") {
+		t.Errorf("the log does not say why each pass lists:\n%s", logged.String())
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(b []byte) (int, error) { return f(b) }

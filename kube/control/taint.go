@@ -37,7 +37,7 @@ func RuleName(record string) string { return rulePrefix + record }
 // what it publishes), so a taint there could be removed by the very node it judges, and
 // two writers would fight over one object; a rule is cluster-scoped, written only with
 // the control plane's RBAC, selects the pool whatever slices it has, and exists before
-// the node's plugin publishes anything when the node's boot posted (Server.Reconcile puts
+// the node's plugin publishes anything when the node's boot posted (the Reconciler puts
 // it on a pool whose node never did).
 type Taints struct {
 	Client kubernetes.Interface
@@ -63,8 +63,9 @@ type Rule struct {
 // reason whatever is published since (only a newer verified generation leaves it);
 // verified is no rule unless a newer generation is published than verified; anything
 // else (no record, not enrolled, unverified) is NoSchedule. The verifier applies it to
-// the record it has just written, the reconciler to every published pool's record on
-// every pass, so the two never disagree about what a verdict means.
+// the record it has just written, the reconciler to every published pool's record as
+// the pool, its record or its rule changes, so the two never disagree about what a
+// verdict means.
 func RuleFor(n *Node, published int64) Rule {
 	if n == nil {
 		return Rule{Verdict: VerdictUnverified, Reason: fmt.Sprintf("generation %d published; no record: the node has not enrolled", published)}

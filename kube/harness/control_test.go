@@ -36,6 +36,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -92,8 +93,10 @@ func TestClusterControl(t *testing.T) {
 	node := controltest.NewNode(t, ca, "b300-a", log)
 	pool := replicaFiles(t, work, ca.PEM(t))
 	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+	// The replicas' passes are an hour apart: whatever they do to a rule here, an event
+	// made them do it.
 	launch := func(i int, extra ...string) *replica {
-		return startReplica(t, ctx, ctlBin, ctlConfig, work, i, append([]string{"--reconcile-every", "1s"}, extra...)...)
+		return startReplica(t, ctx, ctlBin, ctlConfig, work, i, append([]string{"--reconcile-every", "1h"}, extra...)...)
 	}
 	r1, r2 := launch(1), launch(2)
 	dyn := dynamic.NewForConfigOrDie(restConfig(t, c))
@@ -154,21 +157,94 @@ func TestClusterControl(t *testing.T) {
 		}
 	}
 	tmpl := objs.Shapes[0].TemplateName()
-	// A pool published by a node whose boot never reached passage.url: the replicas'
-	// reconcile taints it, naming why.
-	ghost := objs.Slices[0].DeepCopy()
-	ghost.Name, ghost.Spec.Pool.Name, ghost.Spec.Pool.ResourceSliceCount = "b300-ghost-0", "b300-ghost", 1
-	if _, err := api.ResourceV1().ResourceSlices().Create(ctx, ghost, metav1.CreateOptions{}); err != nil {
+	// Pools published by nodes whose boots never reached passage.url: the replicas taint
+	// each on its slice's event, naming why (their passes are an hour apart: only the
+	// watches can). The time from a slice's creation to its rule, seen by a watch of the
+	// rules, is how long a pool published at a generation no one verified stays
+	// schedulable: the watch's delivery, a replica's settle (up to 1 s) and one mend.
+	apiAdmin, err := rest.HTTPClientFor(restConfig(t, c))
+	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, ctx, 30*time.Second, "the reconcile's rule on b300-ghost", func() (bool, string) {
-		r := rule("b300-ghost")
-		if r == nil {
-			return false, "no rule"
+	ruleCreates := func() float64 {
+		return apiRequests(t, ctx, apiAdmin, c.Server)[[3]string{"total", "POST", "devicetaintrules"}]
+	}
+	ghostRule := func(pool string) time.Duration {
+		t.Helper()
+		w, err := api.ResourceV1().DeviceTaintRules().Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + control.RuleName(pool)})
+		if err != nil {
+			t.Fatal(err)
 		}
-		return r.Spec.Taint.Key == control.TaintUnverified && strings.Contains(r.Annotations[control.ReasonAnnotation], "no record: the node has not enrolled"),
-			fmt.Sprintf("%s: %s", r.Spec.Taint.Key, r.Annotations[control.ReasonAnnotation])
-	})
+		defer w.Stop()
+		ghost := objs.Slices[0].DeepCopy()
+		ghost.Name, ghost.Spec.Pool.Name, ghost.Spec.Pool.ResourceSliceCount = pool+"-0", pool, 1
+		start := time.Now()
+		if _, err := api.ResourceV1().ResourceSlices().Create(ctx, ghost, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		// A generous bound, so that a loaded machine does not fail it: the old period
+		// alone was 15 s. The figure itself is logged (README.md, "The reconciler").
+		timeout := time.After(10 * time.Second)
+		for {
+			select {
+			case ev, ok := <-w.ResultChan():
+				if !ok {
+					t.Fatalf("%s: the watch of its rule ended", pool)
+				}
+				r, is := ev.Object.(*resourceapi.DeviceTaintRule)
+				if ev.Type != watch.Added || !is {
+					continue
+				}
+				took := time.Since(start)
+				if r.Spec.Taint.Key != control.TaintUnverified || !strings.Contains(r.Annotations[control.ReasonAnnotation], "no record: the node has not enrolled") {
+					t.Fatalf("%s's rule: %s: %s", pool, r.Spec.Taint.Key, r.Annotations[control.ReasonAnnotation])
+				}
+				return took
+			case <-timeout:
+				t.Fatalf("%s: no rule 10 s after its slice was published (%s)", pool, fmt.Sprint(rule(pool)))
+			}
+		}
+	}
+	// What each replica's reconciler did: written, or found written when it looked
+	// (the other replica's write reached it after its settle).
+	judged := func(r *replica) map[string]float64 {
+		resp, err := http.Get(r.metrics)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		out := map[string]float64{}
+		for _, res := range []string{control.JudgedWritten, control.JudgedUnchanged} {
+			var v float64
+			fmt.Sscan(strings.TrimPrefix(metricLine(m, `passage_control_reconcile_judgements_total{result="`+res+`"} `), `passage_control_reconcile_judgements_total{result="`+res+`"} `), &v)
+			out[res] = v
+		}
+		return out
+	}
+	// b300-a's pool, published just above, gets its rule first, and the replica that
+	// did not write it has looked again after its settle: what is counted below is the
+	// ghosts'.
+	waitFor(t, ctx, 10*time.Second, "b300-a's rule", func() (bool, string) { return rule("b300-a") != nil, "no rule" })
+	time.Sleep(control.DefaultSettle + 200*time.Millisecond)
+	j1, j2 := judged(r1), judged(r2)
+	creates0 := ruleCreates()
+	var waits []time.Duration
+	for i := range 20 {
+		pool := "b300-ghost"
+		if i > 0 {
+			pool = fmt.Sprintf("b300-ghost-%d", i)
+		}
+		waits = append(waits, ghostRule(pool))
+	}
+	creates := ruleCreates() - creates0
+	sorted := slices.Clone(waits)
+	slices.Sort(sorted)
+	k1, k2 := judged(r1), judged(r2)
+	t.Logf("a pool published at a generation no record verified: its rule %v after its slice (median %v, longest %v over %d pools, each created in turn, two replicas with --reconcile-every 1h); %.0f rule creates; mends that wrote %.0f and %.0f, that found the rule written %.0f and %.0f",
+		waits, sorted[len(sorted)/2].Round(time.Millisecond), sorted[len(sorted)-1].Round(time.Millisecond), len(waits), creates,
+		k1[control.JudgedWritten]-j1[control.JudgedWritten], k2[control.JudgedWritten]-j2[control.JudgedWritten],
+		k1[control.JudgedUnchanged]-j1[control.JudgedUnchanged], k2[control.JudgedUnchanged]-j2[control.JudgedUnchanged])
 
 	createPod(t, ctx, api, "pod-0", "", tmpl)
 	waitUnschedulable(t, ctx, api, "pod-0", "cannot allocate all claims")
@@ -475,9 +551,15 @@ func deployControlRBAC(t testing.TB, ctx context.Context, c *harness.Cluster, ku
 	if _, err := as.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
 		t.Fatalf("passage-control's account listing pods: %v, want forbidden", err)
 	}
-	// It reads the slices (Server.Reconcile) and writes none: they are the nodes'.
+	// It reads the slices (control.Reconciler lists and watches them) and writes none:
+	// they are the nodes'.
 	if _, err := as.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{}); err != nil {
 		t.Fatalf("passage-control's account listing slices: %v", err)
+	}
+	if w, err := as.ResourceV1().ResourceSlices().Watch(ctx, metav1.ListOptions{}); err != nil {
+		t.Fatalf("passage-control's account watching slices: %v", err)
+	} else {
+		w.Stop()
 	}
 	if err := as.ResourceV1().ResourceSlices().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
 		t.Fatalf("passage-control's account deleting slices: %v, want forbidden", err)

@@ -8,7 +8,7 @@
 //	                [--intake F] [--listen ADDR] [--metrics ADDR] [--kubeconfig F]
 //	                [--nonce-ttl D] [--kube-qps N] [--max-in-flight N]
 //	                [--request-deadline D] [--max-conns N] [--approve-kubelet=false]
-//	                [--approve-grace D]
+//	                [--approve-grace D] [--reconcile-every D]
 package main
 
 import (
@@ -66,7 +66,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	fs.DurationVar(&f.nonceTTL, "nonce-ttl", attest.DefaultNonceTTL, "how long an issued nonce is accepted")
 	fs.Float64Var(&f.qps, "kube-qps", 200, "API requests a second this replica may make")
 	fs.StringVar(&f.exchangeKey, "exchange-key", "", "the `FILE` of the key every replica shares (at least 32 random bytes, a Secret): nonces are its MACs and an enrolment's state travels sealed under it, so neither is stored")
-	fs.DurationVar(&f.reconcileEvery, "reconcile-every", 15*time.Second, "how often the pools passage-dra publishes are checked against their records: a pool whose published generation is not verified gets the unverified taint")
+	fs.DurationVar(&f.reconcileEvery, "reconcile-every", 15*time.Second, "how often every pool passage-dra publishes is judged again against its record from the replica's watched caches, which costs the API nothing (a pool is judged on each change to its slices, record or rule: a pool whose published generation is not verified gets the unverified taint within about a second); while the caches are not watching, each such pass lists the slices, records and rules")
 	fs.IntVar(&f.maxInFlight, "max-in-flight", control.DefaultMaxInFlight, "requests doing API work at once (each may hold an 8 MiB attestation): one more is answered 503 with Retry-After at once")
 	fs.DurationVar(&f.deadline, "request-deadline", control.DefaultDeadline, "a request's answer, 503 with Retry-After if its work is not done, comes within this, and so does each API call; under a boot's 10 s try")
 	fs.IntVar(&f.maxConns, "max-conns", 1024, "connections open at once on --listen (each holds its TLS and read buffers, some 40 KiB): past it a connection waits in the kernel's backlog")
@@ -175,17 +175,22 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	}
 	srv.Store = &control.Store{Client: dyn, Table: kc.Discovery().RESTClient()}
 	srv.Taints = &control.Taints{Client: kc}
+	// The watches are long-lived: their clients have no deadline (rc.Timeout would cut
+	// them every few seconds); each call made on what they show is bounded by its
+	// context.
+	wc := rest.CopyConfig(rc)
+	wc.Timeout = 0
+	wkc, err := kubernetes.NewForConfig(wc)
+	if err != nil {
+		return fail(2, "kubernetes client: %v", err)
+	}
 	if f.approveKubelet {
-		// The watch is long-lived: its client has no deadline (rc.Timeout would cut it
-		// every few seconds); each call the approver makes is bounded by its context.
-		wc := rest.CopyConfig(rc)
-		wc.Timeout = 0
-		wkc, err := kubernetes.NewForConfig(wc)
-		if err != nil {
-			return fail(2, "kubernetes client: %v", err)
-		}
 		srv.Approver = &control.Approver{Client: wkc, Store: srv.Store, Metrics: srv.Metrics, Log: logger, Grace: f.approveGrace}
 	}
+	// Every replica judges the pools on each change to their slices, records and rules
+	// (each write idempotent, a verification landing meanwhile undone by none), and all
+	// of them again every --reconcile-every.
+	reconciler := &control.Reconciler{Server: srv, Client: wkc, Table: wkc.Discovery().RESTClient(), Every: f.reconcileEvery}
 
 	ln, err := net.Listen("tcp", f.listen)
 	if err != nil {
@@ -238,10 +243,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 	if srv.Approver != nil {
 		go srv.Approver.Run(ctx)
 	}
-	// Every replica reconciles the pools with their records (Server.Reconcile: each
-	// write idempotent, a verification landing meanwhile undone by none).
-	reconcile := time.NewTicker(f.reconcileEvery)
-	defer reconcile.Stop()
+	go reconciler.Run(ctx)
 	for {
 		select {
 		case <-ctx.Done():
@@ -257,12 +259,6 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(api, m
 				return 0
 			}
 			return fail(1, "serve: %v", err)
-		case <-reconcile.C:
-			rctx, cancel := context.WithTimeout(ctx, time.Minute)
-			if _, err := srv.Reconcile(rctx, 500); err != nil {
-				logger.Printf("%v", err)
-			}
-			cancel()
 		}
 	}
 }
