@@ -206,7 +206,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	for _, v := range d.Unvouched(o.Units, "recycle: in progress: released for erase and reset; not ready until a later generation says so") {
 		pending[v.Unit] = v
 	}
-	m, _, _, err := o.write(ctx, d, pending, nil, nil, nil)
+	m, _, _, err := o.write(ctx, o.units(d, pending, nil, nil, nil))
 	if err != nil {
 		return res, fmt.Errorf("recycle: the not-ready generation: %w", err)
 	}
@@ -274,7 +274,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			res.Verdicts = append(res.Verdicts, v)
 		}
 	}
-	m, signed, unattested, err := o.write(ctx, d, final, res.Erase, acs, bind)
+	m, signed, unattested, err := o.write(ctx, o.units(d, final, res.Erase, acs, bind))
 	if err != nil {
 		return res, fmt.Errorf("recycle: the final generation: %w", err)
 	}
@@ -345,7 +345,7 @@ func Withdraw(ctx context.Context, o Options, addrs []pci.Address, reason string
 	for _, v := range d.Unvouched(ids, reason) {
 		pending[v.Unit] = v
 	}
-	m, _, unattested, err = o.write(ctx, d, pending, nil, nil, nil)
+	m, _, unattested, err = o.write(ctx, o.units(d, pending, nil, nil, nil))
 	return m, unattested, err
 }
 
@@ -415,12 +415,13 @@ func (o *Options) previous() *manifest.Manifest {
 	return v.Manifest
 }
 
-// write builds, signs and writes one generation: the given units with their verdicts
-// and what was done to them; every other unit as the previous manifest had it (or
-// failed, when there is none to carry it from), read under Writes. unattested says why
-// the generation has no attestation although one was asked for (attest).
-func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topology.UnitID]decision.Verdict,
-	er *erase.Report, acs *apply.Report, bind *vfiobind.Report) (m *manifest.Manifest, signed *manifest.Signed, unattested, err error) {
+// write builds, signs and writes one generation, read under Writes: what content puts
+// in it (the units, given the previous manifest, verified, or nil), over what every
+// generation of the same boot carries from the previous one (its profile, guest plan,
+// stages, the kubelet's key and the hostname). A content that returns an error stops it
+// before a generation is taken: nothing is written. unattested says why the generation
+// has no attestation although one was asked for (attest).
+func (o *Options) write(ctx context.Context, content func(m, prev *manifest.Manifest) error) (m *manifest.Manifest, signed *manifest.Signed, unattested, err error) {
 	if o.Writes != nil {
 		o.Writes.Lock()
 		defer o.Writes.Unlock()
@@ -443,7 +444,6 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	m.Profile = manifest.Profile{Name: d.Profile.Name}
 	if prev != nil {
 		m.Profile = prev.Profile
 		m.GuestPlan = prev.GuestPlan
@@ -468,24 +468,9 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 	} else {
 		m.NUMACPUs = cpus
 	}
-	recs := map[string]manifest.Unit{}
-	for _, r := range record.Units(d, slices.Collect(maps.Values(vs)), record.Execution{ACS: acs, Bind: bind, Erase: er}, record.Drivers(o.Root)) {
-		recs[r.ID] = r
+	if err := content(m, prev); err != nil {
+		return nil, nil, nil, err
 	}
-	for _, u := range d.Units() {
-		if _, mine := vs[u.ID]; mine {
-			m.Units = append(m.Units, recs[u.ID.String()])
-			continue
-		}
-		if pu := prevUnit(prev, u.ID); pu != nil {
-			m.Units = append(m.Units, *pu)
-			continue
-		}
-		v := d.Unvouched([]topology.UnitID{u.ID}, "recycle: no verified earlier manifest to carry this unit from")[0]
-		m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
-			ModuleID: u.ModuleID, ModuleSource: u.ModuleSource})
-	}
-	m.NVLink = record.NVLink(d.Profile)
 	gen, src, gerr := manifest.NextGeneration(o.Counters...)
 	if gerr != nil || src == manifest.GenerationNone {
 		// Not signed at all rather than signed as generation 0 (ErrNoCounter).
@@ -500,6 +485,37 @@ func (o *Options) write(ctx context.Context, d *decision.Decision, vs map[topolo
 		o.logf("manifest generation %d: %v", gen, err)
 	}
 	return m, signed, o.attest(gen, signed, err == nil), nil
+}
+
+// units is the content of a generation decided on the node (d): the units of vs with
+// their verdicts and what was done to them; every other unit as the previous manifest
+// had it (or failed, when there is none to carry it from).
+func (o *Options) units(d *decision.Decision, vs map[topology.UnitID]decision.Verdict,
+	er *erase.Report, acs *apply.Report, bind *vfiobind.Report) func(m, prev *manifest.Manifest) error {
+	return func(m, prev *manifest.Manifest) error {
+		if prev == nil {
+			m.Profile = manifest.Profile{Name: d.Profile.Name}
+		}
+		recs := map[string]manifest.Unit{}
+		for _, r := range record.Units(d, slices.Collect(maps.Values(vs)), record.Execution{ACS: acs, Bind: bind, Erase: er}, record.Drivers(o.Root)) {
+			recs[r.ID] = r
+		}
+		for _, u := range d.Units() {
+			if _, mine := vs[u.ID]; mine {
+				m.Units = append(m.Units, recs[u.ID.String()])
+				continue
+			}
+			if pu := prevUnit(prev, u.ID); pu != nil {
+				m.Units = append(m.Units, *pu)
+				continue
+			}
+			v := d.Unvouched([]topology.UnitID{u.ID}, "recycle: no verified earlier manifest to carry this unit from")[0]
+			m.Units = append(m.Units, manifest.Unit{ID: u.ID.String(), Status: string(v.Status), Reasons: v.Reasons, NUMANode: u.NUMANode,
+				ModuleID: u.ModuleID, ModuleSource: u.ModuleSource})
+		}
+		m.NVLink = record.NVLink(d.Profile)
+		return nil
+	}
 }
 
 // AttestationSuffix names a manifest's attestation beside it (attest.Suffix; repeated so

@@ -130,20 +130,36 @@ func PEM(key *ecdsa.PrivateKey) ([]byte, error) {
 	return pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der}), nil
 }
 
-// Make makes this boot's kubelet key from SeedSize bytes of random (the TPM's,
-// tpmkey.TPM.Random) and writes it to dir/KeyFile, mode 0600 in a directory of mode
-// 0700, atomically (manifest.WriteAtomicPrivate). It returns the key's Digest, which
-// the manifest signs. dir is CertDir beneath the boot's root.
-func Make(dir string, random func(n int) ([]byte, error)) (string, error) {
+// New makes a kubelet key in memory from SeedSize bytes of random (the TPM's,
+// tpmkey.TPM.Random), mixed with the kernel's (Seed), and returns it with its Digest.
+// Make is New written where the kubelet's bootstrap loads it; a renewal on the running
+// host (kube/dra/plugin, KubeletCert) keeps the key in memory until its certificate is
+// issued.
+func New(random func(n int) ([]byte, error)) (*ecdsa.PrivateKey, string, error) {
 	tpm, err := random(SeedSize)
 	if err != nil {
-		return "", fmt.Errorf("kubelet key: %w", err)
+		return nil, "", fmt.Errorf("kubelet key: %w", err)
 	}
 	seed, err := Seed(tpm)
 	if err != nil {
-		return "", err
+		return nil, "", err
 	}
 	key, err := KeyFromSeed(seed)
+	if err != nil {
+		return nil, "", err
+	}
+	digest, err := Digest(key.Public())
+	if err != nil {
+		return nil, "", err
+	}
+	return key, digest, nil
+}
+
+// Make makes this boot's kubelet key (New) and writes it to dir/KeyFile, mode 0600 in a
+// directory of mode 0700, atomically (manifest.WriteAtomicPrivate). It returns the
+// key's Digest, which the manifest signs. dir is CertDir beneath the boot's root.
+func Make(dir string, random func(n int) ([]byte, error)) (string, error) {
+	key, digest, err := New(random)
 	if err != nil {
 		return "", err
 	}
@@ -158,5 +174,5 @@ func Make(dir string, random func(n int) ([]byte, error)) (string, error) {
 	if err := manifest.WriteAtomicPrivate(dir, KeyFile, b); err != nil {
 		return "", fmt.Errorf("kubelet key: %w", err)
 	}
-	return Digest(key.Public())
+	return digest, nil
 }

@@ -42,6 +42,7 @@ import (
 	"github.com/passage-boot/passage/erase"
 	"github.com/passage-boot/passage/hypervisor"
 	"github.com/passage-boot/passage/initramfs"
+	"github.com/passage-boot/passage/initramfs/kubelet"
 	"github.com/passage-boot/passage/kube/dra/plugin"
 	"github.com/passage-boot/passage/kube/dra/resources"
 	"github.com/passage-boot/passage/kube/fabricmanager"
@@ -429,6 +430,9 @@ func cmdPlugin(ctx context.Context, fs *flag.FlagSet, args []string, o *options,
 	turnCtx, stopTurn := context.WithCancel(ctx)
 	var turning sync.WaitGroup
 	turning.Go(func() { d.RunTurnaround(turnCtx) })
+	if kc := p.kubelet.renewer(d, o.res.NodeName, cfg.Logf); kc != nil {
+		turning.Go(func() { kc.Run(turnCtx) })
+	}
 	defer turning.Wait()
 	defer stopTurn()
 	return serve(ctx, d, p.reload, fs.Name(), stderr, func(err error) int {
@@ -494,6 +498,58 @@ type pluginFlags struct {
 	kubeconfig, registry, dataDir string
 	reload                        time.Duration
 	turn                          turnFlags
+	kubelet                       kubeletFlags
+}
+
+// kubeletFlags say how the plugin renews the kubelet's client certificate by
+// re-attestation (plugin.KubeletCert).
+type kubeletFlags struct {
+	lifetime            time.Duration
+	certDir, kubeconfig string
+	wait                time.Duration
+}
+
+func (f *kubeletFlags) register(fs *flag.FlagSet) {
+	fs.DurationVar(&f.lifetime, "kubelet-cert-lifetime", 24*time.Hour, "renew the kubelet's client certificate by re-attesting (a new key in a new signed generation, verified by the control plane) for this lifetime (spec.expirationSeconds; kube-controller-manager's --cluster-signing-duration caps it; at least 10m), at 70-90 % of the current one's; 0: no renewal (needs the turnaround's control plane and TPM)")
+	fs.StringVar(&f.certDir, "kubelet-cert-dir", kubelet.CertDir, "the kubelet's --cert-dir, mounted at the same path as on the host (the pair's symbolic link names its absolute path)")
+	fs.StringVar(&f.kubeconfig, "kubelet-kubeconfig", filepath.Join(kubelet.CertDir, "kubelet.conf"), "the kubelet's --kubeconfig: the renewal's request is the node's, authenticated with its current certificate")
+	fs.DurationVar(&f.wait, "kubelet-cert-wait", 5*time.Minute, "bound on the wait for a renewal's request to be approved and issued")
+}
+
+func (f *kubeletFlags) check() error {
+	if f.lifetime != 0 && f.lifetime < plugin.MinKubeletCertLifetime {
+		return fmt.Errorf("--kubelet-cert-lifetime %v: 0 or at least %v (the API server's minimum)", f.lifetime, plugin.MinKubeletCertLifetime)
+	}
+	if f.wait <= 0 {
+		return fmt.Errorf("--kubelet-cert-wait %v: not a period", f.wait)
+	}
+	return nil
+}
+
+// renewer is the kubelet certificate's renewal on d's node, or nil (said on logf) when
+// it is off or cannot run.
+func (f *kubeletFlags) renewer(d *plugin.Driver, node string, logf func(string, ...any)) *plugin.KubeletCert {
+	if f.lifetime == 0 {
+		return nil
+	}
+	if !d.HasTurnaround() {
+		logf("kubelet certificate: not renewed: no turnaround (control plane and TPM) to re-attest with")
+		return nil
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", f.kubeconfig)
+	var client kubernetes.Interface
+	if err == nil {
+		client, err = kubernetes.NewForConfig(rc)
+	}
+	if err != nil {
+		logf("kubelet certificate: not renewed: --kubelet-kubeconfig: %v", err)
+		return nil
+	}
+	if node == "" {
+		node = d.Objects().Node
+	}
+	return &plugin.KubeletCert{Client: client, NodeName: node, CertDir: f.certDir, Lifetime: f.lifetime, Wait: f.wait,
+		Attest: d.AttestKubeletKey, Logf: logf}
 }
 
 // turnFlags say how the plugin recycles the units it withholds (plugin.Turnaround).
@@ -600,6 +656,7 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 	fs.StringVar(&p.dataDir, "plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, resources.DriverName), "the plugin's socket and metadata directory")
 	fs.DurationVar(&p.reload, "reload", 30*time.Second, "verify the manifest again this often (a recycled unit returns with a newer generation)")
 	p.turn.register(fs)
+	p.kubelet.register(fs)
 	var fm fabricFlags
 	fm.register(fs)
 	if err := fs.Parse(args); err != nil {
@@ -611,6 +668,9 @@ func pluginConfig(fs *flag.FlagSet, args []string, o *options, stderr io.Writer)
 	}
 	if err == nil && p.reload <= 0 {
 		err = fmt.Errorf("--reload %v: not a period", p.reload)
+	}
+	if err == nil {
+		err = p.kubelet.check()
 	}
 	if err == nil {
 		cfg.Turnaround, err = p.turn.turnaround(cfg.Root)

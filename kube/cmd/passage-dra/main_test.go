@@ -181,6 +181,8 @@ func TestDeployDecodesStrictly(t *testing.T) {
 			turn.register(fs)
 			var fm fabricFlags
 			fm.register(fs)
+			var kl kubeletFlags
+			kl.register(fs)
 			fs.String("node-name", "", "")
 			for _, f := range []string{"manifest", "root", "cdi-dir", "kubeconfig", "registry-dir", "plugin-dir", "hook-dir"} {
 				fs.String(f, "", "")
