@@ -36,16 +36,13 @@ minor=${kver#v1.}; minor=${minor%%.*}
 ld="-s -w -X k8s.io/component-base/version.gitVersion=$kver -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 # One go build of the three commands: their shared packages are compiled once, both
 # cores busy. -mod=readonly: the go.sum files are the pin, never rewritten here.
-# Built with cgo as the go command defaults, and kubernetes/go.mod requires the versions
-# kube/go.mod selects of every module both compile (TestControlPlaneSharesKube checks
-# them): the packages they share (k8s.io/api, apimachinery, client-go, grpc, protobuf,
-# ...) are the same sources. No -trimpath (the Makefile exports it for the tests, whose
-# packages are this repository's and so depend on the clone's path without it): the
-# control plane has no package of ours, and its build-cache entries, warm in CI, stay
-# the ones they were.
+# Built as the kube module's tests build (cgo as the go command defaults; -trimpath
+# when the Makefile runs it, as it runs the tests: GOFLAGS) and kubernetes/go.mod
+# requires the versions kube/go.mod selects of every module both compile: the packages
+# they share (k8s.io/api, apimachinery, client-go, grpc, protobuf, ...) are then the
+# same Go build-cache entries, compiled once by make test's unit phase and not again
+# here (TestControlPlaneSharesKube checks the versions).
 echo "cluster: building kube-apiserver, kube-scheduler, kube-controller-manager $kver (cold: about 10 minutes on 2 idle cores)" >&2
-GOFLAGS=$(echo " ${GOFLAGS:-} " | sed 's/ -trimpath / /g; s/^ *//; s/ *$//')
-export GOFLAGS
 (cd "$here/kubernetes" && nice -n 10 "$GO" build -mod=readonly -ldflags "$ld" -o "$dir.tmp/" \
 	k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager)
 # The kubelet runs on the QEMU guest's root, which has no glibc: built static,
