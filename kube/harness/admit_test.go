@@ -361,14 +361,14 @@ func bootKey(t testing.TB, work, name string) (*ecdsa.PrivateKey, string) {
 // true (a kubelet asking again for the same key finds its request), else generated.
 func kubeletRequest(t testing.TB, ctx context.Context, client kubernetes.Interface, key *ecdsa.PrivateKey, node string, named bool) (string, types.UID) {
 	t.Helper()
-	name, uid, err := requestNodeCertificate(client, key, node, named)
+	name, uid, err := requestNodeCertificate(ctx, client, key, node, named)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return name, uid
 }
 
-func requestNodeCertificate(client kubernetes.Interface, key *ecdsa.PrivateKey, node string, named bool) (string, types.UID, error) {
+func requestNodeCertificate(ctx context.Context, client kubernetes.Interface, key *ecdsa.PrivateKey, node string, named bool) (string, types.UID, error) {
 	subject := &pkix.Name{Organization: []string{"system:nodes"}, CommonName: "system:node:" + node}
 	der, err := certutil.MakeCSR(key, subject, nil, nil)
 	if err != nil {
@@ -379,7 +379,7 @@ func requestNodeCertificate(client kubernetes.Interface, key *ecdsa.PrivateKey, 
 	if named {
 		name = digestedName(key, subject, usages)
 	}
-	reqName, uid, err := csr.RequestCertificate(client, der, name, certificatesv1.KubeAPIServerClientKubeletSignerName, nil, usages, key)
+	reqName, uid, err := csr.RequestCertificateWithContext(ctx, client, der, name, certificatesv1.KubeAPIServerClientKubeletSignerName, nil, usages, key)
 	if err != nil {
 		return "", "", fmt.Errorf("request for %s: %w", node, err)
 	}
@@ -390,7 +390,7 @@ func requestNodeCertificate(client kubernetes.Interface, key *ecdsa.PrivateKey, 
 // (requestNodeCertificate, named as the kubelet names it), then its wait for the
 // certificate (csr.WaitForCertificate, up to wait); it returns the certificate (PEM).
 func joinKubelet(ctx context.Context, client kubernetes.Interface, key *ecdsa.PrivateKey, node string, wait time.Duration) ([]byte, string, error) {
-	name, uid, err := requestNodeCertificate(client, key, node, true)
+	name, uid, err := requestNodeCertificate(ctx, client, key, node, true)
 	if err != nil {
 		return nil, "", err
 	}

@@ -116,13 +116,20 @@ func (k *KubeletCert) Current() (*x509.Certificate, error) {
 	return certs[0], nil
 }
 
+// SignerBackdate is how far kube-controller-manager's csrsigning controller dates a
+// certificate's NotBefore before its issue; asked for under 8 hours, its NotAfter stays
+// the issue plus the lifetime asked, so it spans the lifetime and the backdating
+// (k8s.io/kubernetes pkg/controller/certificates/signer, sign).
+const SignerBackdate = 5 * time.Minute
+
 // Due is when cert is renewed: NotBefore plus 70 to 90 % (jittered, as the kubelet's
-// own rotation) of its lifetime, or of Lifetime when that is shorter (a bootstrap
-// certificate the signer issued for its whole duration is renewed as if it were asked
-// for Lifetime).
+// own rotation) of its lifetime, or of Lifetime when the certificate spans more than
+// Lifetime and the signer's backdating (a bootstrap certificate the signer issued for
+// its whole duration is renewed as if it were asked for Lifetime; one a renewal asked
+// for Lifetime is renewed by its own span, as the kubelet's rotation would).
 func (k *KubeletCert) Due(cert *x509.Certificate) time.Time {
 	life := cert.NotAfter.Sub(cert.NotBefore)
-	if k.Lifetime > 0 && k.Lifetime < life {
+	if k.Lifetime > 0 && k.Lifetime+SignerBackdate < life {
 		life = k.Lifetime
 	}
 	j := rand.Float64()
@@ -146,7 +153,7 @@ func (k *KubeletCert) Renew(ctx context.Context) (*x509.Certificate, error) {
 	times := map[string]time.Duration{}
 	key, gen, err := k.Attest(ctx, times)
 	if err != nil {
-		return nil, fmt.Errorf("kubelet certificate: re-attestation: %w (%s)", err, renewLine(times))
+		return nil, fmt.Errorf("kubelet certificate: re-attestation: %w (%s)", err, stepLine(RenewSteps, times))
 	}
 	start := time.Now()
 	der, err := certutil.MakeCSR(key, &pkix.Name{CommonName: "system:node:" + k.NodeName, Organization: []string{"system:nodes"}}, nil, nil)
@@ -223,21 +230,11 @@ func (k *KubeletCert) Renew(ctx context.Context) (*x509.Certificate, error) {
 	}
 	c := certs[0]
 	k.logf("kubelet certificate renewed: generation %d, key %s, request %s, valid %s to %s (%s)", gen, digestOf(spki), name,
-		c.NotBefore.UTC().Format(time.RFC3339), c.NotAfter.UTC().Format(time.RFC3339), renewLine(times))
+		c.NotBefore.UTC().Format(time.RFC3339), c.NotAfter.UTC().Format(time.RFC3339), stepLine(RenewSteps, times))
 	return c, nil
 }
 
 func digestOf(spki []byte) string { return kubelet.DigestSPKI(spki) }
-
-func renewLine(times map[string]time.Duration) string {
-	var s []string
-	for _, st := range RenewSteps {
-		if v, ok := times[st]; ok {
-			s = append(s, fmt.Sprintf("%s %s", st, v.Round(time.Millisecond)))
-		}
-	}
-	return strings.Join(s, ", ")
-}
 
 // Run renews the certificate whenever it is due until ctx ends; a Lifetime of 0 does
 // nothing. A certificate that cannot be read (the kubelet not bootstrapped yet) is read

@@ -376,7 +376,8 @@ func mustDigest(t *testing.T, k *ecdsa.PrivateKey) string {
 }
 
 // TestKubeletCertDue: renewed between 70 and 90 % of the current certificate's
-// lifetime, or of the asked lifetime when that is shorter.
+// lifetime, or of the asked lifetime when that is shorter by more than the signer's
+// backdating.
 func TestKubeletCertDue(t *testing.T) {
 	nb := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	for _, tc := range []struct {
@@ -388,6 +389,11 @@ func TestKubeletCertDue(t *testing.T) {
 		{24 * time.Hour, 24 * time.Hour, 1, 21*time.Hour + 36*time.Minute},
 		{365 * 24 * time.Hour, 10 * time.Hour, 0.5, 8 * time.Hour},
 		{time.Hour, 10 * time.Hour, 0.5, 48 * time.Minute},
+		// A renewal's certificate asked for 15m, as kube-controller-manager issues it:
+		// NotBefore backdated 5m, NotAfter the issue plus 15m. Renewed by its own span (9
+		// to 13 min after its issue), not as a bootstrap certificate (5.5 to 8.5).
+		{20 * time.Minute, 15 * time.Minute, 0, 14 * time.Minute},
+		{20 * time.Minute, 15 * time.Minute, 1, 18 * time.Minute},
 	} {
 		k := &plugin.KubeletCert{Lifetime: tc.asked, Jitter: func() float64 { return tc.jitter }}
 		if got := k.Due(&x509.Certificate{NotBefore: nb, NotAfter: nb.Add(tc.life)}).Sub(nb); got != tc.want {

@@ -473,12 +473,13 @@ func (d *Driver) returned(ctx context.Context, id string, gen uint64, times map[
 		d.logf("turnaround %s: verified in generation %d; slices not republished yet (the next reload does): %v", id, gen, err)
 		return
 	}
-	d.logf("turnaround %s: back in generation %d (%s)", id, gen, stepLine(times))
+	d.logf("turnaround %s: back in generation %d (%s)", id, gen, stepLine(Steps, times))
 }
 
-func stepLine(times map[string]time.Duration) string {
+// stepLine is the times of steps (in their order) that ran, for a log line.
+func stepLine(steps []string, times map[string]time.Duration) string {
 	var s []string
-	for _, st := range Steps {
+	for _, st := range steps {
 		if v, ok := times[st]; ok {
 			s = append(s, fmt.Sprintf("%s %s", st, v.Round(time.Millisecond)))
 		}
