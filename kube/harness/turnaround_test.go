@@ -23,6 +23,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
@@ -37,6 +38,7 @@ import (
 	"github.com/passage-boot/passage/kube/internal/simnode"
 	"github.com/passage-boot/passage/manifest/manifesttest"
 	"github.com/passage-boot/passage/pci"
+	"github.com/passage-boot/passage/recycle"
 )
 
 // tenantBlock is what a tenant leaves on its unit's NVMe, in the namespace's first and
@@ -91,6 +93,10 @@ func newTurnEnv(t testing.TB, ctx context.Context) *turnEnv {
 	e.rig = noderig.New(t, manifesttest.NodeUUID(1), "b300-a", 1, keys)
 	ca, sock := e.rig.ForTurnaround(t, fw)
 	e.sock = sock
+	// The boot's manifest measured into PCR 13 by its TPM, as a boot writes it: the
+	// plugin attests it when it starts, and only a verified boot's pool is offered (the
+	// reconciler's watch puts the unverified rule on it within a second otherwise).
+	bootMeasured(t, e.rig, recycle.Keys{SigningKey: "/etc/passage/key", Dir: "/run/passage", TPM: "on"})
 	e.src = resources.Source{Keys: keys, NodeUUID: e.rig.M.Node.DMIUUID}
 	replicaFiles(t, work, ca.PEM(t))
 	r := startReplica(t, ctx, ctlBin, ctlConfig, work, 1)
@@ -126,6 +132,14 @@ func newTurnEnv(t testing.TB, ctx context.Context) *turnEnv {
 	waitFor(t, ctx, 60*time.Second, "b300-a's 32 devices published", func() (bool, string) {
 		n := len(pools(t, ctx, e.api)["b300-a"])
 		return n == 32, fmt.Sprint(n)
+	})
+	waitFor(t, ctx, 60*time.Second, "b300-a's boot verified", func() (bool, string) {
+		u, err := e.dyn.Resource(control.NodeResource).Get(ctx, "b300-a", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		verdict, _, _ := unstructured.NestedString(u.Object, "status", "verdict")
+		return verdict == control.VerdictVerified, verdict
 	})
 	e.k = kubeletOf(t, ctx, e.n)
 	return e
