@@ -76,3 +76,29 @@ func TestTurnaroundProfileBeneathRoot(t *testing.T) {
 		}
 	}
 }
+
+// TestKubeletCertFlags: the renewal's flags reach its options from the command line,
+// and a lifetime under the API server's minimum or a wait that is not a period is
+// refused naming the flag.
+func TestKubeletCertFlags(t *testing.T) {
+	parse := func(extra ...string) (*kubeletFlags, int, string) {
+		fs := flag.NewFlagSet("passage-dra plugin", flag.ContinueOnError)
+		o := &options{}
+		o.register(fs)
+		var stderr bytes.Buffer
+		fs.SetOutput(&stderr)
+		args := append([]string{"--pub", t.TempDir(), "--manifest", "m.json", "--root", t.TempDir(), "--passage-url", "https://127.0.0.1:1/"}, extra...)
+		_, p, code := pluginConfig(fs, args, o, &stderr)
+		return &p.kubelet, code, stderr.String()
+	}
+	f, code, msg := parse("--kubelet-cert-lifetime", "15m", "--kubelet-cert-dir", "/run/k", "--kubelet-kubeconfig", "/run/k/c.conf", "--kubelet-cert-wait", "1m")
+	if code != 0 || f.lifetime != 15*time.Minute || f.certDir != "/run/k" || f.kubeconfig != "/run/k/c.conf" || f.wait != time.Minute {
+		t.Fatalf("exit %d %s: %+v", code, msg, f)
+	}
+	if _, code, msg := parse("--kubelet-cert-lifetime", "5m"); code != 2 || !strings.Contains(msg, "--kubelet-cert-lifetime 5m0s") {
+		t.Fatalf("--kubelet-cert-lifetime 5m: exit %d %s", code, msg)
+	}
+	if _, code, msg := parse("--kubelet-cert-wait", "0s"); code != 2 || !strings.Contains(msg, "--kubelet-cert-wait 0s") {
+		t.Fatalf("--kubelet-cert-wait 0s: exit %d %s", code, msg)
+	}
+}
