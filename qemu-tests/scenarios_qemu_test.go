@@ -602,11 +602,31 @@ func checkPlanVerified(t *testing.T, run *Run, m *manifest.Manifest, plan []byte
 }
 
 // Scenario 4 with the plan: a 6.12 kernel booted with the reference node's plan and
-// lockdown=integrity programs ACS itself; passage verifies instead of writing.
+// lockdown=integrity programs ACS itself; passage verifies instead of writing. 6.1
+// ignores pci=config_acs=: passage, locked out of config space too, finds every port
+// short of the plan, and every unit is degraded with the advice, still bound.
 func TestScenario4LockdownPlanned(t *testing.T) {
 	plan := planFor(t, Topology{})
-	run, m := bootPassage(t, Options{Append: []string{"lockdown=integrity"}, Plan: plan})
-	checkPlanVerified(t, run, m, plan)
+	for _, k := range []string{"6.12", "6.1"} {
+		t.Run(k, func(t *testing.T) {
+			run, m := bootPassage(t, Options{Build: kernelBuild(t, k), Append: []string{"lockdown=integrity"}, Plan: plan})
+			if k == "6.12" {
+				checkPlanVerified(t, run, m, plan)
+				return
+			}
+			if run.Done != "degraded" {
+				t.Errorf("PASSAGE-DONE %s, want degraded (6.1 ignores pci=config_acs=)", run.Done)
+			}
+			for i := range m.Units {
+				u := &m.Units[i]
+				why := strings.Join(u.Reasons, "; ")
+				if u.Status != manifest.StatusDegraded || !strings.Contains(why, "mismatch") || !strings.Contains(why, "ignores pci=config_acs=") {
+					t.Errorf("unit %s: %s %q, want degraded: mismatch, 6.1 ignores the argument", u.ID, u.Status, why)
+				}
+				checkBound(t, u)
+			}
+		})
+	}
 }
 
 // Scenario 5: a passthrough stand-in sharing an IOMMU group with a management NIC,
