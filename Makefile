@@ -224,17 +224,19 @@ node-test: node-bin
 # `passage plan` inside it (no deadline of their own but the harness's 9 minutes), which
 # were the suite's parallel tail (160 s of its 1,224 s, 8 Dec). When the unit phase ends
 # whatever of them is left is raised to nice 10 (every thread: chrt --other, renice),
-# so it does not starve beside the suite. Then the QEMU suite, whose serial tests run one TCG guest (one host thread),
-# with the cluster tests and the real node beside it, side by side, at nice 10: the
-# cluster tests mostly wait on their API server (212 s of CPU in 310 s, 7 Dec), the real
-# node is one more TCG guest, and one after the other they were make test's longest
-# chain (1,094 s after the unit phase). SCHED_IDLE would starve them, and their waits
-# time out, while the suite's parallel tests hold both cores. They start only once the
-# unit phase is done: beside the race tests the cluster tests starved. A cold control
-# plane build (some 18 minutes of CPU) goes on into the QEMU phase, and they wait for
-# it. The side chain's output goes to $(BUILD)/controlplane-build.log and
-# $(BUILD)/cluster-test.log and is printed when the suite ends; if any part fails,
-# test fails.
+# so it does not starve beside the suite. (The real node there instead, at nice 10, took
+# a core from the race tests: unit phase 806 s, make test 2030 s, 8 Dec; with these
+# guests at idle priority, 676 s and 1706 s.) Then the QEMU suite, whose serial tests
+# run one TCG guest (one host thread), with the cluster tests and the real node beside
+# it, side by side, at nice 10: the cluster tests mostly wait on their API server (212 s
+# of CPU in 310 s, 7 Dec), the real node is one more TCG guest, and one after the other
+# they were make test's longest chain (1,094 s after the unit phase). SCHED_IDLE would
+# starve them, and their waits time out. They start only once the unit phase is done:
+# beside the race tests the cluster tests starved. A cold control plane build (some 18
+# minutes of CPU) goes on into the QEMU phase, and they wait for it. The side chain's
+# output goes to $(BUILD)/controlplane-build.log and $(BUILD)/cluster-test.log, the
+# early QEMU tests' to $(BUILD)/qemu-early.log, each printed when the suite ends; if any
+# part fails, test fails.
 QEMU_EARLY := ^(TestLargeBARGuests|TestRenderedGuestsStart)$$
 test: deps
 	@t0=$$SECONDS; mkdir -p $(BUILD); rm -f $(BUILD)/unit.done $(BUILD)/initramfs-*.done; \
